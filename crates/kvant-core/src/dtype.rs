@@ -1,0 +1,186 @@
+//! Element types, including GGML's block-quantized formats.
+//!
+//! A quantized type stores `block_size` weights in `block_bytes` bytes; a row of
+//! a weight matrix is always a whole number of blocks. The numeric ids are the
+//! `ggml_type` values written in GGUF tensor infos.
+
+use crate::{CoreError, Result};
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(non_camel_case_types)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+    Q2_K,
+    Q3_K,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+}
+
+/// Super-block size of the k-quants.
+pub const QK_K: usize = 256;
+/// Block size of the legacy quants.
+pub const QK: usize = 32;
+
+impl DType {
+    pub const ALL: [DType; 13] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_0,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ];
+
+    /// The `ggml_type` id used in GGUF files.
+    pub fn ggml_id(self) -> u32 {
+        match self {
+            DType::F32 => 0,
+            DType::F16 => 1,
+            DType::Q4_0 => 2,
+            DType::Q4_1 => 3,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::Q8_0 => 8,
+            DType::Q2_K => 10,
+            DType::Q3_K => 11,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
+            DType::BF16 => 30,
+        }
+    }
+
+    pub fn from_ggml_id(id: u32) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.ggml_id() == id)
+    }
+
+    /// Number of elements one block holds (1 for plain floats).
+    pub fn block_size(self) -> usize {
+        match self {
+            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => QK,
+            DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
+        }
+    }
+
+    /// Bytes one block occupies (see ggml-common.h for each layout).
+    pub fn block_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::Q4_0 => 2 + QK / 2,
+            DType::Q4_1 => 2 + 2 + QK / 2,
+            DType::Q5_0 => 2 + 4 + QK / 2,
+            DType::Q5_1 => 2 + 2 + 4 + QK / 2,
+            DType::Q8_0 => 2 + QK,
+            DType::Q2_K => QK_K / 16 + QK_K / 4 + 2 + 2,
+            DType::Q3_K => QK_K / 8 + QK_K / 4 + 12 + 2,
+            DType::Q4_K => 2 + 2 + 12 + QK_K / 2,
+            DType::Q5_K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
+            DType::Q6_K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+        }
+    }
+
+    pub fn is_quantized(self) -> bool {
+        self.block_size() > 1
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "F32",
+            DType::F16 => "F16",
+            DType::BF16 => "BF16",
+            DType::Q4_0 => "Q4_0",
+            DType::Q4_1 => "Q4_1",
+            DType::Q5_0 => "Q5_0",
+            DType::Q5_1 => "Q5_1",
+            DType::Q8_0 => "Q8_0",
+            DType::Q2_K => "Q2_K",
+            DType::Q3_K => "Q3_K",
+            DType::Q4_K => "Q4_K",
+            DType::Q5_K => "Q5_K",
+            DType::Q6_K => "Q6_K",
+        }
+    }
+
+    /// Bytes needed for `elements` values, or an error when `elements` does not
+    /// fill whole blocks or the size overflows (hostile headers ask for both).
+    pub fn bytes_for(self, elements: usize) -> Result<usize> {
+        let block = self.block_size();
+        if elements % block != 0 {
+            return Err(CoreError::PartialBlock {
+                dtype: self,
+                elements,
+                block,
+            });
+        }
+        (elements / block)
+            .checked_mul(self.block_bytes())
+            .ok_or(CoreError::ShapeOverflow {
+                shape: vec![elements],
+            })
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_bytes_match_ggml() {
+        // Sizes from ggml-common.h static_asserts.
+        let expect = [
+            (DType::Q4_0, 18),
+            (DType::Q4_1, 20),
+            (DType::Q5_0, 22),
+            (DType::Q5_1, 24),
+            (DType::Q8_0, 34),
+            (DType::Q2_K, 84),
+            (DType::Q3_K, 110),
+            (DType::Q4_K, 144),
+            (DType::Q5_K, 176),
+            (DType::Q6_K, 210),
+        ];
+        for (d, n) in expect {
+            assert_eq!(d.block_bytes(), n, "{d}");
+        }
+    }
+
+    #[test]
+    fn ids_round_trip() {
+        for d in DType::ALL {
+            assert_eq!(DType::from_ggml_id(d.ggml_id()), Some(d));
+        }
+        assert_eq!(DType::from_ggml_id(4), None);
+        assert_eq!(DType::from_ggml_id(u32::MAX), None);
+    }
+
+    #[test]
+    fn bytes_for_rejects_partial_blocks_and_overflow() {
+        assert!(DType::Q4_0.bytes_for(33).is_err());
+        assert_eq!(DType::Q4_0.bytes_for(64).unwrap(), 36);
+        assert!(DType::F32.bytes_for(usize::MAX).is_err());
+    }
+}

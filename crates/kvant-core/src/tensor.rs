@@ -1,0 +1,118 @@
+//! A typed, shaped view of bytes in a [`Storage`].
+
+use crate::{CoreError, DType, Result, Storage};
+
+/// An immutable tensor: weights as stored in the checkpoint.
+///
+/// Shapes are row-major with the *last* dimension contiguous, written the
+/// PyTorch way: a linear weight is `[out, in]`. (GGUF lists dimensions
+/// innermost-first; the GGUF reader reverses them.)
+#[derive(Clone, Debug)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    storage: Storage,
+    offset: usize,
+    len: usize,
+}
+
+impl Tensor {
+    /// Builds a view, checking that the bytes exist and the rows are whole blocks.
+    pub fn new(dtype: DType, shape: Vec<usize>, storage: Storage, offset: usize) -> Result<Self> {
+        let elements = shape
+            .iter()
+            .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+            .ok_or_else(|| CoreError::ShapeOverflow {
+                shape: shape.clone(),
+            })?;
+        let row = shape.last().copied().unwrap_or(1);
+        if dtype.is_quantized() {
+            // Every row must start on a block boundary.
+            dtype.bytes_for(row)?;
+        }
+        let len = dtype.bytes_for(elements)?;
+        storage.slice(offset, len)?;
+        Ok(Tensor {
+            dtype,
+            shape,
+            storage,
+            offset,
+            len,
+        })
+    }
+
+    /// An owned f32 tensor, for small tensors made at load time.
+    pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Self> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Tensor::new(DType::F32, shape, Storage::Owned(bytes.into()), 0)
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Length of the contiguous last dimension.
+    pub fn row_len(&self) -> usize {
+        self.shape.last().copied().unwrap_or(1)
+    }
+
+    /// Number of rows (product of all but the last dimension).
+    pub fn rows(&self) -> usize {
+        self.elements() / self.row_len().max(1)
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // In range: checked in `new`, and storage is immutable.
+        &self.storage.as_bytes()[self.offset..self.offset + self.len]
+    }
+
+    /// Bytes of row `i` (whole blocks).
+    pub fn row_bytes(&self, i: usize) -> &[u8] {
+        let per_row = self.len / self.rows().max(1);
+        &self.bytes()[i * per_row..(i + 1) * per_row]
+    }
+
+    pub fn byte_len(&self) -> usize {
+        self.len
+    }
+
+    pub fn ensure_shape(&self, expected: &[usize]) -> Result<()> {
+        if self.shape != expected {
+            return Err(CoreError::WrongShape {
+                expected: expected.to_vec(),
+                actual: self.shape.clone(),
+            });
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rejects_out_of_range_and_partial_rows() {
+        let s = Storage::Owned(vec![0u8; 36].into());
+        assert!(Tensor::new(DType::Q4_0, vec![2, 32], s.clone(), 0).is_ok());
+        assert!(Tensor::new(DType::Q4_0, vec![2, 32], s.clone(), 1).is_err());
+        assert!(Tensor::new(DType::Q4_0, vec![1, 64], s.clone(), 0).is_ok());
+        assert!(Tensor::new(DType::Q4_0, vec![4, 16], s.clone(), 0).is_err());
+        assert!(Tensor::new(DType::F32, vec![usize::MAX, 2], s, 0).is_err());
+    }
+
+    #[test]
+    fn f32_rows() {
+        let t = Tensor::from_f32(vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap();
+        assert_eq!(t.rows(), 2);
+        assert_eq!(t.row_bytes(1), &[4f32, 5., 6.].map(f32::to_le_bytes).concat()[..]);
+    }
+}

@@ -1,0 +1,1 @@
+//! CPU feature detection and the SIMD tier chosen once at start-up.

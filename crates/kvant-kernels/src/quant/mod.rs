@@ -1,0 +1,1 @@
+//! Block-quantized formats: scalar dequantizers and row dot products.

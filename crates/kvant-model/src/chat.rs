@@ -1,0 +1,1 @@
+//! Chat templates: the checkpoint's Jinja template rendered with minijinja.

@@ -1,0 +1,1 @@
+//! Hugging Face model directories: config.json, (sharded) safetensors, tokenizer files.

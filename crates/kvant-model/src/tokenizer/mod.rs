@@ -1,0 +1,1 @@
+//! Tokenizers built from GGUF metadata or tokenizer.json, and incremental detokenization.
