@@ -1,6 +1,13 @@
 //! kvant-model: checkpoint formats, tokenizers, chat templates and architectures.
 
+pub mod arch;
 pub mod chat;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
 pub mod gguf;
 pub mod hf;
+pub mod kv;
 pub mod tokenizer;
+
+pub use error::ModelError;

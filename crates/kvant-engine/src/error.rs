@@ -1,0 +1,17 @@
+//! The engine's error type.
+
+use crate::sampling::SamplingError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens but the context holds {context} (prompt and at least one generated token must fit)")]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("sampling: {0}")]
+    Sampling(#[from] SamplingError),
+    #[error(transparent)]
+    Model(#[from] kvant_model::ModelError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] kvant_model::tokenizer::TokenizerError),
+}

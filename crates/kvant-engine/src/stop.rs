@@ -1,0 +1,88 @@
+//! Stop strings over streamed text.
+//!
+//! Text is released only once it cannot be the start of a stop string, so a
+//! stop sequence split across tokens is never half-printed.
+
+pub struct StopMatcher {
+    stops: Vec<String>,
+    /// Text received but not yet released.
+    pending: String,
+}
+
+impl StopMatcher {
+    pub fn new(stops: Vec<String>) -> Self {
+        StopMatcher {
+            stops: stops.into_iter().filter(|s| !s.is_empty()).collect(),
+            pending: String::new(),
+        }
+    }
+
+    /// Adds text; returns what may be released and whether a stop matched
+    /// (in which case the text up to the stop is released and the rest dropped).
+    pub fn push(&mut self, text: &str) -> (String, bool) {
+        self.pending.push_str(text);
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
+        if let Some(at) = hit {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Hold back the longest suffix that is a proper prefix of some stop.
+        let hold = self
+            .stops
+            .iter()
+            .map(|s| longest_suffix_prefix(&self.pending, s))
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - hold;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    /// Releases whatever is held at the end of generation.
+    pub fn finish(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// Length of the longest suffix of `text` that is a prefix of `stop`, on
+/// char boundaries.
+fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+    let max = text.len().min(stop.len().saturating_sub(1));
+    (1..=max)
+        .rev()
+        .find(|&n| {
+            let start = text.len() - n;
+            text.is_char_boundary(start) && stop.starts_with(&text[start..])
+        })
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_split_across_pieces() {
+        let mut m = StopMatcher::new(vec!["</end>".into()]);
+        assert_eq!(m.push("hello </"), ("hello ".into(), false));
+        assert_eq!(m.push("en"), ("".into(), false));
+        assert_eq!(m.push("d> tail"), ("".into(), true));
+    }
+
+    #[test]
+    fn false_alarm_is_released_and_earliest_stop_wins() {
+        let mut m = StopMatcher::new(vec!["ab".into(), "xyz".into()]);
+        assert_eq!(m.push("a"), ("".into(), false));
+        assert_eq!(m.push("c"), ("ac".into(), false));
+        assert_eq!(m.push("1xyz2ab"), ("1".into(), true));
+        let mut m = StopMatcher::new(vec!["é!".into()]);
+        assert_eq!(m.push("café"), ("caf".into(), false));
+        assert_eq!(m.finish(), "é");
+    }
+}

@@ -1,0 +1,52 @@
+//! Errors raised by the kernels.
+//!
+//! Kernels check their arguments once per call (not per row or element), so a
+//! caller's shape mistake, or a tensor from a hostile file, is an error rather
+//! than an out-of-bounds read.
+
+use kvant_core::{CoreError, DType};
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("{what}: expected length {expected}, found {actual}")]
+    LengthMismatch {
+        what: &'static str,
+        expected: usize,
+        actual: usize,
+    },
+    #[error("{op} does not support {dtype}")]
+    UnsupportedDType { op: &'static str, dtype: DType },
+    #[error("{op} expects a 2-D tensor, found shape {shape:?}")]
+    NotAMatrix { op: &'static str, shape: Vec<usize> },
+    #[error("{op}: size {a} x {b} overflows")]
+    SizeOverflow {
+        op: &'static str,
+        a: usize,
+        b: usize,
+    },
+    #[error(transparent)]
+    Core(#[from] CoreError),
+}
+
+/// Checks one length argument.
+pub(crate) fn check_len(
+    what: &'static str,
+    expected: usize,
+    actual: usize,
+) -> Result<(), KernelError> {
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(KernelError::LengthMismatch {
+            what,
+            expected,
+            actual,
+        })
+    }
+}
+
+/// `a * b`, or an error naming the op.
+pub(crate) fn checked_mul(op: &'static str, a: usize, b: usize) -> Result<usize, KernelError> {
+    a.checked_mul(b)
+        .ok_or(KernelError::SizeOverflow { op, a, b })
+}

@@ -1,0 +1,43 @@
+//! Q8_0: 32 signed bytes with one f16 scale; `w = q · d`.
+//!
+//! Block (34 bytes): `d: f16`, `qs: [i8; 32]`.
+
+use super::f16_at;
+use kvant_core::dtype::QK;
+
+pub(crate) const BLOCK_BYTES: usize = 2 + QK;
+
+pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
+    debug_assert_eq!(src.len() / BLOCK_BYTES * QK, dst.len());
+    for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+        let d = f16_at(b, 0);
+        for (y, &q) in y.iter_mut().zip(&b[2..]) {
+            *y = q as i8 as f32 * d;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    use super::{f16_at, BLOCK_BYTES, QK};
+    use std::arch::x86_64::*;
+
+    /// Bit-identical to the reference.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
+        for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+            let d = _mm256_set1_ps(f16_at(b, 0));
+            let q = b.as_ptr().add(2);
+            let y = y.as_mut_ptr();
+            for k in 0..4 {
+                // SAFETY: bytes 2 + 8k .. 2 + 8k + 8 lie in the 34-byte block;
+                // the store covers floats 8k .. 8k + 8 of the 32.
+                let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(q.add(8 * k) as *const __m128i));
+                _mm256_storeu_ps(y.add(8 * k), _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
+            }
+        }
+    }
+}

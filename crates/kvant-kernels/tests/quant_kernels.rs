@@ -1,0 +1,276 @@
+//! Fast row kernels (dequantize, row dot, matmul) on every SIMD tier this CPU
+//! has, against the scalar references, on seeded random rows of odd sizes.
+
+use kvant_core::{DType, Storage, Tensor};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::matmul::{matmul, matmul_ref, matmul_with};
+use kvant_kernels::quant::{
+    dequantize_row, dequantize_row_ref, dequantize_row_with, dot_row, dot_row_with,
+};
+use kvant_kernels::KernelError;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// f32 accumulation over at most a few thousand products: the error stays
+/// far below 1e-5 of Σ|w·x| for random signs, while one wrong, missing or
+/// duplicated term moves the result by ~1e-3 of it or more.
+const REL_TOL: f64 = 1e-5;
+
+/// Byte offsets of the f16 scale fields in one block (ggml-common.h); the
+/// rest of a block is packed integers, where every bit pattern is valid.
+fn scale_offsets(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => &[],
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+    }
+}
+
+/// A random row of `elements` values: random packed bits, finite scales.
+fn random_row(rng: &mut ChaCha8Rng, dtype: DType, elements: usize) -> Vec<u8> {
+    let mut bytes = Vec::new();
+    match dtype {
+        DType::F32 => {
+            for _ in 0..elements {
+                bytes.extend(rng.random_range(-1.0f32..1.0).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for _ in 0..elements {
+                bytes.extend(half::f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes());
+            }
+        }
+        DType::BF16 => {
+            for _ in 0..elements {
+                bytes.extend(half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes());
+            }
+        }
+        _ => {
+            for _ in 0..elements / dtype.block_size() {
+                let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
+                for &off in scale_offsets(dtype) {
+                    let scale = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+                    block[off..off + 2].copy_from_slice(&scale.to_le_bytes());
+                }
+                bytes.extend(block);
+            }
+        }
+    }
+    assert_eq!(bytes.len(), dtype.bytes_for(elements).unwrap());
+    bytes
+}
+
+fn random_f32(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-1.0f32..1.0)).collect()
+}
+
+/// Row lengths of 1..=7 blocks, or odd lengths for the float types.
+fn row_lengths(dtype: DType) -> Vec<usize> {
+    if dtype.is_quantized() {
+        (1..=7).map(|b| b * dtype.block_size()).collect()
+    } else {
+        vec![1, 7, 31, 67, 300, 1029]
+    }
+}
+
+fn reference_values(dtype: DType, row: &[u8], elements: usize) -> Vec<f32> {
+    let mut w = vec![f32::NAN; elements];
+    dequantize_row_ref(dtype, row, &mut w).unwrap();
+    w
+}
+
+fn assert_dot_close(got: f32, w: &[f32], x: &[f32], what: &str) {
+    let want: f64 = w.iter().zip(x).map(|(&a, &b)| a as f64 * b as f64).sum();
+    let scale: f64 = w
+        .iter()
+        .zip(x)
+        .map(|(&a, &b)| (a as f64 * b as f64).abs())
+        .sum();
+    let err = (got as f64 - want).abs();
+    assert!(
+        err <= REL_TOL * scale + 1e-30,
+        "{what}: got {got}, want {want}, error {err:e} over Σ|w·x| {scale:e}"
+    );
+}
+
+#[test]
+fn fast_dequantize_is_bit_identical_to_ref() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for dtype in DType::ALL {
+        for n in row_lengths(dtype) {
+            let row = random_row(&mut rng, dtype, n);
+            let want = reference_values(dtype, &row, n);
+            assert!(
+                want.iter().all(|v| v.is_finite()),
+                "{dtype}: non-finite reference"
+            );
+            for tier in cpu::available_tiers() {
+                let mut got = vec![f32::NAN; n];
+                dequantize_row_with(tier, dtype, &row, &mut got).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{dtype} {tier} n={n} element {i}: {g} vs {w}"
+                    );
+                }
+            }
+            let mut got = vec![f32::NAN; n];
+            dequantize_row(dtype, &row, &mut got).unwrap();
+            assert_eq!(got, want, "{dtype} start-up tier");
+        }
+    }
+}
+
+#[test]
+fn dot_row_matches_f64_dot_of_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    for dtype in DType::ALL {
+        for n in row_lengths(dtype) {
+            let row = random_row(&mut rng, dtype, n);
+            let x = random_f32(&mut rng, n);
+            let w = reference_values(dtype, &row, n);
+            for tier in cpu::available_tiers() {
+                let got = dot_row_with(tier, dtype, &row, &x).unwrap();
+                assert_dot_close(got, &w, &x, &format!("{dtype} {tier} n={n}"));
+            }
+            let got = dot_row(dtype, &row, &x).unwrap();
+            assert_dot_close(got, &w, &x, &format!("{dtype} start-up tier n={n}"));
+        }
+    }
+}
+
+/// A `[out, inp]` weight of random rows, stored one byte into its buffer so
+/// every block is read from an unaligned address.
+fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, out: usize, inp: usize) -> Tensor {
+    let mut bytes = vec![0xA5u8];
+    for _ in 0..out {
+        bytes.extend(random_row(rng, dtype, inp));
+    }
+    Tensor::new(dtype, vec![out, inp], Storage::Owned(bytes.into()), 1).unwrap()
+}
+
+fn check_matmul(tier: Option<SimdTier>, w: &Tensor, x: &[f32], n_tokens: usize) {
+    let (out, inp) = (w.shape()[0], w.shape()[1]);
+    let mut want = vec![f32::NAN; n_tokens * out];
+    matmul_ref(w, x, n_tokens, &mut want).unwrap();
+    let mut got = vec![f32::NAN; n_tokens * out];
+    match tier {
+        Some(t) => matmul_with(t, w, x, n_tokens, &mut got).unwrap(),
+        None => matmul(w, x, n_tokens, &mut got).unwrap(),
+    }
+    let mut row = vec![0f32; inp];
+    for (o, bytes) in w.bytes().chunks_exact(w.byte_len() / out).enumerate() {
+        dequantize_row_ref(w.dtype(), bytes, &mut row).unwrap();
+        for t in 0..n_tokens {
+            let xt = &x[t * inp..(t + 1) * inp];
+            let (g, r) = (got[t * out + o], want[t * out + o]);
+            let what = format!(
+                "{} {tier:?} [{out}x{inp}] t={t}/{n_tokens} o={o}",
+                w.dtype()
+            );
+            assert_dot_close(g, &row, xt, &what);
+            assert_dot_close(r, &row, xt, &format!("{what} (ref)"));
+        }
+    }
+}
+
+#[test]
+fn matmul_matches_reference_for_every_dtype() {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    // A pool of three threads, so the parallel split (with a ragged last
+    // chunk) runs whatever this machine's core count.
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    for dtype in DType::ALL {
+        let inp = match dtype.block_size() {
+            1 => 67,
+            b => 3 * b,
+        };
+        // Small enough for the sequential path, then large enough for the parallel one.
+        for (out, tokens) in [(37, &[1usize, 3, 7][..]), (301, &[1, 5][..])] {
+            let w = random_weight(&mut rng, dtype, out, inp);
+            for &n_tokens in tokens {
+                let x = random_f32(&mut rng, n_tokens * inp);
+                pool.install(|| {
+                    for tier in cpu::available_tiers() {
+                        check_matmul(Some(tier), &w, &x, n_tokens);
+                    }
+                    check_matmul(None, &w, &x, n_tokens);
+                });
+            }
+        }
+    }
+}
+
+#[test]
+fn shape_errors_are_reported() {
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let w = random_weight(&mut rng, DType::Q4_0, 5, 64);
+    let x = random_f32(&mut rng, 2 * 64);
+    let mut y = vec![0f32; 2 * 5];
+    assert!(matches!(
+        matmul(&w, &x[..127], 2, &mut y),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        matmul(&w, &x, 2, &mut y[..9]),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        matmul_ref(&w, &x, 3, &mut y),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+    let flat = Tensor::new(
+        DType::Q4_0,
+        vec![320],
+        Storage::Owned(vec![0u8; 180].into()),
+        0,
+    )
+    .unwrap();
+    assert!(matches!(
+        matmul(&flat, &x, 1, &mut y),
+        Err(KernelError::NotAMatrix { .. })
+    ));
+
+    let row = random_row(&mut rng, DType::Q4_K, 256);
+    let mut dst = vec![0f32; 255];
+    assert!(matches!(
+        dequantize_row(DType::Q4_K, &row, &mut dst),
+        Err(KernelError::Core(_))
+    ));
+    let x256 = random_f32(&mut rng, 256);
+    assert!(matches!(
+        dot_row(DType::Q4_K, &row[..143], &x256),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+    assert!(matches!(
+        dequantize_row_ref(DType::Q6_K, &row, &mut [0f32; 256]),
+        Err(KernelError::LengthMismatch { .. })
+    ));
+}
+
+#[test]
+fn empty_shapes_are_fine() {
+    let empty = Tensor::new(
+        DType::Q8_0,
+        vec![3, 0],
+        Storage::Owned(Vec::new().into()),
+        0,
+    )
+    .unwrap();
+    let mut y = vec![f32::NAN; 2 * 3];
+    matmul(&empty, &[], 2, &mut y).unwrap();
+    assert_eq!(y, vec![0.0; 6]);
+    let mut y = vec![f32::NAN; 6];
+    matmul_ref(&empty, &[], 2, &mut y).unwrap();
+    assert_eq!(y, vec![0.0; 6]);
+    let mut rng = ChaCha8Rng::seed_from_u64(15);
+    let w = random_weight(&mut rng, DType::Q8_0, 3, 32);
+    matmul(&w, &[], 0, &mut []).unwrap();
+}

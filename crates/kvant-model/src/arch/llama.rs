@@ -1,0 +1,334 @@
+//! The Llama-family decoder: weights as stored in the checkpoint and the
+//! forward pass over a batch of consecutive tokens of one sequence.
+//!
+//! Switches: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3),
+//! tied embeddings, GQA/MQA, sliding windows (Mistral, Gemma 3 local layers),
+//! Gemma's embedding scale, sandwich norms and GELU.
+
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::kv::KvCache;
+use crate::ModelError;
+use kvant_core::Tensor;
+use kvant_kernels::activation::gated;
+use kvant_kernels::attention::{attention, AttnParams};
+use kvant_kernels::matmul::matmul;
+use kvant_kernels::norm::{rms_norm, rms_norm_inplace};
+use kvant_kernels::quant::dequantize_row;
+use kvant_kernels::rope::rope_inplace;
+
+/// A projection: a weight `[out, in]` in its stored type and an optional bias.
+struct Linear {
+    weight: Tensor,
+    bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    fn forward(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), ModelError> {
+        matmul(&self.weight, x, n, y)?;
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(v, bv)| *v += bv);
+            }
+        }
+        Ok(())
+    }
+}
+
+struct Layer {
+    attn_norm: Vec<f32>,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    /// Gemma's norm on the attention output before the residual add.
+    post_attn_norm: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    post_ffn_norm: Option<Vec<f32>>,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    inv_freq: Vec<f32>,
+    window: Option<usize>,
+}
+
+/// Which positions' logits a forward pass returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token's (generation).
+    Last,
+    /// Every token's, `[n_tokens, vocab]` (perplexity, reference checks).
+    All,
+}
+
+pub struct LlamaModel {
+    cfg: ModelConfig,
+    embed: Tensor,
+    /// `lm_head`, or the embedding again when tied.
+    output: Tensor,
+    final_norm: Vec<f32>,
+    layers: Vec<Layer>,
+}
+
+impl LlamaModel {
+    pub fn load(ckpt: &Checkpoint, cfg: ModelConfig) -> Result<Self, ModelError> {
+        let g = ckpt.global_names();
+        // Hugging Face Gemma stores norm weights as offsets from 1; GGUF files
+        // have the 1 added by the converter.
+        let norm_offset = if cfg.gemma && matches!(ckpt, Checkpoint::Hf(_)) {
+            1.0
+        } else {
+            0.0
+        };
+        let vector = |name: &str, len: usize| -> Result<Vec<f32>, ModelError> {
+            let t = ckpt.tensor(name)?;
+            to_f32_vec(&t, name, len, norm_offset)
+        };
+        let opt_vector = |name: &str, len: usize| -> Result<Option<Vec<f32>>, ModelError> {
+            if ckpt.has_tensor(name) {
+                vector(name, len).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<Tensor, ModelError> {
+            let t = ckpt.tensor(name)?;
+            check_shape(&t, name, &[rows, cols])?;
+            Ok(t)
+        };
+        let linear = |stem: &str, rows: usize, cols: usize| -> Result<Linear, ModelError> {
+            // Biases load when present; a config that promises them must have them.
+            let bias = match opt_vector(&format!("{stem}.bias"), rows)? {
+                None if cfg.qkv_bias => {
+                    return Err(ModelError::MissingTensor(format!("{stem}.bias")))
+                }
+                b => b,
+            };
+            Ok(Linear {
+                weight: matrix(&format!("{stem}.weight"), rows, cols)?,
+                bias,
+            })
+        };
+        let (h, qd, kvd, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
+        let embed = matrix(g.embed, cfg.vocab, h)?;
+        let output = if ckpt.has_tensor(g.output) {
+            matrix(g.output, cfg.vocab, h)?
+        } else if cfg.tied_embeddings || matches!(ckpt, Checkpoint::Gguf(_)) {
+            embed.clone()
+        } else {
+            return Err(ModelError::MissingTensor(g.output.into()));
+        };
+        let freq_factors = match g.rope_freqs {
+            Some(name) if ckpt.has_tensor(name) => Some(vector(name, cfg.rope.dim / 2)?),
+            _ => None,
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = ckpt.layer_names(i, cfg.gemma);
+            let req_norm = |name: &str, len: usize| -> Result<Option<Vec<f32>>, ModelError> {
+                match opt_vector(name, len)? {
+                    None if cfg.gemma || (cfg.qk_norm && len == cfg.head_dim) => {
+                        Err(ModelError::MissingTensor(name.into()))
+                    }
+                    v => Ok(v),
+                }
+            };
+            let (qk_norm_q, qk_norm_k) = if cfg.qk_norm {
+                (
+                    req_norm(&n.q_norm, cfg.head_dim)?,
+                    req_norm(&n.k_norm, cfg.head_dim)?,
+                )
+            } else {
+                (None, None)
+            };
+            let (post_attn_norm, post_ffn_norm) = if cfg.gemma {
+                (req_norm(&n.post_attn_norm, h)?, req_norm(&n.post_ffn_norm, h)?)
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                attn_norm: vector(&n.attn_norm, h)?,
+                q: linear(&n.q, qd, h)?,
+                k: linear(&n.k, kvd, h)?,
+                v: linear(&n.v, kvd, h)?,
+                o: Linear {
+                    weight: matrix(&format!("{}.weight", n.o), h, qd)?,
+                    bias: None,
+                },
+                q_norm: qk_norm_q,
+                k_norm: qk_norm_k,
+                post_attn_norm,
+                ffn_norm: vector(&n.ffn_norm, h)?,
+                post_ffn_norm,
+                gate: matrix(&n.gate, ff, h)?,
+                up: matrix(&n.up, ff, h)?,
+                down: matrix(&n.down, h, ff)?,
+                inv_freq: cfg.inv_freq(i, freq_factors.as_deref()),
+                window: if cfg.is_sliding(i) {
+                    cfg.sliding_window
+                } else {
+                    None
+                },
+            });
+        }
+        Ok(LlamaModel {
+            final_norm: vector(g.final_norm, h)?,
+            embed,
+            output,
+            layers,
+            cfg,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// A cache able to hold `capacity` tokens (at most the context length).
+    pub fn new_cache(&self, capacity: usize) -> KvCache {
+        KvCache::new(
+            self.cfg.n_layers,
+            self.cfg.kv_dim(),
+            capacity.min(self.cfg.max_context),
+        )
+    }
+
+    /// Bytes of weights (as stored).
+    pub fn weight_bytes(&self) -> usize {
+        let l: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.q.weight, &l.k.weight, &l.v.weight, &l.o.weight, &l.gate, &l.up, &l.down]
+                    .iter()
+                    .map(|t| t.byte_len())
+                    .sum::<usize>()
+            })
+            .sum();
+        let out = if std::ptr::eq(self.output.bytes(), self.embed.bytes()) {
+            0
+        } else {
+            self.output.byte_len()
+        };
+        l + self.embed.byte_len() + out
+    }
+
+    /// Runs `tokens` (the next tokens of the sequence in `cache`) through the
+    /// model, appending their keys and values to the cache.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        want: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        let c = &self.cfg;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(ModelError::EmptyInput);
+        }
+        let pos0 = cache.len();
+        if pos0 + n > cache.capacity() {
+            return Err(ModelError::ContextOverflow {
+                needed: pos0 + n,
+                capacity: cache.capacity(),
+            });
+        }
+        let (h, qd, kvd, ff) = (c.hidden, c.q_dim(), c.kv_dim(), c.intermediate);
+        let mut x = vec![0f32; n * h];
+        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
+            let id = t as usize;
+            if id >= c.vocab {
+                return Err(ModelError::TokenOutOfRange { id: t, vocab: c.vocab });
+            }
+            dequantize_row(self.embed.dtype(), self.embed.row_bytes(id), row)?;
+            if c.gemma {
+                let s = (h as f32).sqrt();
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+        let mut xn = vec![0f32; n * h];
+        let mut q = vec![0f32; n * qd];
+        let mut k = vec![0f32; n * kvd];
+        let mut v = vec![0f32; n * kvd];
+        let mut attn = vec![0f32; n * qd];
+        let mut proj = vec![0f32; n * h];
+        let mut gate = vec![0f32; n * ff];
+        let mut up = vec![0f32; n * ff];
+        for (li, l) in self.layers.iter().enumerate() {
+            rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
+            l.q.forward(&xn, n, &mut q)?;
+            l.k.forward(&xn, n, &mut k)?;
+            l.v.forward(&xn, n, &mut v)?;
+            if let Some(w) = &l.q_norm {
+                rms_norm_inplace(&mut q, w, c.rms_eps);
+            }
+            if let Some(w) = &l.k_norm {
+                rms_norm_inplace(&mut k, w, c.rms_eps);
+            }
+            for t in 0..n {
+                let pos = pos0 + t;
+                rope_inplace(&mut q[t * qd..(t + 1) * qd], c.head_dim, pos, &l.inv_freq, c.rope.style);
+                rope_inplace(&mut k[t * kvd..(t + 1) * kvd], c.head_dim, pos, &l.inv_freq, c.rope.style);
+            }
+            let (keys, values) = cache.append_layer(li, &k, &v);
+            let params = AttnParams {
+                n_heads: c.n_heads,
+                n_kv_heads: c.n_kv_heads,
+                head_dim: c.head_dim,
+                scale: c.attn_scale,
+                window: l.window,
+            };
+            attention(&params, &q, pos0, keys, values, &mut attn);
+            l.o.forward(&attn, n, &mut proj)?;
+            if let Some(w) = &l.post_attn_norm {
+                rms_norm_inplace(&mut proj, w, c.rms_eps);
+            }
+            add_assign(&mut x, &proj);
+            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
+            matmul(&l.gate, &xn, n, &mut gate)?;
+            matmul(&l.up, &xn, n, &mut up)?;
+            gated(c.activation, &mut gate, &up);
+            matmul(&l.down, &gate, n, &mut proj)?;
+            if let Some(w) = &l.post_ffn_norm {
+                rms_norm_inplace(&mut proj, w, c.rms_eps);
+            }
+            add_assign(&mut x, &proj);
+        }
+        cache.advance(n);
+        let rows = match want {
+            Logits::Last => &x[(n - 1) * h..],
+            Logits::All => &x[..],
+        };
+        let m = rows.len() / h;
+        rms_norm(rows, &self.final_norm, c.rms_eps, &mut xn[..m * h]);
+        let mut logits = vec![0f32; m * c.vocab];
+        matmul(&self.output, &xn[..m * h], m, &mut logits)?;
+        Ok(logits)
+    }
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}
+
+fn check_shape(t: &Tensor, name: &str, expected: &[usize]) -> Result<(), ModelError> {
+    if t.shape() != expected {
+        return Err(ModelError::TensorShape {
+            name: name.into(),
+            expected: expected.to_vec(),
+            actual: t.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// A small 1-D tensor (norm, bias) as f32, plus `offset` (Gemma's `1 + w`).
+fn to_f32_vec(t: &Tensor, name: &str, len: usize, offset: f32) -> Result<Vec<f32>, ModelError> {
+    check_shape(t, name, &[len])?;
+    let mut out = vec![0f32; len];
+    dequantize_row(t.dtype(), t.bytes(), &mut out)?;
+    out.iter_mut().for_each(|v| *v += offset);
+    Ok(out)
+}

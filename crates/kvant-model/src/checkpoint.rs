@@ -1,0 +1,138 @@
+//! A checkpoint of either format, opened from a path: the tensors by name and
+//! where the configuration, tokenizer and chat template come from.
+
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::hf::HfDir;
+use crate::ModelError;
+use kvant_core::Tensor;
+use std::path::Path;
+
+pub enum Checkpoint {
+    Gguf(GgufFile),
+    Hf(HfDir),
+}
+
+impl Checkpoint {
+    /// A `.gguf` file or a Hugging Face model directory.
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        if path.is_dir() {
+            Ok(Checkpoint::Hf(HfDir::open(path)?))
+        } else if path.is_file() {
+            Ok(Checkpoint::Gguf(GgufFile::open(path)?))
+        } else {
+            Err(ModelError::NotFound(path.display().to_string()))
+        }
+    }
+
+    /// The model configuration, from GGUF metadata or `config.json`.
+    pub fn config(&self) -> Result<ModelConfig, ModelError> {
+        Ok(match self {
+            Checkpoint::Gguf(g) => ModelConfig::from_gguf(g)?,
+            Checkpoint::Hf(h) => ModelConfig::from_hf_json(h.config())?,
+        })
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<Tensor, ModelError> {
+        Ok(match self {
+            Checkpoint::Gguf(g) => g.tensor(name)?,
+            Checkpoint::Hf(h) => h.tensor(name)?,
+        })
+    }
+
+    pub fn has_tensor(&self, name: &str) -> bool {
+        match self {
+            Checkpoint::Gguf(g) => g.tensor_infos().iter().any(|t| t.name == name),
+            Checkpoint::Hf(h) => h.tensor_names().any(|n| n == name),
+        }
+    }
+
+    /// Names of the tensors of one transformer layer, in this format's scheme.
+    /// `gemma` selects Gemma's four-norm layer naming on Hugging Face files.
+    pub fn layer_names(&self, layer: usize, gemma: bool) -> LayerNames {
+        match self {
+            Checkpoint::Gguf(_) => {
+                let n = |s: &str| format!("blk.{layer}.{s}");
+                LayerNames {
+                    attn_norm: n("attn_norm.weight"),
+                    q: n("attn_q"),
+                    k: n("attn_k"),
+                    v: n("attn_v"),
+                    o: n("attn_output"),
+                    q_norm: n("attn_q_norm.weight"),
+                    k_norm: n("attn_k_norm.weight"),
+                    post_attn_norm: n("post_attention_norm.weight"),
+                    ffn_norm: n("ffn_norm.weight"),
+                    post_ffn_norm: n("post_ffw_norm.weight"),
+                    gate: n("ffn_gate.weight"),
+                    up: n("ffn_up.weight"),
+                    down: n("ffn_down.weight"),
+                }
+            }
+            Checkpoint::Hf(_) => {
+                let n = |s: &str| format!("model.layers.{layer}.{s}");
+                LayerNames {
+                    attn_norm: n("input_layernorm.weight"),
+                    q: n("self_attn.q_proj"),
+                    k: n("self_attn.k_proj"),
+                    v: n("self_attn.v_proj"),
+                    o: n("self_attn.o_proj"),
+                    q_norm: n("self_attn.q_norm.weight"),
+                    k_norm: n("self_attn.k_norm.weight"),
+                    post_attn_norm: n("post_attention_layernorm.weight"),
+                    // Llama's "post_attention_layernorm" is the norm before its FFN.
+                    ffn_norm: if gemma {
+                        n("pre_feedforward_layernorm.weight")
+                    } else {
+                        n("post_attention_layernorm.weight")
+                    },
+                    post_ffn_norm: n("post_feedforward_layernorm.weight"),
+                    gate: n("mlp.gate_proj.weight"),
+                    up: n("mlp.up_proj.weight"),
+                    down: n("mlp.down_proj.weight"),
+                }
+            }
+        }
+    }
+
+    pub fn global_names(&self) -> GlobalNames {
+        match self {
+            Checkpoint::Gguf(_) => GlobalNames {
+                embed: "token_embd.weight",
+                final_norm: "output_norm.weight",
+                output: "output.weight",
+                rope_freqs: Some("rope_freqs.weight"),
+            },
+            Checkpoint::Hf(_) => GlobalNames {
+                embed: "model.embed_tokens.weight",
+                final_norm: "model.norm.weight",
+                output: "lm_head.weight",
+                rope_freqs: None,
+            },
+        }
+    }
+}
+
+/// Projection names are stems: append `.weight` / `.bias`.
+pub struct LayerNames {
+    pub attn_norm: String,
+    pub q: String,
+    pub k: String,
+    pub v: String,
+    pub o: String,
+    pub q_norm: String,
+    pub k_norm: String,
+    pub post_attn_norm: String,
+    pub ffn_norm: String,
+    pub post_ffn_norm: String,
+    pub gate: String,
+    pub up: String,
+    pub down: String,
+}
+
+pub struct GlobalNames {
+    pub embed: &'static str,
+    pub final_norm: &'static str,
+    pub output: &'static str,
+    pub rope_freqs: Option<&'static str>,
+}

@@ -1,0 +1,485 @@
+//! The Llama-family configuration: one struct with switches for every
+//! supported variant, read from GGUF metadata or a Hugging Face `config.json`.
+//!
+//! Unknown keys are ignored; a missing required key is an error naming it.
+
+use crate::gguf::GgufFile;
+use kvant_kernels::activation::Activation;
+use kvant_kernels::rope::RopeStyle;
+use serde_json::Value;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("missing required config key `{0}`")]
+    Missing(String),
+    #[error("config key `{key}` has an invalid value: {why}")]
+    Invalid { key: String, why: String },
+    #[error("unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3, gemma3)")]
+    UnsupportedArch(String),
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
+}
+
+type Result<T> = std::result::Result<T, ConfigError>;
+
+/// Which member of the family; decides the defaults the switches take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Llama,
+    Mistral,
+    Qwen2,
+    Qwen3,
+    Gemma3,
+}
+
+impl Arch {
+    pub fn name(self) -> &'static str {
+        match self {
+            Arch::Llama => "llama",
+            Arch::Mistral => "mistral",
+            Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
+        }
+    }
+}
+
+/// Frequency scaling applied to the rotary embedding.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor` (inverse frequencies divided by it).
+    Linear { factor: f32 },
+    /// Llama 3.x piecewise scaling of the inverse frequencies.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: f32,
+    },
+}
+
+#[derive(Clone, Debug)]
+pub struct RopeConfig {
+    pub theta: f32,
+    /// Rotated dimensions per head (≤ head_dim).
+    pub dim: usize,
+    pub style: RopeStyle,
+    pub scaling: RopeScaling,
+    /// Base for sliding-window layers when it differs (Gemma 3's local rope).
+    pub local_theta: Option<f32>,
+}
+
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    pub arch: Arch,
+    pub hidden: usize,
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub vocab: usize,
+    pub max_context: usize,
+    pub rms_eps: f32,
+    pub rope: RopeConfig,
+    /// Attention window of sliding layers (all layers unless `sliding_layers` says otherwise).
+    pub sliding_window: Option<usize>,
+    /// Per layer: does it use the sliding window? Empty means "every layer, if a window is set".
+    pub sliding_layers: Vec<bool>,
+    pub qkv_bias: bool,
+    pub qk_norm: bool,
+    pub tied_embeddings: bool,
+    pub activation: Activation,
+    /// Softmax scale `1/sqrt(d)`, with `d` = head_dim or Gemma's `query_pre_attn_scalar`.
+    pub attn_scale: f32,
+    /// Gemma multiplies embeddings by `sqrt(hidden)` and wraps FFN/attention in extra norms.
+    pub gemma: bool,
+}
+
+impl ModelConfig {
+    pub fn is_sliding(&self, layer: usize) -> bool {
+        self.sliding_window.is_some()
+            && self.sliding_layers.get(layer).copied().unwrap_or(true)
+    }
+
+    /// Inverse rotary frequencies for a layer, with scaling folded in.
+    pub fn inv_freq(&self, layer: usize, freq_factors: Option<&[f32]>) -> Vec<f32> {
+        let theta = match (self.rope.local_theta, self.is_sliding(layer)) {
+            (Some(local), true) => local,
+            _ => self.rope.theta,
+        };
+        let d = self.rope.dim;
+        let mut inv: Vec<f32> = (0..d / 2)
+            .map(|i| (1.0 / (theta as f64).powf((2 * i) as f64 / d as f64)) as f32)
+            .collect();
+        // Gemma 3 applies the global scaling only to full-attention layers.
+        let scaled = !(self.rope.local_theta.is_some() && self.is_sliding(layer));
+        if let Some(ff) = freq_factors {
+            // GGUF stores Llama 3 scaling as per-frequency divisors.
+            for (f, &div) in inv.iter_mut().zip(ff) {
+                *f /= div;
+            }
+        } else if scaled {
+            apply_scaling(&mut inv, &self.rope.scaling);
+        }
+        inv
+    }
+
+    pub fn q_dim(&self) -> usize {
+        self.n_heads * self.head_dim
+    }
+
+    pub fn kv_dim(&self) -> usize {
+        self.n_kv_heads * self.head_dim
+    }
+
+    fn validate(self) -> Result<Self> {
+        let bad = |key: &str, why: &str| ConfigError::Invalid {
+            key: key.into(),
+            why: why.into(),
+        };
+        for (key, v) in [
+            ("hidden_size", self.hidden),
+            ("num_hidden_layers", self.n_layers),
+            ("num_attention_heads", self.n_heads),
+            ("num_key_value_heads", self.n_kv_heads),
+            ("head_dim", self.head_dim),
+            ("intermediate_size", self.intermediate),
+            ("vocab_size", self.vocab),
+            ("max_position_embeddings", self.max_context),
+        ] {
+            if v == 0 {
+                return Err(bad(key, "must be positive"));
+            }
+            if v > 1 << 24 {
+                return Err(bad(key, "is implausibly large"));
+            }
+        }
+        if self.n_heads % self.n_kv_heads != 0 {
+            return Err(bad(
+                "num_key_value_heads",
+                "must divide the number of attention heads",
+            ));
+        }
+        if self.rope.dim > self.head_dim || self.rope.dim % 2 != 0 {
+            return Err(bad("rope dimension", "must be even and at most head_dim"));
+        }
+        if self.rope.dim / 2 > kvant_kernels::rope::MAX_ROPE_HALF {
+            return Err(bad("rope dimension", "is larger than kvant supports (512)"));
+        }
+        if !(self.rope.theta.is_finite() && self.rope.theta > 0.0) {
+            return Err(bad("rope_theta", "must be a positive number"));
+        }
+        if !(self.rms_eps.is_finite() && self.rms_eps >= 0.0) {
+            return Err(bad("rms_norm_eps", "must be a non-negative number"));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(bad("sliding_window", "must be positive"));
+        }
+        Ok(self)
+    }
+
+    /// Reads `{arch}.*` keys as llama.cpp's converter writes them.
+    pub fn from_gguf(g: &GgufFile) -> Result<Self> {
+        let arch_name = g.architecture()?.to_string();
+        let arch = match arch_name.as_str() {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "gemma3" => Arch::Gemma3,
+            other => return Err(ConfigError::UnsupportedArch(other.into())),
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req = |k: &str| -> Result<usize> {
+            g.get_usize(&key(k))?.ok_or_else(|| ConfigError::Missing(key(k)))
+        };
+        let hidden = req("embedding_length")?;
+        let n_heads = req("attention.head_count")?;
+        let n_kv_heads = g.get_usize(&key("attention.head_count_kv"))?.unwrap_or(n_heads);
+        let head_dim = match g.get_usize(&key("attention.key_length"))? {
+            Some(d) => d,
+            None => hidden.checked_div(n_heads).ok_or(ConfigError::Invalid {
+                key: key("attention.head_count"),
+                why: "must be positive".into(),
+            })?,
+        };
+        let n_layers = req("block_count")?;
+        let vocab = match g.get_usize(&key("vocab_size"))? {
+            Some(v) => v,
+            None => g
+                .get_str_array("tokenizer.ggml.tokens")?
+                .map(|t| t.len())
+                .ok_or_else(|| ConfigError::Missing(key("vocab_size")))?,
+        };
+        let scaling = match g.get_str(&key("rope.scaling.type"))? {
+            None | Some("none") => RopeScaling::None,
+            Some("linear") => RopeScaling::Linear {
+                factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
+            },
+            Some(other) => {
+                return Err(ConfigError::Invalid {
+                    key: key("rope.scaling.type"),
+                    why: format!("`{other}` is not supported"),
+                })
+            }
+        };
+        let gemma = arch == Arch::Gemma3;
+        let sliding_window = g.get_usize(&key("attention.sliding_window"))?;
+        // llama.cpp hard-codes Gemma 3's pattern: every 6th layer is global.
+        let sliding_layers = if gemma {
+            (0..n_layers).map(|i| (i + 1) % 6 != 0).collect()
+        } else {
+            Vec::new()
+        };
+        let style = if arch == Arch::Llama || arch == Arch::Mistral {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::Neox
+        };
+        ModelConfig {
+            arch,
+            hidden,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            intermediate: req("feed_forward_length")?,
+            vocab,
+            max_context: req("context_length")?,
+            rms_eps: g
+                .get_f32(&key("attention.layer_norm_rms_epsilon"))?
+                .unwrap_or(1e-5),
+            rope: RopeConfig {
+                theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+                dim: g.get_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim),
+                style,
+                scaling,
+                local_theta: gemma.then_some(10_000.0),
+            },
+            sliding_window,
+            sliding_layers,
+            qkv_bias: false,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            tied_embeddings: g.tensor_infos().iter().all(|t| t.name != "output.weight"),
+            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            gemma,
+        }
+        .validate()
+    }
+
+    /// Reads a transformers `config.json` (either `rope_theta`/`rope_scaling`
+    /// or transformers 5's `rope_parameters`).
+    pub fn from_hf_json(cfg: &Value) -> Result<Self> {
+        let model_type = cfg
+            .get("model_type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ConfigError::Missing("model_type".into()))?;
+        let arch = match model_type {
+            "llama" => Arch::Llama,
+            "mistral" => Arch::Mistral,
+            "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "gemma3_text" => Arch::Gemma3,
+            other => return Err(ConfigError::UnsupportedArch(other.into())),
+        };
+        let usize_key = |k: &str| -> Result<Option<usize>> {
+            match cfg.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|v| usize::try_from(v).ok())
+                    .map(Some)
+                    .ok_or_else(|| ConfigError::Invalid {
+                        key: k.into(),
+                        why: format!("expected a non-negative integer, found {v}"),
+                    }),
+            }
+        };
+        let req = |k: &str| usize_key(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
+        let f32_in = |obj: &Value, k: &str| -> Result<Option<f32>> {
+            match obj.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v.as_f64().map(|v| Some(v as f32)).ok_or_else(|| {
+                    ConfigError::Invalid {
+                        key: k.into(),
+                        why: format!("expected a number, found {v}"),
+                    }
+                }),
+            }
+        };
+        let hidden = req("hidden_size")?;
+        let n_heads = req("num_attention_heads")?;
+        let n_kv_heads = usize_key("num_key_value_heads")?.unwrap_or(n_heads);
+        let head_dim = match usize_key("head_dim")? {
+            Some(d) => d,
+            None => hidden.checked_div(n_heads).ok_or(ConfigError::Invalid {
+                key: "num_attention_heads".into(),
+                why: "must be positive".into(),
+            })?,
+        };
+        let gemma = arch == Arch::Gemma3;
+        // transformers 5 nests rope settings; older files keep them top-level.
+        let rope_params = cfg.get("rope_parameters").filter(|v| v.is_object());
+        let (theta, scaling_obj, local_theta) = match rope_params {
+            Some(rp) if rp.get("full_attention").is_some() => {
+                // Per-layer-type parameters (Gemma 3 in transformers 5).
+                let full = &rp["full_attention"];
+                let local = rp.get("sliding_attention");
+                let local_theta = match local {
+                    Some(l) => f32_in(l, "rope_theta")?,
+                    None => None,
+                };
+                (f32_in(full, "rope_theta")?, Some(full.clone()), local_theta)
+            }
+            Some(rp) => (f32_in(rp, "rope_theta")?, Some(rp.clone()), None),
+            None => (
+                f32_in(cfg, "rope_theta")?,
+                cfg.get("rope_scaling").cloned(),
+                f32_in(cfg, "rope_local_base_freq")?,
+            ),
+        };
+        let scaling = parse_hf_scaling(scaling_obj.as_ref())?;
+        let sliding_window = usize_key("sliding_window")?;
+        let use_sw = cfg.get("use_sliding_window").and_then(Value::as_bool);
+        let n_layers = req("num_hidden_layers")?;
+        let sliding_layers: Vec<bool> = match cfg.get("layer_types").and_then(Value::as_array) {
+            Some(types) => types
+                .iter()
+                .map(|t| t.as_str() == Some("sliding_attention"))
+                .collect(),
+            None if gemma => {
+                let pattern = usize_key("sliding_window_pattern")?.unwrap_or(6).max(1);
+                (0..n_layers).map(|i| (i + 1) % pattern != 0).collect()
+            }
+            None => Vec::new(),
+        };
+        // Qwen2 configs carry a window with `use_sliding_window: false`.
+        let sliding_window = match (arch, use_sw) {
+            (_, Some(false)) => None,
+            (Arch::Qwen2 | Arch::Qwen3, None) => None,
+            _ => sliding_window,
+        };
+        let attn_bias = cfg
+            .get("attention_bias")
+            .and_then(Value::as_bool)
+            .unwrap_or(arch == Arch::Qwen2);
+        let activation = match cfg
+            .get("hidden_act")
+            .or_else(|| cfg.get("hidden_activation"))
+            .and_then(Value::as_str)
+        {
+            None | Some("silu") | Some("swish") => Activation::Silu,
+            Some("gelu_pytorch_tanh") | Some("gelu_tanh") => Activation::GeluTanh,
+            Some(other) => {
+                return Err(ConfigError::Invalid {
+                    key: "hidden_act".into(),
+                    why: format!("`{other}` is not supported"),
+                })
+            }
+        };
+        let attn_scale = match (gemma, f32_in(cfg, "query_pre_attn_scalar")?) {
+            (true, Some(s)) => 1.0 / s.sqrt(),
+            _ => 1.0 / (head_dim as f32).sqrt(),
+        };
+        let partial = f32_in(cfg, "partial_rotary_factor")?.unwrap_or(1.0);
+        ModelConfig {
+            arch,
+            hidden,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            intermediate: req("intermediate_size")?,
+            vocab: req("vocab_size")?,
+            max_context: usize_key("max_position_embeddings")?.unwrap_or(2048),
+            rms_eps: f32_in(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
+            rope: RopeConfig {
+                theta: theta.unwrap_or(10_000.0),
+                dim: ((head_dim as f32 * partial) as usize) & !1,
+                style: RopeStyle::Neox,
+                scaling,
+                local_theta: if gemma {
+                    Some(local_theta.unwrap_or(10_000.0))
+                } else {
+                    None
+                },
+            },
+            sliding_window,
+            sliding_layers,
+            qkv_bias: attn_bias,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            tied_embeddings: cfg
+                .get("tie_word_embeddings")
+                .and_then(Value::as_bool)
+                .unwrap_or(gemma),
+            activation,
+            attn_scale,
+            gemma,
+        }
+        .validate()
+    }
+}
+
+fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
+    let Some(obj) = obj.filter(|v| v.is_object()) else {
+        return Ok(RopeScaling::None);
+    };
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    let num = |k: &str| -> Result<f32> {
+        obj.get(k)
+            .and_then(Value::as_f64)
+            .map(|v| v as f32)
+            .ok_or_else(|| ConfigError::Missing(format!("rope_scaling.{k}")))
+    };
+    match kind {
+        "default" => Ok(RopeScaling::None),
+        "linear" => Ok(RopeScaling::Linear {
+            factor: num("factor")?,
+        }),
+        "llama3" => Ok(RopeScaling::Llama3 {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position_embeddings: num("original_max_position_embeddings")?,
+        }),
+        other => Err(ConfigError::Invalid {
+            key: "rope_scaling.rope_type".into(),
+            why: format!("`{other}` is not supported"),
+        }),
+    }
+}
+
+/// Folds rope scaling into inverse frequencies, as transformers'
+/// `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters` do.
+fn apply_scaling(inv: &mut [f32], scaling: &RopeScaling) {
+    match *scaling {
+        RopeScaling::None => {}
+        RopeScaling::Linear { factor } => inv.iter_mut().for_each(|f| *f /= factor),
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings: old_ctx,
+        } => {
+            let low_wavelen = old_ctx / low_freq_factor;
+            let high_wavelen = old_ctx / high_freq_factor;
+            for f in inv.iter_mut() {
+                let wavelen = 2.0 * std::f32::consts::PI / *f;
+                if wavelen > low_wavelen {
+                    *f /= factor;
+                } else if wavelen >= high_wavelen {
+                    let smooth = (old_ctx / wavelen - low_freq_factor)
+                        / (high_freq_factor - low_freq_factor);
+                    *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! The model layer's error type: one variant per source of failure.
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("no model at {0}: expected a .gguf file or a Hugging Face model directory")]
+    NotFound(String),
+    #[error("GGUF: {0}")]
+    Gguf(#[from] crate::gguf::GgufError),
+    #[error("Hugging Face checkpoint: {0}")]
+    Hf(#[from] crate::hf::HfError),
+    #[error("config: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Kernel(#[from] kvant_kernels::KernelError),
+    #[error(transparent)]
+    Core(#[from] kvant_core::CoreError),
+    #[error("checkpoint has no tokenizer ({0} missing)")]
+    MissingTokenizer(String),
+    #[error("checkpoint lacks tensor `{0}`")]
+    MissingTensor(String),
+    #[error("tensor `{name}` has shape {actual:?}, expected {expected:?}")]
+    TensorShape {
+        name: String,
+        expected: Vec<usize>,
+        actual: Vec<usize>,
+    },
+    #[error("forward pass over zero tokens")]
+    EmptyInput,
+    #[error("sequence needs {needed} positions but the KV cache holds {capacity}")]
+    ContextOverflow { needed: usize, capacity: usize },
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { id: u32, vocab: usize },
+}

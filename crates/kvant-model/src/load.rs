@@ -1,0 +1,171 @@
+//! Opening a checkpoint as a runnable model: configuration, weights,
+//! tokenizer and chat template from one path.
+
+use crate::arch::llama::LlamaModel;
+use crate::chat::ChatTemplate;
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::gguf::GgufFile;
+use crate::hf::HfDir;
+use crate::tokenizer::{GgufTokenizerSpec, Tokenizer};
+use crate::ModelError;
+use kvant_core::DType;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+pub struct LoadedModel {
+    pub model: LlamaModel,
+    pub tokenizer: Tokenizer,
+    /// `None` when the checkpoint carries no template.
+    pub chat_template: Option<ChatTemplate>,
+    pub info: ModelInfo,
+}
+
+/// What `kvant info` prints.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ModelInfo {
+    pub format: &'static str,
+    pub architecture: &'static str,
+    pub parameters: u64,
+    /// Tensor count per stored dtype.
+    pub tensor_dtypes: BTreeMap<String, usize>,
+    pub context_length: usize,
+    pub hidden_size: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub tokenizer: String,
+    pub vocab_size: usize,
+    pub chat_template: bool,
+    pub weight_bytes: usize,
+}
+
+pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
+    let ckpt = Checkpoint::open(path)?;
+    let (cfg, tokenizer, template, dtypes) = match &ckpt {
+        Checkpoint::Gguf(g) => {
+            let cfg = ModelConfig::from_gguf(g)?;
+            let spec = tokenizer_spec(g)?;
+            let tokenizer = Tokenizer::from_gguf_spec(&spec)?;
+            let template = match g.get_str("tokenizer.chat_template")? {
+                Some(src) => Some(template_with_tokens(src, &tokenizer)?),
+                None => None,
+            };
+            let dtypes = g.tensor_infos().iter().map(|t| (t.dtype, t.elements()));
+            (cfg, tokenizer, template, count(dtypes))
+        }
+        Checkpoint::Hf(h) => {
+            let cfg = ModelConfig::from_hf_json(h.config())?;
+            let (tokenizer, template) = hf_tokenizer(h)?;
+            let dtypes = h.tensor_names().filter_map(|n| h.tensor(n).ok()).map(|t| (t.dtype(), t.elements() as u64));
+            (cfg, tokenizer, template, count(dtypes))
+        }
+    };
+    let model = LlamaModel::load(&ckpt, cfg)?;
+    let c = model.config();
+    let info = ModelInfo {
+        format: match ckpt {
+            Checkpoint::Gguf(_) => "gguf",
+            Checkpoint::Hf(_) => "safetensors",
+        },
+        architecture: c.arch.name(),
+        parameters: dtypes.1,
+        tensor_dtypes: dtypes.0,
+        context_length: c.max_context,
+        hidden_size: c.hidden,
+        layers: c.n_layers,
+        heads: c.n_heads,
+        kv_heads: c.n_kv_heads,
+        tokenizer: tokenizer.kind().to_string(),
+        vocab_size: tokenizer.vocab_size(),
+        chat_template: template.is_some(),
+        weight_bytes: model.weight_bytes(),
+    };
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        chat_template: template,
+        info,
+    })
+}
+
+fn count(items: impl Iterator<Item = (DType, u64)>) -> (BTreeMap<String, usize>, u64) {
+    let mut map = BTreeMap::new();
+    let mut params = 0u64;
+    for (d, n) in items {
+        *map.entry(d.name().to_string()).or_default() += 1;
+        params = params.saturating_add(n);
+    }
+    (map, params)
+}
+
+/// The template renders `bos_token`/`eos_token` as the tokenizer spells them.
+fn template_with_tokens(src: &str, tok: &Tokenizer) -> Result<ChatTemplate, ModelError> {
+    let piece = |id: Option<u32>| id.and_then(|i| tok.token_to_piece(i).ok());
+    Ok(ChatTemplate::new(
+        src,
+        piece(tok.bos_id()),
+        piece(tok.eos_ids().first().copied()),
+    )?)
+}
+
+/// Collects the `tokenizer.ggml.*` keys llama.cpp's converter writes.
+fn tokenizer_spec(g: &GgufFile) -> Result<GgufTokenizerSpec, ModelError> {
+    let id = |k: &str| -> Result<Option<u32>, ModelError> {
+        Ok(g.get_u32(&format!("tokenizer.ggml.{k}"))?)
+    };
+    let flag = |k: &str| -> Result<Option<bool>, ModelError> {
+        Ok(g.get_bool(&format!("tokenizer.ggml.{k}"))?)
+    };
+    Ok(GgufTokenizerSpec {
+        model: g
+            .get_str("tokenizer.ggml.model")?
+            .ok_or_else(|| ModelError::MissingTokenizer("GGUF key tokenizer.ggml.model".into()))?
+            .to_string(),
+        pre: g.get_str("tokenizer.ggml.pre")?.map(str::to_string),
+        tokens: g
+            .get_str_array("tokenizer.ggml.tokens")?
+            .ok_or_else(|| ModelError::MissingTokenizer("GGUF key tokenizer.ggml.tokens".into()))?,
+        scores: g.get_f32_array("tokenizer.ggml.scores")?,
+        token_types: g.get_i32_array("tokenizer.ggml.token_type")?,
+        merges: g.get_str_array("tokenizer.ggml.merges")?,
+        bos_id: id("bos_token_id")?,
+        eos_id: id("eos_token_id")?,
+        eot_id: id("eot_token_id")?,
+        eom_id: id("eom_token_id")?,
+        unk_id: id("unknown_token_id")?,
+        pad_id: id("padding_token_id")?,
+        add_bos: flag("add_bos_token")?,
+        add_eos: flag("add_eos_token")?,
+        add_space_prefix: flag("add_space_prefix")?,
+    })
+}
+
+fn hf_tokenizer(h: &HfDir) -> Result<(Tokenizer, Option<ChatTemplate>), ModelError> {
+    let json = h
+        .tokenizer_json_path()
+        .ok_or_else(|| ModelError::MissingTokenizer("tokenizer.json".into()))?;
+    let tokenizer = Tokenizer::from_hf_files(json, h.tokenizer_config(), h.generation_config())?;
+    let src = match h.chat_template_file() {
+        Some(t) => Some(t.to_string()),
+        None => h.tokenizer_config().and_then(template_from_config),
+    };
+    let template = match src {
+        Some(s) => Some(template_with_tokens(&s, &tokenizer)?),
+        None => None,
+    };
+    Ok((tokenizer, template))
+}
+
+/// `chat_template` is a string, or a list of `{name, template}` whose
+/// "default" entry applies.
+fn template_from_config(cfg: &serde_json::Value) -> Option<String> {
+    match cfg.get("chat_template")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list
+            .iter()
+            .find(|e| e.get("name").and_then(|n| n.as_str()) == Some("default"))
+            .and_then(|e| e.get("template")?.as_str().map(str::to_string)),
+        _ => None,
+    }
+}

@@ -1,0 +1,124 @@
+//! Tiny random-weight checkpoints of every architecture switch, checked
+//! against transformers (PyTorch, CPU, float32) outputs written by
+//! `tools/reference/make_model_fixtures.py`.
+
+use kvant_model::arch::llama::{LlamaModel, Logits};
+use kvant_model::checkpoint::Checkpoint;
+use kvant_model::ModelError;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// Max |logit difference|. Both sides compute in f32 from identical weights
+/// (quantized files are dequantized exactly the same way); only summation
+/// order differs, which moves logits of magnitude ~5 by ~1e-6. 1e-4 leaves
+/// two orders of margin while catching any real mistake (a wrong rope pair,
+/// a missing bias or norm shifts logits by ≥ 1e-2).
+const LOGIT_TOL: f32 = 1e-4;
+/// Relative perplexity tolerance (follows from LOGIT_TOL).
+const PPL_REL_TOL: f64 = 1e-4;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
+}
+
+/// (checkpoint path, reference.json path) for every fixture.
+fn cases() -> Vec<(PathBuf, PathBuf)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(fixtures()).expect("fixtures dir") {
+        let p = e.expect("entry").path();
+        if p.join("reference.json").is_file() {
+            out.push((p.clone(), p.join("reference.json")));
+        }
+    }
+    for e in std::fs::read_dir(fixtures().join("gguf")).expect("gguf fixtures dir") {
+        let p = e.expect("entry").path();
+        if p.extension().is_some_and(|x| x == "gguf") {
+            let r = p.with_extension("reference.json");
+            out.push((p, r));
+        }
+    }
+    out.sort();
+    assert!(out.len() >= 14, "expected every fixture, found {}", out.len());
+    out
+}
+
+fn open(path: &Path) -> Result<LlamaModel, ModelError> {
+    let ckpt = Checkpoint::open(path)?;
+    LlamaModel::load(&ckpt, ckpt.config()?)
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+#[test]
+fn logits_greedy_and_perplexity_match_transformers() {
+    let failures: Vec<String> = cases()
+        .into_iter()
+        .filter_map(|(ckpt, refp)| {
+            std::panic::catch_unwind(|| check(&ckpt, &refp))
+                .err()
+                .map(|e| format!("{}: {:?}", ckpt.display(), e.downcast_ref::<String>()))
+        })
+        .collect();
+    assert!(failures.is_empty(), "{failures:#?}");
+}
+
+fn check(ckpt: &Path, refp: &Path) {
+    {
+        let name = ckpt.file_name().unwrap().to_string_lossy().to_string();
+        let r: Value = serde_json::from_str(&std::fs::read_to_string(&refp).unwrap()).unwrap();
+        let m = open(&ckpt).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let prompt = ids(&r["prompt_ids"]);
+        let vocab = m.config().vocab;
+
+        let mut cache = m.new_cache(prompt.len());
+        let logits = m.forward(&prompt, &mut cache, Logits::All).unwrap();
+        let want = r["logits"].as_array().unwrap();
+        let mut max_err = 0f32;
+        let mut nll = 0f64;
+        for (t, row) in want.iter().enumerate() {
+            let got = &logits[t * vocab..(t + 1) * vocab];
+            for (g, w) in got.iter().zip(row.as_array().unwrap()) {
+                max_err = max_err.max((g - w.as_f64().unwrap() as f32).abs());
+            }
+            if let Some(&next) = prompt.get(t + 1) {
+                nll += kvant_kernels::softmax::log_sum_exp(got) - got[next as usize] as f64;
+            }
+        }
+        assert!(max_err <= LOGIT_TOL, "{name}: max |Δlogit| {max_err}");
+        let ppl = (nll / (prompt.len() - 1) as f64).exp();
+        let want_ppl = r["ppl"].as_f64().unwrap();
+        assert!(
+            ((ppl - want_ppl) / want_ppl).abs() <= PPL_REL_TOL,
+            "{name}: ppl {ppl} vs {want_ppl}"
+        );
+
+        let want_greedy = ids(&r["greedy_ids"]);
+        let mut s = greedy(&m, &prompt, want_greedy.len());
+        s.truncate(want_greedy.len());
+        assert_eq!(s, want_greedy, "{name}: greedy continuation");
+        eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4}");
+    }
+}
+
+/// Greedy decoding straight on the model (the engine crate sits above this one).
+fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = m.new_cache(prompt.len() + n);
+    let mut logits = m.forward(prompt, &mut cache, Logits::Last).unwrap();
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = logits
+            .iter()
+            .enumerate()
+            .fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b })
+            .0 as u32;
+        out.push(next);
+        logits = m.forward(&[next], &mut cache, Logits::Last).unwrap();
+    }
+    out
+}

@@ -1,0 +1,64 @@
+//! `kvant generate`.
+
+use super::{load_model, read_utf8};
+use crate::args::GenerateArgs;
+use anyhow::{Context, Result};
+use kvant_engine::{GenerateRequest, Session};
+use kvant_model::chat::ChatMessage;
+use std::io::Write;
+
+pub fn run(a: GenerateArgs) -> Result<()> {
+    let prompt = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => read_utf8(f)?,
+        (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
+    };
+    let m = load_model(&a.model)?;
+    let (text, add_special) = if a.chat {
+        let t = m
+            .chat_template
+            .as_ref()
+            .context("this checkpoint has no chat template; drop --chat")?;
+        let msgs = [ChatMessage::new("user", &prompt)];
+        // The rendered template carries its own BOS when the model wants one.
+        (t.render(&msgs, true)?, false)
+    } else {
+        (prompt, true)
+    };
+    let prompt_ids = m.tokenizer.encode(&text, add_special)?;
+    let req = GenerateRequest {
+        max_tokens: a.sampling.max_tokens,
+        sampling: a.sampling.params(),
+        stop: a.sampling.stop.clone(),
+        ignore_eos: a.ignore_eos,
+        prompt_ids,
+    };
+    let capacity = req.prompt_ids.len() + req.max_tokens;
+    let mut session = Session::new(&m.model, &m.tokenizer, capacity);
+    let stdout = std::io::stdout();
+    let mut on_text = |s: &str| {
+        if !a.json {
+            let mut lock = stdout.lock();
+            let _ = lock.write_all(s.as_bytes());
+            let _ = lock.flush();
+        }
+    };
+    let out = session.generate(&req, &mut on_text)?;
+    if a.json {
+        let per_s = |n: usize, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+        let obj = serde_json::json!({
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "prompt_token_ids": req.prompt_ids,
+            "prompt_tokens": req.prompt_ids.len(),
+            "completion_tokens": out.token_ids.len(),
+            "finish_reason": out.finish_reason.as_str(),
+            "prefill_tokens_per_s": per_s(out.prefill_tokens, out.prefill_secs),
+            "decode_tokens_per_s": per_s(out.decode_steps, out.decode_secs),
+        });
+        println!("{obj}");
+    } else {
+        println!();
+    }
+    Ok(())
+}

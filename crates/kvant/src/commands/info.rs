@@ -1,0 +1,25 @@
+//! `kvant info`.
+
+use super::load_model;
+use crate::args::ModelArg;
+use anyhow::Result;
+
+pub fn run(model: &ModelArg, json: bool) -> Result<()> {
+    let m = load_model(model)?;
+    let i = &m.info;
+    if json {
+        println!("{}", serde_json::to_string_pretty(i)?);
+        return Ok(());
+    }
+    let dtypes: Vec<String> = i.tensor_dtypes.iter().map(|(d, n)| format!("{d}×{n}")).collect();
+    println!("format          {}", i.format);
+    println!("architecture    {}", i.architecture);
+    println!("parameters      {} ({:.1} M)", i.parameters, i.parameters as f64 / 1e6);
+    println!("tensor dtypes   {}", dtypes.join(", "));
+    println!("weights         {:.1} MB", i.weight_bytes as f64 / 1e6);
+    println!("context length  {}", i.context_length);
+    println!("layers          {} (hidden {}, heads {}, kv heads {})", i.layers, i.hidden_size, i.heads, i.kv_heads);
+    println!("tokenizer       {} ({} tokens)", i.tokenizer, i.vocab_size);
+    println!("chat template   {}", if i.chat_template { "yes" } else { "no" });
+    Ok(())
+}

@@ -1,0 +1,45 @@
+//! One module per subcommand.
+
+mod chat;
+mod generate;
+mod info;
+mod perplexity;
+mod tokenize;
+
+use crate::args::{Cli, Command, ModelArg};
+use crate::fetch;
+use anyhow::{Context, Result};
+use kvant_model::LoadedModel;
+
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Chat(a) => chat::run(a),
+        Command::Generate(a) => generate::run(a),
+        Command::Tokenize { model, text } => tokenize::tokenize(&model, &text),
+        Command::Detokenize { model, ids } => tokenize::detokenize(&model, &ids),
+        Command::Perplexity(a) => perplexity::run(a),
+        Command::Info { model, json } => info::run(&model, json),
+        Command::Fetch => {
+            println!("{}", fetch::ensure_default_model()?.display());
+            Ok(())
+        }
+    }
+}
+
+/// Resolves `--model` (or its defaults) and loads it.
+pub fn load_model(arg: &ModelArg) -> Result<LoadedModel> {
+    let path = fetch::resolve_model(arg.model.as_deref())?;
+    kvant_model::load(&path).with_context(|| format!("loading {}", path.display()))
+}
+
+/// Reads a UTF-8 text file, naming the file and the byte offset of bad UTF-8.
+pub fn read_utf8(path: &std::path::Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{} is not valid UTF-8 (invalid byte at offset {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
