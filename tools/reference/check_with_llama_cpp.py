@@ -78,6 +78,20 @@ def check_tiny_gguf() -> bool:
     return ok
 
 
+def check_tiny_tokenizer() -> bool:
+    """The tiny tokenizer's recorded cases, tokenized from a tiny GGUF's vocabulary."""
+    cases = json.loads((MODELS / "tokenizer" / "cases.json").read_text(encoding="utf-8"))
+    vocab = _open(next((MODELS / "gguf").glob("*.F32.gguf")), vocab_only=True)
+    ok = True
+    items = [(c["text"], c["ids"]) for c in cases["cases"]] + [(cases["chat"]["rendered"], cases["chat"]["ids"])]
+    for text, want in items:
+        got = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
+        ok &= got == want
+        print(f"{'ok ' if got == want else 'BAD'} tiny tokenize {text!r}" + ("" if got == want else f": {got} != {want}"))
+    vocab.close()
+    return ok
+
+
 def check_smollm2(gguf_path: Path) -> bool:
     ref = json.loads((MODELS / "smollm2-135m-q4_1.reference.json").read_text(encoding="utf-8"))
     vocab = _open(gguf_path, vocab_only=True)
@@ -111,6 +125,7 @@ def main() -> None:
     ap.add_argument("--smollm2-gguf", type=Path, default=Path(os.environ.get("KVANT_MODEL", "")))
     args = ap.parse_args()
     ok = check_tiny_gguf()
+    ok &= check_tiny_tokenizer()
     if args.smollm2_gguf.is_file():
         ok &= check_smollm2(args.smollm2_gguf)
     else:

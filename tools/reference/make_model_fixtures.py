@@ -67,9 +67,42 @@ def tiny_prompt(tok: Tokenizer) -> tuple[str, list[int]]:
     raise AssertionError("no prefix of PROMPT_SOURCE encodes to PROMPT_LEN tokens")
 
 
+TOKENIZER_CASES = [
+    "Hello world",
+    "In  2024, 3.14 and 1000000 items",
+    "a\n\n1. b",
+    "   leading spaces and trailing   ",
+    "Москва 東京 🙂",
+    "<|im_start|>user\nHi<|im_end|>\n",
+]
+CHAT_MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Light the lamp at 6."},
+]
+
+
 def train_tokenizer() -> Tokenizer:
+    """Train and save the shared tiny tokenizer, plus encode/chat cases for it."""
+    from transformers import AutoTokenizer
+
     tok = tiny_tokenizer.train(PPL_TEXT.read_text(encoding="utf-8"))
-    tiny_tokenizer.save(tok, MODELS / "tokenizer")
+    out = MODELS / "tokenizer"
+    tiny_tokenizer.save(tok, out)
+    hf = AutoTokenizer.from_pretrained(out)
+    cases = []
+    for text in TOKENIZER_CASES:
+        ids = tok.encode(text).ids
+        if hf(text).input_ids != ids:
+            raise AssertionError(f"transformers and tokenizers disagree on {text!r}")
+        cases.append({"text": text, "ids": ids})
+    rendered = hf.apply_chat_template(CHAT_MESSAGES, tokenize=False, add_generation_prompt=True)
+    chat = {
+        "messages": CHAT_MESSAGES,
+        "add_generation_prompt": True,
+        "rendered": rendered,
+        "ids": tok.encode(rendered).ids,
+    }
+    fixture_json.write_json(out / "cases.json", {"add_special_tokens": False, "cases": cases, "chat": chat})
     return tok
 
 

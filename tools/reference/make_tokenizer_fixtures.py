@@ -8,8 +8,10 @@ tests/fixtures/tokenizer/
   smollm2-tokenizer.gguf      the same keys (plus tokenizer.chat_template) in a GGUF without tensors
   smollm2.json                {text, ids, decoded, decoded_skip_special} for a multilingual test set
   smollm2-hf/                 tokenizer.json + tokenizer_config.json saved by transformers
-  spm-spec.json, spm-tokenizer.gguf, spm.json
+  spm-spec.json, spm-tokenizer.gguf, spm.json, spm-hf/
                               the same for a small SentencePiece BPE model ("llama" tokenizer) trained here
+tests/fixtures/chat/strftime.json
+                              C strftime output for fixed UTC times
 tests/fixtures/chat/*.json    chat templates rendered by transformers' apply_chat_template
 
 SmolLM2 reference ids. llama.cpp tokenizes pre="smollm" by splitting every digit (\\p{N}) out first and then
@@ -36,6 +38,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import gguf
@@ -163,6 +166,20 @@ def write_tokenizer_gguf(path: Path, arch: str, fields: dict) -> None:
     writer.close()
 
 
+def save_hf_dir(tok, hf_dir: Path) -> None:
+    """tokenizer.json (compact) and tokenizer_config.json as transformers saves them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tok.save_pretrained(tmp)
+        config = json.loads((Path(tmp) / "tokenizer_config.json").read_text())
+    for volatile in ("is_local", "local_files_only"):
+        config.pop(volatile, None)
+    if hf_dir.exists():
+        shutil.rmtree(hf_dir)
+    hf_dir.mkdir(parents=True)
+    tok.backend_tokenizer.save(str(hf_dir / "tokenizer.json"), pretty=False)
+    dump_json(hf_dir / "tokenizer_config.json", config)
+
+
 # ---------------------------------------------------------------- SmolLM2 (byte-level BPE, pre=smollm)
 
 
@@ -202,17 +219,7 @@ def make_smollm2(model_path: Path) -> dict:
     print(f"smollm2: {len(cases)} cases, transformers' GGUF tokenizer differs on {discrepancies}")
     dump_json(TOK_DIR / "smollm2.json", {"bos_id": spec["bos_id"], "eos_id": spec["eos_id"], "cases": cases})
 
-    hf_dir = TOK_DIR / "smollm2-hf"
-    with tempfile.TemporaryDirectory() as tmp:
-        tok.save_pretrained(tmp)
-        config = json.loads((Path(tmp) / "tokenizer_config.json").read_text())
-    for volatile in ("is_local", "local_files_only"):
-        config.pop(volatile, None)
-    if hf_dir.exists():
-        shutil.rmtree(hf_dir)
-    hf_dir.mkdir(parents=True)
-    tok.backend_tokenizer.save(str(hf_dir / "tokenizer.json"), pretty=False)
-    dump_json(hf_dir / "tokenizer_config.json", config)
+    save_hf_dir(tok, TOK_DIR / "smollm2-hf")
     return {"tokenizer": tok, "chat_template": fields["tokenizer.chat_template"][0]}
 
 
@@ -324,6 +331,7 @@ def make_spm() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copy(TOK_DIR / "spm-tokenizer.gguf", Path(tmp) / "spm.gguf")
         hf = AutoTokenizer.from_pretrained(tmp, gguf_file="spm.gguf")
+    save_hf_dir(hf, TOK_DIR / "spm-hf")
 
     cases = []
     hf_differs = 0
@@ -336,12 +344,17 @@ def make_spm() -> None:
             byte_fallback_cases += 1
         if hf.encode(text, add_special_tokens=False) != ids:
             hf_differs += 1
+        hf_ids = hf.encode(text, add_special_tokens=False)
         cases.append(
             {
                 "text": text,
                 "ids": ids,
                 "decoded": hf.decode(ids, skip_special_tokens=False),
                 "decoded_skip_special": hf.decode(ids, skip_special_tokens=True),
+                # transformers' own tokenization (Metaspace, prefix only at the start) for the
+                # tokenizer.json path, and its decoding.
+                "hf_ids": hf_ids,
+                "hf_decoded": hf.decode(hf_ids, skip_special_tokens=False),
             }
         )
     print(
@@ -410,6 +423,7 @@ FEATURES_STYLE = """{%- for message in messages -%}
 {{ {'a': [1, {'b': 'q"\\n'}], 'c': {}, 'd': []} | tojson(indent=2) }}
 {% if message.content.endswith('?') %}question{% elif 'hi' in message.content.lower() %}greeting{% else %}statement{% endif %}
 {{ message.content.lstrip().title() }}|{{ message.content.count('o') }}|{{ message.content.find('o') }}|{{ message.content[:5] }}
+{{ {'z': loop.index, 'a': 'é😀<&>'} | tojson(ensure_ascii=True, sort_keys=True) }} {{ [1, {'k': 'v'}] | tojson(separators=(',', ':')) }}
 {% endfor %}
 {%- if add_generation_prompt %}>>>{% endif %}"""
 
@@ -463,6 +477,26 @@ def make_chat(tok, smollm_template: str) -> None:
         print(f"chat {name}: {sum('error' in c for c in cases)} error cases of {len(cases)}")
 
 
+STRFTIME_TIMES = [0, -1, 951782400, 951868799, 1721999109, 4102444799, -2208988800 - 12345, 1000000000]
+STRFTIME_FORMATS = [
+    "%d %b %Y",
+    "%a %A %b %B %d %m %y %Y %j %H %I %M %S %p",
+    "%-d %-m %-H %-I %-M %-S %-j %-y",
+    "%F %T",
+    "100%% at %H:%M",
+]
+
+
+def make_strftime() -> None:
+    """strftime_now's formatting, checked on fixed UTC times against the C library."""
+    cases = [
+        {"unix": t, "format": f, "expected": time.strftime(f, time.gmtime(t))}
+        for t in STRFTIME_TIMES
+        for f in STRFTIME_FORMATS
+    ]
+    dump_json(CHAT_DIR / "strftime.json", cases)
+
+
 def main() -> None:
     model_path = Path(sys.argv[1] if len(sys.argv) > 1 else os.environ.get("KVANT_MODEL", ""))
     if not model_path.is_file():
@@ -470,6 +504,7 @@ def main() -> None:
     smol = make_smollm2(model_path)
     make_spm()
     make_chat(smol["tokenizer"], smol["chat_template"])
+    make_strftime()
 
 
 if __name__ == "__main__":

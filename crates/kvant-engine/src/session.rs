@@ -163,7 +163,7 @@ impl<'m> Session<'m> {
             out.decode_steps += 1;
         }
         if out.finish_reason == FinishReason::Length {
-            let tail = stream.flush()?;
+            let tail = stream.flush();
             let (released, hit) = stops.push(&tail);
             emit(&released, &mut out);
             if hit {

@@ -4,10 +4,9 @@
 //! `y` is `[n_tokens, out]`. Work is split by output rows into a few chunks
 //! per pool thread (not one task per row, whose scheduling would cost more
 //! than a short row's dot product). A weight row is read from memory once per
-//! call: for one token it is dequantized a chunk at a time into a stack buffer
-//! and dotted with `x`; for several tokens four rows are dequantized at a time
-//! into a per-thread scratch buffer and dotted with every token, loading each
-//! element of a token once for the four rows.
+//! call: four rows at a time are dequantized into a per-thread scratch buffer
+//! (a few KiB to a few hundred KiB: it stays in L1/L2) and dotted with every
+//! token, loading each element of a token once for the four rows.
 
 use crate::cpu::{self, SimdTier};
 use crate::dot::{dot4_f32_with, dot_f32_with};
@@ -17,7 +16,7 @@ use kvant_core::Tensor;
 use rayon::prelude::*;
 use std::cell::Cell;
 
-/// Rows dequantized together for a multi-token matmul (the width of `dot4`).
+/// Rows dequantized together (the width of `dot4`).
 const ROW_GROUP: usize = 4;
 
 /// Below this many multiply-adds a fork-join costs more than it saves.
@@ -149,24 +148,21 @@ struct Job<'a> {
 impl Job<'_> {
     /// Writes `y[t*out + o]` for rows `o` in `first..first + rows.len()/row_bytes`.
     fn rows(&self, first: usize, rows: &[u8], row_bytes: usize) {
-        if self.n_tokens == 1 {
-            for (o, row) in (first..).zip(rows.chunks_exact(row_bytes)) {
-                self.write(0, o, self.kernel.dot(row, self.x));
-            }
-            return;
-        }
         let mut scratch = SCRATCH.take();
         scratch.resize(ROW_GROUP * self.inp, 0.0);
-        let group_bytes = ROW_GROUP * row_bytes;
-        for (g, group) in (first..).step_by(ROW_GROUP).zip(rows.chunks(group_bytes)) {
+        for (g, group) in (first..)
+            .step_by(ROW_GROUP)
+            .zip(rows.chunks(ROW_GROUP * row_bytes))
+        {
+            let n_rows = group.len() / row_bytes;
+            let w = &mut scratch[..n_rows * self.inp];
             for (row, buf) in group
                 .chunks_exact(row_bytes)
-                .zip(scratch.chunks_exact_mut(self.inp))
+                .zip(w.chunks_exact_mut(self.inp))
             {
                 self.kernel.dequantize(row, buf);
             }
-            let n_rows = group.len() / row_bytes;
-            self.dot_group(g, &scratch[..n_rows * self.inp]);
+            self.dot_group(g, w);
         }
         SCRATCH.set(scratch);
     }

@@ -27,10 +27,13 @@ const FIXTURE_TYPES: [DType; 12] = [
 ];
 
 fn hex(s: &str) -> Vec<u8> {
-    assert!(s.len() % 2 == 0, "odd hex length");
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex digit"))
+    let pairs = s.as_bytes().chunks_exact(2);
+    assert!(pairs.remainder().is_empty(), "odd hex length");
+    pairs
+        .map(|p| {
+            let digits = std::str::from_utf8(p).expect("ASCII hex");
+            u8::from_str_radix(digits, 16).expect("hex digit")
+        })
         .collect()
 }
 

@@ -10,6 +10,10 @@ pub enum ModelError {
     Hf(#[from] crate::hf::HfError),
     #[error("config: {0}")]
     Config(#[from] crate::config::ConfigError),
+    #[error("tokenizer: {0}")]
+    Tokenizer(#[from] crate::tokenizer::TokenizerError),
+    #[error("chat template: {0}")]
+    Chat(#[from] crate::chat::ChatError),
     #[error(transparent)]
     Kernel(#[from] kvant_kernels::KernelError),
     #[error(transparent)]

@@ -8,6 +8,8 @@ pub mod error;
 pub mod gguf;
 pub mod hf;
 pub mod kv;
+pub mod load;
 pub mod tokenizer;
 
 pub use error::ModelError;
+pub use load::{load, LoadedModel, ModelInfo};

@@ -125,10 +125,11 @@ fn tokenizer_spec(g: &GgufFile) -> Result<GgufTokenizerSpec, ModelError> {
         pre: g.get_str("tokenizer.ggml.pre")?.map(str::to_string),
         tokens: g
             .get_str_array("tokenizer.ggml.tokens")?
-            .ok_or_else(|| ModelError::MissingTokenizer("GGUF key tokenizer.ggml.tokens".into()))?,
-        scores: g.get_f32_array("tokenizer.ggml.scores")?,
-        token_types: g.get_i32_array("tokenizer.ggml.token_type")?,
-        merges: g.get_str_array("tokenizer.ggml.merges")?,
+            .ok_or_else(|| ModelError::MissingTokenizer("GGUF key tokenizer.ggml.tokens".into()))?
+            .to_vec(),
+        scores: g.get_f32_array("tokenizer.ggml.scores")?.map(|c| c.into_owned()),
+        token_types: g.get_i32_array("tokenizer.ggml.token_type")?.map(|c| c.into_owned()),
+        merges: g.get_str_array("tokenizer.ggml.merges")?.map(<[String]>::to_vec),
         bos_id: id("bos_token_id")?,
         eos_id: id("eos_token_id")?,
         eot_id: id("eot_token_id")?,

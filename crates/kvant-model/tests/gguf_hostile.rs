@@ -20,11 +20,14 @@ fn base() -> Vec<u8> {
     w.add("general.architecture", "llama").unwrap();
     w.add("str", "hello").unwrap();
     w.add("arr", vec![1u32, 2, 3]).unwrap();
-    w.add("nest", vec![Array::from(vec![1u8]), Array::from(vec![2u8])]).unwrap();
+    w.add("nest", vec![Array::from(vec![1u8]), Array::from(vec![2u8])])
+        .unwrap();
     w.add("flag", true).unwrap();
     w.add("strs", vec!["x", "yz"]).unwrap();
-    w.add_tensor("a", DType::F32, &[2, 3], vec![1u8; 24]).unwrap();
-    w.add_tensor("b", DType::Q4_0, &[1, 32], vec![2u8; 18]).unwrap();
+    w.add_tensor("a", DType::F32, &[2, 3], vec![1u8; 24])
+        .unwrap();
+    w.add_tensor("b", DType::Q4_0, &[1, 32], vec![2u8; 18])
+        .unwrap();
     w.to_bytes().unwrap()
 }
 
@@ -32,7 +35,10 @@ fn base() -> Vec<u8> {
 fn after(bytes: &[u8], s: &str) -> usize {
     let mut needle = (s.len() as u64).to_le_bytes().to_vec();
     needle.extend_from_slice(s.as_bytes());
-    let at = bytes.windows(needle.len()).position(|w| w == needle).unwrap();
+    let at = bytes
+        .windows(needle.len())
+        .position(|w| w == needle)
+        .unwrap();
     at + needle.len()
 }
 
@@ -99,9 +105,18 @@ fn every_truncation_is_an_error() {
     for bytes in [base(), std::fs::read(fixture()).unwrap()] {
         // Only the padding after the last tensor may be cut.
         let g = parse(&bytes).unwrap();
-        let end = g.tensor_infos().iter().map(|t| g.data_offset() + t.offset + t.byte_len).max().unwrap();
+        let end = g
+            .tensor_infos()
+            .iter()
+            .map(|t| g.data_offset() + t.offset + t.byte_len)
+            .max()
+            .unwrap();
         for len in 0..bytes.len() {
-            assert_eq!(parse(&bytes[..len]).is_ok(), len >= end, "prefix of {len} bytes");
+            assert_eq!(
+                parse(&bytes[..len]).is_ok(),
+                len >= end,
+                "prefix of {len} bytes"
+            );
         }
     }
 }
@@ -118,7 +133,10 @@ fn bad_magic_and_versions() {
     expect_err(b"GGUF", &["version"]);
     for v in [0u32, 1, 4, 0xffff_ffff] {
         let err = expect_err(&patched(|b| put_u32(b, 4, v)), &["version"]);
-        assert!(matches!(err, GgufError::UnsupportedVersion { version } if version == v), "{err}");
+        assert!(
+            matches!(err, GgufError::UnsupportedVersion { version } if version == v),
+            "{err}"
+        );
     }
     for v in [2u32, 3] {
         let err = expect_err(&patched(|b| put_u32(b, 4, v.swap_bytes())), &["big-endian"]);
@@ -266,11 +284,23 @@ fn bad_alignments() {
         b
     };
     assert!(parse(&with_alignment(Value::U32(32))).is_ok());
-    for v in [Value::U32(0), Value::U32(3), Value::U32(48), Value::U64(1 << 40), Value::I32(-32)] {
+    for v in [
+        Value::U32(0),
+        Value::U32(3),
+        Value::U32(48),
+        Value::U64(1 << 40),
+        Value::I32(-32),
+    ] {
         let err = expect_err(&with_alignment(v.clone()), &["general.alignment"]);
-        assert!(matches!(err, GgufError::BadAlignment { .. }), "{v:?}: {err}");
+        assert!(
+            matches!(err, GgufError::BadAlignment { .. }),
+            "{v:?}: {err}"
+        );
     }
-    let err = expect_err(&with_alignment(Value::String("32".into())), &["general.alignment"]);
+    let err = expect_err(
+        &with_alignment(Value::String("32".into())),
+        &["general.alignment"],
+    );
     assert!(matches!(err, GgufError::WrongType { .. }));
 }
 
@@ -278,8 +308,20 @@ fn bad_alignments() {
 fn touch_everything(g: &GgufFile) {
     let _ = g.architecture();
     for (k, v) in g.metadata() {
-        let _ = (g.get_u64(k), g.get_u32(k), g.get_usize(k), g.get_i64(k), g.get_f32(k));
-        let _ = (g.get_bool(k), g.get_str(k), g.get_str_array(k), g.get_f32_array(k), g.get_i32_array(k));
+        let _ = (
+            g.get_u64(k),
+            g.get_u32(k),
+            g.get_usize(k),
+            g.get_i64(k),
+            g.get_f32(k),
+        );
+        let _ = (
+            g.get_bool(k),
+            g.get_str(k),
+            g.get_str_array(k),
+            g.get_f32_array(k),
+            g.get_i32_array(k),
+        );
         assert_eq!(g.get(k), Some(v));
     }
     for info in g.tensor_infos() {
@@ -293,7 +335,19 @@ fn touch_everything(g: &GgufFile) {
 fn random_corruptions_never_panic() {
     let mut rng = ChaCha8Rng::seed_from_u64(1234);
     let originals = [base(), std::fs::read(fixture()).unwrap()];
-    let interesting = [0u64, 1, 2, 3, 31, 32, 255, u32::MAX as u64, 1 << 32, 1 << 62, u64::MAX];
+    let interesting = [
+        0u64,
+        1,
+        2,
+        3,
+        31,
+        32,
+        255,
+        u32::MAX as u64,
+        1 << 32,
+        1 << 62,
+        u64::MAX,
+    ];
     let mut parsed = 0;
     for i in 0..4000 {
         let mut b = originals[i % 2].clone();
@@ -304,9 +358,11 @@ fn random_corruptions_never_panic() {
             let at = rng.random_range(0..b.len());
             match rng.random_range(0..3) {
                 0 => b[at] = rng.random(),
-                1 if at + 8 <= b.len() => {
-                    put_u64(&mut b, at, interesting[rng.random_range(0..interesting.len())])
-                }
+                1 if at + 8 <= b.len() => put_u64(
+                    &mut b,
+                    at,
+                    interesting[rng.random_range(0..interesting.len())],
+                ),
                 _ => b.truncate(at),
             }
         }
@@ -332,7 +388,9 @@ fn hostile_cases_run_under_a_small_address_space_limit() {
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new("sh")
         .arg("-c")
-        .arg(format!("ulimit -v {ULIMIT_KIB} && exec \"$0\" --skip under_a_small --test-threads 2"))
+        .arg(format!(
+            "ulimit -v {ULIMIT_KIB} && exec \"$0\" --skip under_a_small --test-threads 2"
+        ))
         .arg(&exe)
         .env("KVANT_UNDER_ULIMIT", "1")
         .output()

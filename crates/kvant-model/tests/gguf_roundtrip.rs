@@ -3,7 +3,9 @@
 //! (gguf-py) through a committed fixture.
 
 use kvant_core::{DType, Storage};
-use kvant_model::gguf::{Array, GgufError, GgufFile, GgufWriter, Value, ValueType, MAX_ARRAY_DEPTH};
+use kvant_model::gguf::{
+    Array, GgufError, GgufFile, GgufWriter, Value, ValueType, MAX_ARRAY_DEPTH,
+};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::path::PathBuf;
@@ -37,18 +39,54 @@ fn every_value(rng: &mut ChaCha8Rng) -> Vec<(String, Value)> {
         ("i64", Value::I64(rng.random())),
         ("f64", Value::F64(rng.random())),
         ("empty_string", Value::from("")),
-        ("a.u8", Value::from((0..n).map(|_| rng.random::<u8>()).collect::<Vec<_>>())),
-        ("a.i8", Value::from((0..n).map(|_| rng.random::<i8>()).collect::<Vec<_>>())),
-        ("a.u16", Value::from((0..n).map(|_| rng.random::<u16>()).collect::<Vec<_>>())),
-        ("a.i16", Value::from((0..n).map(|_| rng.random::<i16>()).collect::<Vec<_>>())),
-        ("a.u32", Value::from((0..n).map(|_| rng.random::<u32>()).collect::<Vec<_>>())),
-        ("a.i32", Value::from((0..n).map(|_| rng.random::<i32>()).collect::<Vec<_>>())),
-        ("a.f32", Value::from((0..n).map(|_| rng.random::<f32>()).collect::<Vec<_>>())),
-        ("a.bool", Value::from((0..n).map(|_| rng.random::<bool>()).collect::<Vec<_>>())),
-        ("a.string", Value::from((0..n).map(|i| "x".repeat(i)).collect::<Vec<_>>())),
-        ("a.u64", Value::from((0..n).map(|_| rng.random::<u64>()).collect::<Vec<_>>())),
-        ("a.i64", Value::from((0..n).map(|_| rng.random::<i64>()).collect::<Vec<_>>())),
-        ("a.f64", Value::from((0..n).map(|_| rng.random::<f64>()).collect::<Vec<_>>())),
+        (
+            "a.u8",
+            Value::from((0..n).map(|_| rng.random::<u8>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.i8",
+            Value::from((0..n).map(|_| rng.random::<i8>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.u16",
+            Value::from((0..n).map(|_| rng.random::<u16>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.i16",
+            Value::from((0..n).map(|_| rng.random::<i16>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.u32",
+            Value::from((0..n).map(|_| rng.random::<u32>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.i32",
+            Value::from((0..n).map(|_| rng.random::<i32>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.f32",
+            Value::from((0..n).map(|_| rng.random::<f32>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.bool",
+            Value::from((0..n).map(|_| rng.random::<bool>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.string",
+            Value::from((0..n).map(|i| "x".repeat(i)).collect::<Vec<_>>()),
+        ),
+        (
+            "a.u64",
+            Value::from((0..n).map(|_| rng.random::<u64>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.i64",
+            Value::from((0..n).map(|_| rng.random::<i64>()).collect::<Vec<_>>()),
+        ),
+        (
+            "a.f64",
+            Value::from((0..n).map(|_| rng.random::<f64>()).collect::<Vec<_>>()),
+        ),
         ("a.empty", Value::Array(Array::F64(vec![]))),
         ("a.empty_nested", Value::Array(Array::Array(vec![]))),
         (
@@ -65,7 +103,9 @@ fn every_value(rng: &mut ChaCha8Rng) -> Vec<(String, Value)> {
         deepest = Array::Array(vec![deepest]);
     }
     vals.push(("a.deepest", Value::Array(deepest)));
-    vals.into_iter().map(|(k, v)| (format!("test.{k}"), v)).collect()
+    vals.into_iter()
+        .map(|(k, v)| (format!("test.{k}"), v))
+        .collect()
 }
 
 #[test]
@@ -80,7 +120,10 @@ fn every_value_type_round_trips_in_order() {
         }
         let g = write(&w);
         assert_eq!(g.version(), version);
-        let read: Vec<(String, Value)> = g.metadata().map(|(k, v)| (k.to_string(), v.clone())).collect();
+        let read: Vec<(String, Value)> = g
+            .metadata()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect();
         assert_eq!(read, values);
         for (k, v) in &values {
             assert_eq!(g.get(k), Some(v), "{k}");
@@ -92,7 +135,9 @@ fn every_value_type_round_trips_in_order() {
     let values = every_value(&mut rng);
     for t in ValueType::ALL {
         assert!(values.iter().any(|(_, v)| v.value_type() == t), "{t}");
-        let as_elem = values.iter().any(|(_, v)| matches!(v, Value::Array(a) if a.element_type() == t));
+        let as_elem = values
+            .iter()
+            .any(|(_, v)| matches!(v, Value::Array(a) if a.element_type() == t));
         assert!(as_elem, "array of {t}");
     }
 }
@@ -113,12 +158,19 @@ fn every_dtype_round_trips_at_several_alignments() {
         let mut expect = Vec::new();
         for (i, dtype) in DType::ALL.into_iter().enumerate() {
             let rows = rng.random_range(1..6);
-            let row = dtype.block_size() * rng.random_range(1..4) + if dtype.is_quantized() { 0 } else { 1 };
-            let shapes = [vec![rows, row], vec![row], vec![2, 1, rows, row], vec![3, rows, row]];
+            let row = dtype.block_size() * rng.random_range(1..4)
+                + if dtype.is_quantized() { 0 } else { 1 };
+            let shapes = [
+                vec![rows, row],
+                vec![row],
+                vec![2, 1, rows, row],
+                vec![3, rows, row],
+            ];
             let shape = shapes[i % shapes.len()].clone();
             let data = random_bytes(&mut rng, dtype, &shape);
             let name = format!("blk.{i}.{}", dtype.name());
-            w.add_tensor(name.clone(), dtype, &shape, data.clone()).unwrap();
+            w.add_tensor(name.clone(), dtype, &shape, data.clone())
+                .unwrap();
             expect.push((name, dtype, shape, data));
         }
         let g = write(&w);
@@ -157,7 +209,8 @@ fn writes_and_opens_files_on_disk() {
     let path = dir.path().join("m.gguf");
     let mut w = GgufWriter::new();
     w.add("k", 5u64).unwrap();
-    w.add_tensor("w", DType::Q8_0, &[2, 32], vec![9u8; 68]).unwrap();
+    w.add_tensor("w", DType::Q8_0, &[2, 32], vec![9u8; 68])
+        .unwrap();
     w.write_file(&path).unwrap();
     let g = GgufFile::open(&path).unwrap();
     assert_eq!(g.get_u64("k").unwrap(), Some(5));
@@ -219,13 +272,22 @@ fn array_accessors_borrow_or_convert() {
     w.add("strs", vec!["a", "b"]).unwrap();
     w.add("bools", vec![true]).unwrap();
     let g = write(&w);
-    assert!(matches!(g.get_i32_array("i32").unwrap(), Some(std::borrow::Cow::Borrowed(&[1, -2]))));
+    assert!(matches!(
+        g.get_i32_array("i32").unwrap(),
+        Some(std::borrow::Cow::Borrowed(&[1, -2]))
+    ));
     assert_eq!(g.get_i32_array("u32").unwrap().unwrap().as_ref(), &[1, 2]);
     let err = g.get_i32_array("u32_big").unwrap_err();
     assert!(err.to_string().contains("u32_big[1]"), "{err}");
-    assert!(matches!(g.get_f32_array("f32").unwrap(), Some(std::borrow::Cow::Borrowed(&[0.5]))));
+    assert!(matches!(
+        g.get_f32_array("f32").unwrap(),
+        Some(std::borrow::Cow::Borrowed(&[0.5]))
+    ));
     assert_eq!(g.get_f32_array("f64").unwrap().unwrap().as_ref(), &[0.25]);
-    assert_eq!(g.get_str_array("strs").unwrap(), Some(&["a".to_string(), "b".to_string()][..]));
+    assert_eq!(
+        g.get_str_array("strs").unwrap(),
+        Some(&["a".to_string(), "b".to_string()][..])
+    );
     for err in [
         g.get_i32_array("bools").unwrap_err(),
         g.get_i32_array("strs").unwrap_err(),
@@ -241,7 +303,10 @@ fn array_accessors_borrow_or_convert() {
 fn writer_rejects_what_the_reader_would() {
     let mut w = GgufWriter::new();
     w.add("k", 1u8).unwrap();
-    assert!(matches!(w.add("k", 2u8), Err(GgufError::BadWriterValue { .. })));
+    assert!(matches!(
+        w.add("k", 2u8),
+        Err(GgufError::BadWriterValue { .. })
+    ));
     for bad in [0u32, 3, 1 << 30] {
         assert!(w.add("general.alignment", bad).is_err(), "{bad}");
     }
@@ -264,8 +329,13 @@ fn writer_rejects_what_the_reader_would() {
         (&long_name, DType::F32, vec![1], 4),
     ];
     for (name, dtype, shape, len) in cases {
-        let err = w.add_tensor(name, dtype, &shape, vec![0u8; len]).unwrap_err();
-        assert!(matches!(err, GgufError::BadWriterTensor { .. }), "{name}: {err}");
+        let err = w
+            .add_tensor(name, dtype, &shape, vec![0u8; len])
+            .unwrap_err();
+        assert!(
+            matches!(err, GgufError::BadWriterTensor { .. }),
+            "{name}: {err}"
+        );
     }
     // The file is still valid after rejected additions.
     let g = write(&w);
@@ -303,11 +373,17 @@ fn reads_the_reference_writers_fixture() {
     assert_eq!(arr("i32"), Array::I32(vec![-3, 49151]));
     assert_eq!(arr("f32"), Array::F32(vec![0.25, -2.0]));
     assert_eq!(arr("bool"), Array::Bool(vec![true, false, true]));
-    assert_eq!(arr("string"), Array::from(vec!["a".to_string(), String::new(), "ü".to_string()]));
+    assert_eq!(
+        arr("string"),
+        Array::from(vec!["a".to_string(), String::new(), "ü".to_string()])
+    );
     assert_eq!(arr("u64"), Array::U64(vec![u64::MAX]));
     assert_eq!(arr("i64"), Array::I64(vec![i64::MIN, 1]));
     assert_eq!(arr("f64"), Array::F64(vec![1e-300, 2.5]));
-    assert_eq!(arr("nested"), Array::Array(vec![Array::I32(vec![1, 2]), Array::I32(vec![3])]));
+    assert_eq!(
+        arr("nested"),
+        Array::Array(vec![Array::I32(vec![1, 2]), Array::I32(vec![3])])
+    );
     assert_eq!(
         arr("nested_str"),
         Array::Array(vec![
@@ -322,7 +398,9 @@ fn reads_the_reference_writers_fixture() {
     }
     for (i, info) in infos.iter().enumerate() {
         let t = g.tensor(&info.name).unwrap();
-        let expect: Vec<u8> = (0..t.byte_len()).map(|j| ((7 * j + 13 * i) % 251) as u8).collect();
+        let expect: Vec<u8> = (0..t.byte_len())
+            .map(|j| ((7 * j + 13 * i) % 251) as u8)
+            .collect();
         assert_eq!(t.bytes(), &expect[..], "{}", info.name);
     }
     assert_eq!(g.tensor_info("t.4d").unwrap().shape, vec![2, 1, 3, 2]);
@@ -337,9 +415,14 @@ fn writer_reproduces_the_reference_file_byte_for_byte() {
     for (k, v) in g.metadata() {
         w.add(k, v.clone()).unwrap();
     }
-    let tensors: Vec<_> = g.tensor_infos().iter().map(|i| g.tensor(&i.name).unwrap()).collect();
+    let tensors: Vec<_> = g
+        .tensor_infos()
+        .iter()
+        .map(|i| g.tensor(&i.name).unwrap())
+        .collect();
     for (info, t) in g.tensor_infos().iter().zip(&tensors) {
-        w.add_tensor(info.name.clone(), info.dtype, &info.shape, t.bytes()).unwrap();
+        w.add_tensor(info.name.clone(), info.dtype, &info.shape, t.bytes())
+            .unwrap();
     }
     assert_eq!(w.to_bytes().unwrap(), original);
 }

@@ -48,7 +48,12 @@ mod tests {
     fn accepts_powers_of_two_only() {
         assert_eq!(alignment_from_value(&Value::U32(64)).unwrap(), 64);
         assert_eq!(alignment_from_value(&Value::I64(1)).unwrap(), 1);
-        for bad in [Value::U32(0), Value::U32(3), Value::I32(-32), Value::U64(1 << 40)] {
+        for bad in [
+            Value::U32(0),
+            Value::U32(3),
+            Value::I32(-32),
+            Value::U64(1 << 40),
+        ] {
             assert!(alignment_from_value(&bad).is_err(), "{bad:?}");
         }
         assert!(alignment_from_value(&Value::F32(32.0)).is_err());

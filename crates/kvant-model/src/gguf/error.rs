@@ -17,7 +17,9 @@ pub enum GgufError {
     UnsupportedVersion { version: u32 },
     #[error("GGUF file is big-endian (version field reads {version:#010x}); kvant reads little-endian files only")]
     BigEndian { version: u32 },
-    #[error("file truncated in {context} at offset {offset}: needs {needed} bytes, {available} left")]
+    #[error(
+        "file truncated in {context} at offset {offset}: needs {needed} bytes, {available} left"
+    )]
     Truncated {
         context: String,
         offset: usize,
@@ -37,7 +39,11 @@ pub enum GgufError {
     #[error("metadata key {key:?} at offset {offset}: unknown value type id {id}")]
     UnknownValueType { key: String, id: u32, offset: usize },
     #[error("metadata key {key:?} at offset {offset}: bool byte is {byte}, expected 0 or 1")]
-    InvalidBool { key: String, byte: u8, offset: usize },
+    InvalidBool {
+        key: String,
+        byte: u8,
+        offset: usize,
+    },
     #[error("metadata key {key:?} at offset {offset}: arrays nested deeper than {max} levels")]
     NestingTooDeep {
         key: String,
@@ -50,7 +56,9 @@ pub enum GgufError {
     DuplicateTensor { name: String, offset: usize },
     #[error("general.alignment is {value}; it must be a power of two between 1 and {max}")]
     BadAlignment { value: i128, max: usize },
-    #[error("tensor {tensor:?} at offset {offset} has {n_dims} dimensions; at most {max} are allowed")]
+    #[error(
+        "tensor {tensor:?} at offset {offset} has {n_dims} dimensions; at most {max} are allowed"
+    )]
     TooManyDims {
         tensor: String,
         n_dims: u32,
@@ -70,7 +78,9 @@ pub enum GgufError {
         #[source]
         source: CoreError,
     },
-    #[error("tensor {tensor:?}: data offset {offset} is not a multiple of the alignment {alignment}")]
+    #[error(
+        "tensor {tensor:?}: data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
     MisalignedTensor {
         tensor: String,
         offset: u64,

@@ -64,21 +64,27 @@ impl GgufFile {
 
     /// A view of tensor `name` in its stored type, borrowing the file bytes.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let info = self.tensor_info(name).ok_or_else(|| GgufError::MissingTensor {
-            name: name.to_string(),
-        })?;
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| GgufError::MissingTensor {
+                name: name.to_string(),
+            })?;
         let wrap = |source| GgufError::Tensor {
             tensor: name.to_string(),
             source,
         };
         // Cannot overflow: the range was checked against the file at parse time.
-        let start = self.header.data_offset.checked_add(info.offset).ok_or_else(|| {
-            wrap(kvant_core::CoreError::OutOfBounds {
-                start: info.offset,
-                end: usize::MAX,
-                len: self.storage.len(),
-            })
-        })?;
+        let start = self
+            .header
+            .data_offset
+            .checked_add(info.offset)
+            .ok_or_else(|| {
+                wrap(kvant_core::CoreError::OutOfBounds {
+                    start: info.offset,
+                    end: usize::MAX,
+                    len: self.storage.len(),
+                })
+            })?;
         Tensor::new(info.dtype, info.shape.clone(), self.storage.clone(), start).map_err(wrap)
     }
 }

@@ -65,7 +65,11 @@ impl GgufFile {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Array(Array::String(v))) => Ok(Some(v)),
-            Some(other) => Err(wrong_type(key, "an array of string", other.type_description())),
+            Some(other) => Err(wrong_type(
+                key,
+                "an array of string",
+                other.type_description(),
+            )),
         }
     }
 
@@ -74,8 +78,14 @@ impl GgufFile {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Array(Array::F32(v))) => Ok(Some(Cow::Borrowed(v))),
-            Some(Value::Array(Array::F64(v))) => Ok(Some(Cow::Owned(v.iter().map(|&x| x as f32).collect()))),
-            Some(other) => Err(wrong_type(key, "an array of float", other.type_description())),
+            Some(Value::Array(Array::F64(v))) => {
+                Ok(Some(Cow::Owned(v.iter().map(|&x| x as f32).collect())))
+            }
+            Some(other) => Err(wrong_type(
+                key,
+                "an array of float",
+                other.type_description(),
+            )),
         }
     }
 
@@ -86,7 +96,13 @@ impl GgufFile {
             None => return Ok(None),
             Some(Value::Array(Array::I32(v))) => return Ok(Some(Cow::Borrowed(v))),
             Some(Value::Array(a)) => a,
-            Some(other) => return Err(wrong_type(key, "an array of integer", other.type_description())),
+            Some(other) => {
+                return Err(wrong_type(
+                    key,
+                    "an array of integer",
+                    other.type_description(),
+                ))
+            }
         };
         let wide = array
             .integers()
@@ -107,21 +123,26 @@ impl GgufFile {
 
     /// The `general.architecture` string, which every model file must have.
     pub fn architecture(&self) -> Result<&str> {
-        self.get_str(ARCHITECTURE_KEY)?.ok_or_else(|| GgufError::MissingKey {
-            key: ARCHITECTURE_KEY.to_string(),
-        })
+        self.get_str(ARCHITECTURE_KEY)?
+            .ok_or_else(|| GgufError::MissingKey {
+                key: ARCHITECTURE_KEY.to_string(),
+            })
     }
 
     fn get_int<T: TryFrom<i128>>(&self, key: &str, target: &'static str) -> Result<Option<T>> {
         let Some(value) = self.get(key) else {
             return Ok(None);
         };
-        let wide = value.as_integer().ok_or_else(|| wrong_type(key, "an integer", value.type_description()))?;
-        T::try_from(wide).map(Some).map_err(|_| GgufError::OutOfRange {
-            key: key.to_string(),
-            value: wide.to_string(),
-            target,
-        })
+        let wide = value
+            .as_integer()
+            .ok_or_else(|| wrong_type(key, "an integer", value.type_description()))?;
+        T::try_from(wide)
+            .map(Some)
+            .map_err(|_| GgufError::OutOfRange {
+                key: key.to_string(),
+                value: wide.to_string(),
+                target,
+            })
     }
 }
 

@@ -109,7 +109,11 @@ fn read_metadata(cur: &mut Cursor<'_>, n_kv: u64) -> Result<Metadata> {
 
 type TensorInfos = (Vec<TensorInfo>, HashMap<String, usize>);
 
-fn read_tensor_infos(cur: &mut Cursor<'_>, n_tensors: u64, alignment: usize) -> Result<TensorInfos> {
+fn read_tensor_infos(
+    cur: &mut Cursor<'_>,
+    n_tensors: u64,
+    alignment: usize,
+) -> Result<TensorInfos> {
     let n = checked_count(cur, n_tensors, MIN_TENSOR_INFO_LEN, || {
         "tensor count".to_string()
     })?;
@@ -158,11 +162,12 @@ fn read_tensor_info(cur: &mut Cursor<'_>, i: usize, alignment: usize) -> Result<
 
     // GGUF lists the innermost dimension first; kvant shapes are row-major.
     let raw_shape: Vec<u64> = ggml_dims.iter().rev().copied().collect();
-    let (shape, byte_len) = shape_and_len(dtype, &raw_shape).map_err(|source| GgufError::BadShape {
-        tensor: name.to_string(),
-        shape: raw_shape.clone(),
-        source,
-    })?;
+    let (shape, byte_len) =
+        shape_and_len(dtype, &raw_shape).map_err(|source| GgufError::BadShape {
+            tensor: name.to_string(),
+            shape: raw_shape.clone(),
+            source,
+        })?;
     if offset % alignment as u64 != 0 {
         return Err(GgufError::MisalignedTensor {
             tensor: name.to_string(),
@@ -185,7 +190,10 @@ fn read_tensor_info(cur: &mut Cursor<'_>, i: usize, alignment: usize) -> Result<
 /// and that rows are whole blocks; returns the shape and its byte length.
 fn shape_and_len(dtype: DType, raw: &[u64]) -> std::result::Result<(Vec<usize>, usize), CoreError> {
     let overflow = || CoreError::ShapeOverflow {
-        shape: raw.iter().map(|&d| usize::try_from(d).unwrap_or(usize::MAX)).collect(),
+        shape: raw
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect(),
     };
     let shape = raw
         .iter()

@@ -26,7 +26,9 @@ pub(crate) fn read_str<'a>(cur: &mut Cursor<'a>, context: impl Fn() -> String) -
 /// Reads a value id and resolves it.
 pub(crate) fn read_value_type(cur: &mut Cursor<'_>, key: &str) -> Result<ValueType> {
     let at = cur.pos();
-    let id = cur.u32().within(|| format!("type of metadata key {key:?}"))?;
+    let id = cur
+        .u32()
+        .within(|| format!("type of metadata key {key:?}"))?;
     ValueType::from_id(id).ok_or_else(|| GgufError::UnknownValueType {
         key: key.to_string(),
         id,
@@ -105,7 +107,9 @@ fn read_array(cur: &mut Cursor<'_>, key: &str, depth: usize) -> Result<Array> {
         ValueType::String => {
             let mut out = Vec::with_capacity(n);
             for i in 0..n {
-                out.push(read_str(cur, || format!("element {i} of metadata key {key:?}"))?.to_string());
+                out.push(
+                    read_str(cur, || format!("element {i} of metadata key {key:?}"))?.to_string(),
+                );
             }
             Array::String(out)
         }

@@ -82,7 +82,9 @@ impl<'a> GgufWriter<'a> {
             return Err(reject("key already added".to_string()));
         }
         if value.depth() > MAX_ARRAY_DEPTH {
-            return Err(reject(format!("arrays nested deeper than {MAX_ARRAY_DEPTH} levels")));
+            return Err(reject(format!(
+                "arrays nested deeper than {MAX_ARRAY_DEPTH} levels"
+            )));
         }
         if key == ALIGNMENT_KEY {
             self.alignment = alignment_from_value(&value)?;
@@ -111,10 +113,15 @@ impl<'a> GgufWriter<'a> {
             return Err(reject("tensor already added".to_string()));
         }
         if name.len() > MAX_TENSOR_NAME_LEN {
-            return Err(reject(format!("name longer than {MAX_TENSOR_NAME_LEN} bytes")));
+            return Err(reject(format!(
+                "name longer than {MAX_TENSOR_NAME_LEN} bytes"
+            )));
         }
         if shape.len() > MAX_DIMS {
-            return Err(reject(format!("{} dimensions, at most {MAX_DIMS}", shape.len())));
+            return Err(reject(format!(
+                "{} dimensions, at most {MAX_DIMS}",
+                shape.len()
+            )));
         }
         let elements = shape
             .iter()
@@ -122,7 +129,9 @@ impl<'a> GgufWriter<'a> {
             .ok_or_else(|| reject(format!("shape {shape:?} overflows")))?;
         let row = shape.last().copied().unwrap_or(1);
         dtype.bytes_for(row).map_err(|e| reject(e.to_string()))?;
-        let expected = dtype.bytes_for(elements).map_err(|e| reject(e.to_string()))?;
+        let expected = dtype
+            .bytes_for(elements)
+            .map_err(|e| reject(e.to_string()))?;
         if data.len() != expected {
             return Err(reject(format!(
                 "{dtype} {shape:?} needs {expected} bytes, got {}",
@@ -141,7 +150,8 @@ impl<'a> GgufWriter<'a> {
 
     /// Writes the whole file to `out`.
     pub fn write_to(&self, out: &mut impl Write) -> Result<()> {
-        out.write_all(&self.header_bytes()?).map_err(GgufError::Write)?;
+        out.write_all(&self.header_bytes()?)
+            .map_err(GgufError::Write)?;
         for t in &self.tensors {
             out.write_all(&t.data).map_err(GgufError::Write)?;
             out.write_all(&vec![0u8; self.padding(t.data.len())?])

@@ -50,8 +50,14 @@ impl HfDir {
             shards,
             tensor_shard,
             tokenizer_json: tokenizer_path.exists().then_some(tokenizer_path),
-            tokenizer_config: read_optional_json(&dir.join(TOKENIZER_CONFIG_FILE), "tokenizer_config.json")?,
-            generation_config: read_optional_json(&dir.join(GENERATION_CONFIG_FILE), "generation_config.json")?,
+            tokenizer_config: read_optional_json(
+                &dir.join(TOKENIZER_CONFIG_FILE),
+                "tokenizer_config.json",
+            )?,
+            generation_config: read_optional_json(
+                &dir.join(GENERATION_CONFIG_FILE),
+                "generation_config.json",
+            )?,
             chat_template: read_optional_text(&dir.join(CHAT_TEMPLATE_FILE))?,
         })
     }
@@ -130,7 +136,10 @@ fn open_weights(dir: &Path) -> Result<Vec<SafetensorsFile>> {
         shards.insert(shard, SafetensorsFile::open(&path)?);
     }
     for (tensor, shard) in &weight_map {
-        if !shards.get(shard.as_str()).is_some_and(|f| f.contains(tensor)) {
+        if !shards
+            .get(shard.as_str())
+            .is_some_and(|f| f.contains(tensor))
+        {
             return Err(HfError::NotInShard {
                 index: index_path.clone(),
                 tensor: tensor.clone(),
@@ -147,7 +156,10 @@ fn index_tensors(shards: &[SafetensorsFile]) -> Result<BTreeMap<String, usize>> 
     for (i, shard) in shards.iter().enumerate() {
         for name in shard.names() {
             if let Some(&first) = out.get(name) {
-                let first = shards.get(first).map(SafetensorsFile::path).unwrap_or(shard.path());
+                let first = shards
+                    .get(first)
+                    .map(SafetensorsFile::path)
+                    .unwrap_or(shard.path());
                 return Err(HfError::DuplicateTensor {
                     tensor: name.to_string(),
                     first: first.to_path_buf(),

@@ -24,7 +24,9 @@ pub(crate) fn read_capped(path: &Path) -> Result<Vec<u8>> {
         .read_to_end(&mut bytes)
         .map_err(io)?;
     if bytes.len() as u64 > MAX_SIDE_FILE_LEN {
-        let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(bytes.len() as u64);
+        let len = std::fs::metadata(path)
+            .map(|m| m.len())
+            .unwrap_or(bytes.len() as u64);
         return Err(HfError::FileTooLarge {
             path: path.to_path_buf(),
             len,
@@ -37,10 +39,11 @@ pub(crate) fn read_capped(path: &Path) -> Result<Vec<u8>> {
 /// Parses a JSON file whose top level must be an object.
 pub(crate) fn read_json_object(path: &Path, what: &'static str) -> Result<serde_json::Value> {
     let bytes = read_capped(path)?;
-    let value: serde_json::Value = serde_json::from_slice(&bytes).map_err(|source| HfError::Json {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let value: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|source| HfError::Json {
+            path: path.to_path_buf(),
+            source,
+        })?;
     if !value.is_object() {
         return Err(HfError::NotAnObject {
             path: path.to_path_buf(),
@@ -51,7 +54,10 @@ pub(crate) fn read_json_object(path: &Path, what: &'static str) -> Result<serde_
 }
 
 /// [`read_json_object`] for a file that may be absent.
-pub(crate) fn read_optional_json(path: &Path, what: &'static str) -> Result<Option<serde_json::Value>> {
+pub(crate) fn read_optional_json(
+    path: &Path,
+    what: &'static str,
+) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
@@ -64,7 +70,9 @@ pub(crate) fn read_optional_text(path: &Path) -> Result<Option<String>> {
         return Ok(None);
     }
     let bytes = read_capped(path)?;
-    String::from_utf8(bytes).map(Some).map_err(|_| HfError::NotUtf8 {
-        path: path.to_path_buf(),
-    })
+    String::from_utf8(bytes)
+        .map(Some)
+        .map_err(|_| HfError::NotUtf8 {
+            path: path.to_path_buf(),
+        })
 }

@@ -51,7 +51,15 @@ mod tests {
     #[test]
     fn shard_names_must_stay_in_the_directory() {
         assert!(is_plain_file_name("model-00001-of-00002.safetensors"));
-        for bad in ["", ".", "..", "../x.safetensors", "/etc/passwd", "a/b", "a/"] {
+        for bad in [
+            "",
+            ".",
+            "..",
+            "../x.safetensors",
+            "/etc/passwd",
+            "a/b",
+            "a/",
+        ] {
             assert!(!is_plain_file_name(bad), "{bad:?}");
         }
     }

@@ -70,18 +70,28 @@ impl SafetensorsFile {
 
     /// A view of tensor `name` borrowing the mapped bytes.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let entry = self.entries.get(name).ok_or_else(|| HfError::MissingTensor {
-            name: name.to_string(),
-        })?;
-        let dtype = entry.dtype.to_dtype().ok_or_else(|| HfError::UnsupportedDtype {
-            tensor: name.to_string(),
-            dtype: entry.dtype.name(),
-        })?;
-        Tensor::new(dtype, entry.shape.clone(), self.storage.clone(), entry.start).map_err(|source| {
-            HfError::Tensor {
+        let entry = self
+            .entries
+            .get(name)
+            .ok_or_else(|| HfError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let dtype = entry
+            .dtype
+            .to_dtype()
+            .ok_or_else(|| HfError::UnsupportedDtype {
                 tensor: name.to_string(),
-                source,
-            }
+                dtype: entry.dtype.name(),
+            })?;
+        Tensor::new(
+            dtype,
+            entry.shape.clone(),
+            self.storage.clone(),
+            entry.start,
+        )
+        .map_err(|source| HfError::Tensor {
+            tensor: name.to_string(),
+            source,
         })
     }
 }
@@ -98,7 +108,10 @@ impl<'de> Deserialize<'de> for Pairs {
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> std::result::Result<Pairs, A::Error> {
+            fn visit_map<A: MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Pairs, A::Error> {
                 let mut out = Vec::new();
                 while let Some(pair) = map.next_entry::<String, serde_json::Value>()? {
                     out.push(pair);
@@ -205,7 +218,11 @@ fn parse_entry(
         .try_fold(1u128, |acc, &d| acc.checked_mul(d.into()))
         .ok_or_else(|| bad(format!("shape {:?} has too many elements", raw.shape)))?;
     let expected = dtype.bytes_for(elements).ok_or_else(|| {
-        bad(format!("{} {:?} does not fill whole bytes", dtype.name(), raw.shape))
+        bad(format!(
+            "{} {:?} does not fill whole bytes",
+            dtype.name(),
+            raw.shape
+        ))
     })?;
     let actual = end - begin;
     if expected != u128::from(actual) {

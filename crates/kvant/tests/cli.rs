@@ -1,0 +1,120 @@
+//! The CLI on the tiny fixture checkpoints: outputs, JSON shape, and clear
+//! errors (exit 1, `kvant: error: …`, never a panic) on bad input.
+
+mod common;
+use common::*;
+
+fn tiny(name: &str) -> String {
+    fixture(&format!("models/{name}")).to_str().unwrap().to_string()
+}
+
+fn reference(name: &str) -> serde_json::Value {
+    json(&std::fs::read_to_string(fixture(&format!("models/{name}/reference.json"))).unwrap())
+}
+
+#[test]
+fn generate_json_matches_reference_greedy() {
+    for name in ["llama-gqa", "qwen2-bias", "mistral-swa"] {
+        let r = reference(name);
+        let n = r["greedy_ids"].as_array().unwrap().len().to_string();
+        let out = json(&kvant_ok(&[
+            "generate", "--model", &tiny(name), "--prompt", r["prompt_text"].as_str().unwrap(),
+            "--temperature", "0", "--max-tokens", &n, "--ignore-eos", "--json",
+        ]));
+        assert_eq!(ids(&out["prompt_token_ids"]), ids(&r["prompt_ids"]), "{name}");
+        assert_eq!(ids(&out["token_ids"]), ids(&r["greedy_ids"]), "{name}");
+        assert_eq!(out["prompt_tokens"], r["prompt_ids"].as_array().unwrap().len());
+        assert_eq!(out["completion_tokens"].as_u64(), Some(n.parse().unwrap()));
+        assert_eq!(out["finish_reason"], "length");
+        assert!(out["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(out["decode_tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(out["text"].is_string());
+    }
+}
+
+#[test]
+fn seeded_sampling_is_reproducible() {
+    let run = |seed: &str| {
+        kvant_ok(&[
+            "generate", "--model", &tiny("llama-gqa"), "--prompt", "hello", "--temperature", "1.0",
+            "--seed", seed, "--max-tokens", "24", "--ignore-eos", "--json",
+        ])
+    };
+    let a = json(&run("7"));
+    assert_eq!(a["token_ids"], json(&run("7"))["token_ids"]);
+    assert_ne!(a["token_ids"], json(&run("8"))["token_ids"]);
+}
+
+#[test]
+fn info_describes_checkpoints() {
+    let out = json(&kvant_ok(&["info", "--model", &tiny("qwen3-qknorm"), "--json"]));
+    assert_eq!(out["architecture"], "qwen3");
+    assert_eq!(out["format"], "safetensors");
+    assert_eq!(out["vocab_size"], 320);
+    let gguf = fixture("models/gguf/llama-gqa.Q4_0.gguf");
+    let out = json(&kvant_ok(&["info", "--model", gguf.to_str().unwrap(), "--json"]));
+    assert_eq!(out["format"], "gguf");
+    assert!(out["tensor_dtypes"]["Q4_0"].as_u64().unwrap() > 0);
+    assert!(out["parameters"].as_u64().unwrap() > 10_000);
+    let text = kvant_ok(&["info", "--model", gguf.to_str().unwrap()]);
+    assert!(text.contains("llama"), "{text}");
+}
+
+#[test]
+fn bad_inputs_are_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nope.gguf");
+    let e = kvant_err(&["info", "--model", missing.to_str().unwrap()]);
+    assert!(e.contains("no model at"), "{e}");
+
+    // Truncated and garbage GGUF files.
+    let good = std::fs::read(fixture("models/gguf/llama-gqa.Q8_0.gguf")).unwrap();
+    for len in [0, 3, 20, 200, good.len() / 2, good.len() - 1] {
+        let p = dir.path().join(format!("trunc{len}.gguf"));
+        std::fs::write(&p, &good[..len]).unwrap();
+        let e = kvant_err(&["info", "--model", p.to_str().unwrap()]);
+        assert!(e.contains("kvant: error:"), "{e}");
+    }
+    let p = dir.path().join("garbage.gguf");
+    std::fs::write(&p, vec![0xABu8; 4096]).unwrap();
+    kvant_err(&["generate", "--model", p.to_str().unwrap(), "--prompt", "x"]);
+
+    // Invalid UTF-8 in a prompt file names the file.
+    let bad = dir.path().join("bad.txt");
+    std::fs::write(&bad, b"ok \xff\xfe").unwrap();
+    let e = kvant_err(&["generate", "--model", &tiny("llama-gqa"), "--prompt-file", bad.to_str().unwrap()]);
+    assert!(e.contains("not valid UTF-8") && e.contains("offset 3"), "{e}");
+
+    // A prompt longer than the context (256 positions).
+    let long = "word ".repeat(400);
+    let e = kvant_err(&["generate", "--model", &tiny("llama-gqa"), "--prompt", &long, "--max-tokens", "4"]);
+    assert!(e.contains("context"), "{e}");
+
+    // Out-of-range sampling parameters.
+    let e = kvant_err(&["generate", "--model", &tiny("llama-gqa"), "--prompt", "a", "--top-p", "0"]);
+    assert!(e.contains("top_p"), "{e}");
+
+    // Out-of-vocabulary ids.
+    let e = kvant_err(&["detokenize", "--model", &tiny("llama-gqa"), "99999"]);
+    assert!(e.contains("99999"), "{e}");
+}
+
+#[test]
+fn chat_needs_a_template() {
+    // A copy of a tiny checkpoint whose tokenizer_config.json lacks the template.
+    let dir = tempfile::tempdir().unwrap();
+    let src = fixture("models/llama-gqa");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.path().join(p.file_name().unwrap())).unwrap();
+    }
+    let cfg_path = dir.path().join("tokenizer_config.json");
+    let mut cfg = json(&std::fs::read_to_string(&cfg_path).unwrap());
+    cfg.as_object_mut().unwrap().remove("chat_template");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let model = dir.path().to_str().unwrap();
+    let e = kvant_err(&["generate", "--model", model, "--chat", "--prompt", "hi"]);
+    assert!(e.contains("no chat template"), "{e}");
+    // Without --chat the same checkpoint generates.
+    kvant_ok(&["generate", "--model", model, "--prompt", "hi", "--max-tokens", "3"]);
+}

@@ -1,0 +1,70 @@
+//! Helpers shared by the CLI integration tests (included with `mod common`).
+
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+pub fn fixture(rel: &str) -> PathBuf {
+    repo().join("tests/fixtures").join(rel)
+}
+
+pub fn kvant(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_kvant"))
+        .args(args)
+        .env_remove("KVANT_MODEL")
+        .output()
+        .expect("running kvant")
+}
+
+/// Runs kvant, asserts success, returns stdout.
+pub fn kvant_ok(args: &[&str]) -> String {
+    let out = kvant(args);
+    assert!(
+        out.status.success(),
+        "kvant {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 stdout")
+}
+
+/// Runs kvant expecting failure; returns stderr.
+pub fn kvant_err(args: &[&str]) -> String {
+    let out = kvant(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "kvant {args:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "kvant {args:?} panicked: {stderr}");
+    stderr
+}
+
+/// The real default model: `$KVANT_MODEL` (set by `.ci/run` after
+/// `kvant fetch`). `None` only when `KVANT_SKIP_REAL_MODEL=1`.
+pub fn real_model() -> Option<String> {
+    if std::env::var("KVANT_SKIP_REAL_MODEL").as_deref() == Ok("1") {
+        eprintln!("KVANT_SKIP_REAL_MODEL=1: skipping a real-model test");
+        return None;
+    }
+    match std::env::var("KVANT_MODEL") {
+        Ok(p) if Path::new(&p).is_file() => Some(p),
+        _ => panic!(
+            "set KVANT_MODEL to the default model (`cargo run -p kvant -- fetch` prints its path), \
+             or KVANT_SKIP_REAL_MODEL=1 to skip real-model tests"
+        ),
+    }
+}
+
+pub fn json(s: &str) -> serde_json::Value {
+    serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("bad JSON {s:?}: {e}"))
+}
+
+pub fn ids(v: &serde_json::Value) -> Vec<u64> {
+    v.as_array()
+        .expect("array")
+        .iter()
+        .map(|x| x.as_u64().expect("id"))
+        .collect()
+}

@@ -1,0 +1,50 @@
+//! Peak memory of `kvant generate` on the default model: weights stay
+//! mmap'd in their stored type, so the peak RSS must stay under 1.5× the
+//! GGUF file size plus the KV cache.
+
+mod common;
+use common::*;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+/// The child's high-water RSS (`VmHWM`), polled until it exits. VmHWM is
+/// monotonic, and generation runs at steady memory after loading, so the
+/// last reading is the peak.
+fn peak_rss_of(mut cmd: Command) -> usize {
+    let mut child = cmd.stdout(Stdio::null()).spawn().expect("spawn kvant");
+    let status_path = format!("/proc/{}/status", child.id());
+    let mut peak_kb = 0usize;
+    loop {
+        if let Ok(s) = std::fs::read_to_string(&status_path) {
+            if let Some(kb) = s
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            {
+                peak_kb = peak_kb.max(kb);
+            }
+        }
+        if let Some(st) = child.try_wait().expect("wait") {
+            assert!(st.success(), "kvant failed");
+            return peak_kb * 1024;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn generate_peak_rss_is_bounded_by_the_file_size() {
+    let Some(model) = real_model() else { return };
+    let max_tokens = 48;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvant"));
+    cmd.args(["generate", "--model", &model, "--prompt", "Once upon a time", "--temperature", "0"])
+        .args(["--max-tokens", &max_tokens.to_string(), "--ignore-eos"]);
+    let peak = peak_rss_of(cmd);
+    // SmolLM2-135M: 30 layers × (K, V) × 192 values × 4 bytes per token; the
+    // prompt is under 16 tokens.
+    let kv_bytes = (16 + max_tokens) * 30 * 2 * 192 * 4;
+    let file = std::fs::metadata(&model).unwrap().len() as usize;
+    let limit = file * 3 / 2 + kv_bytes;
+    eprintln!("peak RSS {:.1} MB, limit {:.1} MB", peak as f64 / 1e6, limit as f64 / 1e6);
+    assert!(peak > 0 && peak < limit, "peak RSS {peak} vs limit {limit}");
+}
