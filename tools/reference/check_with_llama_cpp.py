@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 MODELS = REPO / "tests" / "fixtures" / "models"
 # llama.cpp vs transformers on the same f32 weights: summation order only.
 F32_LOGIT_TOL = 1e-3
+GGML_TYPE_F32 = 0
 
 
 def _open(path: Path, vocab_only: bool = False) -> Llama:
@@ -39,6 +40,9 @@ def _open(path: Path, vocab_only: bool = False) -> Llama:
         n_threads=1,
         logits_all=True,
         vocab_only=vocab_only,
+        # F32 KV cache: llama.cpp's default F16 cache alone moves tiny-model logits by ~5e-3.
+        type_k=GGML_TYPE_F32,
+        type_v=GGML_TYPE_F32,
         verbose=False,
     )
 

@@ -89,7 +89,7 @@ TEXTS = [
     "not special: <|im_start <im_end|> < |im_end| >",
     "\u00dcn\u00efc\u00f6d\u00e9 \u00e7\u00e0f\u00e9 na\u00efve r\u00e9sum\u00e9 \u2014 \u201cquotes\u201d \u2018single\u2019 \u2026 \u00a9\u00ae\u2122",
     "Tab\tafter\u00a0nbsp and\u2003em space",
-    "ctrl \u0001\u001f\u007f zero\u200bwidth \ufeffbom",
+    "ctrl \u0001\u0004\u001f\u007f zero\u200bwidth \ufeffbom",
     "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
     "============ !!!???... ----->>>",
     "proto://host.test/a/b?q=1&r=2#frag user@host.test",

@@ -123,7 +123,7 @@ impl DType {
     /// fill whole blocks or the size overflows (hostile headers ask for both).
     pub fn bytes_for(self, elements: usize) -> Result<usize> {
         let block = self.block_size();
-        if elements % block != 0 {
+        if !elements.is_multiple_of(block) {
             return Err(CoreError::PartialBlock {
                 dtype: self,
                 elements,

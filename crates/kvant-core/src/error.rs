@@ -18,9 +18,16 @@ pub enum CoreError {
     #[error("tensor needs {needed} bytes but its storage holds {available}")]
     StorageTooSmall { needed: usize, available: usize },
     #[error("byte range {start}..{end} is outside storage of {len} bytes")]
-    OutOfBounds { start: usize, end: usize, len: usize },
+    OutOfBounds {
+        start: usize,
+        end: usize,
+        len: usize,
+    },
     #[error("expected {expected} but the tensor is {actual}")]
-    WrongDType { expected: &'static str, actual: DType },
+    WrongDType {
+        expected: &'static str,
+        actual: DType,
+    },
     #[error("expected shape {expected:?}, found {actual:?}")]
     WrongShape {
         expected: Vec<usize>,

@@ -113,6 +113,9 @@ mod tests {
     fn f32_rows() {
         let t = Tensor::from_f32(vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap();
         assert_eq!(t.rows(), 2);
-        assert_eq!(t.row_bytes(1), &[4f32, 5., 6.].map(f32::to_le_bytes).concat()[..]);
+        assert_eq!(
+            t.row_bytes(1),
+            &[4f32, 5., 6.].map(f32::to_le_bytes).concat()[..]
+        );
     }
 }

@@ -10,8 +10,16 @@ pub enum EngineError {
     PromptTooLong { prompt: usize, context: usize },
     #[error("sampling: {0}")]
     Sampling(#[from] SamplingError),
+    /// Boxed: model errors carry names and shapes, and would bloat every
+    /// `Result` on the decode path.
     #[error(transparent)]
-    Model(#[from] kvant_model::ModelError),
+    Model(Box<kvant_model::ModelError>),
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] kvant_model::tokenizer::TokenizerError),
+}
+
+impl From<kvant_model::ModelError> for EngineError {
+    fn from(e: kvant_model::ModelError) -> Self {
+        EngineError::Model(Box::new(e))
+    }
 }

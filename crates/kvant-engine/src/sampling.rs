@@ -74,17 +74,37 @@ impl SamplingParams {
             }
         };
         let t = self.temperature;
-        check("temperature", t.is_finite() && t >= 0.0, "a finite number ≥ 0", t)?;
+        check(
+            "temperature",
+            t.is_finite() && t >= 0.0,
+            "a finite number ≥ 0",
+            t,
+        )?;
         let p = self.top_p;
         check("top_p", p > 0.0 && p <= 1.0, "in (0, 1]", p)?;
         let m = self.min_p;
         check("min_p", (0.0..=1.0).contains(&m), "in [0, 1]", m)?;
         let r = self.repeat_penalty;
-        check("repeat_penalty", r.is_finite() && r > 0.0, "a finite number > 0", r)?;
+        check(
+            "repeat_penalty",
+            r.is_finite() && r > 0.0,
+            "a finite number > 0",
+            r,
+        )?;
         let pp = self.presence_penalty;
-        check("presence_penalty", (-2.0..=2.0).contains(&pp), "in [-2, 2]", pp)?;
+        check(
+            "presence_penalty",
+            (-2.0..=2.0).contains(&pp),
+            "in [-2, 2]",
+            pp,
+        )?;
         let fp = self.frequency_penalty;
-        check("frequency_penalty", (-2.0..=2.0).contains(&fp), "in [-2, 2]", fp)
+        check(
+            "frequency_penalty",
+            (-2.0..=2.0).contains(&fp),
+            "in [-2, 2]",
+            fp,
+        )
     }
 }
 
@@ -130,7 +150,8 @@ impl Sampler {
         if cands.is_empty() {
             return Err(SamplingError::NoFiniteLogit);
         }
-        let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let by_logit_desc =
+            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         // top-k: partial selection, then sort only the survivors.
         if p.top_k > 0 && p.top_k < cands.len() {
             cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
@@ -242,8 +263,14 @@ mod tests {
     fn seeded_runs_repeat_and_follow_the_distribution() {
         let logits = [0.0f32, (2f32).ln(), (3f32).ln(), f32::NEG_INFINITY];
         let draw = |seed| {
-            let mut s = Sampler::new(SamplingParams { seed, ..params(1.0) }).unwrap();
-            (0..6000).map(|_| s.sample(&mut logits.clone(), &[]).unwrap()).collect::<Vec<_>>()
+            let mut s = Sampler::new(SamplingParams {
+                seed,
+                ..params(1.0)
+            })
+            .unwrap();
+            (0..6000)
+                .map(|_| s.sample(&mut logits.clone(), &[]).unwrap())
+                .collect::<Vec<_>>()
         };
         let a = draw(5);
         assert_eq!(a, draw(5));
@@ -261,16 +288,36 @@ mod tests {
         let logits = [5.0f32, 4.0, 3.0, 2.0, 1.0];
         let seen = |p: SamplingParams| {
             let mut s = Sampler::new(p).unwrap();
-            let mut ids: Vec<u32> = (0..500).map(|_| s.sample(&mut logits.clone(), &[]).unwrap()).collect();
+            let mut ids: Vec<u32> = (0..500)
+                .map(|_| s.sample(&mut logits.clone(), &[]).unwrap())
+                .collect();
             ids.sort();
             ids.dedup();
             ids
         };
-        assert_eq!(seen(SamplingParams { top_k: 2, ..params(5.0) }), vec![0, 1]);
+        assert_eq!(
+            seen(SamplingParams {
+                top_k: 2,
+                ..params(5.0)
+            }),
+            vec![0, 1]
+        );
         // p(0) ≈ 0.636, p(0)+p(1) ≈ 0.87: top_p 0.8 keeps two.
-        assert_eq!(seen(SamplingParams { top_p: 0.8, ..params(5.0) }), vec![0, 1]);
+        assert_eq!(
+            seen(SamplingParams {
+                top_p: 0.8,
+                ..params(5.0)
+            }),
+            vec![0, 1]
+        );
         // min_p 0.3 keeps tokens with p ≥ 0.3·p_max: exp(-1) = 0.37 passes, exp(-2) fails.
-        assert_eq!(seen(SamplingParams { min_p: 0.3, ..params(5.0) }), vec![0, 1]);
+        assert_eq!(
+            seen(SamplingParams {
+                min_p: 0.3,
+                ..params(5.0)
+            }),
+            vec![0, 1]
+        );
     }
 
     #[test]
@@ -292,9 +339,18 @@ mod tests {
         for p in [
             params(-1.0),
             params(f32::NAN),
-            SamplingParams { top_p: 0.0, ..params(1.0) },
-            SamplingParams { min_p: 1.5, ..params(1.0) },
-            SamplingParams { repeat_penalty: 0.0, ..params(1.0) },
+            SamplingParams {
+                top_p: 0.0,
+                ..params(1.0)
+            },
+            SamplingParams {
+                min_p: 1.5,
+                ..params(1.0)
+            },
+            SamplingParams {
+                repeat_penalty: 0.0,
+                ..params(1.0)
+            },
         ] {
             assert!(Sampler::new(p).is_err());
         }

@@ -92,7 +92,11 @@ pub fn attention_ref(p: &AttnParams, q: &[f32], q_pos0: usize, k: &[f32], v: &[f
                 .clone()
                 .map(|j| {
                     let kr = &k[j * kv_dim + kvh * hd..][..hd];
-                    p.scale as f64 * qh.iter().zip(kr).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>()
+                    p.scale as f64
+                        * qh.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
                 })
                 .collect();
             let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -153,7 +157,13 @@ mod tests {
 
     #[test]
     fn window_of_one_returns_own_value() {
-        let p = AttnParams { n_heads: 1, n_kv_heads: 1, head_dim: 2, scale: 1.0, window: Some(1) };
+        let p = AttnParams {
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            scale: 1.0,
+            window: Some(1),
+        };
         let q = [1.0, 0.0, 0.0, 1.0];
         let k = [5.0, 5.0, -3.0, 2.0];
         let v = [1.0, 2.0, 3.0, 4.0];

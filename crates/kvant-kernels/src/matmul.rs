@@ -31,7 +31,13 @@ thread_local! {
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
-/// `y[t*out + o] = Σ_i W[o, i] · x[t*in + i]` on the start-up SIMD tier.
+/// `y[t*out + o] = Σ_i W[o, i] · x[t*in + i]` on the start-up SIMD tier,
+/// accumulated in f32.
+///
+/// # Errors
+/// [`KernelError::NotAMatrix`] unless `w` is 2-D, and
+/// [`KernelError::LengthMismatch`] unless `x` holds `n_tokens * in` values and
+/// `y` `n_tokens * out`; `y` is untouched then.
 pub fn matmul(w: &Tensor, x: &[f32], n_tokens: usize, y: &mut [f32]) -> Result<(), KernelError> {
     matmul_with(cpu::tier(), w, x, n_tokens, y)
 }

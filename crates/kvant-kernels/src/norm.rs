@@ -63,13 +63,18 @@ mod tests {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
         for dim in [1usize, 3, 17, 65, 577] {
             let rows = 3;
-            let x: Vec<f32> = (0..dim * rows).map(|_| rng.random_range(-3.0..3.0)).collect();
+            let x: Vec<f32> = (0..dim * rows)
+                .map(|_| rng.random_range(-3.0..3.0))
+                .collect();
             let w: Vec<f32> = (0..dim).map(|_| rng.random_range(-2.0..2.0)).collect();
             let mut out = vec![f32::NAN; x.len()];
             rms_norm(&x, &w, 1e-5, &mut out);
             let r = rms_norm_ref(&x, &w, 1e-5);
             for (a, b) in out.iter().zip(&r) {
-                assert!((a - b).abs() <= TOL * (1.0 + b.abs()), "dim {dim}: {a} vs {b}");
+                assert!(
+                    (a - b).abs() <= TOL * (1.0 + b.abs()),
+                    "dim {dim}: {a} vs {b}"
+                );
             }
             let mut y = x.clone();
             rms_norm_inplace(&mut y, &w, 1e-5);

@@ -18,7 +18,13 @@ pub enum RopeStyle {
 
 /// Rotates `n_heads` heads of `head_dim` values each, in place, for one
 /// token at `pos`. Only the first `2 * inv_freq.len()` dims of a head rotate.
-pub fn rope_inplace(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32], style: RopeStyle) {
+pub fn rope_inplace(
+    x: &mut [f32],
+    head_dim: usize,
+    pos: usize,
+    inv_freq: &[f32],
+    style: RopeStyle,
+) {
     let half = inv_freq.len();
     debug_assert!(2 * half <= head_dim);
     let p = pos as f32;
@@ -46,7 +52,13 @@ pub fn rope_inplace(x: &mut [f32], head_dim: usize, pos: usize, inv_freq: &[f32]
 pub const MAX_ROPE_HALF: usize = 256;
 
 /// f64 reference: rotates with angles computed in double precision.
-pub fn rope_ref(x: &[f32], head_dim: usize, pos: usize, inv_freq: &[f32], style: RopeStyle) -> Vec<f32> {
+pub fn rope_ref(
+    x: &[f32],
+    head_dim: usize,
+    pos: usize,
+    inv_freq: &[f32],
+    style: RopeStyle,
+) -> Vec<f32> {
     let half = inv_freq.len();
     let mut out = x.to_vec();
     for (h, head) in out.chunks_exact_mut(head_dim).enumerate() {
@@ -81,7 +93,9 @@ mod tests {
                 .collect();
             for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
                 for pos in [0usize, 1, 17, 4095] {
-                    let x: Vec<f32> = (0..head_dim * 3).map(|_| rng.random_range(-1.0..1.0)).collect();
+                    let x: Vec<f32> = (0..head_dim * 3)
+                        .map(|_| rng.random_range(-1.0..1.0))
+                        .collect();
                     let mut y = x.clone();
                     rope_inplace(&mut y, head_dim, pos, &inv, style);
                     let r = rope_ref(&x, head_dim, pos, &inv, style);

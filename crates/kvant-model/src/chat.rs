@@ -104,7 +104,10 @@ impl ChatTemplate {
         if messages.is_empty() {
             return Err(ChatError::EmptyConversation);
         }
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(ChatError::Render)?;
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(ChatError::Render)?;
         let mut ctx = vec![
             ("messages", Value::from_serialize(messages)),
             ("add_generation_prompt", Value::from(add_generation_prompt)),

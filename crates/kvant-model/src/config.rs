@@ -49,7 +49,9 @@ impl Arch {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor` (inverse frequencies divided by it).
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.x piecewise scaling of the inverse frequencies.
     Llama3 {
         factor: f32,
@@ -99,8 +101,7 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     pub fn is_sliding(&self, layer: usize) -> bool {
-        self.sliding_window.is_some()
-            && self.sliding_layers.get(layer).copied().unwrap_or(true)
+        self.sliding_window.is_some() && self.sliding_layers.get(layer).copied().unwrap_or(true)
     }
 
     /// Inverse rotary frequencies for a layer, with scaling folded in.
@@ -156,13 +157,13 @@ impl ModelConfig {
                 return Err(bad(key, "is implausibly large"));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(bad(
                 "num_key_value_heads",
                 "must divide the number of attention heads",
             ));
         }
-        if self.rope.dim > self.head_dim || self.rope.dim % 2 != 0 {
+        if self.rope.dim > self.head_dim || !self.rope.dim.is_multiple_of(2) {
             return Err(bad("rope dimension", "must be even and at most head_dim"));
         }
         if self.rope.dim / 2 > kvant_kernels::rope::MAX_ROPE_HALF {
@@ -193,11 +194,14 @@ impl ModelConfig {
         };
         let key = |k: &str| format!("{arch_name}.{k}");
         let req = |k: &str| -> Result<usize> {
-            g.get_usize(&key(k))?.ok_or_else(|| ConfigError::Missing(key(k)))
+            g.get_usize(&key(k))?
+                .ok_or_else(|| ConfigError::Missing(key(k)))
         };
         let hidden = req("embedding_length")?;
         let n_heads = req("attention.head_count")?;
-        let n_kv_heads = g.get_usize(&key("attention.head_count_kv"))?.unwrap_or(n_heads);
+        let n_kv_heads = g
+            .get_usize(&key("attention.head_count_kv"))?
+            .unwrap_or(n_heads);
         let head_dim = match g.get_usize(&key("attention.key_length"))? {
             Some(d) => d,
             None => hidden.checked_div(n_heads).ok_or(ConfigError::Invalid {
@@ -253,7 +257,9 @@ impl ModelConfig {
                 .unwrap_or(1e-5),
             rope: RopeConfig {
                 theta: g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0),
-                dim: g.get_usize(&key("rope.dimension_count"))?.unwrap_or(head_dim),
+                dim: g
+                    .get_usize(&key("rope.dimension_count"))?
+                    .unwrap_or(head_dim),
                 style,
                 scaling,
                 local_theta: gemma.then_some(10_000.0),
@@ -263,7 +269,11 @@ impl ModelConfig {
             qkv_bias: false,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
             tied_embeddings: g.tensor_infos().iter().all(|t| t.name != "output.weight"),
-            activation: if gemma { Activation::GeluTanh } else { Activation::Silu },
+            activation: if gemma {
+                Activation::GeluTanh
+            } else {
+                Activation::Silu
+            },
             attn_scale: 1.0 / (head_dim as f32).sqrt(),
             gemma,
         }
@@ -302,12 +312,13 @@ impl ModelConfig {
         let f32_in = |obj: &Value, k: &str| -> Result<Option<f32>> {
             match obj.get(k) {
                 None | Some(Value::Null) => Ok(None),
-                Some(v) => v.as_f64().map(|v| Some(v as f32)).ok_or_else(|| {
-                    ConfigError::Invalid {
+                Some(v) => v
+                    .as_f64()
+                    .map(|v| Some(v as f32))
+                    .ok_or_else(|| ConfigError::Invalid {
                         key: k.into(),
                         why: format!("expected a number, found {v}"),
-                    }
-                }),
+                    }),
             }
         };
         let hidden = req("hidden_size")?;

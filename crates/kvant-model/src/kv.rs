@@ -17,8 +17,12 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(n_layers: usize, kv_dim: usize, capacity: usize) -> Self {
         KvCache {
-            keys: (0..n_layers).map(|_| vec![0.0; capacity * kv_dim]).collect(),
-            values: (0..n_layers).map(|_| vec![0.0; capacity * kv_dim]).collect(),
+            keys: (0..n_layers)
+                .map(|_| vec![0.0; capacity * kv_dim])
+                .collect(),
+            values: (0..n_layers)
+                .map(|_| vec![0.0; capacity * kv_dim])
+                .collect(),
             kv_dim,
             capacity,
             len: 0,

@@ -57,7 +57,10 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
         Checkpoint::Hf(h) => {
             let cfg = ModelConfig::from_hf_json(h.config())?;
             let (tokenizer, template) = hf_tokenizer(h)?;
-            let dtypes = h.tensor_names().filter_map(|n| h.tensor(n).ok()).map(|t| (t.dtype(), t.elements() as u64));
+            let dtypes = h
+                .tensor_names()
+                .filter_map(|n| h.tensor(n).ok())
+                .map(|t| (t.dtype(), t.elements() as u64));
             (cfg, tokenizer, template, count(dtypes))
         }
     };
@@ -127,9 +130,15 @@ fn tokenizer_spec(g: &GgufFile) -> Result<GgufTokenizerSpec, ModelError> {
             .get_str_array("tokenizer.ggml.tokens")?
             .ok_or_else(|| ModelError::MissingTokenizer("GGUF key tokenizer.ggml.tokens".into()))?
             .to_vec(),
-        scores: g.get_f32_array("tokenizer.ggml.scores")?.map(|c| c.into_owned()),
-        token_types: g.get_i32_array("tokenizer.ggml.token_type")?.map(|c| c.into_owned()),
-        merges: g.get_str_array("tokenizer.ggml.merges")?.map(<[String]>::to_vec),
+        scores: g
+            .get_f32_array("tokenizer.ggml.scores")?
+            .map(|c| c.into_owned()),
+        token_types: g
+            .get_i32_array("tokenizer.ggml.token_type")?
+            .map(|c| c.into_owned()),
+        merges: g
+            .get_str_array("tokenizer.ggml.merges")?
+            .map(<[String]>::to_vec),
         bos_id: id("bos_token_id")?,
         eos_id: id("eos_token_id")?,
         eot_id: id("eot_token_id")?,

@@ -38,7 +38,11 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
         }
     }
     out.sort();
-    assert!(out.len() >= 14, "expected every fixture, found {}", out.len());
+    assert!(
+        out.len() >= 14,
+        "expected every fixture, found {}",
+        out.len()
+    );
     out
 }
 
@@ -115,7 +119,10 @@ fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
         let next = logits
             .iter()
             .enumerate()
-            .fold((0, f32::NEG_INFINITY), |b, (i, &l)| if l > b.1 { (i, l) } else { b })
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &l)| if l > b.1 { (i, l) } else { b },
+            )
             .0 as u32;
         out.push(next);
         logits = m.forward(&[next], &mut cache, Logits::Last).unwrap();

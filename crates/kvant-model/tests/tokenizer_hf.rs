@@ -24,7 +24,9 @@ struct Case {
 }
 
 fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tokenizer").join(name)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tokenizer")
+        .join(name)
 }
 
 fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> T {
@@ -34,7 +36,11 @@ fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> T {
 
 fn load(dir: &str, generation_config: Option<&Value>) -> Result<Tokenizer, TokenizerError> {
     let config: Value = read_json(&fixture_path(dir).join("tokenizer_config.json"));
-    Tokenizer::from_hf_files(&fixture_path(dir).join("tokenizer.json"), Some(&config), generation_config)
+    Tokenizer::from_hf_files(
+        &fixture_path(dir).join("tokenizer.json"),
+        Some(&config),
+        generation_config,
+    )
 }
 
 #[test]
@@ -44,13 +50,30 @@ fn smollm2_tokenizer_json_gives_the_reference_ids() {
     assert_eq!(tok.kind(), "tokenizer.json BPE (byte-level)");
     assert_eq!(tok.vocab_size(), 49152);
     assert_eq!(tok.bos_id(), Some(fixture.bos_id));
-    assert_eq!(tok.eos_ids(), [fixture.eos_id], "eos from tokenizer_config's eos_token");
+    assert_eq!(
+        tok.eos_ids(),
+        [fixture.eos_id],
+        "eos from tokenizer_config's eos_token"
+    );
     assert!(!tok.adds_bos());
     for case in &fixture.cases {
-        assert_eq!(tok.encode(&case.text, false).expect("encode"), case.ids, "{:?}", case.text);
-        assert_eq!(tok.encode(&case.text, true).expect("encode"), case.ids, "{:?}", case.text);
+        assert_eq!(
+            tok.encode(&case.text, false).expect("encode"),
+            case.ids,
+            "{:?}",
+            case.text
+        );
+        assert_eq!(
+            tok.encode(&case.text, true).expect("encode"),
+            case.ids,
+            "{:?}",
+            case.text
+        );
         assert_eq!(tok.decode(&case.ids, false).expect("decode"), case.decoded);
-        assert_eq!(tok.decode(&case.ids, true).expect("decode"), case.decoded_skip_special);
+        assert_eq!(
+            tok.decode(&case.ids, true).expect("decode"),
+            case.decoded_skip_special
+        );
     }
 }
 
@@ -60,9 +83,15 @@ fn generation_config_eos_ids_take_precedence() {
     let tok = load("smollm2-hf", Some(&list)).expect("loads");
     assert_eq!(tok.eos_ids(), [2, 0]);
     let single = json!({"eos_token_id": 0});
-    assert_eq!(load("smollm2-hf", Some(&single)).expect("loads").eos_ids(), [0]);
+    assert_eq!(
+        load("smollm2-hf", Some(&single)).expect("loads").eos_ids(),
+        [0]
+    );
     let bad = json!({"eos_token_id": "two"});
-    assert!(matches!(load("smollm2-hf", Some(&bad)), Err(TokenizerError::UnsupportedHf(_))));
+    assert!(matches!(
+        load("smollm2-hf", Some(&bad)),
+        Err(TokenizerError::UnsupportedHf(_))
+    ));
     let outside = json!({"eos_token_id": 49152});
     assert!(matches!(
         load("smollm2-hf", Some(&outside)),
@@ -83,13 +112,21 @@ fn sentencepiece_tokenizer_json_gives_transformers_ids() {
         let (Some(hf_ids), Some(hf_decoded)) = (&case.hf_ids, &case.hf_decoded) else {
             panic!("spm.json lacks transformers' ids for {:?}", case.text);
         };
-        assert_eq!(&tok.encode(&case.text, false).expect("encode"), hf_ids, "{:?}", case.text);
+        assert_eq!(
+            &tok.encode(&case.text, false).expect("encode"),
+            hf_ids,
+            "{:?}",
+            case.text
+        );
         let with_bos = tok.encode(&case.text, true).expect("encode");
         assert_eq!(with_bos.first(), Some(&fixture.bos_id));
         assert_eq!(with_bos.get(1..), Some(hf_ids.as_slice()));
         assert_eq!(&tok.decode(hf_ids, false).expect("decode"), hf_decoded);
         assert_eq!(tok.decode(&case.ids, false).expect("decode"), case.decoded);
-        assert_eq!(tok.decode(&case.ids, true).expect("decode"), case.decoded_skip_special);
+        assert_eq!(
+            tok.decode(&case.ids, true).expect("decode"),
+            case.decoded_skip_special
+        );
     }
 }
 
@@ -113,27 +150,51 @@ fn unsupported_files_are_clear_errors() {
     let dir = tempfile::tempdir().expect("tempdir");
     let vocab = json!({"a": 0, "[UNK]": 1});
     let cases = [
-        (word_level(json!({"type": "WordPiece", "prefix": "##", "cleanup": true}), vocab.clone()), "WordPiece"),
+        (
+            word_level(
+                json!({"type": "WordPiece", "prefix": "##", "cleanup": true}),
+                vocab.clone(),
+            ),
+            "WordPiece",
+        ),
         (word_level(Value::Null, vocab.clone()), "no decoder"),
         (
-            word_level(json!({"type": "Sequence", "decoders": [
+            word_level(
+                json!({"type": "Sequence", "decoders": [
                 {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-                {"type": "Fuse"}]}), vocab),
+                {"type": "Fuse"}]}),
+                vocab,
+            ),
             "Strip",
         ),
-        (word_level(json!({"type": "ByteLevel"}), json!({"a": 0, "[UNK]": 1_000_000})), "ids up to"),
+        (
+            word_level(
+                json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
+                json!({"a": 0, "[UNK]": 1_000_000}),
+            ),
+            "ids up to",
+        ),
     ];
     for (json, expected) in cases {
         let path = write_tokenizer_json(&dir, &json);
         match Tokenizer::from_hf_files(&path, None, None) {
             Err(TokenizerError::UnsupportedHf(message)) => {
-                assert!(message.contains(expected), "{message:?} should mention {expected:?}")
+                assert!(
+                    message.contains(expected),
+                    "{message:?} should mention {expected:?}"
+                )
             }
-            other => panic!("expected UnsupportedHf for {expected}, got {:?}", other.map(|t| t.kind().to_string())),
+            other => panic!(
+                "expected UnsupportedHf for {expected}, got {:?}",
+                other.map(|t| t.kind().to_string())
+            ),
         }
     }
     let missing = dir.path().join("missing.json");
-    assert!(matches!(Tokenizer::from_hf_files(&missing, None, None), Err(TokenizerError::Io { .. })));
+    assert!(matches!(
+        Tokenizer::from_hf_files(&missing, None, None),
+        Err(TokenizerError::Io { .. })
+    ));
     std::fs::write(dir.path().join("bad.json"), "{not json").expect("write");
     assert!(matches!(
         Tokenizer::from_hf_files(&dir.path().join("bad.json"), None, None),

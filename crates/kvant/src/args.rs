@@ -5,7 +5,11 @@ use kvant_engine::SamplingParams;
 use std::path::PathBuf;
 
 #[derive(Parser)]
-#[command(name = "kvant", version, about = "Run large language models fast, on the CPU today")]
+#[command(
+    name = "kvant",
+    version,
+    about = "Run large language models fast, on the CPU today"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -109,7 +113,12 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArg,
     /// The prompt text.
-    #[arg(long, short, conflicts_with = "prompt_file", required_unless_present = "prompt_file")]
+    #[arg(
+        long,
+        short,
+        conflicts_with = "prompt_file",
+        required_unless_present = "prompt_file"
+    )]
     pub prompt: Option<String>,
     /// Read the prompt from a UTF-8 file.
     #[arg(long)]

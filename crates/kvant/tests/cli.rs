@@ -5,7 +5,10 @@ mod common;
 use common::*;
 
 fn tiny(name: &str) -> String {
-    fixture(&format!("models/{name}")).to_str().unwrap().to_string()
+    fixture(&format!("models/{name}"))
+        .to_str()
+        .unwrap()
+        .to_string()
 }
 
 fn reference(name: &str) -> serde_json::Value {
@@ -18,12 +21,28 @@ fn generate_json_matches_reference_greedy() {
         let r = reference(name);
         let n = r["greedy_ids"].as_array().unwrap().len().to_string();
         let out = json(&kvant_ok(&[
-            "generate", "--model", &tiny(name), "--prompt", r["prompt_text"].as_str().unwrap(),
-            "--temperature", "0", "--max-tokens", &n, "--ignore-eos", "--json",
+            "generate",
+            "--model",
+            &tiny(name),
+            "--prompt",
+            r["prompt_text"].as_str().unwrap(),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            &n,
+            "--ignore-eos",
+            "--json",
         ]));
-        assert_eq!(ids(&out["prompt_token_ids"]), ids(&r["prompt_ids"]), "{name}");
+        assert_eq!(
+            ids(&out["prompt_token_ids"]),
+            ids(&r["prompt_ids"]),
+            "{name}"
+        );
         assert_eq!(ids(&out["token_ids"]), ids(&r["greedy_ids"]), "{name}");
-        assert_eq!(out["prompt_tokens"], r["prompt_ids"].as_array().unwrap().len());
+        assert_eq!(
+            out["prompt_tokens"],
+            r["prompt_ids"].as_array().unwrap().len()
+        );
         assert_eq!(out["completion_tokens"].as_u64(), Some(n.parse().unwrap()));
         assert_eq!(out["finish_reason"], "length");
         assert!(out["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
@@ -36,8 +55,19 @@ fn generate_json_matches_reference_greedy() {
 fn seeded_sampling_is_reproducible() {
     let run = |seed: &str| {
         kvant_ok(&[
-            "generate", "--model", &tiny("llama-gqa"), "--prompt", "hello", "--temperature", "1.0",
-            "--seed", seed, "--max-tokens", "24", "--ignore-eos", "--json",
+            "generate",
+            "--model",
+            &tiny("llama-gqa"),
+            "--prompt",
+            "hello",
+            "--temperature",
+            "1.0",
+            "--seed",
+            seed,
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--json",
         ])
     };
     let a = json(&run("7"));
@@ -47,12 +77,22 @@ fn seeded_sampling_is_reproducible() {
 
 #[test]
 fn info_describes_checkpoints() {
-    let out = json(&kvant_ok(&["info", "--model", &tiny("qwen3-qknorm"), "--json"]));
+    let out = json(&kvant_ok(&[
+        "info",
+        "--model",
+        &tiny("qwen3-qknorm"),
+        "--json",
+    ]));
     assert_eq!(out["architecture"], "qwen3");
     assert_eq!(out["format"], "safetensors");
     assert_eq!(out["vocab_size"], 320);
     let gguf = fixture("models/gguf/llama-gqa.Q4_0.gguf");
-    let out = json(&kvant_ok(&["info", "--model", gguf.to_str().unwrap(), "--json"]));
+    let out = json(&kvant_ok(&[
+        "info",
+        "--model",
+        gguf.to_str().unwrap(),
+        "--json",
+    ]));
     assert_eq!(out["format"], "gguf");
     assert!(out["tensor_dtypes"]["Q4_0"].as_u64().unwrap() > 0);
     assert!(out["parameters"].as_u64().unwrap() > 10_000);
@@ -82,16 +122,41 @@ fn bad_inputs_are_clear_errors() {
     // Invalid UTF-8 in a prompt file names the file.
     let bad = dir.path().join("bad.txt");
     std::fs::write(&bad, b"ok \xff\xfe").unwrap();
-    let e = kvant_err(&["generate", "--model", &tiny("llama-gqa"), "--prompt-file", bad.to_str().unwrap()]);
-    assert!(e.contains("not valid UTF-8") && e.contains("offset 3"), "{e}");
+    let e = kvant_err(&[
+        "generate",
+        "--model",
+        &tiny("llama-gqa"),
+        "--prompt-file",
+        bad.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("not valid UTF-8") && e.contains("offset 3"),
+        "{e}"
+    );
 
     // A prompt longer than the context (256 positions).
     let long = "word ".repeat(400);
-    let e = kvant_err(&["generate", "--model", &tiny("llama-gqa"), "--prompt", &long, "--max-tokens", "4"]);
+    let e = kvant_err(&[
+        "generate",
+        "--model",
+        &tiny("llama-gqa"),
+        "--prompt",
+        &long,
+        "--max-tokens",
+        "4",
+    ]);
     assert!(e.contains("context"), "{e}");
 
     // Out-of-range sampling parameters.
-    let e = kvant_err(&["generate", "--model", &tiny("llama-gqa"), "--prompt", "a", "--top-p", "0"]);
+    let e = kvant_err(&[
+        "generate",
+        "--model",
+        &tiny("llama-gqa"),
+        "--prompt",
+        "a",
+        "--top-p",
+        "0",
+    ]);
     assert!(e.contains("top_p"), "{e}");
 
     // Out-of-vocabulary ids.
@@ -116,5 +181,13 @@ fn chat_needs_a_template() {
     let e = kvant_err(&["generate", "--model", model, "--chat", "--prompt", "hi"]);
     assert!(e.contains("no chat template"), "{e}");
     // Without --chat the same checkpoint generates.
-    kvant_ok(&["generate", "--model", model, "--prompt", "hi", "--max-tokens", "3"]);
+    kvant_ok(&[
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        "hi",
+        "--max-tokens",
+        "3",
+    ]);
 }

@@ -37,7 +37,10 @@ pub fn kvant_err(args: &[&str]) -> String {
     let out = kvant(args);
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert_eq!(out.status.code(), Some(1), "kvant {args:?}: {stderr}");
-    assert!(!stderr.contains("panicked"), "kvant {args:?} panicked: {stderr}");
+    assert!(
+        !stderr.contains("panicked"),
+        "kvant {args:?} panicked: {stderr}"
+    );
     stderr
 }
 

@@ -37,14 +37,26 @@ fn generate_peak_rss_is_bounded_by_the_file_size() {
     let Some(model) = real_model() else { return };
     let max_tokens = 48;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvant"));
-    cmd.args(["generate", "--model", &model, "--prompt", "Once upon a time", "--temperature", "0"])
-        .args(["--max-tokens", &max_tokens.to_string(), "--ignore-eos"]);
+    cmd.args([
+        "generate",
+        "--model",
+        &model,
+        "--prompt",
+        "Once upon a time",
+        "--temperature",
+        "0",
+    ])
+    .args(["--max-tokens", &max_tokens.to_string(), "--ignore-eos"]);
     let peak = peak_rss_of(cmd);
     // SmolLM2-135M: 30 layers × (K, V) × 192 values × 4 bytes per token; the
     // prompt is under 16 tokens.
     let kv_bytes = (16 + max_tokens) * 30 * 2 * 192 * 4;
     let file = std::fs::metadata(&model).unwrap().len() as usize;
     let limit = file * 3 / 2 + kv_bytes;
-    eprintln!("peak RSS {:.1} MB, limit {:.1} MB", peak as f64 / 1e6, limit as f64 / 1e6);
+    eprintln!(
+        "peak RSS {:.1} MB, limit {:.1} MB",
+        peak as f64 / 1e6,
+        limit as f64 / 1e6
+    );
     assert!(peak > 0 && peak < limit, "peak RSS {peak} vs limit {limit}");
 }

@@ -16,12 +16,29 @@ fn greedy_continuations_match_transformers() {
     for p in r["prompts"].as_array().unwrap() {
         let text = p["text"].as_str().unwrap();
         let out = json(&kvant_ok(&[
-            "generate", "--model", &model, "--prompt", text, "--temperature", "0",
-            "--max-tokens", "32", "--ignore-eos", "--json",
+            "generate",
+            "--model",
+            &model,
+            "--prompt",
+            text,
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "32",
+            "--ignore-eos",
+            "--json",
         ]));
         let name = p["name"].as_str().unwrap();
-        assert_eq!(ids(&out["prompt_token_ids"]), ids(&p["prompt_ids"]), "{name}: prompt ids");
-        assert_eq!(ids(&out["token_ids"]), ids(&p["greedy_ids"]), "{name}: greedy ids");
+        assert_eq!(
+            ids(&out["prompt_token_ids"]),
+            ids(&p["prompt_ids"]),
+            "{name}: prompt ids"
+        );
+        assert_eq!(
+            ids(&out["token_ids"]),
+            ids(&p["greedy_ids"]),
+            "{name}: greedy ids"
+        );
         assert_eq!(out["completion_tokens"], 32);
         assert_eq!(out["finish_reason"], "length");
     }
@@ -33,7 +50,14 @@ fn perplexity_within_half_a_percent_of_transformers() {
     let r = &reference()["perplexity"];
     let file = fixture("text/ppl.txt");
     let out = json(&kvant_ok(&[
-        "perplexity", "--model", &model, "--file", file.to_str().unwrap(), "--ctx", "512", "--json",
+        "perplexity",
+        "--model",
+        &model,
+        "--file",
+        file.to_str().unwrap(),
+        "--ctx",
+        "512",
+        "--json",
     ]));
     let (got, want) = (out["ppl"].as_f64().unwrap(), r["ppl"].as_f64().unwrap());
     // The bound is 0.5%; identical f32 math lands within ~1e-5.
@@ -56,7 +80,11 @@ fn tokenizer_matches_reference_ids() {
         let mut args = vec!["detokenize", "--model", &model, "--"];
         args.extend(id_args.iter().map(String::as_str));
         // Byte-level BPE is lossless; detokenize adds one trailing newline.
-        assert_eq!(kvant_ok(&args), format!("{text}\n"), "round trip of {text:?}");
+        assert_eq!(
+            kvant_ok(&args),
+            format!("{text}\n"),
+            "round trip of {text:?}"
+        );
     }
 }
 
@@ -64,8 +92,17 @@ fn tokenizer_matches_reference_ids() {
 fn chat_template_generation_stops_at_end_of_turn() {
     let Some(model) = real_model() else { return };
     let out = json(&kvant_ok(&[
-        "generate", "--model", &model, "--chat", "--prompt", "What is 2+2? Answer with one number.",
-        "--temperature", "0", "--max-tokens", "64", "--json",
+        "generate",
+        "--model",
+        &model,
+        "--chat",
+        "--prompt",
+        "What is 2+2? Answer with one number.",
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "64",
+        "--json",
     ]));
     assert_eq!(out["finish_reason"], "stop", "{out}");
     assert!(out["text"].as_str().unwrap().contains('4'), "{out}");

@@ -144,7 +144,10 @@ impl LlamaModel {
                 (None, None)
             };
             let (post_attn_norm, post_ffn_norm) = if cfg.gemma {
-                (req_norm(&n.post_attn_norm, h)?, req_norm(&n.post_ffn_norm, h)?)
+                (
+                    req_norm(&n.post_attn_norm, h)?,
+                    req_norm(&n.post_ffn_norm, h)?,
+                )
             } else {
                 (None, None)
             };
@@ -201,10 +204,18 @@ impl LlamaModel {
             .layers
             .iter()
             .map(|l| {
-                [&l.q.weight, &l.k.weight, &l.v.weight, &l.o.weight, &l.gate, &l.up, &l.down]
-                    .iter()
-                    .map(|t| t.byte_len())
-                    .sum::<usize>()
+                [
+                    &l.q.weight,
+                    &l.k.weight,
+                    &l.v.weight,
+                    &l.o.weight,
+                    &l.gate,
+                    &l.up,
+                    &l.down,
+                ]
+                .iter()
+                .map(|t| t.byte_len())
+                .sum::<usize>()
             })
             .sum();
         let out = if std::ptr::eq(self.output.bytes(), self.embed.bytes()) {
@@ -240,7 +251,10 @@ impl LlamaModel {
         for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
             let id = t as usize;
             if id >= c.vocab {
-                return Err(ModelError::TokenOutOfRange { id: t, vocab: c.vocab });
+                return Err(ModelError::TokenOutOfRange {
+                    id: t,
+                    vocab: c.vocab,
+                });
             }
             dequantize_row(self.embed.dtype(), self.embed.row_bytes(id), row)?;
             if c.gemma {
@@ -269,8 +283,20 @@ impl LlamaModel {
             }
             for t in 0..n {
                 let pos = pos0 + t;
-                rope_inplace(&mut q[t * qd..(t + 1) * qd], c.head_dim, pos, &l.inv_freq, c.rope.style);
-                rope_inplace(&mut k[t * kvd..(t + 1) * kvd], c.head_dim, pos, &l.inv_freq, c.rope.style);
+                rope_inplace(
+                    &mut q[t * qd..(t + 1) * qd],
+                    c.head_dim,
+                    pos,
+                    &l.inv_freq,
+                    c.rope.style,
+                );
+                rope_inplace(
+                    &mut k[t * kvd..(t + 1) * kvd],
+                    c.head_dim,
+                    pos,
+                    &l.inv_freq,
+                    c.rope.style,
+                );
             }
             let (keys, values) = cache.append_layer(li, &k, &v);
             let params = AttnParams {

@@ -143,7 +143,10 @@ pub(super) fn format_utc(format: &str, unix_seconds: i64) -> Result<String, Erro
                 let shown = other.map_or(String::new(), String::from);
                 return Err(Error::new(
                     ErrorKind::InvalidOperation,
-                    format!("strftime_now does not support %{}{shown}", if pad { "" } else { "-" }),
+                    format!(
+                        "strftime_now does not support %{}{shown}",
+                        if pad { "" } else { "-" }
+                    ),
                 ));
             }
         }

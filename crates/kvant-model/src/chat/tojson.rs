@@ -36,12 +36,19 @@ pub(super) fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
     Ok(Value::from_safe_string(out))
 }
 
-fn write_value(out: &mut String, value: &Value, format: &Format, depth: usize) -> Result<(), Error> {
+fn write_value(
+    out: &mut String,
+    value: &Value,
+    format: &Format,
+    depth: usize,
+) -> Result<(), Error> {
     match value.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&number(value)?),
-        ValueKind::String => write_string(out, value.as_str().unwrap_or_default(), format.ensure_ascii),
+        ValueKind::String => {
+            write_string(out, value.as_str().unwrap_or_default(), format.ensure_ascii)
+        }
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = value.try_iter()?.collect();
             write_container(out, ('[', ']'), &items, format, depth, |out, item| {
@@ -57,13 +64,24 @@ fn write_value(out: &mut String, value: &Value, format: &Format, depth: usize) -
             if format.sort_keys {
                 entries.sort_by(|a, b| a.0.cmp(&b.0));
             }
-            write_container(out, ('{', '}'), &entries, format, depth, |out, (key, item)| {
-                write_string(out, key, format.ensure_ascii);
-                out.push_str(&format.key_separator);
-                write_value(out, item, format, depth + 1)
-            })?;
+            write_container(
+                out,
+                ('{', '}'),
+                &entries,
+                format,
+                depth,
+                |out, (key, item)| {
+                    write_string(out, key, format.ensure_ascii);
+                    out.push_str(&format.key_separator);
+                    write_value(out, item, format, depth + 1)
+                },
+            )?;
         }
-        other => return Err(invalid(format!("tojson cannot serialize a value of kind {other}"))),
+        other => {
+            return Err(invalid(format!(
+                "tojson cannot serialize a value of kind {other}"
+            )))
+        }
     }
     Ok(())
 }
@@ -151,9 +169,16 @@ pub(super) fn python_float(x: f64) -> String {
         }
     } else {
         let (first, rest) = digits.split_at(1.min(digits.len()));
-        let fraction = if rest.is_empty() { String::new() } else { format!(".{rest}") };
+        let fraction = if rest.is_empty() {
+            String::new()
+        } else {
+            format!(".{rest}")
+        };
         let exp_sign = if exponent < 0 { '-' } else { '+' };
-        format!("{sign}{first}{fraction}e{exp_sign}{:02}", exponent.unsigned_abs())
+        format!(
+            "{sign}{first}{fraction}e{exp_sign}{:02}",
+            exponent.unsigned_abs()
+        )
     }
 }
 

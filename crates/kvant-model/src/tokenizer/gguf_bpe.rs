@@ -13,15 +13,9 @@ use tokenizers::PreTokenizerWrapper;
 
 pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerError> {
     let split = bpe_split(spec.pre.as_deref())?;
+    // A byte whose token the vocabulary lacks (SmolLM2 has none for 0x04) is dropped from the
+    // input, as llama.cpp and transformers drop it.
     let vocab = vocab_map(spec)?;
-    // BPE starts from one token per byte; a missing one would make the engine drop that byte.
-    for byte in 0..=255u8 {
-        if !vocab.contains_key(&byte_level::char_of(byte).to_string()) {
-            return Err(TokenizerError::InvalidSpec(format!(
-                "byte-level vocabulary has no token for byte 0x{byte:02X}"
-            )));
-        }
-    }
     let merges = parse_merges(spec.merges.as_deref().ok_or_else(|| {
         TokenizerError::InvalidSpec("byte-level BPE without tokenizer.ggml.merges".into())
     })?)?;
@@ -32,7 +26,9 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
         .map_err(TokenizerError::Engine)?;
 
     let mut steps = split.pre_tokenizer()?;
-    steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, false)));
+    steps.push(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+        false, false, false,
+    )));
     let mut engine = tokenizers::Tokenizer::new(bpe);
     engine.with_pre_tokenizer(Some(sequence(steps)));
     let (special, plain) = added_tokens(spec);
@@ -94,7 +90,10 @@ mod tests {
     fn merges_split_at_the_first_inner_space_and_keep_first_rank() {
         let lines = ["Ġ t", "a b", "Ġ t", "  x"].map(String::from);
         let merges = parse_merges(&lines).expect("valid merges");
-        let pairs: Vec<(&str, &str)> = merges.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+        let pairs: Vec<(&str, &str)> = merges
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
         assert_eq!(pairs, [("Ġ", "t"), ("a", "b"), (" ", "x")]);
         assert!(parse_merges(&["ab".to_string()]).is_err());
     }

@@ -26,7 +26,10 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
     let vocab = vocab_map(spec)?;
     let merges = merges_from_scores(spec, scores, &vocab);
     let byte_fallback = (0..=255u8).any(|b| vocab.contains_key(&byte_token(b)));
-    let unk = spec.unk_id.and_then(|id| spec.tokens.get(id as usize)).cloned();
+    let unk = spec
+        .unk_id
+        .and_then(|id| spec.tokens.get(id as usize))
+        .cloned();
     if !byte_fallback && unk.is_none() {
         return Err(TokenizerError::InvalidSpec(
             "SentencePiece vocabulary has neither <0xXX> byte tokens nor an unknown token".into(),
@@ -52,7 +55,9 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
         Replace::new(" ", SPACE).map_err(TokenizerError::Engine)?,
     ));
     let mut engine = tokenizers::Tokenizer::new(bpe);
-    engine.with_normalizer(Some(NormalizerWrapper::Sequence(Sequence::new(normalizers))));
+    engine.with_normalizer(Some(NormalizerWrapper::Sequence(Sequence::new(
+        normalizers,
+    ))));
     let (special, plain) = added_tokens(spec);
     engine.add_special_tokens(&special);
     engine.add_tokens(&plain);
@@ -65,9 +70,7 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
             }
             TokenType::Byte => {
                 let byte = parse_byte_token(token).ok_or_else(|| {
-                    TokenizerError::InvalidSpec(format!(
-                        "byte token {id} is {token:?}, not <0xXX>"
-                    ))
+                    TokenizerError::InvalidSpec(format!("byte token {id} is {token:?}, not <0xXX>"))
                 })?;
                 pieces.push(&[byte], false);
             }
@@ -122,14 +125,19 @@ mod tests {
     fn merges_rank_by_the_merged_tokens_score() {
         let spec = GgufTokenizerSpec {
             model: "llama".into(),
-            tokens: ["a", "b", "c", "ab", "bc", "abc"].map(String::from).to_vec(),
+            tokens: ["a", "b", "c", "ab", "bc", "abc"]
+                .map(String::from)
+                .to_vec(),
             scores: Some(vec![0.0, 0.0, 0.0, -2.0, -1.0, -3.0]),
             ..Default::default()
         };
         let vocab = vocab_map(&spec).expect("vocab");
         let scores = spec.scores.clone().unwrap_or_default();
         let merges = merges_from_scores(&spec, &scores, &vocab);
-        let pairs: Vec<(&str, &str)> = merges.iter().map(|(a, b)| (a.as_str(), b.as_str())).collect();
+        let pairs: Vec<(&str, &str)> = merges
+            .iter()
+            .map(|(a, b)| (a.as_str(), b.as_str()))
+            .collect();
         assert_eq!(pairs, [("b", "c"), ("a", "b"), ("ab", "c"), ("a", "bc")]);
     }
 }

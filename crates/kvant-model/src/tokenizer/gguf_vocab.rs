@@ -67,5 +67,8 @@ pub(super) fn add_special(
 }
 
 fn too_many(spec: &GgufTokenizerSpec) -> TokenizerError {
-    TokenizerError::InvalidSpec(format!("{} tokens do not fit 32-bit ids", spec.tokens.len()))
+    TokenizerError::InvalidSpec(format!(
+        "{} tokens do not fit 32-bit ids",
+        spec.tokens.len()
+    ))
 }

@@ -45,7 +45,10 @@ pub(super) fn build(
     let mut pieces = PieceTable::new(rule.strip_leading);
     for id in 0..size as u32 {
         match engine.id_to_token(id) {
-            Some(token) => pieces.push(&rule.piece(&token), added.get(&id).is_some_and(|t| t.special)),
+            Some(token) => pieces.push(
+                &rule.piece(&token),
+                added.get(&id).is_some_and(|t| t.special),
+            ),
             None => pieces.push_missing(),
         }
     }
@@ -53,19 +56,30 @@ pub(super) fn build(
     let id_of = |key: &str, value: &Value| -> Result<u32, TokenizerError> {
         let text = token_text(value)
             .ok_or_else(|| unsupported(format!("tokenizer_config {key} is not a token")))?;
-        engine
-            .token_to_id(text)
-            .ok_or_else(|| unsupported(format!("tokenizer_config {key} {text:?} is not in the vocabulary")))
+        engine.token_to_id(text).ok_or_else(|| {
+            unsupported(format!(
+                "tokenizer_config {key} {text:?} is not in the vocabulary"
+            ))
+        })
     };
-    let bos = match tokenizer_config.and_then(|c| c.get("bos_token")).filter(|v| !v.is_null()) {
+    let bos = match tokenizer_config
+        .and_then(|c| c.get("bos_token"))
+        .filter(|v| !v.is_null())
+    {
         Some(v) => Some(id_of("bos_token", v)?),
-        None => match generation_config.and_then(|g| g.get("bos_token_id")).filter(|v| !v.is_null()) {
+        None => match generation_config
+            .and_then(|g| g.get("bos_token_id"))
+            .filter(|v| !v.is_null())
+        {
             Some(v) => Some(id_value("bos_token_id", v)?),
             None => None,
         },
     };
     let mut eos = Vec::new();
-    match generation_config.and_then(|g| g.get("eos_token_id")).filter(|v| !v.is_null()) {
+    match generation_config
+        .and_then(|g| g.get("eos_token_id"))
+        .filter(|v| !v.is_null())
+    {
         Some(Value::Array(ids)) => {
             for v in ids {
                 eos.push(id_value("eos_token_id", v)?);
@@ -73,7 +87,10 @@ pub(super) fn build(
         }
         Some(v) => eos.push(id_value("eos_token_id", v)?),
         None => {
-            if let Some(v) = tokenizer_config.and_then(|c| c.get("eos_token")).filter(|v| !v.is_null()) {
+            if let Some(v) = tokenizer_config
+                .and_then(|c| c.get("eos_token"))
+                .filter(|v| !v.is_null())
+            {
                 eos.push(id_of("eos_token", v)?);
             }
         }
@@ -86,12 +103,17 @@ pub(super) fn build(
     });
     for &id in bos.iter().chain(&eos) {
         if id as usize >= size {
-            return Err(TokenizerError::IdOutOfRange { id, vocab_size: size });
+            return Err(TokenizerError::IdOutOfRange {
+                id,
+                vocab_size: size,
+            });
         }
     }
 
     // The post-processor adds whatever the checkpoint's template says; look at what it adds.
-    let empty = engine.encode_fast("", true).map_err(TokenizerError::Engine)?;
+    let empty = engine
+        .encode_fast("", true)
+        .map_err(TokenizerError::Engine)?;
     let adds_bos = bos.is_some() && empty.get_ids().first() == bos.as_ref();
     let model = json
         .get("model")

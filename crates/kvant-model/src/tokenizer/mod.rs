@@ -71,7 +71,8 @@ impl Tokenizer {
     /// Token ids for `text`. Special tokens written in the text (e.g. `<|im_start|>`) become
     /// their ids; `add_special` adds BOS/EOS as the checkpoint asks.
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let engine_adds = add_special && matches!(self.add_special, AddSpecial::PostProcessor { .. });
+        let engine_adds =
+            add_special && matches!(self.add_special, AddSpecial::PostProcessor { .. });
         let encoding = self
             .engine
             .encode_fast(text, engine_adds)

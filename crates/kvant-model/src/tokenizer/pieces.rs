@@ -69,7 +69,11 @@ impl PieceTable {
     }
 
     /// The bytes `id` contributes, or `None` when decoding skips it.
-    pub(crate) fn piece(&self, id: u32, skip_special: bool) -> Result<Option<&[u8]>, TokenizerError> {
+    pub(crate) fn piece(
+        &self,
+        id: u32,
+        skip_special: bool,
+    ) -> Result<Option<&[u8]>, TokenizerError> {
         let out_of_range = || TokenizerError::IdOutOfRange {
             id,
             vocab_size: self.entries.len(),
@@ -82,7 +86,10 @@ impl PieceTable {
         if skip_special && entry.special {
             return Ok(None);
         }
-        self.bytes.get(entry.start..entry.end).map(Some).ok_or_else(out_of_range)
+        self.bytes
+            .get(entry.start..entry.end)
+            .map(Some)
+            .ok_or_else(out_of_range)
     }
 
     pub(crate) fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {

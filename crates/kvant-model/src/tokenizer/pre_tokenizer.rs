@@ -69,7 +69,8 @@ impl BpeSplit {
         self.regexes
             .iter()
             .map(|re| {
-                let pattern = tokenizers::pre_tokenizers::split::SplitPattern::Regex((*re).to_string());
+                let pattern =
+                    tokenizers::pre_tokenizers::split::SplitPattern::Regex((*re).to_string());
                 Split::new(pattern, SplitDelimiterBehavior::Isolated, false)
                     .map(PreTokenizerWrapper::Split)
                     .map_err(TokenizerError::Engine)
@@ -111,7 +112,10 @@ mod tests {
             pieces("qwen2", text),
             ["Hello", " ", " world", "1", "2", "3", "4", "5", "6", " it", "'s"]
         );
-        assert_eq!(pieces("gpt-2", text), ["Hello", " ", " world", "123456", " it", "'s"]);
+        assert_eq!(
+            pieces("gpt-2", text),
+            ["Hello", " ", " world", "123456", " it", "'s"]
+        );
         assert_eq!(
             pieces("smollm", text),
             ["Hello", " ", " world", "1", "2", "3", "4", "5", "6", " it", "'s"]

@@ -96,7 +96,9 @@ impl GgufTokenizerSpec {
     /// `id` must be below `tokens.len()` and the spec validated.
     pub(crate) fn token_type(&self, id: usize) -> TokenType {
         match &self.token_types {
-            Some(types) => types.get(id).map_or(TokenType::Undefined, |&t| TokenType::from_gguf(t)),
+            Some(types) => types
+                .get(id)
+                .map_or(TokenType::Undefined, |&t| TokenType::from_gguf(t)),
             None => TokenType::Normal,
         }
     }
@@ -104,7 +106,10 @@ impl GgufTokenizerSpec {
     /// End-of-generation ids: eos, eot and eom, each once, in that order.
     pub(crate) fn end_ids(&self) -> Vec<u32> {
         let mut out = Vec::new();
-        for id in [self.eos_id, self.eot_id, self.eom_id].into_iter().flatten() {
+        for id in [self.eos_id, self.eot_id, self.eom_id]
+            .into_iter()
+            .flatten()
+        {
             if !out.contains(&id) {
                 out.push(id);
             }
@@ -117,7 +122,9 @@ fn check_len(key: &str, len: usize, tokens: usize) -> Result<(), TokenizerError>
     if len == tokens {
         Ok(())
     } else {
-        Err(invalid(format!("{key} has {len} entries for {tokens} tokens")))
+        Err(invalid(format!(
+            "{key} has {len} entries for {tokens} tokens"
+        )))
     }
 }
 

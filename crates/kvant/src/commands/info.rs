@@ -11,15 +11,29 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(i)?);
         return Ok(());
     }
-    let dtypes: Vec<String> = i.tensor_dtypes.iter().map(|(d, n)| format!("{d}×{n}")).collect();
+    let dtypes: Vec<String> = i
+        .tensor_dtypes
+        .iter()
+        .map(|(d, n)| format!("{d}×{n}"))
+        .collect();
     println!("format          {}", i.format);
     println!("architecture    {}", i.architecture);
-    println!("parameters      {} ({:.1} M)", i.parameters, i.parameters as f64 / 1e6);
+    println!(
+        "parameters      {} ({:.1} M)",
+        i.parameters,
+        i.parameters as f64 / 1e6
+    );
     println!("tensor dtypes   {}", dtypes.join(", "));
     println!("weights         {:.1} MB", i.weight_bytes as f64 / 1e6);
     println!("context length  {}", i.context_length);
-    println!("layers          {} (hidden {}, heads {}, kv heads {})", i.layers, i.hidden_size, i.heads, i.kv_heads);
+    println!(
+        "layers          {} (hidden {}, heads {}, kv heads {})",
+        i.layers, i.hidden_size, i.heads, i.kv_heads
+    );
     println!("tokenizer       {} ({} tokens)", i.tokenizer, i.vocab_size);
-    println!("chat template   {}", if i.chat_template { "yes" } else { "no" });
+    println!(
+        "chat template   {}",
+        if i.chat_template { "yes" } else { "no" }
+    );
     Ok(())
 }

@@ -18,7 +18,10 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     let text = read_utf8(&a.file)?;
     let m = load_model(&a.model)?;
     if a.ctx < 2 || a.ctx > m.model.config().max_context {
-        bail!("--ctx must be between 2 and the model's context length {}", m.model.config().max_context);
+        bail!(
+            "--ctx must be between 2 and the model's context length {}",
+            m.model.config().max_context
+        );
     }
     let ids = m.tokenizer.encode(&text, true)?;
     let vocab = m.model.config().vocab;
@@ -32,7 +35,9 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         for chunk in window.chunks(CHUNK) {
             let logits = m.model.forward(chunk, &mut cache, Logits::All)?;
             for (i, row) in logits.chunks_exact(vocab).enumerate() {
-                let Some(&target) = window.get(pos + i + 1) else { break };
+                let Some(&target) = window.get(pos + i + 1) else {
+                    break;
+                };
                 let Some(&logit) = row.get(target as usize) else {
                     bail!("token id {target} is outside the model's vocabulary of {vocab}");
                 };
