@@ -91,7 +91,9 @@ def check_tiny_tokenizer() -> bool:
     for text, want in items:
         got = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         ok &= got == want
-        print(f"{'ok ' if got == want else 'BAD'} tiny tokenize {text!r}" + ("" if got == want else f": {got} != {want}"))
+        print(
+            f"{'ok ' if got == want else 'BAD'} tiny tokenize {text!r}" + ("" if got == want else f": {got} != {want}")
+        )
     vocab.close()
     return ok
 
@@ -106,7 +108,9 @@ def check_smollm2(gguf_path: Path) -> bool:
     for name, text, want in texts:
         got = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
         ok &= got == want
-        print(f"{'ok ' if got == want else 'BAD'} smollm2 tokenize {name}" + ("" if got == want else f": {got} != {want}"))
+        print(
+            f"{'ok ' if got == want else 'BAD'} smollm2 tokenize {name}" + ("" if got == want else f": {got} != {want}")
+        )
     got = vocab.tokenize(ppl_text.encode("utf-8"), add_bos=False, special=True)
     same = len(got) == ref["perplexity"]["tokens_total"]
     ok &= same

@@ -59,7 +59,7 @@ def _dump(obj: Any, indent: int) -> str:
     if isinstance(obj, dict):
         if not obj:
             return "{}"
-        items = [f'{pad}  {json.dumps(str(k), ensure_ascii=False)}: {_dump(v, indent + 1)}' for k, v in obj.items()]
+        items = [f"{pad}  {json.dumps(str(k), ensure_ascii=False)}: {_dump(v, indent + 1)}" for k, v in obj.items()]
         return "{\n" + ",\n".join(items) + "\n" + pad + "}"
     if isinstance(obj, (list, tuple)):
         if all(_is_scalar(x) for x in obj):

@@ -158,7 +158,9 @@ def dequantized_state(config, state: dict[str, np.ndarray], file_type: str) -> d
     out = {}
     for k, v in state.items():
         if v.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
-            out[k] = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(v, dtype=np.float32), qtype), qtype)
+            out[k] = gguf.quants.dequantize(
+                gguf.quants.quantize(np.ascontiguousarray(v, dtype=np.float32), qtype), qtype
+            )
         else:
             out[k] = np.asarray(v, dtype=np.float32)
     return out

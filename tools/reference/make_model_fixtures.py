@@ -181,7 +181,9 @@ def _gguf_reference_model(spec_config, gguf_path: Path) -> tuple[torch.nn.Module
     if not notes and diff > GGUF_SELF_TOL:
         raise AssertionError(f"{gguf_path.name}: transformers' GGUF model differs by {diff} with no known cause")
     if notes:
-        notes.append(f"transformers' own GGUF-configured model differs from this reference by up to {diff:.3g} in logits")
+        notes.append(
+            f"transformers' own GGUF-configured model differs from this reference by up to {diff:.3g} in logits"
+        )
     return model, notes
 
 

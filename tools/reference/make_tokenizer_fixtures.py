@@ -4,11 +4,10 @@
 Writes, deterministically:
 
 tests/fixtures/tokenizer/
-  smollm2-spec.json           every tokenizer.ggml.* key of the SmolLM2 GGUF, as kvant's GgufTokenizerSpec
   smollm2-tokenizer.gguf      the same keys (plus tokenizer.chat_template) in a GGUF without tensors
   smollm2.json                {text, ids, decoded, decoded_skip_special} for a multilingual test set
   smollm2-hf/                 tokenizer.json + tokenizer_config.json saved by transformers
-  spm-spec.json, spm-tokenizer.gguf, spm.json, spm-hf/
+  spm-tokenizer.gguf, spm.json, spm-hf/
                               the same for a small SentencePiece BPE model ("llama" tokenizer) trained here
 tests/fixtures/chat/strftime.json
                               C strftime output for fixed UTC times
@@ -26,6 +25,9 @@ SentencePiece reference ids come from sentencepiece itself. For text containing 
 llama.cpp: the text is cut at every control / user-defined / unknown token, and each plain fragment is encoded
 on its own (so each gets the dummy-prefix space), which is what llama.cpp's SPM tokenizer does. Decoded text
 comes from transformers' tokenizer built from the fixture GGUF (Replace, ByteFallback, Fuse, Strip).
+transformers tokenizes that GGUF differently (Metaspace, prepend_scheme "first"): no "\u2581" prefix after a
+special token, and none added when the text already starts with a space. Its ids are kept as "hf_ids" (with
+"hf_decoded") to test the tokenizer.json path, which must reproduce transformers.
 
 Usage: make_tokenizer_fixtures.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]   (default: $KVANT_MODEL)
 """
@@ -188,7 +190,6 @@ def make_smollm2(model_path: Path) -> dict:
     fields = tokenizer_fields(reader)
     spec = spec_from_fields(fields)
     assert spec["model"] == "gpt2" and spec["pre"] == "smollm", (spec["model"], spec["pre"])
-    dump_json_compact(TOK_DIR / "smollm2-spec.json", spec)
     write_tokenizer_gguf(TOK_DIR / "smollm2-tokenizer.gguf", "llama", fields)
 
     tok = AutoTokenizer.from_pretrained(str(model_path.parent), gguf_file=model_path.name)
@@ -309,10 +310,6 @@ def make_spm() -> None:
         "tokenizer.ggml.add_eos_token": (False, T.BOOL, None),
         "tokenizer.ggml.add_space_prefix": (True, T.BOOL, None),
     }
-    spec = spec_from_fields(fields)
-    # GGUF stores f32; round through it so the JSON spec and the GGUF agree exactly.
-    spec["scores"] = [float(gguf.np.float32(s)) for s in scores]
-    dump_json_compact(TOK_DIR / "spm-spec.json", spec)
     write_tokenizer_gguf(TOK_DIR / "spm-tokenizer.gguf", "llama", fields)
 
     special_re = re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))

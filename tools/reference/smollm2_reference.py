@@ -81,7 +81,7 @@ def smollm_tokenizer(gguf_path: Path) -> tuple[Tokenizer, bool]:
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == 3]
+    control = [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types, strict=True) if ty == 3]
     tok.add_special_tokens(control)
     add_bos = bool(_scalar(r, "tokenizer.ggml.add_bos_token"))
     return tok, add_bos
@@ -165,7 +165,8 @@ def build(gguf_path: Path, ppl_text_path: Path, ppl_text_rel: str) -> dict:
                 "last_logits": _last_logits_summary(logits[-1]),
             }
         )
-        print(f"smollm2 {name}: {len(ids)} ids, agree {ids == hf_ids}, margin {margin:.4f}: {prompts[-1]['greedy_text']!r}")
+        said = prompts[-1]["greedy_text"]
+        print(f"smollm2 {name}: {len(ids)} ids, agree {ids == hf_ids}, margin {margin:.4f}: {said!r}")
 
     cases = []
     for text in TOKENIZER_CASES:

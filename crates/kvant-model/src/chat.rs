@@ -11,7 +11,7 @@ mod strftime;
 mod tojson;
 
 use minijinja::value::Value;
-use minijinja::{Environment, Error, ErrorKind};
+use minijinja::{Environment, Error, ErrorKind, State};
 use std::io;
 
 /// One turn of a conversation.
@@ -81,7 +81,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_fuel(Some(RENDER_FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(python_method);
         env.add_filter("tojson", tojson::tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
@@ -137,6 +137,28 @@ impl ChatTemplate {
         // minijinja writes whole `str` fragments, so this is valid UTF-8.
         Ok(String::from_utf8_lossy(&out.bytes).into_owned())
     }
+}
+
+/// minijinja-contrib's Python string and dict methods, except that `str.find`/`str.rfind` count
+/// characters as Python does (pycompat returns byte offsets, wrong for non-ASCII text).
+fn python_method(
+    state: &State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
+    if let (Some(haystack), "find" | "rfind", [needle]) = (value.as_str(), method, args) {
+        if let Some(needle) = needle.as_str() {
+            let at = if method == "find" {
+                haystack.find(needle)
+            } else {
+                haystack.rfind(needle)
+            };
+            let chars_before = |byte: usize| haystack.get(..byte).map_or(0, |p| p.chars().count());
+            return Ok(Value::from(at.map_or(-1, |b| chars_before(b) as i64)));
+        }
+    }
+    minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
 }
 
 /// The error `raise_exception` attaches, found again in the render error's source chain.

@@ -113,7 +113,7 @@ fn template_with_tokens(src: &str, tok: &Tokenizer) -> Result<ChatTemplate, Mode
 }
 
 /// Collects the `tokenizer.ggml.*` keys llama.cpp's converter writes.
-fn tokenizer_spec(g: &GgufFile) -> Result<GgufTokenizerSpec, ModelError> {
+pub fn tokenizer_spec(g: &GgufFile) -> Result<GgufTokenizerSpec, ModelError> {
     let id = |k: &str| -> Result<Option<u32>, ModelError> {
         Ok(g.get_u32(&format!("tokenizer.ggml.{k}"))?)
     };

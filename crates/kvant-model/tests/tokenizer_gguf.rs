@@ -27,6 +27,16 @@ fn fixture_path(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The tokenizer keys of a tokenizer-only fixture GGUF, read through the
+/// same adapter `kvant_model::load` uses.
+fn gguf_spec(name: &str) -> GgufTokenizerSpec {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/tokenizer")
+        .join(name);
+    let g = kvant_model::gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    kvant_model::load::tokenizer_spec(&g).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
 fn read_json<T: for<'de> Deserialize<'de>>(name: &str) -> T {
     let path = fixture_path(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
@@ -49,8 +59,14 @@ fn check_cases(tok: &Tokenizer, fixture: &Fixture) {
 }
 
 #[test]
+fn tokenizers_can_be_shared_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<Tokenizer>();
+}
+
+#[test]
 fn smollm2_matches_reference_ids_and_text() {
-    let spec: GgufTokenizerSpec = read_json("smollm2-spec.json");
+    let spec: GgufTokenizerSpec = gguf_spec("smollm2-tokenizer.gguf");
     let fixture: Fixture = read_json("smollm2.json");
     let tok = Tokenizer::from_gguf_spec(&spec).expect("SmolLM2 tokenizer builds");
     assert_eq!(tok.kind(), "byte-level BPE (smollm)");
@@ -78,7 +94,7 @@ fn smollm2_matches_reference_ids_and_text() {
 
 #[test]
 fn sentencepiece_matches_sentencepiece_ids_and_adds_bos() {
-    let spec: GgufTokenizerSpec = read_json("spm-spec.json");
+    let spec: GgufTokenizerSpec = gguf_spec("spm-tokenizer.gguf");
     let fixture: Fixture = read_json("spm.json");
     let tok = Tokenizer::from_gguf_spec(&spec).expect("SentencePiece tokenizer builds");
     assert_eq!(tok.kind(), "SentencePiece BPE");
@@ -95,7 +111,7 @@ fn sentencepiece_matches_sentencepiece_ids_and_adds_bos() {
 /// Without `add_space_prefix` nothing is prepended, so " text" encodes as "text" does with it.
 #[test]
 fn sentencepiece_without_space_prefix() {
-    let spec: GgufTokenizerSpec = read_json("spm-spec.json");
+    let spec: GgufTokenizerSpec = gguf_spec("spm-tokenizer.gguf");
     let fixture: Fixture = read_json("spm.json");
     let with = Tokenizer::from_gguf_spec(&spec).expect("builds");
     let without = Tokenizer::from_gguf_spec(&GgufTokenizerSpec {
@@ -103,7 +119,11 @@ fn sentencepiece_without_space_prefix() {
         ..spec
     })
     .expect("builds");
-    for case in fixture.cases.iter().filter(|c| !c.text.is_empty() && !c.text.contains('<')) {
+    for case in fixture
+        .cases
+        .iter()
+        .filter(|c| !c.text.is_empty() && !c.text.contains('<'))
+    {
         let ids = without
             .encode(&format!(" {}", case.text), false)
             .expect("encode");
@@ -122,7 +142,7 @@ fn sentencepiece_without_space_prefix() {
 
 #[test]
 fn invalid_metadata_is_a_clear_error() {
-    let spec: GgufTokenizerSpec = read_json("spm-spec.json");
+    let spec: GgufTokenizerSpec = gguf_spec("spm-tokenizer.gguf");
     let n = spec.tokens.len();
     let build = |spec: GgufTokenizerSpec| Tokenizer::from_gguf_spec(&spec).err();
 
@@ -185,7 +205,7 @@ fn invalid_metadata_is_a_clear_error() {
 
 #[test]
 fn invalid_byte_level_metadata_is_a_clear_error() {
-    let spec: GgufTokenizerSpec = read_json("smollm2-spec.json");
+    let spec: GgufTokenizerSpec = gguf_spec("smollm2-tokenizer.gguf");
     let build = |spec: GgufTokenizerSpec| Tokenizer::from_gguf_spec(&spec).err();
 
     let err = build(GgufTokenizerSpec {
@@ -211,7 +231,7 @@ fn invalid_byte_level_metadata_is_a_clear_error() {
 
 #[test]
 fn out_of_range_ids_are_errors() {
-    let tok = Tokenizer::from_gguf_spec(&read_json("smollm2-spec.json")).expect("builds");
+    let tok = Tokenizer::from_gguf_spec(&gguf_spec("smollm2-tokenizer.gguf")).expect("builds");
     let n = tok.vocab_size() as u32;
     for id in [n, n + 1, u32::MAX] {
         assert!(matches!(

@@ -18,6 +18,10 @@ use tokenizers::normalizers::{Prepend, Replace, Sequence};
 use tokenizers::NormalizerWrapper;
 
 const SPACE: &str = "\u{2581}";
+/// Longest token split into merges. Generating merges costs the square of a token's length, so
+/// this bounds the work a hostile vocabulary can demand; real SentencePiece tokens are a few
+/// dozen bytes, and a longer one stays reachable as a whole when it is an added token.
+const MAX_MERGE_TOKEN_BYTES: usize = 256;
 
 pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerError> {
     let scores = spec.scores.as_deref().ok_or_else(|| {
@@ -95,7 +99,7 @@ fn merges_from_scores(spec: &GgufTokenizerSpec, scores: &[f32], vocab: &Vocab) -
     let normal_id = |text: &str| vocab.get(text).filter(|&&id| normal(id as usize)).is_some();
     let mut candidates = Vec::new();
     for (id, token) in spec.tokens.iter().enumerate() {
-        if !normal(id) {
+        if !normal(id) || token.len() > MAX_MERGE_TOKEN_BYTES {
             continue;
         }
         let score = scores.get(id).copied().unwrap_or(f32::NEG_INFINITY);

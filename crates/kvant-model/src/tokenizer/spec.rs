@@ -6,7 +6,7 @@ use super::TokenizerError;
 
 /// `tokenizer.ggml.*` metadata. Field names follow the keys (`token_type` → `token_types`,
 /// `unknown_token_id` → `unk_id`, `padding_token_id` → `pad_id`, `add_bos_token` → `add_bos`).
-#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize, serde::Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, serde::Deserialize)]
 pub struct GgufTokenizerSpec {
     /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) or "llama" (SentencePiece).
     pub model: String,

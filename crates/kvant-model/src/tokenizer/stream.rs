@@ -57,7 +57,11 @@ impl<'t> DecodeStream<'t> {
 
     fn emit(&mut self, mut text: String) -> Option<String> {
         if !self.started {
-            let limit = self.tokenizer.pieces().strip_leading() - self.stripped;
+            let limit = self
+                .tokenizer
+                .pieces()
+                .strip_leading()
+                .saturating_sub(self.stripped);
             let strip = leading_spaces(&text, limit);
             text.drain(..strip);
             self.stripped += strip;
