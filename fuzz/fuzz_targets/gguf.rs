@@ -22,17 +22,30 @@ fn rewrite(g: &GgufFile) -> Option<Vec<u8>> {
     let tensors: Vec<_> = g.tensor_infos().iter().map(|i| g.tensor(&i.name)).collect();
     for (info, t) in g.tensor_infos().iter().zip(&tensors) {
         let t = t.as_ref().ok()?;
-        w.add_tensor(info.name.clone(), info.dtype, &info.shape, t.bytes()).ok()?;
+        w.add_tensor(info.name.clone(), info.dtype, &info.shape, t.bytes())
+            .ok()?;
     }
     w.to_bytes().ok()
 }
 
 fuzz_target!(|data: &[u8]| {
     let Some(g) = parse(data) else { return };
-    let _ = (g.architecture(), g.version(), g.file_size(), g.alignment(), g.data_offset());
+    let _ = (
+        g.architecture(),
+        g.version(),
+        g.file_size(),
+        g.alignment(),
+        g.data_offset(),
+    );
     for (k, v) in g.metadata() {
         assert!(g.get(k).is_some_and(|got| std::ptr::eq(got, v)));
-        let _ = (g.get_u64(k), g.get_u32(k), g.get_usize(k), g.get_i64(k), g.get_f32(k));
+        let _ = (
+            g.get_u64(k),
+            g.get_u32(k),
+            g.get_usize(k),
+            g.get_i64(k),
+            g.get_f32(k),
+        );
         let _ = (g.get_bool(k), g.get_str(k), g.get_str_array(k));
         let _ = (g.get_f32_array(k), g.get_i32_array(k));
     }

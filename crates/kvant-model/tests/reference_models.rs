@@ -46,9 +46,12 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
     out
 }
 
-fn open(path: &Path) -> Result<LlamaModel, ModelError> {
-    let ckpt = Checkpoint::open(path)?;
-    LlamaModel::load(&ckpt, ckpt.config()?)
+fn open(path: &Path) -> LlamaModel {
+    let load = || -> Result<LlamaModel, Box<ModelError>> {
+        let ckpt = Checkpoint::open(path)?;
+        Ok(LlamaModel::load(&ckpt, ckpt.config()?)?)
+    };
+    load().unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -73,41 +76,39 @@ fn logits_greedy_and_perplexity_match_transformers() {
 }
 
 fn check(ckpt: &Path, refp: &Path) {
-    {
-        let name = ckpt.file_name().unwrap().to_string_lossy().to_string();
-        let r: Value = serde_json::from_str(&std::fs::read_to_string(&refp).unwrap()).unwrap();
-        let m = open(&ckpt).unwrap_or_else(|e| panic!("{name}: {e}"));
-        let prompt = ids(&r["prompt_ids"]);
-        let vocab = m.config().vocab;
+    let name = ckpt.file_name().unwrap().to_string_lossy().to_string();
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(refp).unwrap()).unwrap();
+    let m = open(ckpt);
+    let prompt = ids(&r["prompt_ids"]);
+    let vocab = m.config().vocab;
 
-        let mut cache = m.new_cache(prompt.len());
-        let logits = m.forward(&prompt, &mut cache, Logits::All).unwrap();
-        let want = r["logits"].as_array().unwrap();
-        let mut max_err = 0f32;
-        let mut nll = 0f64;
-        for (t, row) in want.iter().enumerate() {
-            let got = &logits[t * vocab..(t + 1) * vocab];
-            for (g, w) in got.iter().zip(row.as_array().unwrap()) {
-                max_err = max_err.max((g - w.as_f64().unwrap() as f32).abs());
-            }
-            if let Some(&next) = prompt.get(t + 1) {
-                nll += kvant_kernels::softmax::log_sum_exp(got) - got[next as usize] as f64;
-            }
+    let mut cache = m.new_cache(prompt.len());
+    let logits = m.forward(&prompt, &mut cache, Logits::All).unwrap();
+    let want = r["logits"].as_array().unwrap();
+    let mut max_err = 0f32;
+    let mut nll = 0f64;
+    for (t, row) in want.iter().enumerate() {
+        let got = &logits[t * vocab..(t + 1) * vocab];
+        for (g, w) in got.iter().zip(row.as_array().unwrap()) {
+            max_err = max_err.max((g - w.as_f64().unwrap() as f32).abs());
         }
-        assert!(max_err <= LOGIT_TOL, "{name}: max |Δlogit| {max_err}");
-        let ppl = (nll / (prompt.len() - 1) as f64).exp();
-        let want_ppl = r["ppl"].as_f64().unwrap();
-        assert!(
-            ((ppl - want_ppl) / want_ppl).abs() <= PPL_REL_TOL,
-            "{name}: ppl {ppl} vs {want_ppl}"
-        );
-
-        let want_greedy = ids(&r["greedy_ids"]);
-        let mut s = greedy(&m, &prompt, want_greedy.len());
-        s.truncate(want_greedy.len());
-        assert_eq!(s, want_greedy, "{name}: greedy continuation");
-        eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4}");
+        if let Some(&next) = prompt.get(t + 1) {
+            nll += kvant_kernels::softmax::log_sum_exp(got) - got[next as usize] as f64;
+        }
     }
+    assert!(max_err <= LOGIT_TOL, "{name}: max |Δlogit| {max_err}");
+    let ppl = (nll / (prompt.len() - 1) as f64).exp();
+    let want_ppl = r["ppl"].as_f64().unwrap();
+    assert!(
+        ((ppl - want_ppl) / want_ppl).abs() <= PPL_REL_TOL,
+        "{name}: ppl {ppl} vs {want_ppl}"
+    );
+
+    let want_greedy = ids(&r["greedy_ids"]);
+    let mut s = greedy(&m, &prompt, want_greedy.len());
+    s.truncate(want_greedy.len());
+    assert_eq!(s, want_greedy, "{name}: greedy continuation");
+    eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4}");
 }
 
 /// Greedy decoding straight on the model (the engine crate sits above this one).

@@ -25,7 +25,8 @@ fn gguf_spec(name: &str) -> GgufTokenizerSpec {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/tokenizer")
         .join(name);
-    let g = kvant_model::gguf::GgufFile::open(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let g = kvant_model::gguf::GgufFile::open(&path)
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     kvant_model::load::tokenizer_spec(&g).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 

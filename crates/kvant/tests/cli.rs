@@ -191,3 +191,37 @@ fn chat_needs_a_template() {
         "3",
     ]);
 }
+
+#[test]
+fn chat_runs_several_turns_from_stdin() {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvant"))
+        .args([
+            "chat",
+            "--model",
+            &tiny("qwen2-bias"),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "6",
+        ])
+        .args(["--system", "Be brief."])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    stdin
+        .write_all(b"hello there\nand again\n/reset\nthird\n/exit\n")
+        .unwrap();
+    drop(stdin);
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    // One line of reply per user turn.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(stdout.matches('\n').count(), 3, "{stdout:?}");
+    assert_eq!(stderr.matches("> ").count(), 5, "{stderr}");
+}
