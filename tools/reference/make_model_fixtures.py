@@ -8,7 +8,7 @@ Sections (all by default; pick with flags):
 
 Deterministic: fixed seeds, float32, CPU, one thread, deterministic algorithms.
 Run with the reference venv, from the repository root:
-  /work/refvenv/bin/python tools/reference/make_model_fixtures.py
+  .venv/bin/python tools/reference/make_model_fixtures.py
 See tools/reference/README.md for the file formats.
 """
 

@@ -19,7 +19,7 @@ Bytes and expected values are hex strings (expected: little-endian f32), so
 the comparison is exact with no decimal round trip. Deterministic: a fixed
 seed per type.
 
-Run: /work/refvenv/bin/python tools/reference/make_quant_fixtures.py
+Run: .venv/bin/python tools/reference/make_quant_fixtures.py
 """
 
 from __future__ import annotations
