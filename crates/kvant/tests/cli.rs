@@ -225,3 +225,39 @@ fn chat_runs_several_turns_from_stdin() {
     assert_eq!(stdout.matches('\n').count(), 3, "{stdout:?}");
     assert_eq!(stderr.matches("> ").count(), 5, "{stderr}");
 }
+
+#[test]
+fn stop_strings_cut_the_text_and_finish_with_stop() {
+    let r = reference("llama-mqa-tied");
+    let gen = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            &tiny("llama-mqa-tied"),
+            "--prompt",
+            r["prompt_text"].as_str().unwrap(),
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "16",
+            "--ignore-eos",
+            "--json",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect::<Vec<_>>();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        json(&kvant_ok(&args))
+    };
+    let full = gen(&[]);
+    let text = full["text"].as_str().unwrap().to_string();
+    // Stop on a short piece from the middle of the greedy text.
+    let chars: Vec<char> = text.chars().collect();
+    let mid = chars.len() / 2;
+    let stop: String = chars[mid..(mid + 2).min(chars.len())].iter().collect();
+    let first = text.find(&stop).unwrap();
+    let cut = gen(&["--stop", &stop]);
+    assert_eq!(cut["finish_reason"], "stop", "{cut}");
+    assert_eq!(cut["text"].as_str().unwrap(), &text[..first]);
+}
