@@ -6,7 +6,7 @@ reads the GGUF files the same way (metadata, q/k permutation, rope_freqs,
 tokenizer) and tokenizes like the recorded prompt ids. It needs a Python with
 `llama-cpp-python` (and numpy) installed, which the reference venv does not have:
   python -m venv /tmp/lcpp && /tmp/lcpp/bin/pip install numpy llama-cpp-python
-  /tmp/lcpp/bin/python tools/reference/check_with_llama_cpp.py [--smollm2-gguf PATH]
+  /tmp/lcpp/bin/python tools/reference/check_with_llama_cpp.py [--smollm2-gguf PATH] [--gemma3-gguf PATH]
 It writes nothing; it prints one line per check and exits non-zero on a mismatch.
 
 llama.cpp computes quantized matmuls on quantized activations (Q8_0/Q8_1), so for
@@ -128,9 +128,44 @@ def check_smollm2(gguf_path: Path) -> bool:
     return ok
 
 
+def check_gemma3(gguf_path: Path) -> bool:
+    """Gemma 3 270M: llama.cpp's SentencePiece ids (BOS added, control tokens parsed)
+    must be the recorded ones; its logits and greedy ids are reported."""
+    ref = json.loads((MODELS / "gemma3-270m-q4_k_m.reference.json").read_text(encoding="utf-8"))
+    vocab = _open(gguf_path, vocab_only=True)
+    ok = True
+    texts = [(p["name"], p["text"], p["prompt_ids"]) for p in ref["prompts"]]
+    texts += [(repr(c["text"]), c["text"], c["ids"]) for c in ref["tokenizer_cases"]]
+    for name, text, want in texts:
+        got = vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+        ok &= got == want
+        print(f"{'ok ' if got == want else 'BAD'} gemma3 tokenize {name}" + ("" if got == want else f": {got} != {want}"))
+    ppl_text = (REPO / ref["perplexity"]["file"]).read_text(encoding="utf-8")
+    got = vocab.tokenize(ppl_text.encode("utf-8"), add_bos=True, special=True)
+    same = len(got) == ref["perplexity"]["tokens_total"]
+    ok &= same
+    print(f"{'ok ' if same else 'BAD'} gemma3 tokenize ppl.txt: {len(got)} tokens")
+    vocab.close()
+
+    llm = _open(gguf_path)
+    for p in ref["prompts"]:
+        last = _prompt_logits(llm, p["prompt_ids"])[-1]
+        top = p["last_logits"]["top"]
+        diff = max(abs(float(last[i]) - v) for i, v in top)
+        greedy = _greedy(llm, p["prompt_ids"], ref["greedy_new_tokens"])
+        same = next((i for i, (a, b) in enumerate(zip(greedy, p["greedy_ids"])) if a != b), len(greedy))
+        print(
+            f"info gemma3 {p['name']}: llama.cpp top-1 same {int(last.argmax()) == top[0][0]}, "
+            f"max|diff| over reference top-20 {diff:.3g}, greedy ids agree for {same} steps"
+        )
+    llm.close()
+    return ok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smollm2-gguf", type=Path, default=Path(os.environ.get("KVANT_MODEL", "")))
+    ap.add_argument("--gemma3-gguf", type=Path, default=Path(os.environ.get("KVANT_GEMMA3_MODEL", "")))
     args = ap.parse_args()
     ok = check_tiny_gguf()
     ok &= check_tiny_tokenizer()
@@ -138,6 +173,10 @@ def main() -> None:
         ok &= check_smollm2(args.smollm2_gguf)
     else:
         print("skip smollm2: pass --smollm2-gguf PATH or set KVANT_MODEL")
+    if args.gemma3_gguf.is_file():
+        ok &= check_gemma3(args.gemma3_gguf)
+    else:
+        print("skip gemma3: pass --gemma3-gguf PATH or set KVANT_GEMMA3_MODEL")
     sys.exit(0 if ok else 1)
 
 

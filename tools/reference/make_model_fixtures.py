@@ -5,6 +5,7 @@ Sections (all by default; pick with flags):
   --tiny     tiny random checkpoints (HF dirs) + reference.json each
   --gguf     llama-arch GGUF files (F32, Q8_0, Q4_0) of two tiny models + references
   --smollm2  references for the real default model (needs its GGUF, --smollm2-gguf)
+  --gemma3   references for Gemma 3 270M Q4_K_M (needs its GGUF, --gemma3-gguf)
 
 Deterministic: fixed seeds, float32, CPU, one thread, deterministic algorithms.
 Run with the reference venv, from the repository root:
@@ -30,6 +31,7 @@ from tokenizers import Tokenizer  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fixture_json  # noqa: E402
+import gemma3_reference  # noqa: E402
 import llama_gguf  # noqa: E402
 import reference_outputs  # noqa: E402
 import smollm2_reference  # noqa: E402
@@ -222,8 +224,10 @@ def main() -> None:
     ap.add_argument("--gguf", action="store_true")
     ap.add_argument("--smollm2", action="store_true")
     ap.add_argument("--smollm2-gguf", type=Path, default=Path(os.environ.get("KVANT_MODEL", "")))
+    ap.add_argument("--gemma3", action="store_true")
+    ap.add_argument("--gemma3-gguf", type=Path, default=Path(os.environ.get("KVANT_GEMMA3_MODEL", "")))
     args = ap.parse_args()
-    every = not (args.tiny or args.gguf or args.smollm2)
+    every = not (args.tiny or args.gguf or args.smollm2 or args.gemma3)
     setup_determinism()
     tok = train_tokenizer()
     built = make_tiny(tok) if (every or args.tiny or args.gguf) else {}
@@ -235,6 +239,12 @@ def main() -> None:
         rel = PPL_TEXT.relative_to(REPO).as_posix()
         ref = smollm2_reference.build(args.smollm2_gguf, PPL_TEXT, rel)
         fixture_json.write_json(MODELS / "smollm2-135m-q4_1.reference.json", ref)
+    if every or args.gemma3:
+        if not args.gemma3_gguf.is_file():
+            sys.exit("--gemma3 needs the Gemma 3 270M Q4_K_M GGUF: pass --gemma3-gguf PATH or set KVANT_GEMMA3_MODEL")
+        rel = PPL_TEXT.relative_to(REPO).as_posix()
+        ref = gemma3_reference.build(args.gemma3_gguf, PPL_TEXT, rel)
+        fixture_json.write_json(MODELS / "gemma3-270m-q4_k_m.reference.json", ref)
 
 
 if __name__ == "__main__":

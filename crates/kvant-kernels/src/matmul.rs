@@ -3,24 +3,45 @@
 //! `W` is `[out, in]` (PyTorch and GGUF order), `x` is `[n_tokens, in]` and
 //! `y` is `[n_tokens, out]`. Work is split by output rows into a few chunks
 //! per pool thread (not one task per row, whose scheduling would cost more
-//! than a short row's dot product). A weight row is read from memory once per
-//! call: four rows at a time are dequantized into a per-thread scratch buffer
-//! (a few KiB to a few hundred KiB: it stays in L1/L2) and dotted with every
-//! token, loading each element of a token once for the four rows.
+//! than a short row's dot product), and not split at all when the whole
+//! call is too small to repay a fork-join.
+//!
+//! One token (decoding) streams every weight once, so it runs the fused
+//! row kernels, which expand each block in registers and never write a
+//! dequantized row. Several tokens reuse each weight row: four rows at a
+//! time are dequantized once into a per-thread scratch buffer (a few KiB:
+//! it stays in L1/L2) and dotted with every token in tiles of three, each
+//! row element and token element loaded once per tile.
 
 use crate::cpu::{self, SimdTier};
-use crate::dot::{dot4_f32_with, dot_f32_with};
+use crate::dot::{dot4_f32_with, dot_f32_with, dot_tile_f32_with};
 use crate::error::{check_len, checked_mul, KernelError};
 use crate::quant::{dequantize_row_ref, RowKernel};
 use kvant_core::Tensor;
 use rayon::prelude::*;
 use std::cell::Cell;
 
-/// Rows dequantized together (the width of `dot4`).
+/// Rows dequantized together (the row count of the dot tiles).
 const ROW_GROUP: usize = 4;
 
-/// Below this many multiply-adds a fork-join costs more than it saves.
-const MIN_PARALLEL_MACS: usize = 1 << 16;
+/// Tokens dotted together with a row group: 4 × 3 accumulators plus the
+/// loaded values fill the 16 AVX2 registers.
+const TOKEN_TILE: usize = 3;
+
+/// The least work worth a task of its own, in weight bytes streamed by a
+/// one-token call and in multiply-adds otherwise: about three times what
+/// one core gets through in the time of a rayon fork-join, so a split saves
+/// more than it costs. Measured on the 2-core development VM (shared, so
+/// often busy): a fork-join of trivial tasks takes ~20 µs (6 µs at best),
+/// one core streams ~7 GB/s of quantized weights through the fused kernels
+/// and ~30 G multiply-adds/s through the dot tiles. With these values
+/// SmolLM2-135M's per-layer matrices (at most 663 KB) run on the calling
+/// thread and only its 30 MB output layer forks; decoding ran 15% faster
+/// than with a 96 KB threshold (all but the 82 KB k/v projections forked).
+/// A quieter machine or a cheaper fork (a spinning barrier) would justify
+/// smaller values.
+const MIN_TASK_BYTES: usize = 512 << 10;
+const MIN_TASK_MACS: usize = 2 << 20;
 
 /// Chunks of rows per pool thread, so a slow thread does not hold up the call.
 const TASKS_PER_THREAD: usize = 4;
@@ -29,6 +50,24 @@ thread_local! {
     /// Dequantized rows of the current group; reused across calls, so a
     /// steady-state forward pass does not allocate here.
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+    /// Activation sums of the one-token path (see `RowKernel::x_sums`).
+    static SUMS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// Rows per task for `rows` rows of `work_per_row` each, a multiple of
+/// [`ROW_GROUP`]; `None` when the call should not fork.
+fn rows_per_task(rows: usize, work_per_row: usize, min_task_work: usize) -> Option<usize> {
+    let threads = rayon::current_num_threads();
+    let groups = rows.div_ceil(ROW_GROUP);
+    let by_work = rows.saturating_mul(work_per_row) / min_task_work;
+    let tasks = (threads * TASKS_PER_THREAD).min(groups).min(by_work);
+    // A whole number of tasks per thread, or two threads would wait on a third task.
+    let tasks = if tasks >= threads {
+        tasks / threads * threads
+    } else {
+        tasks
+    };
+    (threads > 1 && tasks > 1).then(|| groups.div_ceil(tasks) * ROW_GROUP)
 }
 
 /// `y[t*out + o] = Σ_i W[o, i] · x[t*in + i]` on the start-up SIMD tier,
@@ -105,29 +144,44 @@ pub fn matmul_with(
     if out == 0 || n_tokens == 0 {
         return Ok(());
     }
+    let kernel = RowKernel::new(w.dtype(), tier);
+    let bytes = w.bytes();
+    if n_tokens == 1 && kernel.is_fused() {
+        gemv(kernel, bytes, row_bytes, x, y);
+        return Ok(());
+    }
     let job = Job {
-        kernel: RowKernel::new(w.dtype(), tier),
+        kernel,
         x,
         n_tokens,
         out,
         inp,
         y: OutPtr(y.as_mut_ptr()),
     };
-    let bytes = w.bytes();
-    let threads = rayon::current_num_threads();
-    let macs = out.saturating_mul(inp).saturating_mul(n_tokens);
-    if threads == 1 || macs < MIN_PARALLEL_MACS {
-        job.rows(0, bytes, row_bytes);
-        return Ok(());
+    match rows_per_task(out, inp.saturating_mul(n_tokens), MIN_TASK_MACS) {
+        None => job.rows(0, bytes, row_bytes),
+        Some(rows) => bytes
+            .par_chunks(rows * row_bytes)
+            .enumerate()
+            .for_each(|(task, chunk)| job.rows(task * rows, chunk, row_bytes)),
     }
-    let groups = out.div_ceil(ROW_GROUP);
-    let tasks = (threads * TASKS_PER_THREAD).min(groups);
-    let rows_per_task = groups.div_ceil(tasks) * ROW_GROUP;
-    bytes
-        .par_chunks(rows_per_task * row_bytes)
-        .enumerate()
-        .for_each(|(task, chunk)| job.rows(task * rows_per_task, chunk, row_bytes));
     Ok(())
+}
+
+/// One token through the fused kernels: `y` is one output row, so each
+/// task writes its own contiguous slice of it.
+fn gemv(kernel: RowKernel, w: &[u8], row_bytes: usize, x: &[f32], y: &mut [f32]) {
+    let mut sums = SUMS.take();
+    sums.resize(kernel.sums_len(x.len()), 0.0);
+    kernel.x_sums(x, &mut sums);
+    match rows_per_task(y.len(), row_bytes, MIN_TASK_BYTES) {
+        None => kernel.gemv(w, x, &sums, y),
+        Some(rows) => w
+            .par_chunks(rows * row_bytes)
+            .zip(y.par_chunks_mut(rows))
+            .for_each(|(w, y)| kernel.gemv(w, x, &sums, y)),
+    }
+    SUMS.set(sums);
 }
 
 /// The output pointer, shared by the tasks of one call.
@@ -176,19 +230,46 @@ impl Job<'_> {
     /// Dots the dequantized rows `first..` held in `w` with every token.
     fn dot_group(&self, first: usize, w: &[f32]) {
         let tier = self.kernel.tier();
-        for (t, xt) in self.x.chunks_exact(self.inp).enumerate() {
-            let mut rows = w.chunks_exact(self.inp);
-            if let (Some(r0), Some(r1), Some(r2), Some(r3)) =
-                (rows.next(), rows.next(), rows.next(), rows.next())
-            {
-                let d = dot4_f32_with(tier, [r0, r1, r2, r3], xt);
-                for (r, v) in d.into_iter().enumerate() {
-                    self.write(t, first + r, v);
-                }
-            } else {
+        let mut rows = w.chunks_exact(self.inp);
+        let (Some(r0), Some(r1), Some(r2), Some(r3)) =
+            (rows.next(), rows.next(), rows.next(), rows.next())
+        else {
+            // A last group of fewer than four rows.
+            for (t, xt) in self.x.chunks_exact(self.inp).enumerate() {
                 for (r, row) in w.chunks_exact(self.inp).enumerate() {
                     self.write(t, first + r, dot_f32_with(tier, row, xt));
                 }
+            }
+            return;
+        };
+        let rows = [r0, r1, r2, r3];
+        let tile = self.inp * TOKEN_TILE;
+        let mut tiles = self.x.chunks_exact(tile);
+        for (i, xs) in (&mut tiles).enumerate() {
+            let xs: [&[f32]; TOKEN_TILE] =
+                std::array::from_fn(|t| &xs[t * self.inp..(t + 1) * self.inp]);
+            let d = dot_tile_f32_with(tier, rows, xs);
+            self.write_tile(i * TOKEN_TILE, first, &d);
+        }
+        let t0 = self.n_tokens - tiles.remainder().len() / self.inp;
+        match tiles.remainder().len() / self.inp {
+            2 => {
+                let (x0, x1) = tiles.remainder().split_at(self.inp);
+                self.write_tile(t0, first, &dot_tile_f32_with(tier, rows, [x0, x1]));
+            }
+            1 => {
+                let d = dot4_f32_with(tier, rows, tiles.remainder());
+                self.write_tile(t0, first, &d.map(|v| [v]));
+            }
+            _ => {}
+        }
+    }
+
+    /// Writes `d[r][t]` to row `first + r` of token `t0 + t`.
+    fn write_tile<const T: usize>(&self, t0: usize, first: usize, d: &[[f32; T]; ROW_GROUP]) {
+        for (r, d) in d.iter().enumerate() {
+            for (t, &v) in d.iter().enumerate() {
+                self.write(t0 + t, first + r, v);
             }
         }
     }

@@ -1,5 +1,10 @@
 //! Fast row kernels (dequantize, row dot, matmul) on every SIMD tier this CPU
 //! has, against the scalar references, on seeded random rows of odd sizes.
+//!
+//! The fused one-token kernels apply each block's scale to the block's sum
+//! (`d·Σ q·x + m·Σ x`) instead of to every weight, so they are compared with
+//! the f64 dot of the reference weights under [`REL_TOL`], like every other
+//! f32 accumulation, not bit for bit.
 
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::cpu::{self, SimdTier};
@@ -12,8 +17,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// f32 accumulation over at most a few thousand products: the error stays
-/// far below 1e-5 of Σ|w·x| for random signs, while one wrong, missing or
-/// duplicated term moves the result by ~1e-3 of it or more.
+/// far below 1e-5 of Σ|w·x| for random signs (the fused kernels' factored
+/// sums add a few ulps of `|d|·Σ|q·x| + |m|·|Σx|` per block, the same order),
+/// while one wrong, missing or duplicated term moves the result by ~1e-3 of
+/// it or more.
 const REL_TOL: f64 = 1e-5;
 
 /// Byte offsets of the f16 scale fields in one block (ggml-common.h); the
@@ -61,6 +68,25 @@ fn random_row(rng: &mut ChaCha8Rng, dtype: DType, elements: usize) -> Vec<u8> {
     }
     assert_eq!(bytes.len(), dtype.bytes_for(elements).unwrap());
     bytes
+}
+
+/// Like [`random_row`], but with the minimum of each Q4_1/Q5_1 block set to
+/// `-(levels/2)·d`, as a quantizer makes it for zero-centred weights: the
+/// fused kernels' `d·Σ q·x` and `m·Σ x` then nearly cancel, the hardest case
+/// for their rounding.
+fn centred_row(rng: &mut ChaCha8Rng, dtype: DType, elements: usize) -> Vec<u8> {
+    let half_levels = match dtype {
+        DType::Q4_1 => 7.5f32,
+        DType::Q5_1 => 15.5,
+        _ => unreachable!("{dtype} has no per-block minimum"),
+    };
+    let mut row = random_row(rng, dtype, elements);
+    for block in row.chunks_exact_mut(dtype.block_bytes()) {
+        let d = half::f16::from_le_bytes([block[0], block[1]]).to_f32();
+        let m = half::f16::from_f32(-half_levels * d);
+        block[2..4].copy_from_slice(&m.to_le_bytes());
+    }
+    row
 }
 
 fn random_f32(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
@@ -131,14 +157,35 @@ fn dot_row_matches_f64_dot_of_reference() {
     for dtype in DType::ALL {
         for n in row_lengths(dtype) {
             let row = random_row(&mut rng, dtype, n);
-            let x = random_f32(&mut rng, n);
-            let w = reference_values(dtype, &row, n);
+            check_dot_row(dtype, &row, &random_f32(&mut rng, n));
+        }
+    }
+}
+
+#[test]
+fn dot_row_is_accurate_when_the_minimum_cancels_the_scale() {
+    let mut rng = ChaCha8Rng::seed_from_u64(16);
+    for dtype in [DType::Q4_1, DType::Q5_1] {
+        for n in row_lengths(dtype) {
+            let row = centred_row(&mut rng, dtype, n);
+            // Mostly positive activations make Σx large, so the two terms are large too.
+            let x: Vec<f32> = (0..n).map(|_| rng.random_range(-0.2f32..1.0)).collect();
+            check_dot_row(dtype, &row, &x);
+        }
+    }
+}
+
+fn check_dot_row(dtype: DType, row: &[u8], x: &[f32]) {
+    let n = x.len();
+    {
+        {
+            let w = reference_values(dtype, row, n);
             for tier in cpu::available_tiers() {
-                let got = dot_row_with(tier, dtype, &row, &x).unwrap();
-                assert_dot_close(got, &w, &x, &format!("{dtype} {tier} n={n}"));
+                let got = dot_row_with(tier, dtype, row, x).unwrap();
+                assert_dot_close(got, &w, x, &format!("{dtype} {tier} n={n}"));
             }
-            let got = dot_row(dtype, &row, &x).unwrap();
-            assert_dot_close(got, &w, &x, &format!("{dtype} start-up tier n={n}"));
+            let got = dot_row(dtype, row, x).unwrap();
+            assert_dot_close(got, &w, x, &format!("{dtype} start-up tier n={n}"));
         }
     }
 }
@@ -181,8 +228,8 @@ fn check_matmul(tier: Option<SimdTier>, w: &Tensor, x: &[f32], n_tokens: usize) 
 #[test]
 fn matmul_matches_reference_for_every_dtype() {
     let mut rng = ChaCha8Rng::seed_from_u64(13);
-    // A pool of three threads, so the parallel split (with a ragged last
-    // chunk) runs whatever this machine's core count.
+    // Three pool threads, as on a machine where these calls could fork (they
+    // are too small to).
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(3)
         .build()
@@ -192,8 +239,11 @@ fn matmul_matches_reference_for_every_dtype() {
             1 => 67,
             b => 3 * b,
         };
-        // Small enough for the sequential path, then large enough for the parallel one.
-        for (out, tokens) in [(37, &[1usize, 3, 7][..]), (301, &[1, 5][..])] {
+        // A last group of fewer than four rows (37 and 301 rows); 1 token
+        // takes the fused kernels, more the dot tiles of three tokens (2,
+        // 4, 5 and 7 leave every remainder). `large_matmul_matches_reference`
+        // covers the parallel split.
+        for (out, tokens) in [(37, &[1usize, 2, 3, 7][..]), (301, &[1, 4, 5][..])] {
             let w = random_weight(&mut rng, dtype, out, inp);
             for &n_tokens in tokens {
                 let x = random_f32(&mut rng, n_tokens * inp);
@@ -204,6 +254,33 @@ fn matmul_matches_reference_for_every_dtype() {
                     check_matmul(None, &w, &x, n_tokens);
                 });
             }
+        }
+    }
+}
+
+/// Calls are split only when each task gets enough work (over 512 KiB of
+/// weights for one token, 2 M multiply-adds for several), so it takes a
+/// weight of a few MB to run the parallel paths, with a ragged last task,
+/// for every type: one token through the fused kernels, four through the
+/// dot tiles.
+#[test]
+fn large_matmul_matches_reference() {
+    let mut rng = ChaCha8Rng::seed_from_u64(17);
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(3)
+        .build()
+        .unwrap();
+    // 13 super-blocks per row: 1.1 MB even as Q2_K, the smallest type.
+    let (out, inp) = (1001, 13 * 256);
+    for dtype in DType::ALL {
+        let w = random_weight(&mut rng, dtype, out, inp);
+        for n_tokens in [1, 4] {
+            let x = random_f32(&mut rng, n_tokens * inp);
+            pool.install(|| {
+                for tier in cpu::available_tiers() {
+                    check_matmul(Some(tier), &w, &x, n_tokens);
+                }
+            });
         }
     }
 }

@@ -42,9 +42,47 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::simd::store_scaled_i8x32;
-    use super::{f16_at, BLOCK_BYTES, QK_K};
+    use super::super::fused::{bytes8, lane, load32, FusedBlock};
+    use super::super::simd::{f16_at, f16_load, quarters, store_scaled_i8x32};
+    use super::{BLOCK_BYTES, QK_K};
+    use kvant_core::DType;
     use std::arch::x86_64::*;
+
+    /// The signed 6-bit values (`q - 32`) of half `half` of a block at `p`:
+    /// vector `k` holds weights `32k..32k+32` of the half.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `p` is valid for the block's 210 bytes.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn values(p: *const u8, half: usize) -> [__m256i; 4] {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m30 = _mm256_set1_epi8(0x30);
+        let ql0 = _mm256_loadu_si256(p.add(64 * half) as *const __m256i);
+        let ql1 = _mm256_loadu_si256(p.add(64 * half + 32) as *const __m256i);
+        let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
+        // 16-bit shifts spill bits across the byte pair, but only into bits
+        // the 0x0F / 0x30 masks then clear.
+        [
+            _mm256_or_si256(
+                _mm256_and_si256(ql0, m4),
+                _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+            ),
+            _mm256_or_si256(
+                _mm256_and_si256(ql1, m4),
+                _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+            ),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                _mm256_and_si256(qh, m30),
+            ),
+            _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+            ),
+        ]
+        .map(|q| _mm256_sub_epi8(q, _mm256_set1_epi8(32)))
+    }
 
     /// Bit-identical to the reference: `(d·scale) · q` per lane.
     ///
@@ -52,50 +90,61 @@ pub(crate) mod avx2 {
     /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m30 = _mm256_set1_epi8(0x30);
-        let offset = _mm256_set1_epi8(32);
         for (b, y) in src
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
             let d = f16_at(b, 208);
-            let p = b.as_ptr();
             for (half, y) in y.chunks_exact_mut(128).enumerate() {
-                // SAFETY: `ql` bytes 64h..64h+64 and `qh` bytes 128+32h..+32 lie
-                // in the 210-byte block.
-                let ql0 = _mm256_loadu_si256(p.add(64 * half) as *const __m256i);
-                let ql1 = _mm256_loadu_si256(p.add(64 * half + 32) as *const __m256i);
-                let qh = _mm256_loadu_si256(p.add(128 + 32 * half) as *const __m256i);
-                // 16-bit shifts spill bits across the byte pair, but only
-                // into bits the 0x0F / 0x30 masks then clear.
-                let q = [
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql0, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(ql1, m4),
-                        _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
-                        _mm256_and_si256(qh, m30),
-                    ),
-                    _mm256_or_si256(
-                        _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
-                        _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
-                    ),
-                ];
+                // SAFETY: `b` is one whole block.
+                let q = values(b.as_ptr(), half);
                 let sc = &b[192 + 8 * half..192 + 8 * half + 8];
                 let y = y.as_mut_ptr();
                 for (k, q) in q.into_iter().enumerate() {
                     let s0 = _mm256_set1_ps(d * sc[2 * k] as i8 as f32);
                     let s1 = _mm256_set1_ps(d * sc[2 * k + 1] as i8 as f32);
                     // SAFETY: `y` points at 128 floats; this writes 32k..32k+32.
-                    store_scaled_i8x32(_mm256_sub_epi8(q, offset), s0, s1, y.add(32 * k));
+                    store_scaled_i8x32(q, s0, s1, y.add(32 * k));
                 }
             }
+        }
+    }
+
+    /// The fused Q6_K row kernel: per group `g` of 16,
+    /// `(d·scale_g)·Σ (q - 32)·x`.
+    pub(crate) struct Fused;
+
+    // SAFETY: `dot` reads the 210 bytes of one block; `prepare` keeps the
+    // pointer to 256 floats.
+    unsafe impl FusedBlock for Fused {
+        const DTYPE: DType = DType::Q6_K;
+        const ELEMS: usize = QK_K;
+        const BYTES: usize = BLOCK_BYTES;
+        const SUM_GROUP: usize = 0;
+        type X = *const f32;
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn prepare(x: *const f32, _: *const f32) -> *const f32 {
+            x
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        #[inline]
+        unsafe fn dot(w: *const u8, x: &*const f32, mut acc: __m256) -> __m256 {
+            let d = _mm256_set1_ps(f16_load(w.add(208)));
+            for half in 0..2 {
+                let sc = _mm256_mul_ps(bytes8::<true>(w.add(192 + 8 * half)), d);
+                for (k, q) in values(w, half).into_iter().enumerate() {
+                    let q = quarters::<true>(q);
+                    let xv = load32(x.add(128 * half + 32 * k));
+                    let a = _mm256_fmadd_ps(q[1], xv[1], _mm256_mul_ps(q[0], xv[0]));
+                    let b = _mm256_fmadd_ps(q[3], xv[3], _mm256_mul_ps(q[2], xv[2]));
+                    acc = _mm256_fmadd_ps(lane(sc, 2 * k), a, acc);
+                    acc = _mm256_fmadd_ps(lane(sc, 2 * k + 1), b, acc);
+                }
+            }
+            acc
         }
     }
 }

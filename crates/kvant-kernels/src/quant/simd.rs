@@ -1,28 +1,100 @@
-//! AVX2 helpers shared by the fast dequantizers: widen 32 bytes to 32 floats.
+//! AVX2 helpers shared by the fast dequantizers and the fused row kernels:
+//! f16 scales through F16C, and packed integers widened to f32 lanes.
 //!
 //! The fast dequantizers reproduce the reference arithmetic lane by lane (a
 //! multiply, then an add or subtract; never a fused FMA), so their output is
 //! bit-identical to `dequantize_ref` and tests can compare them exactly.
+//! F16C widening is exact, like the `half` crate's, but inline: one
+//! instruction instead of a function call per scale.
 
 use std::arch::x86_64::*;
+
+/// The little-endian f16 at `p`, widened exactly.
+///
+/// # Safety
+/// The CPU supports F16C; `p` is valid for a 2-byte read (unaligned).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn f16_load(p: *const u8) -> f32 {
+    let h = (p as *const u16).read_unaligned();
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+}
+
+/// [`f16_load`] at byte `off` of a block, for the dequantizers' slices.
+///
+/// # Panics
+/// If `block` is shorter than `off + 2` (a bug in the calling kernel).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn f16_at(block: &[u8], off: usize) -> f32 {
+    let bytes = &block[off..off + 2];
+    // SAFETY: `bytes` holds the two bytes read; the caller's tier has F16C.
+    unsafe { f16_load(bytes.as_ptr()) }
+}
+
+/// The f16 at `p` in all eight lanes (broadcast, then widen: no
+/// insert-and-shuffle through a scalar).
+///
+/// # Safety
+/// As for [`f16_load`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn f16_splat(p: *const u8) -> __m256 {
+    _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned()))
+}
+
+/// The two f16 at `p` and `p + 2` (a block's scale and minimum), each in
+/// all eight lanes, from one 4-byte broadcast and one conversion.
+///
+/// # Safety
+/// As for [`f16_load`], with `p` valid for 4 bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn f16_pair_splat(p: *const u8) -> (__m256, __m256) {
+    let v = _mm256_cvtph_ps(_mm_set1_epi32((p as *const i32).read_unaligned()));
+    (_mm256_moveldup_ps(v), _mm256_movehdup_ps(v))
+}
 
 /// The four 8-lane quarters of 32 bytes as f32, read as `i8` if `SIGNED`
 /// and as `u8` otherwise.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
+#[inline]
+pub(crate) fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
     let lo = _mm256_castsi256_si128(v);
     let hi = _mm256_extracti128_si256(v, 1);
     let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];
-    let mut out = [_mm256_setzero_ps(); 4];
-    for (o, x) in out.iter_mut().zip(parts) {
+    parts.map(|x| {
         let wide = if SIGNED {
             _mm256_cvtepi8_epi32(x)
         } else {
             _mm256_cvtepu8_epi32(x)
         };
-        *o = _mm256_cvtepi32_ps(wide);
-    }
-    out
+        _mm256_cvtepi32_ps(wide)
+    })
+}
+
+/// The 32 nibbles of 16 bytes at `p` as f32, in Q4 order: low nibbles of
+/// bytes 0..8 and 8..16, then high nibbles of bytes 0..8 and 8..16.
+///
+/// Widening 8 bytes straight from memory (`vpmovzxbd ymm, m64`) before
+/// splitting the nibbles costs fewer instructions than splitting 16 bytes
+/// and widening from a register.
+///
+/// # Safety
+/// The CPU supports AVX2; `p` is valid for 16 bytes (unaligned).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn nibbles(p: *const u8) -> [__m256; 4] {
+    let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
+    let m = _mm256_set1_epi32(0x0F);
+    [
+        _mm256_and_si256(a, m),
+        _mm256_and_si256(b, m),
+        _mm256_srli_epi32(a, 4),
+        _mm256_srli_epi32(b, 4),
+    ]
+    .map(|v| _mm256_cvtepi32_ps(v))
 }
 
 /// Writes `q[i] as f32 * d - m` for the 32 unsigned bytes of `q`.

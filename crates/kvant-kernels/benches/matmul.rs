@@ -1,0 +1,142 @@
+//! `matmul` throughput per weight type: GEMV (one token, decoding) and GEMM
+//! (64 tokens, prefill) on a SmolLM2-sized 1536×576 weight (1536×512 for
+//! the 256-weight k-quants, whose rows must be whole super-blocks), plus the
+//! small projections that decide the fork-join threshold and two weights
+//! too large for the caches.
+//!
+//! Criterion reports `Gelem/s` as GFLOP/s (2 FLOPs per multiply-add) and
+//! `GiB/s` as weight bytes streamed per second: a one-token matmul reads
+//! each weight once, so its GiB/s is the figure to hold against the memory
+//! bandwidth. `KVANT_SIMD=scalar` benchmarks the portable path and
+//! `RAYON_NUM_THREADS=1` a single core.
+//!
+//! `cargo bench -p kvant-kernels --bench matmul [-- FILTER]`
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvant_core::{DType, Storage, Tensor};
+use kvant_kernels::matmul::matmul;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::hint::black_box;
+use std::time::Duration;
+
+/// Byte offsets of the f16 scales in a block (as in tests/quant_kernels.rs):
+/// random bits there could be NaN or huge, which would not time the same.
+fn scale_offsets(dtype: DType) -> &'static [usize] {
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => &[],
+        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
+        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q2_K => &[80, 82],
+        DType::Q3_K => &[108],
+        DType::Q6_K => &[208],
+    }
+}
+
+fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, out: usize, inp: usize) -> Tensor {
+    let mut bytes = Vec::new();
+    for _ in 0..out * inp / dtype.block_size() {
+        match dtype {
+            DType::F32 => bytes.extend(rng.random_range(-1.0f32..1.0).to_le_bytes()),
+            DType::F16 => {
+                bytes.extend(half::f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes())
+            }
+            DType::BF16 => {
+                bytes.extend(half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes())
+            }
+            _ => {
+                let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
+                for &off in scale_offsets(dtype) {
+                    let scale = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+                    block[off..off + 2].copy_from_slice(&scale.to_le_bytes());
+                }
+                bytes.extend(block);
+            }
+        }
+    }
+    Tensor::new(dtype, vec![out, inp], Storage::Owned(bytes.into()), 0).expect("weight tensor")
+}
+
+fn bench_one(c: &mut Criterion, group: &str, dtype: DType, out: usize, inp: usize, tokens: usize) {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let w = random_weight(&mut rng, dtype, out, inp);
+    let x: Vec<f32> = (0..tokens * inp)
+        .map(|_| rng.random_range(-1.0f32..1.0))
+        .collect();
+    let mut y = vec![0f32; tokens * out];
+    let mut g = c.benchmark_group(group);
+    g.throughput(Throughput::ElementsAndBytes {
+        elements: (2 * out * inp * tokens) as u64,
+        bytes: w.byte_len() as u64,
+    });
+    let id = BenchmarkId::new(dtype.name(), format!("{out}x{inp}/n={tokens}"));
+    g.bench_function(id, |b| {
+        b.iter(|| matmul(black_box(&w), black_box(&x), tokens, &mut y).expect("matmul"))
+    });
+    g.finish();
+}
+
+/// The types SmolLM2 and Gemma 3 use first, then the rest.
+const TYPES: [DType; 13] = [
+    DType::Q4_1,
+    DType::Q8_0,
+    DType::Q5_0,
+    DType::Q4_K,
+    DType::Q6_K,
+    DType::Q4_0,
+    DType::F16,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q5_K,
+    DType::BF16,
+    DType::F32,
+];
+
+fn shape(dtype: DType) -> (usize, usize) {
+    if dtype.block_size() == 256 {
+        (1536, 512)
+    } else {
+        (1536, 576)
+    }
+}
+
+fn gemv(c: &mut Criterion) {
+    for dtype in TYPES {
+        let (out, inp) = shape(dtype);
+        bench_one(c, "gemv", dtype, out, inp, 1);
+    }
+}
+
+fn gemm(c: &mut Criterion) {
+    for dtype in TYPES {
+        let (out, inp) = shape(dtype);
+        bench_one(c, "gemm", dtype, out, inp, 64);
+    }
+}
+
+/// SmolLM2's k/v (192×576), q/o (576×576) and down (576×1536) projections,
+/// one token: where the fork-join threshold shows.
+fn small(c: &mut Criterion) {
+    for (out, inp) in [(192, 576), (576, 576), (576, 1536)] {
+        bench_one(c, "small", DType::Q4_1, out, inp, 1);
+    }
+}
+
+/// Weights larger than the last-level cache, as a whole model's are across
+/// one token: SmolLM2's Q8_0 output layer (49152×576, 30 MB) and a 42 MB
+/// Q4_1 matrix. Here the figure to watch is GiB/s against the DRAM bandwidth.
+fn dram(c: &mut Criterion) {
+    bench_one(c, "dram", DType::Q8_0, 49152, 576, 1);
+    bench_one(c, "dram", DType::Q4_1, 65536, 1024, 1);
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = gemv, gemm, small, dram
+}
+criterion_main!(benches);
