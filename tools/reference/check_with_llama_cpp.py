@@ -139,7 +139,9 @@ def check_gemma3(gguf_path: Path) -> bool:
     for name, text, want in texts:
         got = vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
         ok &= got == want
-        print(f"{'ok ' if got == want else 'BAD'} gemma3 tokenize {name}" + ("" if got == want else f": {got} != {want}"))
+        print(
+            f"{'ok ' if got == want else 'BAD'} gemma3 tokenize {name}" + ("" if got == want else f": {got} != {want}")
+        )
     ppl_text = (REPO / ref["perplexity"]["file"]).read_text(encoding="utf-8")
     got = vocab.tokenize(ppl_text.encode("utf-8"), add_bos=True, special=True)
     same = len(got) == ref["perplexity"]["tokens_total"]

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
-
 import reference_outputs
+import torch
 from smollm2_reference import _last_logits_summary, _scalar, _sha256
 
 GREEDY_NEW = 32

@@ -5,6 +5,7 @@
 //! (FlashAttention's recurrence), so no score matrix is materialised. Query
 //! heads map to KV heads by GQA grouping (`head / (n_heads / n_kv_heads)`).
 
+use crate::dot::dot_f32;
 use rayon::prelude::*;
 
 /// Shape and policy of one attention call.
@@ -48,7 +49,7 @@ pub fn attention(p: &AttnParams, q: &[f32], q_pos0: usize, k: &[f32], v: &[f32],
         o.fill(0.0);
         for j in p.key_range(q_pos0 + t) {
             let kr = &k[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd];
-            let s = p.scale * dot(qh, kr);
+            let s = p.scale * dot_f32(qh, kr);
             let vr = &v[j * kv_dim + kvh * hd..j * kv_dim + (kvh + 1) * hd];
             if s > max {
                 // Rescale what was accumulated under the old max.
@@ -70,10 +71,6 @@ pub fn attention(p: &AttnParams, q: &[f32], q_pos0: usize, k: &[f32], v: &[f32],
             *x *= inv;
         }
     });
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
 /// f64 reference with an explicit softmax over the full score row.

@@ -70,7 +70,10 @@ fn greedy_continuations_match_transformers() {
             "{name}: prompt ids"
         );
         let n = comparable_steps(p);
-        assert!(n >= 8, "{name}: only {n} comparable steps; pick another prompt");
+        assert!(
+            n >= 8,
+            "{name}: only {n} comparable steps; pick another prompt"
+        );
         assert_eq!(
             ids(&out["token_ids"])[..n],
             ids(&p["greedy_ids"])[..n],

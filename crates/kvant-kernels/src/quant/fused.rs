@@ -82,30 +82,25 @@ const LINE: usize = 64;
 /// shorter than [`x_sums`] makes it: a bug in the calling kernel.
 pub(crate) unsafe fn gemv<B: FusedBlock>(w: &[u8], x: &[f32], sums: &[f32], y: &mut [f32]) {
     let n = x.len();
-    if n == 0 {
+    let row_bytes = match B::DTYPE.bytes_for(n) {
+        Ok(b) if b.checked_mul(y.len()) == Some(w.len()) => b,
+        _ => panic!(
+            "fused gemv: {} bytes for {} rows of {n} {}",
+            w.len(),
+            y.len(),
+            B::DTYPE
+        ),
+    };
+    if row_bytes == 0 {
         y.fill(0.0);
         return;
     }
-    let row_bytes = B::DTYPE.bytes_for(n);
-    assert!(
-        matches!(row_bytes, Ok(b) if Some(w.len()) == b.checked_mul(y.len())),
-        "fused gemv: {} bytes for {} rows of {n} {}",
-        w.len(),
-        y.len(),
-        B::DTYPE
-    );
-    let row_bytes = w.len().checked_div(y.len()).unwrap_or(0);
-    if row_bytes == 0 {
-        return;
-    }
     let blocks = n / B::ELEMS;
-    if B::SUM_GROUP > 0 {
-        assert!(
-            sums.len() >= blocks * (B::ELEMS / B::SUM_GROUP),
-            "fused gemv: {} activation sums",
-            sums.len()
-        );
-    }
+    assert!(
+        sums.len() >= blocks * sums_per_block::<B>(),
+        "fused gemv: {} activation sums",
+        sums.len()
+    );
     let body = blocks * B::BYTES;
     let (xp, sp) = (x.as_ptr(), sums.as_ptr());
     let mut rows = w.chunks_exact(ROWS * row_bytes);
@@ -144,7 +139,7 @@ unsafe fn dot_rows<B: FusedBlock, const R: usize>(
     sums: *const f32,
     blocks: usize,
 ) -> [f32; R] {
-    let sums_per_block = B::ELEMS.checked_div(B::SUM_GROUP).unwrap_or(0);
+    let sums_per_block = sums_per_block::<B>();
     let ahead = (ROWS * row_bytes).min(MAX_PREFETCH);
     let mut acc = [_mm256_setzero_ps(); R];
     for b in 0..blocks {
@@ -168,6 +163,11 @@ unsafe fn dot_rows<B: FusedBlock, const R: usize>(
         }
     }
     out
+}
+
+/// Activation sums per block of `B` (0 if it takes none).
+fn sums_per_block<B: FusedBlock>() -> usize {
+    B::ELEMS.checked_div(B::SUM_GROUP).unwrap_or(0)
 }
 
 /// The elements after the last whole block: only float rows (block size 1)
@@ -213,7 +213,7 @@ impl Legacy32 {
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub(crate) unsafe fn load(x: *const f32, factor: f32) -> Legacy32 {
-        let x = [0, 8, 16, 24].map(|k| _mm256_loadu_ps(x.add(k)));
+        let x = load32(x);
         let sum = _mm256_add_ps(_mm256_add_ps(x[0], x[1]), _mm256_add_ps(x[2], x[3]));
         Legacy32 {
             x,
@@ -232,6 +232,16 @@ pub(crate) fn dot32(q: [__m256; 4], x: &[__m256; 4], init: __m256) -> __m256 {
     let a = _mm256_fmadd_ps(q[1], x[1], a);
     let b = _mm256_fmadd_ps(q[3], x[3], b);
     _mm256_add_ps(a, b)
+}
+
+/// `acc + s[0]·Σ_{k<2} q[k]·x[k] + s[1]·Σ_{k≥2} q[k]·x[k]`: 32 weights in
+/// two groups of 16 with their own scales (Q2_K, Q3_K, Q6_K).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn dot16x2(q: [__m256; 4], x: &[__m256; 4], s: [__m256; 2], acc: __m256) -> __m256 {
+    let a = _mm256_fmadd_ps(q[1], x[1], _mm256_mul_ps(q[0], x[0]));
+    let b = _mm256_fmadd_ps(q[3], x[3], _mm256_mul_ps(q[2], x[2]));
+    _mm256_fmadd_ps(s[1], b, _mm256_fmadd_ps(s[0], a, acc))
 }
 
 /// The eight activations at `x + 8k` for `k` in 0..4 (one 32-weight group).

@@ -3,10 +3,10 @@
 //!
 //! Each format lives in its own file with a scalar `dequantize_ref` that
 //! follows ggml's `dequantize_row_*` (ggml-quants.c) operation for operation,
-//! so it matches the gguf Python package bit for bit. Some formats add an
-//! AVX2 dequantizer that is bit-identical to the reference, and every format
-//! has a fused AVX2 row·vector kernel (see `fused`) that never writes the
-//! dequantized row. [`RowKernel`] is the per-type table (in the spirit of
+//! so it matches the gguf Python package bit for bit. Every format also has
+//! an AVX2 dequantizer that is bit-identical to the reference (f32 needs
+//! none), and a fused AVX2 row·vector kernel (see `fused`) that never
+//! writes the dequantized row. [`RowKernel`] is the per-type table (in the spirit of
 //! ggml's type traits) that the row dot product and the matmul look kernels
 //! up in, once per call.
 
@@ -101,7 +101,7 @@ fn ref_dequantizer(dtype: DType) -> fn(&[u8], &mut [f32]) {
     }
 }
 
-/// The AVX2 dequantizer of a type, where one exists.
+/// The AVX2 dequantizer of a type (f32 rows are only copied: the reference does).
 #[cfg(target_arch = "x86_64")]
 fn avx2_dequantizer(dtype: DType) -> Option<DequantFn> {
     Some(match dtype {
@@ -109,10 +109,15 @@ fn avx2_dequantizer(dtype: DType) -> Option<DequantFn> {
         DType::BF16 => float::avx2::dequantize_bf16,
         DType::Q4_0 => q4_0::avx2::dequantize,
         DType::Q4_1 => q4_1::avx2::dequantize,
+        DType::Q5_0 => q5_0::avx2::dequantize,
+        DType::Q5_1 => q5_1::avx2::dequantize,
         DType::Q8_0 => q8_0::avx2::dequantize,
+        DType::Q2_K => q2_k::avx2::dequantize,
+        DType::Q3_K => q3_k::avx2::dequantize,
         DType::Q4_K => q4_k::avx2::dequantize,
+        DType::Q5_K => q5_k::avx2::dequantize,
         DType::Q6_K => q6_k::avx2::dequantize,
-        _ => return None,
+        DType::F32 => return None,
     })
 }
 

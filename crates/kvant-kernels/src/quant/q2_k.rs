@@ -42,11 +42,51 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{lane, load32, FusedBlock, Super};
-    use super::super::simd::{f16_load, quarters};
+    use super::super::fused::{dot16x2, lane, load32, FusedBlock, Super};
+    use super::super::simd::{f16_load, quarters, store_affine_u8x32};
     use super::{BLOCK_BYTES, QK_K};
     use kvant_core::DType;
     use std::arch::x86_64::*;
+
+    /// The 2-bit values of weights `32j..32j+32` of a half, from its 32 `qs`
+    /// bytes (16-bit shifts leak the neighbour byte only into bits the mask
+    /// clears).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn values(qs: __m256i, j: usize) -> __m256i {
+        let shifted = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32));
+        _mm256_and_si256(shifted, _mm256_set1_epi8(3))
+    }
+
+    /// Bit-identical to the reference: the same scalar `d·scale` and
+    /// `dmin·min`, then multiply and subtract per lane (no FMA).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
+        for (b, y) in src
+            .chunks_exact(BLOCK_BYTES)
+            .zip(dst.chunks_exact_mut(QK_K))
+        {
+            let p = b.as_ptr();
+            // SAFETY: `b` is one whole block: `d`, `dmin` at 80 and 82.
+            let (d, dmin) = (f16_load(p.add(80)), f16_load(p.add(82)));
+            let scale = |g: usize| _mm256_set1_ps(d * (b[g] & 0x0F) as f32);
+            let min = |g: usize| _mm256_set1_ps(dmin * (b[g] >> 4) as f32);
+            for (half, y) in y.chunks_exact_mut(128).enumerate() {
+                // SAFETY: `qs` bytes 16 + 32h..+32 lie in the 84-byte block.
+                let qs = _mm256_loadu_si256(p.add(16 + 32 * half) as *const __m256i);
+                for j in 0..4 {
+                    let g = 8 * half + 2 * j;
+                    // SAFETY: `y` holds 128 floats; this writes 32j..32j+32.
+                    let out = y.as_mut_ptr().add(32 * j);
+                    let q = values(qs, j);
+                    store_affine_u8x32(q, [scale(g), scale(g + 1)], [min(g), min(g + 1)], out);
+                }
+            }
+        }
+    }
 
     /// The fused Q2_K row kernel: per group `g` of 16,
     /// `d·scale_g·Σ q·x - dmin·min_g·Σ x`, the second term two FMAs over the
@@ -85,18 +125,12 @@ pub(crate) mod avx2 {
             let mn = [mins, _mm_srli_si128(mins, 8)].map(|v| _mm256_mul_ps(widen(v), dmin));
             acc = _mm256_fnmadd_ps(mn[0], x.sums[0], acc);
             acc = _mm256_fnmadd_ps(mn[1], x.sums[1], acc);
-            let m3 = _mm256_set1_epi8(3);
             for (half, sc) in sc.into_iter().enumerate() {
                 let qs = _mm256_loadu_si256(w.add(16 + 32 * half) as *const __m256i);
                 for j in 0..4 {
-                    // 16-bit shifts leak the neighbour byte only into bits the mask clears.
-                    let shifted = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32));
-                    let q = quarters::<false>(_mm256_and_si256(shifted, m3));
-                    let xv = load32(x.x.add(128 * half + 32 * j));
-                    let a = _mm256_fmadd_ps(q[1], xv[1], _mm256_mul_ps(q[0], xv[0]));
-                    let b = _mm256_fmadd_ps(q[3], xv[3], _mm256_mul_ps(q[2], xv[2]));
-                    acc = _mm256_fmadd_ps(lane(sc, 2 * j), a, acc);
-                    acc = _mm256_fmadd_ps(lane(sc, 2 * j + 1), b, acc);
+                    let q = quarters::<false>(values(qs, j));
+                    let s = [lane(sc, 2 * j), lane(sc, 2 * j + 1)];
+                    acc = dot16x2(q, &load32(x.x.add(128 * half + 32 * j)), s, acc);
                 }
             }
             acc

@@ -73,11 +73,56 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{lane, load32, FusedBlock};
-    use super::super::simd::{f16_load, quarters};
-    use super::{unpack_scales, BLOCK_BYTES, QK_K};
+    use super::super::fused::{dot16x2, lane, load32, FusedBlock};
+    use super::super::simd::{f16_load, quarters, store_scaled_i8x32};
+    use super::{scales, unpack_scales, BLOCK_BYTES, QK_K};
     use kvant_core::DType;
     use std::arch::x86_64::*;
+
+    /// The signed 3-bit values of weights `32j..32j+32` of half `half`: the
+    /// low two bits from the half's 32 `qs` bytes, minus 4 where the
+    /// `hmask` bit `4·half + j` is clear.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn values(hmask: __m256i, qs: __m256i, half: usize, j: usize) -> __m256i {
+        // 16-bit shifts leak the neighbour byte only into bits the mask clears.
+        let shifted = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32));
+        let low = _mm256_and_si256(shifted, _mm256_set1_epi8(3));
+        let bit = _mm256_set1_epi8(1 << (4 * half + j));
+        let clear = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), _mm256_setzero_si256());
+        _mm256_sub_epi8(low, _mm256_and_si256(clear, _mm256_set1_epi8(4)))
+    }
+
+    /// Bit-identical to the reference: the same scalar `d·scale`, then one
+    /// multiply per lane.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
+        for (b, y) in src
+            .chunks_exact(BLOCK_BYTES)
+            .zip(dst.chunks_exact_mut(QK_K))
+        {
+            let p = b.as_ptr();
+            // SAFETY (loads): `b` is one whole block: `hmask` at 0..32, `qs`
+            // at 32..96, `d` at 108.
+            let d = f16_load(p.add(108));
+            let s = scales(&b[96..108]);
+            let hmask = _mm256_loadu_si256(p as *const __m256i);
+            for (half, y) in y.chunks_exact_mut(128).enumerate() {
+                let qs = _mm256_loadu_si256(p.add(32 + 32 * half) as *const __m256i);
+                for j in 0..4 {
+                    let g = 8 * half + 2 * j;
+                    let (s0, s1) = (d * s[g] as f32, d * s[g + 1] as f32);
+                    let q = values(hmask, qs, half, j);
+                    // SAFETY: `y` holds 128 floats; this writes 32j..32j+32.
+                    let out = y.as_mut_ptr().add(32 * j);
+                    store_scaled_i8x32(q, _mm256_set1_ps(s0), _mm256_set1_ps(s1), out);
+                }
+            }
+        }
+    }
 
     /// The fused Q3_K row kernel: per group `g` of 16, `(d·scale_g)·Σ q·x`
     /// with `q = low - 4` where the high bit is clear, built bytewise.
@@ -109,26 +154,12 @@ pub(crate) mod avx2 {
             let sc = [s, _mm_srli_si128(s, 8)]
                 .map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d));
             let hmask = _mm256_loadu_si256(w as *const __m256i);
-            let (m3, four, zero) = (
-                _mm256_set1_epi8(3),
-                _mm256_set1_epi8(4),
-                _mm256_setzero_si256(),
-            );
             for (half, sc) in sc.into_iter().enumerate() {
                 let qs = _mm256_loadu_si256(w.add(32 + 32 * half) as *const __m256i);
                 for j in 0..4 {
-                    // 16-bit shifts leak the neighbour byte only into bits the mask clears.
-                    let shifted = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32));
-                    let low = _mm256_and_si256(shifted, m3);
-                    let bit = _mm256_set1_epi8(1 << (4 * half + j));
-                    let clear = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), zero);
-                    let q = _mm256_sub_epi8(low, _mm256_and_si256(clear, four));
-                    let q = quarters::<true>(q);
-                    let xv = load32(x.add(128 * half + 32 * j));
-                    let a = _mm256_fmadd_ps(q[1], xv[1], _mm256_mul_ps(q[0], xv[0]));
-                    let b = _mm256_fmadd_ps(q[3], xv[3], _mm256_mul_ps(q[2], xv[2]));
-                    acc = _mm256_fmadd_ps(lane(sc, 2 * j), a, acc);
-                    acc = _mm256_fmadd_ps(lane(sc, 2 * j + 1), b, acc);
+                    let q = quarters::<true>(values(hmask, qs, half, j));
+                    let s = [lane(sc, 2 * j), lane(sc, 2 * j + 1)];
+                    acc = dot16x2(q, &load32(x.add(128 * half + 32 * j)), s, acc);
                 }
             }
             acc

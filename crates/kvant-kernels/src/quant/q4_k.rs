@@ -82,11 +82,12 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 pub(crate) mod avx2 {
     use super::super::fused::{dot32, lane, load32, FusedBlock, Super};
     use super::super::simd::{f16_pair_splat, nibbles, store_affine_u8x32};
-    use super::{group_scales, unpack_scales, BLOCK_BYTES, QK_K};
+    use super::{unpack_scales, BLOCK_BYTES, QK_K};
     use kvant_core::DType;
     use std::arch::x86_64::*;
 
-    /// Bit-identical to the reference (multiply, then subtract; no FMA).
+    /// Bit-identical to the reference (multiply, then subtract; no FMA; the
+    /// group scales are the reference's `d·scale` and `dmin·min` products).
     ///
     /// # Safety
     /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
@@ -97,21 +98,22 @@ pub(crate) mod avx2 {
             .chunks_exact(BLOCK_BYTES)
             .zip(dst.chunks_exact_mut(QK_K))
         {
-            let groups = group_scales(b);
+            // SAFETY: `b` is one whole block.
+            let (sc, mn) = scales_mins(b.as_ptr());
             for (c, (q, y)) in b[16..]
                 .chunks_exact(32)
                 .zip(y.chunks_exact_mut(64))
                 .enumerate()
             {
-                let (d1, m1) = groups[2 * c];
-                let (d2, m2) = groups[2 * c + 1];
+                let (d1, m1) = (lane(sc, 2 * c), lane(mn, 2 * c));
+                let (d2, m2) = (lane(sc, 2 * c + 1), lane(mn, 2 * c + 1));
                 // SAFETY: `q` is 32 bytes and `y` 64 floats.
                 let q = _mm256_loadu_si256(q.as_ptr() as *const __m256i);
                 let lo = _mm256_and_si256(q, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), mask);
                 let y = y.as_mut_ptr();
-                store_affine_u8x32(lo, _mm256_set1_ps(d1), _mm256_set1_ps(m1), y);
-                store_affine_u8x32(hi, _mm256_set1_ps(d2), _mm256_set1_ps(m2), y.add(32));
+                store_affine_u8x32(lo, [d1, d1], [m1, m1], y);
+                store_affine_u8x32(hi, [d2, d2], [m2, m2], y.add(32));
             }
         }
     }

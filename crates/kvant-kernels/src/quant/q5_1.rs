@@ -27,10 +27,35 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::super::fused::{dot32, high_bits, masked_sum, FusedBlock, Legacy32};
-    use super::super::simd::{f16_pair_splat, nibbles};
+    use super::super::simd::{f16_pair_splat, nibbles, nibbles_i32};
     use super::{BLOCK_BYTES, QK};
     use kvant_core::DType;
     use std::arch::x86_64::*;
+
+    /// Bit-identical to the reference: `(q | h) as f32 * d + m` per lane
+    /// (multiply, then add; no FMA).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
+        let sixteen = _mm256_set1_epi32(16);
+        for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+            // SAFETY: `b` is one whole block: `qh` at 4, 16 quant bytes at 8.
+            let p = b.as_ptr();
+            let (d, m) = f16_pair_splat(p);
+            let (h, q) = (high_bits(p.add(4)), nibbles_i32(p.add(8)));
+            for (k, (h, q)) in h.into_iter().zip(q).enumerate() {
+                let h = _mm256_and_si256(_mm256_srai_epi32(h, 31), sixteen);
+                let v = _mm256_cvtepi32_ps(_mm256_or_si256(q, h));
+                // SAFETY: `y` holds 32 floats; this writes 8k..8k+8.
+                _mm256_storeu_ps(
+                    y.as_mut_ptr().add(8 * k),
+                    _mm256_add_ps(_mm256_mul_ps(v, d), m),
+                );
+            }
+        }
+    }
 
     /// The fused Q5_1 row kernel: with `h` the fifth bits,
     /// `d·(Σ q·x + 16·Σ_h x) + m·Σ x` per block.

@@ -39,10 +39,49 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 pub(crate) mod avx2 {
     use super::super::fused::{dot32, lane, load32, masked_sum, FusedBlock, Super};
     use super::super::q4_k::avx2::scales_mins;
-    use super::super::simd::nibbles;
+    use super::super::simd::{nibbles, store_affine_u8x32};
     use super::{BLOCK_BYTES, QK_K};
     use kvant_core::DType;
     use std::arch::x86_64::*;
+
+    /// Bit-identical to the reference (multiply, then subtract; no FMA).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
+        let (m4, bit4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+        for (b, y) in src
+            .chunks_exact(BLOCK_BYTES)
+            .zip(dst.chunks_exact_mut(QK_K))
+        {
+            let p = b.as_ptr();
+            // SAFETY (loads): `b` is one whole block: scales at 4, `qh` at
+            // 16..48, the 128 low-nibble bytes at 48.
+            let (sc, mn) = scales_mins(p);
+            let qh = _mm256_loadu_si256(p.add(16) as *const __m256i);
+            // Bit `g` of each `qh` byte moved to bit 4 (16-bit shifts leak
+            // across the byte pair only into bits the mask clears).
+            let fifth = |g: i32| {
+                let h = _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g));
+                _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4)
+            };
+            for (c, y) in y.chunks_exact_mut(64).enumerate() {
+                let q = _mm256_loadu_si256(p.add(48 + 32 * c) as *const __m256i);
+                let lo = _mm256_or_si256(_mm256_and_si256(q, m4), fifth(2 * c as i32));
+                let hi = _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                    fifth(2 * c as i32 + 1),
+                );
+                let (d1, m1) = (lane(sc, 2 * c), lane(mn, 2 * c));
+                let (d2, m2) = (lane(sc, 2 * c + 1), lane(mn, 2 * c + 1));
+                // SAFETY: `y` holds 64 floats.
+                let y = y.as_mut_ptr();
+                store_affine_u8x32(lo, [d1, d1], [m1, m1], y);
+                store_affine_u8x32(hi, [d2, d2], [m2, m2], y.add(32));
+            }
+        }
+    }
 
     /// The fused Q5_K row kernel: Q4_K's, plus `16·Σ_h x` over the weights
     /// whose fifth bit `h` is set, found by moving bit `g` of each `qh` byte

@@ -42,7 +42,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{bytes8, lane, load32, FusedBlock};
+    use super::super::fused::{bytes8, dot16x2, lane, load32, FusedBlock};
     use super::super::simd::{f16_at, f16_load, quarters, store_scaled_i8x32};
     use super::{BLOCK_BYTES, QK_K};
     use kvant_core::DType;
@@ -137,11 +137,8 @@ pub(crate) mod avx2 {
                 let sc = _mm256_mul_ps(bytes8::<true>(w.add(192 + 8 * half)), d);
                 for (k, q) in values(w, half).into_iter().enumerate() {
                     let q = quarters::<true>(q);
-                    let xv = load32(x.add(128 * half + 32 * k));
-                    let a = _mm256_fmadd_ps(q[1], xv[1], _mm256_mul_ps(q[0], xv[0]));
-                    let b = _mm256_fmadd_ps(q[3], xv[3], _mm256_mul_ps(q[2], xv[2]));
-                    acc = _mm256_fmadd_ps(lane(sc, 2 * k), a, acc);
-                    acc = _mm256_fmadd_ps(lane(sc, 2 * k + 1), b, acc);
+                    let s = [lane(sc, 2 * k), lane(sc, 2 * k + 1)];
+                    acc = dot16x2(q, &load32(x.add(128 * half + 32 * k)), s, acc);
                 }
             }
             acc

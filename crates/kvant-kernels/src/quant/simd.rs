@@ -73,8 +73,9 @@ pub(crate) fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
     })
 }
 
-/// The 32 nibbles of 16 bytes at `p` as f32, in Q4 order: low nibbles of
-/// bytes 0..8 and 8..16, then high nibbles of bytes 0..8 and 8..16.
+/// The 32 nibbles of 16 bytes at `p`, one per 32-bit lane, in Q4 order:
+/// low nibbles of bytes 0..8 and 8..16, then high nibbles of bytes 0..8
+/// and 8..16.
 ///
 /// Widening 8 bytes straight from memory (`vpmovzxbd ymm, m64`) before
 /// splitting the nibbles costs fewer instructions than splitting 16 bytes
@@ -84,7 +85,7 @@ pub(crate) fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
 /// The CPU supports AVX2; `p` is valid for 16 bytes (unaligned).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn nibbles(p: *const u8) -> [__m256; 4] {
+pub(crate) unsafe fn nibbles_i32(p: *const u8) -> [__m256i; 4] {
     let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
     let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
     let m = _mm256_set1_epi32(0x0F);
@@ -94,16 +95,34 @@ pub(crate) unsafe fn nibbles(p: *const u8) -> [__m256; 4] {
         _mm256_srli_epi32(a, 4),
         _mm256_srli_epi32(b, 4),
     ]
-    .map(|v| _mm256_cvtepi32_ps(v))
 }
 
-/// Writes `q[i] as f32 * d - m` for the 32 unsigned bytes of `q`.
+/// [`nibbles_i32`] as f32.
+///
+/// # Safety
+/// As for [`nibbles_i32`].
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn nibbles(p: *const u8) -> [__m256; 4] {
+    let [a, b, c, d] = nibbles_i32(p);
+    [
+        _mm256_cvtepi32_ps(a),
+        _mm256_cvtepi32_ps(b),
+        _mm256_cvtepi32_ps(c),
+        _mm256_cvtepi32_ps(d),
+    ]
+}
+
+/// Writes `q[i] as f32 * d[h] - m[h]` for the 32 unsigned bytes of `q`,
+/// with `h = i / 16`: one scale and minimum per group of 16 (Q2_K), or the
+/// same twice for groups of 32.
 ///
 /// # Safety
 /// The CPU supports AVX2; `out` is valid for 32 float writes (unaligned).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) unsafe fn store_affine_u8x32(q: __m256i, d: __m256, m: __m256, out: *mut f32) {
+pub(crate) unsafe fn store_affine_u8x32(q: __m256i, d: [__m256; 2], m: [__m256; 2], out: *mut f32) {
     for (k, v) in quarters::<false>(q).into_iter().enumerate() {
+        let (d, m) = (d[k / 2], m[k / 2]);
         _mm256_storeu_ps(out.add(8 * k), _mm256_sub_ps(_mm256_mul_ps(v, d), m));
     }
 }
