@@ -245,6 +245,7 @@ impl RowKernel {
             return self.dot_dequantized(row, x);
         }
         let chunk_bytes = self.bytes_for(CHUNK);
+        // One sum per group of a chunk: never more than its elements.
         let mut sums = [0f32; CHUNK];
         let mut acc = 0f32;
         for (src, xs) in row.chunks(chunk_bytes).zip(x.chunks(CHUNK)) {
