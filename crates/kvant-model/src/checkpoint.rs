@@ -42,8 +42,8 @@ impl Checkpoint {
 
     pub fn has_tensor(&self, name: &str) -> bool {
         match self {
-            Checkpoint::Gguf(g) => g.tensor_infos().iter().any(|t| t.name == name),
-            Checkpoint::Hf(h) => h.tensor_names().any(|n| n == name),
+            Checkpoint::Gguf(g) => g.tensor_info(name).is_some(),
+            Checkpoint::Hf(h) => h.has_tensor(name),
         }
     }
 

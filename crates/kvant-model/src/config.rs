@@ -204,10 +204,7 @@ impl ModelConfig {
             .unwrap_or(n_heads);
         let head_dim = match g.get_usize(&key("attention.key_length"))? {
             Some(d) => d,
-            None => hidden.checked_div(n_heads).ok_or(ConfigError::Invalid {
-                key: key("attention.head_count"),
-                why: "must be positive".into(),
-            })?,
+            None => split_heads(hidden, n_heads, &key("attention.head_count"))?,
         };
         let n_layers = req("block_count")?;
         let vocab = match g.get_usize(&key("vocab_size"))? {
@@ -268,7 +265,7 @@ impl ModelConfig {
             sliding_layers,
             qkv_bias: false,
             qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
-            tied_embeddings: g.tensor_infos().iter().all(|t| t.name != "output.weight"),
+            tied_embeddings: g.tensor_info("output.weight").is_none(),
             activation: if gemma {
                 Activation::GeluTanh
             } else {
@@ -326,10 +323,7 @@ impl ModelConfig {
         let n_kv_heads = usize_key("num_key_value_heads")?.unwrap_or(n_heads);
         let head_dim = match usize_key("head_dim")? {
             Some(d) => d,
-            None => hidden.checked_div(n_heads).ok_or(ConfigError::Invalid {
-                key: "num_attention_heads".into(),
-                why: "must be positive".into(),
-            })?,
+            None => split_heads(hidden, n_heads, "num_attention_heads")?,
         };
         let gemma = arch == Arch::Gemma3;
         // transformers 5 nests rope settings; older files keep them top-level.
@@ -432,6 +426,14 @@ impl ModelConfig {
         }
         .validate()
     }
+}
+
+/// The head size when a config leaves it implicit: hidden / heads.
+fn split_heads(hidden: usize, n_heads: usize, heads_key: &str) -> Result<usize> {
+    hidden.checked_div(n_heads).ok_or(ConfigError::Invalid {
+        key: heads_key.into(),
+        why: "must be positive".into(),
+    })
 }
 
 fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {

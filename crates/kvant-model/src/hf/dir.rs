@@ -76,6 +76,10 @@ impl HfDir {
         self.tensor_shard.keys().map(String::as_str)
     }
 
+    pub fn has_tensor(&self, name: &str) -> bool {
+        self.tensor_shard.contains_key(name)
+    }
+
     /// A view of tensor `name` in its stored type, borrowing the mapped file.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let shard = self
