@@ -46,6 +46,28 @@ impl Storage {
         })
     }
 
+    /// Tells the OS this process no longer needs the resident pages of
+    /// bytes `start..start + len` of a mapped file (owned bytes are
+    /// untouched). Called after load-time repacking copied a weight out, so
+    /// the file's pages stop counting toward the process's memory while the
+    /// copy is made; a later read of the range (an embedding row) faults its
+    /// page back in from the file. Advisory: errors are ignored.
+    #[cfg(unix)]
+    pub fn release_resident_pages(&self, start: usize, len: usize) {
+        if let Storage::Mapped(m) = self {
+            if start.checked_add(len).is_some_and(|end| end <= m.len()) {
+                // SAFETY: `m` is a private, read-only file mapping that kvant
+                // never writes, so after MADV_DONTNEED a later access reads the
+                // same bytes back from the file: no reader can observe a
+                // change (also for the parts of the first and last page that
+                // belong to neighbouring tensors).
+                let _ = unsafe {
+                    m.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, len)
+                };
+            }
+        }
+    }
+
     /// Maps a whole file read-only.
     pub fn map_file(path: &std::path::Path) -> Result<Storage> {
         let io = |source| CoreError::Io {

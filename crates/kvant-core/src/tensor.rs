@@ -80,6 +80,14 @@ impl Tensor {
         &self.bytes()[i * per_row..(i + 1) * per_row]
     }
 
+    /// See [`Storage::release_resident_pages`]: drops this process's
+    /// resident pages of the tensor's bytes (when they are a file mapping).
+    #[cfg(unix)]
+    pub fn release_resident_pages(&self) {
+        self.storage
+            .release_resident_pages(self.offset, self.byte_len());
+    }
+
     pub fn byte_len(&self) -> usize {
         self.len
     }

@@ -2,13 +2,18 @@
 
 pub mod activation;
 pub mod attention;
+pub mod bandwidth;
 pub mod cpu;
 pub mod dot;
 pub mod error;
+pub mod int8;
+pub mod linear;
 pub mod matmul;
 pub mod norm;
+pub mod pool;
 pub mod quant;
 pub mod rope;
 pub mod softmax;
+pub mod vecops;
 
 pub use error::KernelError;

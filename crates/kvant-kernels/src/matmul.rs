@@ -4,7 +4,7 @@
 //! `y` is `[n_tokens, out]`. Work is split by output rows into a few chunks
 //! per pool thread (not one task per row, whose scheduling would cost more
 //! than a short row's dot product), and not split at all when the whole
-//! call is too small to repay a fork-join.
+//! call is too small to repay handing it to the pool.
 //!
 //! One token (decoding) streams every weight once, so it runs the fused
 //! row kernels, which expand each block in registers and never write a
@@ -16,9 +16,9 @@
 use crate::cpu::{self, SimdTier};
 use crate::dot::{dot4_f32_with, dot_f32_with, dot_tile_f32_with};
 use crate::error::{check_len, checked_mul, KernelError};
+use crate::pool;
 use crate::quant::{dequantize_row_ref, RowKernel};
 use kvant_core::Tensor;
-use rayon::prelude::*;
 use std::cell::Cell;
 
 /// Rows dequantized together (the row count of the dot tiles).
@@ -29,19 +29,12 @@ const ROW_GROUP: usize = 4;
 const TOKEN_TILE: usize = 3;
 
 /// The least work worth a task of its own, in weight bytes streamed by a
-/// one-token call and in multiply-adds otherwise: about three times what
-/// one core gets through in the time of a rayon fork-join, so a split saves
-/// more than it costs. Measured on the 2-core development VM (shared, so
-/// often busy): a fork-join of trivial tasks takes ~20 µs (6 µs at best),
-/// one core streams ~7 GB/s of quantized weights through the fused kernels
-/// and ~30 G multiply-adds/s through the dot tiles. With these values
-/// SmolLM2-135M's per-layer matrices (at most 663 KB) run on the calling
-/// thread and only its 30 MB output layer forks; decoding ran 15% faster
-/// than with a 96 KB threshold (all but the 82 KB k/v projections forked).
-/// A quieter machine or a cheaper fork (a spinning barrier) would justify
-/// smaller values.
-const MIN_TASK_BYTES: usize = 512 << 10;
-const MIN_TASK_MACS: usize = 2 << 20;
+/// one-token call and in multiply-adds otherwise: a few times what one core
+/// gets through in the ~1 µs the spinning pool takes to hand out a job (one
+/// core streams ~7 GB/s of quantized weights through the fused kernels and
+/// ~30 G multiply-adds/s through the dot tiles).
+const MIN_TASK_BYTES: usize = 32 << 10;
+const MIN_TASK_MACS: usize = 128 << 10;
 
 /// Chunks of rows per pool thread, so a slow thread does not hold up the call.
 const TASKS_PER_THREAD: usize = 4;
@@ -57,7 +50,7 @@ thread_local! {
 /// Rows per task for `rows` rows of `work_per_row` each, a multiple of
 /// [`ROW_GROUP`]; `None` when the call should not fork.
 fn rows_per_task(rows: usize, work_per_row: usize, min_task_work: usize) -> Option<usize> {
-    let threads = rayon::current_num_threads();
+    let threads = pool::global().threads();
     let groups = rows.div_ceil(ROW_GROUP);
     let by_work = rows.saturating_mul(work_per_row) / min_task_work;
     let tasks = (threads * TASKS_PER_THREAD).min(groups).min(by_work);
@@ -160,10 +153,14 @@ pub fn matmul_with(
     };
     match rows_per_task(out, inp.saturating_mul(n_tokens), MIN_TASK_MACS) {
         None => job.rows(0, bytes, row_bytes),
-        Some(rows) => bytes
-            .par_chunks(rows * row_bytes)
-            .enumerate()
-            .for_each(|(task, chunk)| job.rows(task * rows, chunk, row_bytes)),
+        Some(rows) => pool::global().run(out.div_ceil(rows), &|task| {
+            let r = task * rows..((task + 1) * rows).min(out);
+            job.rows(
+                r.start,
+                &bytes[r.start * row_bytes..r.end * row_bytes],
+                row_bytes,
+            );
+        }),
     }
     Ok(())
 }
@@ -174,12 +171,18 @@ fn gemv(kernel: RowKernel, w: &[u8], row_bytes: usize, x: &[f32], y: &mut [f32])
     let mut sums = SUMS.take();
     sums.resize(kernel.sums_len(x.len()), 0.0);
     kernel.x_sums(x, &mut sums);
-    match rows_per_task(y.len(), row_bytes, MIN_TASK_BYTES) {
+    let out = y.len();
+    match rows_per_task(out, row_bytes, MIN_TASK_BYTES) {
         None => kernel.gemv(w, x, &sums, y),
-        Some(rows) => w
-            .par_chunks(rows * row_bytes)
-            .zip(y.par_chunks_mut(rows))
-            .for_each(|(w, y)| kernel.gemv(w, x, &sums, y)),
+        Some(rows) => {
+            let y = pool::DisjointSlice::new(y);
+            pool::global().run(out.div_ceil(rows), &|task| {
+                let r = task * rows..((task + 1) * rows).min(out);
+                // SAFETY: each task's range of rows is its own.
+                let y = unsafe { y.range(r.clone()) };
+                kernel.gemv(&w[r.start * row_bytes..r.end * row_bytes], x, &sums, y);
+            });
+        }
     }
     SUMS.set(sums);
 }

@@ -11,5 +11,6 @@ pub mod kv;
 pub mod load;
 pub mod tokenizer;
 
+pub use arch::llama::LoadOptions;
 pub use error::ModelError;
-pub use load::{load, LoadedModel, ModelInfo};
+pub use load::{load, load_with, LoadedModel, ModelInfo};

@@ -1,7 +1,7 @@
 //! Opening a checkpoint as a runnable model: configuration, weights,
 //! tokenizer and chat template from one path.
 
-use crate::arch::llama::LlamaModel;
+use crate::arch::llama::{LlamaModel, LoadOptions};
 use crate::chat::ChatTemplate;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -40,7 +40,12 @@ pub struct ModelInfo {
     pub weight_bytes: usize,
 }
 
+/// [`load_with`] the default options (int8 activations where they apply).
 pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
+    load_with(path, LoadOptions::default())
+}
+
+pub fn load_with(path: &Path, opts: LoadOptions) -> Result<LoadedModel, ModelError> {
     let ckpt = Checkpoint::open(path)?;
     let (cfg, tokenizer, template, dtypes) = match &ckpt {
         Checkpoint::Gguf(g) => {
@@ -64,7 +69,7 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
             (cfg, tokenizer, template, count(dtypes))
         }
     };
-    let model = LlamaModel::load(&ckpt, cfg)?;
+    let model = LlamaModel::load(&ckpt, cfg, opts)?;
     let c = model.config();
     let info = ModelInfo {
         format: match ckpt {

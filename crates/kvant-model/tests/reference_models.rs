@@ -2,7 +2,7 @@
 //! against transformers (PyTorch, CPU, float32) outputs written by
 //! `tools/reference/make_model_fixtures.py`.
 
-use kvant_model::arch::llama::{LlamaModel, Logits};
+use kvant_model::arch::llama::{LlamaModel, LoadOptions, Logits};
 use kvant_model::checkpoint::Checkpoint;
 use kvant_model::ModelError;
 use serde_json::Value;
@@ -16,6 +16,37 @@ use std::path::{Path, PathBuf};
 const LOGIT_TOL: f32 = 1e-4;
 /// Relative perplexity tolerance (follows from LOGIT_TOL).
 const PPL_REL_TOL: f64 = 1e-4;
+
+/// The same checks on the default, fast numerics: 8-bit activations for
+/// Q4_0/Q8_0 weights and an f16 KV cache. These random-weight models put
+/// most of each 32-value activation block's magnitude in one or two values
+/// (the worst case for per-block max scaling: the rest keep ~6 bits), so
+/// their logits move by up to 0.18 (Q4_0 fixture; f16 KV alone: 3e-3).
+/// The kernels' error bounds are tested exactly in kvant-kernels; here a
+/// loose bound still catches integration mistakes (a misplaced weight or
+/// scale makes these logits garbage, |Δ| ≫ 1).
+const FAST_LOGIT_TOL: f32 = 0.3;
+const FAST_PPL_REL_TOL: f64 = 0.02;
+
+/// What one fixture check requires.
+struct Tol {
+    logit: f32,
+    ppl_rel: f64,
+    /// Greedy tokens identical (only for the f32 path: near-ties in these
+    /// random models flip under the fast path's noise).
+    greedy: bool,
+}
+
+const EXACT: Tol = Tol {
+    logit: LOGIT_TOL,
+    ppl_rel: PPL_REL_TOL,
+    greedy: true,
+};
+const FAST: Tol = Tol {
+    logit: FAST_LOGIT_TOL,
+    ppl_rel: FAST_PPL_REL_TOL,
+    greedy: false,
+};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
@@ -46,10 +77,10 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
     out
 }
 
-fn open(path: &Path) -> LlamaModel {
+fn open(path: &Path, opts: LoadOptions) -> LlamaModel {
     let load = || -> Result<LlamaModel, Box<ModelError>> {
         let ckpt = Checkpoint::open(path)?;
-        Ok(LlamaModel::load(&ckpt, ckpt.config()?)?)
+        Ok(LlamaModel::load(&ckpt, ckpt.config()?, opts)?)
     };
     load().unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -67,7 +98,7 @@ fn logits_greedy_and_perplexity_match_transformers() {
     let failures: Vec<String> = cases()
         .into_iter()
         .filter_map(|(ckpt, refp)| {
-            std::panic::catch_unwind(|| check(&ckpt, &refp))
+            std::panic::catch_unwind(|| check(&ckpt, &refp, LoadOptions::F32, &EXACT))
                 .err()
                 .map(|e| format!("{}: {:?}", ckpt.display(), e.downcast_ref::<String>()))
         })
@@ -75,10 +106,17 @@ fn logits_greedy_and_perplexity_match_transformers() {
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
-fn check(ckpt: &Path, refp: &Path) {
+#[test]
+fn fast_numerics_stay_close_to_transformers() {
+    for (ckpt, refp) in cases() {
+        check(&ckpt, &refp, LoadOptions::default(), &FAST);
+    }
+}
+
+fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
     let name = ckpt.file_name().unwrap().to_string_lossy().to_string();
     let r: Value = serde_json::from_str(&std::fs::read_to_string(refp).unwrap()).unwrap();
-    let m = open(ckpt);
+    let m = open(ckpt, opts);
     let prompt = ids(&r["prompt_ids"]);
     let vocab = m.config().vocab;
 
@@ -96,19 +134,22 @@ fn check(ckpt: &Path, refp: &Path) {
             nll += kvant_kernels::softmax::log_sum_exp(got) - got[next as usize] as f64;
         }
     }
-    assert!(max_err <= LOGIT_TOL, "{name}: max |Δlogit| {max_err}");
+    assert!(max_err <= tol.logit, "{name}: max |Δlogit| {max_err}");
     let ppl = (nll / (prompt.len() - 1) as f64).exp();
     let want_ppl = r["ppl"].as_f64().unwrap();
     assert!(
-        ((ppl - want_ppl) / want_ppl).abs() <= PPL_REL_TOL,
+        ((ppl - want_ppl) / want_ppl).abs() <= tol.ppl_rel,
         "{name}: ppl {ppl} vs {want_ppl}"
     );
 
+    eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4} (want {want_ppl:.4})");
+    if !tol.greedy {
+        return;
+    }
     let want_greedy = ids(&r["greedy_ids"]);
     let mut s = greedy(&m, &prompt, want_greedy.len());
     s.truncate(want_greedy.len());
     assert_eq!(s, want_greedy, "{name}: greedy continuation");
-    eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4}");
 }
 
 /// Greedy decoding straight on the model (the engine crate sits above this one).

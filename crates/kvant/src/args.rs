@@ -2,6 +2,7 @@
 
 use clap::{Args, Parser, Subcommand};
 use kvant_engine::SamplingParams;
+use std::num::NonZeroUsize;
 use std::path::PathBuf;
 
 #[derive(Parser)]
@@ -11,8 +12,40 @@ use std::path::PathBuf;
     about = "Run large language models fast, on the CPU today"
 )]
 pub struct Cli {
+    /// Worker threads for every command [default: all cores]
+    #[arg(long, global = true, value_name = "N", value_parser = thread_count)]
+    threads: Option<NonZeroUsize>,
     #[command(subcommand)]
     pub command: Command,
+}
+
+impl Cli {
+    /// The one place the process's thread count comes from: `--threads`,
+    /// else every core the OS lets this process use.
+    pub fn threads(&self) -> usize {
+        self.threads
+            .or_else(|| std::thread::available_parallelism().ok())
+            .map_or(1, NonZeroUsize::get)
+    }
+}
+
+/// A thread pool far wider than any CPU only thrashes (or fails to spawn).
+const MAX_THREADS: usize = 1024;
+
+fn thread_count(s: &str) -> Result<NonZeroUsize, String> {
+    match NonZeroUsize::new(at_least_one(s)?) {
+        Some(n) if n.get() <= MAX_THREADS => Ok(n),
+        _ => Err(format!("must be between 1 and {MAX_THREADS}")),
+    }
+}
+
+/// Parses a count that must be positive, with a message that says so.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 #[derive(Subcommand)]
@@ -45,6 +78,8 @@ pub enum Command {
     },
     /// Download the default model into the cache (if absent) and print its path.
     Fetch,
+    /// Measure prefill and decode speed against the memory-bandwidth roofline.
+    Bench(BenchArgs),
 }
 
 #[derive(Args)]
@@ -52,6 +87,32 @@ pub struct ModelArg {
     /// A .gguf file or a Hugging Face model directory [default: $KVANT_MODEL, else SmolLM2-135M-Instruct Q4_1, fetched on first use]
     #[arg(long, short)]
     pub model: Option<PathBuf>,
+    /// Keep activations in f32 for Q4_0/Q4_1/Q5_0/Q8_0 weights instead of
+    /// quantizing them to 8 bits (slower; closest to an f32 reference).
+    #[arg(long)]
+    pub f32_activations: bool,
+    /// Element type of the KV cache: f16 halves the memory and the bytes
+    /// attention reads per token; f32 keeps keys and values exact.
+    #[arg(long, value_enum, default_value_t = KvCacheType::F16)]
+    pub kv_cache_type: KvCacheType,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum KvCacheType {
+    F16,
+    F32,
+}
+
+impl ModelArg {
+    pub fn load_options(&self) -> kvant_model::LoadOptions {
+        kvant_model::LoadOptions {
+            int8_activations: !self.f32_activations,
+            kv_dtype: match self.kv_cache_type {
+                KvCacheType::F16 => kvant_model::kv::KvDType::F16,
+                KvCacheType::F32 => kvant_model::kv::KvDType::F32,
+            },
+        }
+    }
 }
 
 #[derive(Args, Clone)]
@@ -157,6 +218,24 @@ pub struct PerplexityArgs {
     /// Window length in tokens.
     #[arg(long, default_value_t = 512)]
     pub ctx: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Args)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Prompt length of the prefill test (random token ids, as llama-bench uses).
+    #[arg(long, default_value_t = 512, value_parser = at_least_one)]
+    pub prompt_tokens: usize,
+    /// Tokens decoded one at a time after the prompt; 0 skips the decode test.
+    #[arg(long, default_value_t = 128)]
+    pub gen_tokens: usize,
+    /// Timed runs after one warm-up; medians are reported.
+    #[arg(long, default_value_t = 5, value_parser = at_least_one)]
+    pub repetitions: usize,
+    /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
 }

@@ -8,13 +8,10 @@ use clap::Parser;
 
 fn main() {
     let cli = args::Cli::parse();
-    // Run the whole command on a pool worker: the forward pass's fork-joins
-    // then start from inside the pool instead of waking it from outside and
-    // parking the main thread on every matmul.
-    let result = rayon::ThreadPoolBuilder::new()
-        .build()
+    // Start the kernels' pool before any kernel runs, with the chosen width.
+    let result = kvant_kernels::pool::set_global_threads(cli.threads())
         .map_err(anyhow::Error::from)
-        .and_then(|pool| pool.install(|| commands::run(cli)));
+        .and_then(|()| commands::run(cli));
     if let Err(e) = result {
         eprintln!("kvant: error: {e:#}");
         std::process::exit(1);

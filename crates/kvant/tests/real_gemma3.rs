@@ -36,40 +36,19 @@ fn reference() -> serde_json::Value {
     json(&std::fs::read_to_string(fixture("models/gemma3-270m-q4_k_m.reference.json")).unwrap())
 }
 
-/// Reference greedy steps before the first one whose margin is too small to pin.
-fn comparable_steps(p: &serde_json::Value) -> usize {
-    let margins = p["greedy_margins"].as_array().unwrap();
-    margins
-        .iter()
-        .position(|m| m.as_f64().unwrap() < MIN_COMPARED_MARGIN)
-        .unwrap_or(margins.len())
-}
-
 #[test]
 fn greedy_continuations_match_transformers() {
     let Some(model) = gemma3_model() else { return };
     let r = reference();
     for p in r["prompts"].as_array().unwrap() {
-        let out = json(&kvant_ok(&[
-            "generate",
-            "--model",
-            &model,
-            "--prompt",
-            p["text"].as_str().unwrap(),
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "32",
-            "--ignore-eos",
-            "--json",
-        ]));
+        let out = greedy_32(&model, p["text"].as_str().unwrap(), EXACT);
         let name = p["name"].as_str().unwrap();
         assert_eq!(
             ids(&out["prompt_token_ids"]),
             ids(&p["prompt_ids"]),
             "{name}: prompt ids"
         );
-        let n = comparable_steps(p);
+        let n = comparable_steps(p, MIN_COMPARED_MARGIN);
         assert!(
             n >= 8,
             "{name}: only {n} comparable steps; pick another prompt"
@@ -84,10 +63,10 @@ fn greedy_continuations_match_transformers() {
     }
 }
 
-fn check_perplexity(model: &str, r: &serde_json::Value) {
+fn check_perplexity(model: &str, r: &serde_json::Value, extra: &[&str], tol: f64) {
     let file = fixture("text/ppl.txt");
     let ctx = r["window"].to_string();
-    let out = json(&kvant_ok(&[
+    let mut args = vec![
         "perplexity",
         "--model",
         model,
@@ -96,10 +75,12 @@ fn check_perplexity(model: &str, r: &serde_json::Value) {
         "--ctx",
         &ctx,
         "--json",
-    ]));
+    ];
+    args.extend_from_slice(extra);
+    let out = json(&kvant_ok(&args));
     let (got, want) = (out["ppl"].as_f64().unwrap(), r["ppl"].as_f64().unwrap());
     assert!(
-        (got / want - 1.0).abs() < PPL_REL_TOL,
+        (got / want - 1.0).abs() < tol,
         "ctx {ctx}: ppl {got} vs {want}"
     );
     assert_eq!(out["tokens_scored"], r["tokens_scored"], "ctx {ctx}");
@@ -109,14 +90,23 @@ fn check_perplexity(model: &str, r: &serde_json::Value) {
 #[test]
 fn perplexity_within_half_a_percent_of_transformers() {
     let Some(model) = gemma3_model() else { return };
-    check_perplexity(&model, &reference()["perplexity"]);
+    check_perplexity(&model, &reference()["perplexity"], EXACT, PPL_REL_TOL);
+}
+
+/// The default numerics (8-bit activations on its Q5_0/Q8_0 tensors, f16
+/// KV; kvant-model's `real_fast_numerics` checks their logits): perplexity
+/// within 1%.
+#[test]
+fn fast_numerics_perplexity_within_one_percent() {
+    let Some(model) = gemma3_model() else { return };
+    check_perplexity(&model, &reference()["perplexity_long"], &[], 0.01);
 }
 
 /// 1024-token windows: the local layers' 512-token window masks keys here.
 #[test]
 fn perplexity_beyond_the_sliding_window_matches_transformers() {
     let Some(model) = gemma3_model() else { return };
-    check_perplexity(&model, &reference()["perplexity_long"]);
+    check_perplexity(&model, &reference()["perplexity_long"], EXACT, PPL_REL_TOL);
 }
 
 #[test]

@@ -7,31 +7,37 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::kv::KvCache;
+use crate::kv::{KvCache, KvDType};
 use crate::ModelError;
 use kvant_core::Tensor;
 use kvant_kernels::activation::gated;
-use kvant_kernels::attention::{attention, AttnParams};
-use kvant_kernels::matmul::matmul;
+use kvant_kernels::attention::AttnParams;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::{rms_norm, rms_norm_inplace};
 use kvant_kernels::quant::dequantize_row;
 use kvant_kernels::rope::rope_inplace;
+use std::sync::Mutex;
 
-/// A projection: a weight `[out, in]` in its stored type and an optional bias.
+/// A projection: a weight `[out, in]` prepared for its kernel and an optional bias.
 struct Linear {
-    weight: Tensor,
+    weight: LinearWeight,
     bias: Option<Vec<f32>>,
 }
 
 impl Linear {
-    fn forward(&self, x: &[f32], n: usize, y: &mut [f32]) -> Result<(), ModelError> {
-        matmul(&self.weight, x, n, y)?;
+    fn forward(&self, x: &LinearInput<'_>, y: &mut [f32]) -> Result<(), ModelError> {
+        self.weight.forward(x, y)?;
+        self.add_bias(y);
+        Ok(())
+    }
+
+    fn add_bias(&self, y: &mut [f32]) {
         if let Some(b) = &self.bias {
             for row in y.chunks_exact_mut(b.len()) {
                 row.iter_mut().zip(b).for_each(|(v, bv)| *v += bv);
             }
         }
-        Ok(())
     }
 }
 
@@ -47,11 +53,25 @@ struct Layer {
     post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     post_ffn_norm: Option<Vec<f32>>,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: LinearWeight,
+    up: LinearWeight,
+    down: LinearWeight,
     inv_freq: Vec<f32>,
     window: Option<usize>,
+}
+
+impl Layer {
+    fn weights(&self) -> [&LinearWeight; 7] {
+        [
+            &self.q.weight,
+            &self.k.weight,
+            &self.v.weight,
+            &self.o.weight,
+            &self.gate,
+            &self.up,
+            &self.down,
+        ]
+    }
 }
 
 /// Which positions' logits a forward pass returns.
@@ -63,17 +83,79 @@ pub enum Logits {
     All,
 }
 
+/// How a model is prepared at load time.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Multiply Q4_0/Q4_1/Q5_0/Q8_0 weights with activations quantized to 8 bits
+    /// (integer kernels, as llama.cpp does): several times faster, at the
+    /// cost of the activations' rounding (at most `max|x|/254` per value of
+    /// each 32-value block). Off keeps every activation in f32, for results
+    /// closest to an f32 reference.
+    pub int8_activations: bool,
+    /// Element type of the KV caches the model makes: f16 (the default)
+    /// halves what attention streams per token, f32 keeps keys and values
+    /// exactly as computed.
+    pub kv_dtype: KvDType,
+}
+
+impl LoadOptions {
+    /// Every activation and cached key/value in f32: results closest to an
+    /// f32 reference (the correctness tests' mode), at a cost in speed.
+    pub const F32: LoadOptions = LoadOptions {
+        int8_activations: false,
+        kv_dtype: KvDType::F32,
+    };
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            int8_activations: true,
+            kv_dtype: KvDType::F16,
+        }
+    }
+}
+
 pub struct LlamaModel {
     cfg: ModelConfig,
     embed: Tensor,
     /// `lm_head`, or the embedding again when tied.
-    output: Tensor,
+    output: LinearWeight,
     final_norm: Vec<f32>,
     layers: Vec<Layer>,
+    /// Activation buffers, reused by every forward pass so that steady-state
+    /// decoding does not allocate; forward passes of one model are serial.
+    scratch: Mutex<Scratch>,
+    kv_dtype: KvDType,
+}
+
+/// The per-pass activations; each buffer grows to the largest batch seen.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    proj: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    q8: Q8Activations,
+}
+
+/// `buf` resized to `len` (contents unspecified: every user overwrites it).
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    &mut buf[..len]
 }
 
 impl LlamaModel {
-    pub fn load(ckpt: &Checkpoint, cfg: ModelConfig) -> Result<Self, ModelError> {
+    pub fn load(
+        ckpt: &Checkpoint,
+        cfg: ModelConfig,
+        opts: LoadOptions,
+    ) -> Result<Self, ModelError> {
         let g = ckpt.global_names();
         // Hugging Face Gemma stores norm weights as offsets from 1; GGUF files
         // have the 1 added by the converter.
@@ -98,6 +180,10 @@ impl LlamaModel {
             check_shape(&t, name, &[rows, cols])?;
             Ok(t)
         };
+        let weight = |name: &str, rows: usize, cols: usize| -> Result<LinearWeight, ModelError> {
+            let t = matrix(name, rows, cols)?;
+            Ok(LinearWeight::prepare(t, opts.int8_activations)?)
+        };
         let linear = |stem: &str, rows: usize, cols: usize| -> Result<Linear, ModelError> {
             // Biases load when present; a config that promises them must have them.
             let bias = match opt_vector(&format!("{stem}.bias"), rows)? {
@@ -107,16 +193,16 @@ impl LlamaModel {
                 b => b,
             };
             Ok(Linear {
-                weight: matrix(&format!("{stem}.weight"), rows, cols)?,
+                weight: weight(&format!("{stem}.weight"), rows, cols)?,
                 bias,
             })
         };
         let (h, qd, kvd, ff) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim(), cfg.intermediate);
         let embed = matrix(g.embed, cfg.vocab, h)?;
         let output = if ckpt.has_tensor(g.output) {
-            matrix(g.output, cfg.vocab, h)?
+            weight(g.output, cfg.vocab, h)?
         } else if cfg.tied_embeddings || matches!(ckpt, Checkpoint::Gguf(_)) {
-            embed.clone()
+            LinearWeight::prepare(embed.clone(), opts.int8_activations)?
         } else {
             return Err(ModelError::MissingTensor(g.output.into()));
         };
@@ -157,7 +243,7 @@ impl LlamaModel {
                 k: linear(&n.k, kvd, h)?,
                 v: linear(&n.v, kvd, h)?,
                 o: Linear {
-                    weight: matrix(&format!("{}.weight", n.o), h, qd)?,
+                    weight: weight(&format!("{}.weight", n.o), h, qd)?,
                     bias: None,
                 },
                 q_norm: qk_norm_q,
@@ -165,9 +251,9 @@ impl LlamaModel {
                 post_attn_norm,
                 ffn_norm: vector(&n.ffn_norm, h)?,
                 post_ffn_norm,
-                gate: matrix(&n.gate, ff, h)?,
-                up: matrix(&n.up, ff, h)?,
-                down: matrix(&n.down, h, ff)?,
+                gate: weight(&n.gate, ff, h)?,
+                up: weight(&n.up, ff, h)?,
+                down: weight(&n.down, h, ff)?,
                 inv_freq: cfg.inv_freq(i, freq_factors.as_deref()),
                 window: if cfg.is_sliding(i) {
                     cfg.sliding_window
@@ -182,6 +268,8 @@ impl LlamaModel {
             output,
             layers,
             cfg,
+            scratch: Mutex::new(Scratch::default()),
+            kv_dtype: opts.kv_dtype,
         })
     }
 
@@ -193,37 +281,22 @@ impl LlamaModel {
     pub fn new_cache(&self, capacity: usize) -> KvCache {
         KvCache::new(
             self.cfg.n_layers,
-            self.cfg.kv_dim(),
+            self.cfg.n_kv_heads,
+            self.cfg.head_dim,
             capacity.min(self.cfg.max_context),
+            self.kv_dtype,
         )
     }
 
-    /// Bytes of weights (as stored).
+    /// Bytes of weights read per decoded token: every layer's matrices and
+    /// the output matrix (the embedding contributes one row).
     pub fn weight_bytes(&self) -> usize {
         let l: usize = self
             .layers
             .iter()
-            .map(|l| {
-                [
-                    &l.q.weight,
-                    &l.k.weight,
-                    &l.v.weight,
-                    &l.o.weight,
-                    &l.gate,
-                    &l.up,
-                    &l.down,
-                ]
-                .iter()
-                .map(|t| t.byte_len())
-                .sum::<usize>()
-            })
+            .map(|l| l.weights().iter().map(|w| w.byte_len()).sum::<usize>())
             .sum();
-        let out = if std::ptr::eq(self.output.bytes(), self.embed.bytes()) {
-            0
-        } else {
-            self.output.byte_len()
-        };
-        l + self.embed.byte_len() + out
+        l + self.output.byte_len()
     }
 
     /// Runs `tokens` (the next tokens of the sequence in `cache`) through the
@@ -247,7 +320,20 @@ impl LlamaModel {
             });
         }
         let (h, qd, kvd, ff) = (c.hidden, c.q_dim(), c.kv_dim(), c.intermediate);
-        let mut x = vec![0f32; n * h];
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let Scratch {
+            x,
+            xn,
+            q,
+            k,
+            v,
+            attn,
+            proj,
+            gate,
+            up,
+            q8,
+        } = &mut *guard;
+        let x = sized(x, n * h);
         for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
             let id = t as usize;
             if id >= c.vocab {
@@ -262,24 +348,33 @@ impl LlamaModel {
                 row.iter_mut().for_each(|v| *v *= s);
             }
         }
-        let mut xn = vec![0f32; n * h];
-        let mut q = vec![0f32; n * qd];
-        let mut k = vec![0f32; n * kvd];
-        let mut v = vec![0f32; n * kvd];
-        let mut attn = vec![0f32; n * qd];
-        let mut proj = vec![0f32; n * h];
-        let mut gate = vec![0f32; n * ff];
-        let mut up = vec![0f32; n * ff];
+        let xn = sized(xn, n * h);
+        let q = sized(q, n * qd);
+        let k = sized(k, n * kvd);
+        let v = sized(v, n * kvd);
+        let attn = sized(attn, n * qd);
+        let proj = sized(proj, n * h);
+        let gate = sized(gate, n * ff);
+        let up = sized(up, n * ff);
         for (li, l) in self.layers.iter().enumerate() {
-            rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-            l.q.forward(&xn, n, &mut q)?;
-            l.k.forward(&xn, n, &mut k)?;
-            l.v.forward(&xn, n, &mut v)?;
+            rms_norm(x, &l.attn_norm, c.rms_eps, xn);
+            let input = LinearInput::new(xn, n, q8, &[&l.q.weight, &l.k.weight, &l.v.weight])?;
+            forward_batch(
+                &input,
+                &mut [
+                    (&l.q.weight, &mut *q),
+                    (&l.k.weight, &mut *k),
+                    (&l.v.weight, &mut *v),
+                ],
+            )?;
+            l.q.add_bias(q);
+            l.k.add_bias(k);
+            l.v.add_bias(v);
             if let Some(w) = &l.q_norm {
-                rms_norm_inplace(&mut q, w, c.rms_eps);
+                rms_norm_inplace(q, w, c.rms_eps);
             }
             if let Some(w) = &l.k_norm {
-                rms_norm_inplace(&mut k, w, c.rms_eps);
+                rms_norm_inplace(k, w, c.rms_eps);
             }
             for t in 0..n {
                 let pos = pos0 + t;
@@ -298,7 +393,6 @@ impl LlamaModel {
                     c.rope.style,
                 );
             }
-            let (keys, values) = cache.append_layer(li, &k, &v);
             let params = AttnParams {
                 n_heads: c.n_heads,
                 n_kv_heads: c.n_kv_heads,
@@ -306,21 +400,22 @@ impl LlamaModel {
                 scale: c.attn_scale,
                 window: l.window,
             };
-            attention(&params, &q, pos0, keys, values, &mut attn);
-            l.o.forward(&attn, n, &mut proj)?;
+            cache.append_and_attend(li, k, v, &params, q, attn);
+            l.o.forward(&LinearInput::new(attn, n, q8, &[&l.o.weight])?, proj)?;
             if let Some(w) = &l.post_attn_norm {
-                rms_norm_inplace(&mut proj, w, c.rms_eps);
+                rms_norm_inplace(proj, w, c.rms_eps);
             }
-            add_assign(&mut x, &proj);
-            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
-            matmul(&l.gate, &xn, n, &mut gate)?;
-            matmul(&l.up, &xn, n, &mut up)?;
-            gated(c.activation, &mut gate, &up);
-            matmul(&l.down, &gate, n, &mut proj)?;
+            add_assign(x, proj);
+            rms_norm(x, &l.ffn_norm, c.rms_eps, xn);
+            let input = LinearInput::new(xn, n, q8, &[&l.gate, &l.up])?;
+            forward_batch(&input, &mut [(&l.gate, &mut *gate), (&l.up, &mut *up)])?;
+            gated(c.activation, gate, up);
+            l.down
+                .forward(&LinearInput::new(gate, n, q8, &[&l.down])?, proj)?;
             if let Some(w) = &l.post_ffn_norm {
-                rms_norm_inplace(&mut proj, w, c.rms_eps);
+                rms_norm_inplace(proj, w, c.rms_eps);
             }
-            add_assign(&mut x, &proj);
+            add_assign(x, proj);
         }
         cache.advance(n);
         let rows = match want {
@@ -328,9 +423,11 @@ impl LlamaModel {
             Logits::All => &x[..],
         };
         let m = rows.len() / h;
-        rms_norm(rows, &self.final_norm, c.rms_eps, &mut xn[..m * h]);
+        let xn = &mut xn[..m * h];
+        rms_norm(rows, &self.final_norm, c.rms_eps, xn);
         let mut logits = vec![0f32; m * c.vocab];
-        matmul(&self.output, &xn[..m * h], m, &mut logits)?;
+        let input = LinearInput::new(xn, m, q8, &[&self.output])?;
+        self.output.forward(&input, &mut logits)?;
         Ok(logits)
     }
 }

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+mod bench;
 mod chat;
 mod generate;
 mod info;
@@ -12,7 +13,9 @@ use anyhow::{Context, Result};
 use kvant_model::LoadedModel;
 
 pub fn run(cli: Cli) -> Result<()> {
+    let threads = cli.threads();
     match cli.command {
+        Command::Bench(a) => bench::run(a, threads),
         Command::Chat(a) => chat::run(a),
         Command::Generate(a) => generate::run(a),
         Command::Tokenize { model, text } => tokenize::tokenize(&model, &text),
@@ -29,7 +32,8 @@ pub fn run(cli: Cli) -> Result<()> {
 /// Resolves `--model` (or its defaults) and loads it.
 pub fn load_model(arg: &ModelArg) -> Result<LoadedModel> {
     let path = fetch::resolve_model(arg.model.as_deref())?;
-    kvant_model::load(&path).with_context(|| format!("loading {}", path.display()))
+    kvant_model::load_with(&path, arg.load_options())
+        .with_context(|| format!("loading {}", path.display()))
 }
 
 /// Reads a UTF-8 text file, naming the file and the byte offset of bad UTF-8.

@@ -71,3 +71,35 @@ pub fn ids(v: &serde_json::Value) -> Vec<u64> {
         .map(|x| x.as_u64().expect("id"))
         .collect()
 }
+
+/// Flags for kvant's f32 numerics (f32 activations and KV cache): the mode
+/// in which outputs match an f32 reference to rounding.
+pub const EXACT: &[&str] = &["--f32-activations", "--kv-cache-type", "f32"];
+
+/// Reference greedy steps before the first one whose margin is below `min`.
+pub fn comparable_steps(p: &serde_json::Value, min: f64) -> usize {
+    let margins = p["greedy_margins"].as_array().expect("greedy_margins");
+    margins
+        .iter()
+        .position(|m| m.as_f64().expect("margin") < min)
+        .unwrap_or(margins.len())
+}
+
+/// `kvant generate` of `text`: greedy, 32 tokens, EOS ignored, JSON, plus `extra` flags.
+pub fn greedy_32(model: &str, text: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "generate",
+        "--model",
+        model,
+        "--prompt",
+        text,
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "32",
+        "--ignore-eos",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    json(&kvant_ok(&args))
+}

@@ -1,0 +1,42 @@
+//! The f64 reference: an explicit softmax over each full score row.
+
+use super::AttnParams;
+
+/// f64 reference with an explicit softmax over the full score row.
+pub fn attention_ref(p: &AttnParams, q: &[f32], q_pos0: usize, k: &[f32], v: &[f32]) -> Vec<f32> {
+    let hd = p.head_dim;
+    let kv_dim = p.n_kv_heads * hd;
+    let group = p.n_heads / p.n_kv_heads;
+    let n = q.len() / (p.n_heads * hd);
+    let mut out = vec![0f32; q.len()];
+    for t in 0..n {
+        for h in 0..p.n_heads {
+            let qh = &q[(t * p.n_heads + h) * hd..][..hd];
+            let kvh = h / group;
+            let range = p.key_range(q_pos0 + t);
+            let scores: Vec<f64> = range
+                .clone()
+                .map(|j| {
+                    let kr = &k[j * kv_dim + kvh * hd..][..hd];
+                    p.scale as f64
+                        * qh.iter()
+                            .zip(kr)
+                            .map(|(&a, &b)| a as f64 * b as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+            let z: f64 = e.iter().sum();
+            for d in 0..hd {
+                let acc: f64 = range
+                    .clone()
+                    .zip(&e)
+                    .map(|(j, w)| w * v[j * kv_dim + kvh * hd + d] as f64)
+                    .sum();
+                out[(t * p.n_heads + h) * hd + d] = (acc / z) as f32;
+            }
+        }
+    }
+    out
+}

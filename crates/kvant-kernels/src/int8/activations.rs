@@ -1,0 +1,217 @@
+//! Activations quantized on the fly to 8 bits, 32 values per block.
+//!
+//! The int8 kernels multiply 8-bit weights (or 4-bit, widened) by 8-bit
+//! activations with integer dot products, 32 products per instruction
+//! instead of 8 multiply-adds per f32 FMA, and apply the float scales once
+//! per block. As in llama.cpp's `q8_0`/`q8_1`: `d = max|x| / 127`,
+//! `q = round(x / d)`, and each block also keeps `s = d · Σ q` for formats
+//! with a per-block minimum (`Σ (d_w q_w + m_w) x ≈ d_w d Σ q_w q + m_w s`).
+//!
+//! Rounding is to nearest, ties to even, in both the scalar reference and
+//! the AVX2 path, so the two are bit-identical and the kernels built on them
+//! can be compared exactly.
+
+use crate::cpu::SimdTier;
+use crate::error::{check_len, checked_mul, KernelError};
+
+/// Values per activation block (matches the weight blocks of Q4_0/Q4_1/Q5_0/Q8_0).
+pub const BLOCK: usize = 32;
+
+/// `n_tokens` rows of `k` activations, quantized per block of [`BLOCK`].
+#[derive(Clone, Debug, Default)]
+pub struct Q8Activations {
+    /// `[n_tokens, k]` quantized values in `-127..=127`.
+    pub(crate) qs: Vec<i8>,
+    /// `[n_tokens, k / BLOCK]` block scales.
+    pub(crate) d: Vec<f32>,
+    /// `[n_tokens, k / BLOCK]`: `d · Σ q` of each block.
+    pub(crate) s: Vec<f32>,
+    pub(crate) n_tokens: usize,
+    pub(crate) k: usize,
+}
+
+impl Q8Activations {
+    pub fn n_tokens(&self) -> usize {
+        self.n_tokens
+    }
+
+    pub fn k(&self) -> usize {
+        self.k
+    }
+
+    /// Quantizes `x` (`[n_tokens, k]`, `k` a multiple of [`BLOCK`]) on
+    /// `tier`, reusing this buffer's memory.
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`] if `x` is not `n_tokens * k` long or
+    /// `k` is not a whole number of blocks.
+    pub fn quantize(
+        &mut self,
+        tier: SimdTier,
+        x: &[f32],
+        n_tokens: usize,
+        k: usize,
+    ) -> Result<(), KernelError> {
+        check_len("q8 activations", checked_mul("q8", n_tokens, k)?, x.len())?;
+        check_len("q8 activation row (whole blocks)", k / BLOCK * BLOCK, k)?;
+        let nb = x.len() / BLOCK;
+        self.qs.resize(x.len(), 0);
+        self.d.resize(nb, 0.0);
+        self.s.resize(nb, 0.0);
+        self.n_tokens = n_tokens;
+        self.k = k;
+        let blocks = x
+            .chunks_exact(BLOCK)
+            .zip(self.qs.chunks_exact_mut(BLOCK))
+            .zip(self.d.iter_mut().zip(self.s.iter_mut()));
+        match crate::cpu::clamp(tier) {
+            #[cfg(target_arch = "x86_64")]
+            SimdTier::Avx2 | SimdTier::Avx512 => {
+                for ((x, q), (d, s)) in blocks {
+                    // SAFETY: the tier (clamped to the CPU) has AVX2; `x`
+                    // and `q` are one block each.
+                    (*d, *s) = unsafe { avx2::quantize_block(x, q) };
+                }
+            }
+            _ => {
+                for ((x, q), (d, s)) in blocks {
+                    (*d, *s) = quantize_block_ref(x, q);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Token `t`'s quantized values, scales and scaled sums.
+    pub(crate) fn token(&self, t: usize) -> (&[i8], &[f32], &[f32]) {
+        let nb = self.k / BLOCK;
+        (
+            &self.qs[t * self.k..(t + 1) * self.k],
+            &self.d[t * nb..(t + 1) * nb],
+            &self.s[t * nb..(t + 1) * nb],
+        )
+    }
+
+    /// The dequantized values `d · q` (for tests' error bounds).
+    pub fn dequantize(&self) -> Vec<f32> {
+        self.qs
+            .chunks_exact(BLOCK)
+            .zip(&self.d)
+            .flat_map(|(q, &d)| q.iter().map(move |&q| q as f32 * d))
+            .collect()
+    }
+}
+
+/// Scale `d` and reciprocal for a block whose largest magnitude is `amax`.
+fn scales(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+    (d, id)
+}
+
+/// The scalar reference: one block into `q`, returning `(d, d · Σ q)`.
+pub(crate) fn quantize_block_ref(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let (d, id) = scales(amax);
+    let mut sum = 0i32;
+    for (q, &v) in q.iter_mut().zip(x) {
+        let r = (v * id).round_ties_even().clamp(-127.0, 127.0);
+        *q = r as i8;
+        sum += r as i32;
+    }
+    (d, d * sum as f32)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{scales, BLOCK};
+    use std::arch::x86_64::*;
+
+    /// [`super::quantize_block_ref`], bit for bit.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `x` and `q` hold at least [`BLOCK`] values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+        assert!(x.len() >= BLOCK && q.len() >= BLOCK);
+        let p = x.as_ptr();
+        // SAFETY: `x` holds 32 floats (asserted).
+        let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(p.add(8 * i)) });
+        let sign = _mm256_set1_ps(-0.0);
+        let a = v.map(|v| _mm256_andnot_ps(sign, v));
+        let m = _mm256_max_ps(_mm256_max_ps(a[0], a[1]), _mm256_max_ps(a[2], a[3]));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+        let (d, id) = scales(_mm_cvtss_f32(m));
+        let (idv, lo, hi) = (
+            _mm256_set1_ps(id),
+            _mm256_set1_ps(-127.0),
+            _mm256_set1_ps(127.0),
+        );
+        let i = v.map(|v| {
+            let r = _mm256_round_ps(
+                _mm256_mul_ps(v, idv),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            );
+            _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi))
+        });
+        // Pack 4 × 8 i32 to 32 i8; the packs interleave 128-bit lanes, which
+        // the final permute undoes.
+        let w = _mm256_packs_epi32(i[0], i[1]);
+        let z = _mm256_packs_epi32(i[2], i[3]);
+        let b = _mm256_packs_epi16(w, z);
+        let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        // SAFETY: `q` holds 32 bytes (asserted).
+        _mm256_storeu_si256(q.as_mut_ptr() as *mut __m256i, b);
+        let s = _mm256_add_epi32(_mm256_add_epi32(i[0], i[1]), _mm256_add_epi32(i[2], i[3]));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+        let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+        (d, d * _mm_cvtsi128_si32(s) as f32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn every_tier_matches_the_reference_bit_for_bit() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+        for &(n, k) in &[(1usize, 32usize), (3, 96), (5, 576), (2, 1536)] {
+            let mut x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0..3.0)).collect();
+            // Ties, zeros, a zero block and a huge value.
+            x[0] = 0.5;
+            x[1] = -1.5;
+            x[2] = 1e30;
+            if k >= 64 {
+                x[32..64].fill(0.0);
+            }
+            let mut want = Q8Activations::default();
+            want.quantize(SimdTier::Scalar, &x, n, k).unwrap();
+            for tier in crate::cpu::available_tiers() {
+                let mut got = Q8Activations::default();
+                got.quantize(tier, &x, n, k).unwrap();
+                assert_eq!(got.qs, want.qs, "{tier} n={n} k={k}");
+                assert_eq!(got.d, want.d);
+                assert_eq!(got.s, want.s);
+            }
+            let back = want.dequantize();
+            for ((xb, rb), &d) in x.chunks(BLOCK).zip(back.chunks(BLOCK)).zip(&want.d) {
+                for (&v, &r) in xb.iter().zip(rb) {
+                    // Rounding to the nearest step: at most half a step off.
+                    assert!((v - r).abs() <= 0.5 * d * (1.0 + 1e-6), "{v} {r} {d}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_errors() {
+        let mut a = Q8Activations::default();
+        assert!(a.quantize(SimdTier::Scalar, &[0.0; 40], 1, 40).is_err());
+        assert!(a.quantize(SimdTier::Scalar, &[0.0; 64], 1, 32).is_err());
+    }
+}

@@ -1,0 +1,131 @@
+//! AVX2 int8 kernels: a group of 8 packed rows against a tile of `T` tokens.
+//!
+//! Per block the group's quants are loaded (and for 4-bit formats split
+//! into low and high nibbles) once, then reused by every token of the tile:
+//! `vpmaddubsw` multiplies unsigned weight bytes by signed activation bytes
+//! (4 activations broadcast to the 8 row lanes) and adds adjacent pairs;
+//! `vpmaddwd` with ones widens to one i32 per row. 4-bit products are small
+//! enough (|pair| ≤ 2·15·127) to sum all 8 chunks in i16 before widening;
+//! 8-bit weights go through `vpsignb` (|w| as the unsigned operand, the
+//! sign moved onto the activation, as in ggml) and widen per chunk.
+
+use super::pack::{PackedFormat, GROUP};
+use kvant_core::dtype::QK;
+use std::arch::x86_64::*;
+
+/// Activation pointers of one token: quants, block scales, scaled sums.
+#[derive(Clone, Copy)]
+pub(crate) struct TokenPtrs {
+    pub q: *const i8,
+    pub d: *const f32,
+    pub s: *const f32,
+}
+
+/// Four activation bytes at `p` in all eight 32-bit lanes.
+#[inline(always)]
+unsafe fn bcast4(p: *const i8) -> __m256i {
+    _mm256_set1_epi32((p as *const i32).read_unaligned())
+}
+
+/// `Σ w·x` per row lane for `T` tokens over `blocks` packed blocks at `w`.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `w` is valid for `blocks` packed
+/// blocks of `format`; each token's pointers for `blocks * 32` quants and
+/// `blocks` scales and sums.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn group_tile<const T: usize>(
+    format: PackedFormat,
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
+    match format {
+        PackedFormat::Q4Sym => q4_tile::<T, false>(w, blocks, x),
+        PackedFormat::Q4Asym => q4_tile::<T, true>(w, blocks, x),
+        PackedFormat::Q8 => q8_tile::<T>(w, blocks, x),
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4_tile<const T: usize, const ASYM: bool>(
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
+    let fmt = if ASYM {
+        PackedFormat::Q4Asym
+    } else {
+        PackedFormat::Q4Sym
+    };
+    let (bb, hdr) = (fmt.block_bytes(), fmt.header());
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..blocks {
+        // SAFETY (whole loop): block `b` of `blocks` packed blocks at `w`;
+        // activation block `b` of each token (the caller's contract).
+        let blk = w.add(b * bb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let m = if ASYM {
+            _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i))
+        } else {
+            _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
+        };
+        let q = blk.add(hdr);
+        let mut lo = [_mm256_setzero_si256(); 4];
+        let mut hi = [_mm256_setzero_si256(); 4];
+        for c in 0..4 {
+            let raw = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+            lo[c] = _mm256_and_si256(raw, mask);
+            hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+        }
+        for t in 0..T {
+            let xq = x[t].q.add(b * QK);
+            let mut p = _mm256_maddubs_epi16(lo[0], bcast4(xq));
+            for (c, &l) in lo.iter().enumerate().skip(1) {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(l, bcast4(xq.add(4 * c))));
+            }
+            for (c, &h) in hi.iter().enumerate() {
+                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(h, bcast4(xq.add(16 + 4 * c))));
+            }
+            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
+            acc[t] = _mm256_fmadd_ps(isum, dd, acc[t]);
+            acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(*x[t].s.add(b)), acc[t]);
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+    let fmt = PackedFormat::Q8;
+    let (bb, hdr) = (fmt.block_bytes(), fmt.header());
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..blocks {
+        // SAFETY (whole loop): as in `q4_tile`.
+        let blk = w.add(b * bb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let q = blk.add(hdr);
+        let mut raw = [_mm256_setzero_si256(); 8];
+        let mut abs = [_mm256_setzero_si256(); 8];
+        for c in 0..8 {
+            raw[c] = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+            abs[c] = _mm256_abs_epi8(raw[c]);
+        }
+        for t in 0..T {
+            let xq = x[t].q.add(b * QK);
+            let mut s = _mm256_setzero_si256();
+            for c in 0..8 {
+                let xs = _mm256_sign_epi8(bcast4(xq.add(4 * c)), raw[c]);
+                let p = _mm256_maddubs_epi16(abs[c], xs);
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+            }
+            let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[t]);
+        }
+    }
+    acc
+}

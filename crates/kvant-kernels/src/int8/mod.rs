@@ -1,0 +1,221 @@
+//! Matrix products of packed 4- and 8-bit weights with 8-bit activations.
+//!
+//! The speed path for the block formats real GGUF releases use most (Q4_0,
+//! Q4_1, Q5_0, Q8_0): weights are repacked once at load time (`pack`), the
+//! activations of a call are quantized once (`activations`) and shared by
+//! every weight that reads them (q/k/v, gate/up), and each task runs groups
+//! of 8 rows against tiles of tokens with integer dot products (`avx2`),
+//! the scalar kernel (`reference`) standing in on CPUs without AVX2.
+//!
+//! Numerics: the weights are used exactly; the activations carry the
+//! rounding of 8-bit quantization (at most half a step, `max|x| / 254`,
+//! per value), as in llama.cpp. [`crate::matmul`]'s f32-activation path
+//! remains for checkpoints that need results close to an f32 reference.
+
+mod activations;
+#[cfg(target_arch = "x86_64")]
+mod avx2;
+mod pack;
+mod reference;
+
+pub use activations::{Q8Activations, BLOCK};
+pub use pack::{PackedFormat, PackedMatrix, GROUP};
+
+use crate::cpu::{self, SimdTier};
+use crate::error::{check_len, checked_mul, KernelError};
+use crate::pool;
+
+/// Tokens per tile: each packed block is unpacked once per tile, and four
+/// accumulators plus the unpacked weights fit the 16 AVX2 registers.
+const TOKEN_TILE: usize = 4;
+
+/// The least multiply-adds worth a task: a job costs about a microsecond to
+/// hand out on the spinning pool, and one core does ~100 k int8
+/// multiply-adds per microsecond here.
+const MIN_TASK_MACS: usize = 96 << 10;
+
+/// Tasks per pool thread, so a thread slowed by the OS does not hold up the call.
+const TASKS_PER_THREAD: usize = 3;
+
+/// `y[t, r] = Σ_i W[r, i] · x[t, i]` for the packed `w` and quantized `x`
+/// (`y` is `[n_tokens, rows]`), on the start-up tier.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] unless `x` has `w.cols()` columns and
+/// `y` holds `n_tokens * w.rows()` values.
+pub fn gemm(w: &PackedMatrix, x: &Q8Activations, y: &mut [f32]) -> Result<(), KernelError> {
+    gemm_with(cpu::tier(), w, x, y)
+}
+
+/// [`gemm`] on a given tier (lowered to one the CPU supports).
+pub fn gemm_with(
+    tier: SimdTier,
+    w: &PackedMatrix,
+    x: &Q8Activations,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    gemm_batch_with(tier, &[w], x, &mut [y])
+}
+
+/// Most weights one [`gemm_batch`] call takes (q, k and v; gate and up).
+pub const MAX_BATCH: usize = 4;
+
+/// [`gemm`] for several weights that read the same activations, as one
+/// pool job: one hand-out and one join instead of one per weight, and the
+/// threads balance the row groups of all of them together.
+///
+/// # Errors
+/// As [`gemm`] for each pair, and [`KernelError::LengthMismatch`] when `ws`
+/// and `ys` differ in length or hold more than [`MAX_BATCH`].
+pub fn gemm_batch(
+    ws: &[&PackedMatrix],
+    x: &Q8Activations,
+    ys: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    gemm_batch_with(cpu::tier(), ws, x, ys)
+}
+
+/// [`gemm_batch`] on a given tier.
+pub fn gemm_batch_with(
+    tier: SimdTier,
+    ws: &[&PackedMatrix],
+    x: &Q8Activations,
+    ys: &mut [&mut [f32]],
+) -> Result<(), KernelError> {
+    check_len("int8 gemm batch outputs", ws.len(), ys.len())?;
+    check_len(
+        "int8 gemm batch size (at most 4)",
+        ws.len().min(MAX_BATCH),
+        ws.len(),
+    )?;
+    let n = x.n_tokens();
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        check_len("int8 gemm activation columns", w.cols(), x.k())?;
+        check_len(
+            "int8 gemm output [n_tokens, rows]",
+            checked_mul("gemm", n, w.rows())?,
+            y.len(),
+        )?;
+    }
+    if n == 0 {
+        return Ok(());
+    }
+    // Row groups of all weights, numbered consecutively.
+    let mut starts = [0usize; MAX_BATCH + 1];
+    let mut outs = [OutPtr(std::ptr::null_mut()); MAX_BATCH];
+    for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
+        starts[i + 1] = starts[i] + w.groups();
+        outs[i] = OutPtr(y.as_mut_ptr());
+    }
+    let total = starts[ws.len()];
+    let macs = (x.k().saturating_mul(GROUP).saturating_mul(n)).saturating_mul(total);
+    let p = pool::global();
+    let tasks = (p.threads() * TASKS_PER_THREAD)
+        .min(total)
+        .min((macs / MIN_TASK_MACS).max(1));
+    let tier = cpu::clamp(tier);
+    p.run(pool::chunks(total, tasks, 1), &|i| {
+        for gg in pool::chunk(total, tasks, 1, i) {
+            let m = (0..ws.len()).rfind(|&m| starts[m] <= gg).unwrap_or(0);
+            group_rows(tier, ws[m], gg - starts[m], x, outs[m]);
+        }
+    });
+    Ok(())
+}
+
+/// The output pointer shared by the tasks of one call.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: tasks write disjoint rows of `y` (their own groups), and
+// `gemm_with` holds the `&mut y` borrow until the pool has joined them.
+unsafe impl Send for OutPtr {}
+// SAFETY: as above; no task reads `y`.
+unsafe impl Sync for OutPtr {}
+
+/// Writes rows `8g..8g+8` (those that exist) of every token.
+fn group_rows(tier: SimdTier, w: &PackedMatrix, g: usize, x: &Q8Activations, y: OutPtr) {
+    let rows = w.rows();
+    let first = g * GROUP;
+    let live = (rows - first).min(GROUP);
+    let blk = w.group(g);
+    let store = |t: usize, v: &[f32; GROUP]| {
+        debug_assert!(t < x.n_tokens());
+        // SAFETY: `t < n_tokens` and `first + live <= rows`, so the range is
+        // inside `y` (`n_tokens * rows`, checked); only this task writes it.
+        let dst = unsafe { std::slice::from_raw_parts_mut(y.0.add(t * rows + first), live) };
+        dst.copy_from_slice(&v[..live]);
+    };
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        SimdTier::Avx2 | SimdTier::Avx512 => {
+            let ptrs = |t: usize| {
+                let (q, d, s) = x.token(t);
+                avx2::TokenPtrs {
+                    q: q.as_ptr(),
+                    d: d.as_ptr(),
+                    s: s.as_ptr(),
+                }
+            };
+            let mut t = 0;
+            while t < x.n_tokens() {
+                let left = x.n_tokens() - t;
+                // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU);
+                // `blk` is this group's `blocks()` packed blocks and each
+                // token's slices hold `cols` quants and `cols/32` scales.
+                let done = unsafe {
+                    match left {
+                        1 => tile::<1>(w, blk, t, &ptrs, &store),
+                        2 => tile::<2>(w, blk, t, &ptrs, &store),
+                        3 => tile::<3>(w, blk, t, &ptrs, &store),
+                        _ => tile::<TOKEN_TILE>(w, blk, t, &ptrs, &store),
+                    }
+                };
+                t += done;
+            }
+        }
+        _ => {
+            for t in 0..x.n_tokens() {
+                let (q, d, s) = x.token(t);
+                store(t, &reference::group_dot(w.format(), blk, q, d, s));
+            }
+        }
+    }
+}
+
+/// Runs tokens `t0..t0 + T` of one group; returns `T`.
+///
+/// # Safety
+/// As for [`avx2::group_tile`]; `ptrs(t)` points into valid token slices.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<const T: usize>(
+    w: &PackedMatrix,
+    blk: &[u8],
+    t0: usize,
+    ptrs: &impl Fn(usize) -> avx2::TokenPtrs,
+    store: &impl Fn(usize, &[f32; GROUP]),
+) -> usize {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    let x: [avx2::TokenPtrs; T] = std::array::from_fn(|i| ptrs(t0 + i));
+    let acc = avx2::group_tile::<T>(w.format(), blk.as_ptr(), w.blocks(), &x);
+    for (i, a) in acc.iter().enumerate() {
+        let mut v = [0f32; GROUP];
+        _mm256_storeu_ps(v.as_mut_ptr(), *a);
+        store(t0 + i, &v);
+    }
+    T
+}
+
+/// Reference for tests: `W` dequantized exactly times `x` dequantized,
+/// accumulated in f64 (`y` is `[n_tokens, rows]`).
+pub fn gemm_ref(w_dequantized: &[f32], rows: usize, x: &Q8Activations) -> Vec<f64> {
+    let xs = x.dequantize();
+    let k = x.k();
+    let mut y = vec![0f64; x.n_tokens() * rows];
+    for (t, xt) in xs.chunks_exact(k.max(1)).enumerate() {
+        for (r, wr) in w_dequantized.chunks_exact(k.max(1)).enumerate() {
+            y[t * rows + r] = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+        }
+    }
+    y
+}

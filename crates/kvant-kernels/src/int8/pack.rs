@@ -1,0 +1,207 @@
+//! Weights repacked at load time into the row-interleaved layout of the
+//! int8 kernels.
+//!
+//! GGUF stores each row's blocks back to back. The int8 kernels instead
+//! work on 8 rows at once with one 256-bit register holding the same 4
+//! consecutive weights of each of the 8 rows (one 32-bit lane per row), so
+//! one broadcast of 4 activation bytes feeds an integer multiply-add for all
+//! 8 rows and the 8 rows' sums land in 8 lanes: the block scales are then
+//! applied with one vector FMA per block for 8 rows, never per row, and no
+//! horizontal sum is needed (ggml's `block_q4_0x8` repacking makes the same
+//! trade). Sizes are unchanged: a packed block of 8 rows is exactly 8 of
+//! the source blocks, reordered, so decode streams the same bytes.
+//!
+//! Packed block of 8 rows × 32 weights (group `g`, block `b` at
+//! `(g * blocks_per_row + b) * block_bytes`):
+//! - `Q4Sym` (from Q4_0, `w = d (q - 8)`): `d: [f16; 8]`, then 4 chunks of
+//!   32 bytes; chunk `c`, lane `r` holds source bytes `4c..4c+4` of row `r`
+//!   (low nibbles: weights `4c..4c+4`, high nibbles: `16+4c..16+4c+4`).
+//! - `Q4Asym` (from Q4_1, `w = d q + m`): `d: [f16; 8]`, `m: [f16; 8]`, chunks as above.
+//! - `Q8` (from Q8_0, `w = d q`, and from Q5_0, `w = d (q - 16)` with the
+//!   5-bit `q - 16` widened to a byte: exact, at 34 instead of 22 bytes per
+//!   block): `d: [f16; 8]`, then 8 chunks of 32 bytes, chunk `c`, lane `r`
+//!   holding weights `4c..4c+4` of row `r`.
+//!
+//! Rows past the end of the matrix (the last group) are zero.
+
+use crate::error::KernelError;
+use kvant_core::dtype::QK;
+use kvant_core::{DType, Tensor};
+
+/// Rows per interleaved group: one 32-bit lane each in a 256-bit register.
+pub const GROUP: usize = 8;
+
+/// The packed formats, named by what one weight holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedFormat {
+    /// 4-bit `q` with `w = d (q - 8)` (Q4_0).
+    Q4Sym,
+    /// 4-bit `q` with `w = d q + m` (Q4_1).
+    Q4Asym,
+    /// 8-bit signed `q` with `w = d q` (Q8_0, and Q5_0 widened).
+    Q8,
+}
+
+impl PackedFormat {
+    /// The packed format for a stored type, if the int8 kernels handle it.
+    pub fn for_dtype(dtype: DType) -> Option<PackedFormat> {
+        match dtype {
+            DType::Q4_0 => Some(PackedFormat::Q4Sym),
+            DType::Q4_1 => Some(PackedFormat::Q4Asym),
+            DType::Q8_0 | DType::Q5_0 => Some(PackedFormat::Q8),
+            _ => None,
+        }
+    }
+
+    /// Bytes before the quants in a packed block: the scales (and minimums).
+    pub(crate) const fn header(self) -> usize {
+        match self {
+            PackedFormat::Q4Asym => 4 * GROUP,
+            PackedFormat::Q4Sym | PackedFormat::Q8 => 2 * GROUP,
+        }
+    }
+
+    /// Quant bytes of one source block.
+    const fn quant_bytes(self) -> usize {
+        match self {
+            PackedFormat::Q8 => QK,
+            PackedFormat::Q4Sym | PackedFormat::Q4Asym => QK / 2,
+        }
+    }
+
+    /// Bytes of one packed block of [`GROUP`] rows.
+    pub(crate) const fn block_bytes(self) -> usize {
+        self.header() + GROUP * self.quant_bytes()
+    }
+}
+
+/// One source block in packed terms: the f16 scale and minimum as stored,
+/// and the quant bytes in the packed format's order (nibble pairs for the
+/// 4-bit formats, one signed byte per weight for `Q8`).
+fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK]) -> ([u8; 2], [u8; 2]) {
+    let d = [src[0], src[1]];
+    match dtype {
+        DType::Q4_1 => {
+            quants[..QK / 2].copy_from_slice(&src[4..4 + QK / 2]);
+            (d, [src[2], src[3]])
+        }
+        DType::Q5_0 => {
+            let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
+            let qs = &src[6..6 + QK / 2];
+            for (j, q) in quants.iter_mut().enumerate() {
+                let nib = if j < QK / 2 {
+                    qs[j] & 0x0F
+                } else {
+                    qs[j - QK / 2] >> 4
+                };
+                let hi = ((qh >> j) & 1) as u8;
+                *q = ((nib | hi << 4) as i8 - 16) as u8;
+            }
+            (d, [0, 0])
+        }
+        DType::Q8_0 => {
+            quants.copy_from_slice(&src[2..2 + QK]);
+            (d, [0, 0])
+        }
+        // Q4_0 (the only other packable type).
+        _ => {
+            quants[..QK / 2].copy_from_slice(&src[2..2 + QK / 2]);
+            (d, [0, 0])
+        }
+    }
+}
+
+/// A `[rows, cols]` weight in the interleaved layout.
+#[derive(Clone, Debug)]
+pub struct PackedMatrix {
+    format: PackedFormat,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl PackedMatrix {
+    /// Repacks a 2-D weight of a type [`PackedFormat::for_dtype`] knows;
+    /// `None` for other types.
+    ///
+    /// # Errors
+    /// [`KernelError::NotAMatrix`] unless `w` is 2-D (its byte length was
+    /// checked against its shape when the tensor was made).
+    pub fn pack(w: &Tensor) -> Result<Option<PackedMatrix>, KernelError> {
+        let Some(format) = PackedFormat::for_dtype(w.dtype()) else {
+            return Ok(None);
+        };
+        let &[rows, cols] = w.shape() else {
+            return Err(KernelError::NotAMatrix {
+                op: "pack",
+                shape: w.shape().to_vec(),
+            });
+        };
+        let nb = cols / QK;
+        let src_bb = w.dtype().block_bytes();
+        let row_bytes = w.dtype().bytes_for(cols)?;
+        crate::error::check_len(
+            "packed weight bytes",
+            crate::error::checked_mul("pack", rows, row_bytes)?,
+            w.bytes().len(),
+        )?;
+        let groups = rows.div_ceil(GROUP);
+        let bb = format.block_bytes();
+        let mut data = vec![0u8; crate::error::checked_mul("pack", groups * nb, bb)?];
+        let (hdr, qb) = (format.header(), format.quant_bytes());
+        for (r, row) in w.bytes().chunks_exact(row_bytes.max(1)).enumerate() {
+            let (g, lane) = (r / GROUP, r % GROUP);
+            let mut quants = [0u8; QK];
+            for (b, src) in row.chunks_exact(src_bb).enumerate() {
+                let (d, m) = source_block(w.dtype(), src, &mut quants);
+                let dst = &mut data[(g * nb + b) * bb..][..bb];
+                dst[2 * lane..2 * lane + 2].copy_from_slice(&d);
+                if format == PackedFormat::Q4Asym {
+                    dst[2 * GROUP + 2 * lane..][..2].copy_from_slice(&m);
+                }
+                for (c, four) in quants[..qb].chunks_exact(4).enumerate() {
+                    dst[hdr + 32 * c + 4 * lane..][..4].copy_from_slice(four);
+                }
+            }
+        }
+        Ok(Some(PackedMatrix {
+            format,
+            rows,
+            cols,
+            data,
+        }))
+    }
+
+    pub fn format(&self) -> PackedFormat {
+        self.format
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes streamed by one pass over the weight.
+    pub fn byte_len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Row groups, the last possibly padded.
+    pub(crate) fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+
+    /// Blocks per row.
+    pub(crate) fn blocks(&self) -> usize {
+        self.cols / QK
+    }
+
+    /// The packed blocks of group `g`.
+    pub(crate) fn group(&self, g: usize) -> &[u8] {
+        let len = self.blocks() * self.format.block_bytes();
+        &self.data[g * len..(g + 1) * len]
+    }
+}

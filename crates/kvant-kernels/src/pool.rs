@@ -1,0 +1,440 @@
+//! One persistent, spinning thread pool for the process.
+//!
+//! A decode step of a 30-layer model runs a few hundred parallel kernels of
+//! a few microseconds each, so the cost of starting and joining one is the
+//! whole game: rayon's fork-join (6–20 µs measured here, with a parked
+//! worker's futex wake on the critical path) cost more than it saved. As in
+//! llama.cpp, workers here spin on a generation counter between jobs, so a
+//! job reaches them in well under a microsecond, and only park after
+//! [`SPIN`] of idleness (between requests, not between kernels).
+//!
+//! A job is `tasks` indices handed out by an atomic counter: whoever is
+//! awake takes the next index, the caller included, so a worker that is
+//! slow to wake never holds the caller up; the caller only waits for the
+//! workers that actually joined (see [`Shared::active`]).
+//!
+//! Calls from inside a job, or while another thread's job is running (two
+//! server threads, or tests running in parallel), run inline on the
+//! calling thread: correct, never a deadlock, and the pool stays busy.
+
+use std::cell::{Cell, UnsafeCell};
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before it parks: long enough to span the
+/// serial gaps of a forward pass and sampling between tokens, short enough
+/// that an idle process stops burning its cores at once.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// A job's work, borrowed for the duration of [`ThreadPool::run`].
+type Job = dyn Fn(usize) + Sync;
+
+/// State shared by the caller and the workers.
+struct Shared {
+    /// Bumped once per job; workers wait for it to change.
+    generation: AtomicU64,
+    /// The current job, valid while `open` (see [`ThreadPool::run`]).
+    job: UnsafeCell<Option<&'static Job>>,
+    tasks: AtomicUsize,
+    next: AtomicUsize,
+    /// Whether workers may still join the current job.
+    open: AtomicBool,
+    /// Workers inside the current job (joined and not yet left).
+    active: AtomicUsize,
+    /// Set when a task panicked; the caller re-raises after the join.
+    panicked: AtomicBool,
+    shutdown: AtomicBool,
+    /// Parking: a worker waits here once it has spun for [`SPIN`].
+    sleep: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the submitting thread while it holds the
+// pool's submit lock and no worker is active (`active == 0` with `open`
+// false), and read by workers only after they registered in `active` and saw
+// `open` (SeqCst), which orders the write before the read; every other field
+// is atomic or a lock.
+unsafe impl Sync for Shared {}
+
+thread_local! {
+    /// Set on pool workers and on a thread running a job, so nested calls run inline.
+    static IN_JOB: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A fixed set of worker threads plus the calling thread.
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    workers: Vec<JoinHandle<()>>,
+    submit: Mutex<()>,
+}
+
+impl ThreadPool {
+    /// A pool running jobs on `threads` threads in all: the caller and
+    /// `threads - 1` workers (none for 0 or 1).
+    ///
+    /// # Errors
+    /// When the OS refuses to start a thread.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            generation: AtomicU64::new(0),
+            job: UnsafeCell::new(None),
+            tasks: AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
+            open: AtomicBool::new(false),
+            active: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            shutdown: AtomicBool::new(false),
+            sleep: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut pool = ThreadPool {
+            shared,
+            workers: Vec::new(),
+            submit: Mutex::new(()),
+        };
+        for i in 1..threads.max(1) {
+            let s = Arc::clone(&pool.shared);
+            let handle = std::thread::Builder::new()
+                .name(format!("kvant-worker-{i}"))
+                .spawn(move || worker(&s))?;
+            pool.workers.push(handle);
+        }
+        Ok(pool)
+    }
+
+    /// Threads that run a job: the workers and the caller.
+    pub fn threads(&self) -> usize {
+        self.workers.len() + 1
+    }
+
+    /// Runs `f(0) .. f(tasks - 1)`, each exactly once, spread over the pool;
+    /// returns when all have finished. A panic in a task is re-raised here.
+    pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        if tasks == 0 {
+            return;
+        }
+        if tasks == 1 || self.workers.is_empty() || IN_JOB.get() {
+            return (0..tasks).for_each(f);
+        }
+        let _guard = match self.submit.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => return (0..tasks).for_each(f),
+        };
+        let s = &*self.shared;
+        // A worker that saw the previous job late may still be registering.
+        while s.active.load(SeqCst) != 0 {
+            std::hint::spin_loop();
+        }
+        // SAFETY: only the thread holding `submit` writes `job`, and no
+        // worker reads it now: `open` is false and `active` is 0, and a
+        // worker reads `job` only after registering in `active` and then
+        // seeing `open` true, which happens after this write (SeqCst store
+        // below). The `'static` lifetime is a lie confined to this call:
+        // `f` outlives it because `run` returns only after `open` is false
+        // again and `active` is back to 0, so no worker still holds `f`.
+        unsafe {
+            *s.job.get() = Some(std::mem::transmute::<&(dyn Fn(usize) + Sync), &'static Job>(f));
+        }
+        s.tasks.store(tasks, Relaxed);
+        s.next.store(0, Relaxed);
+        s.panicked.store(false, Relaxed);
+        s.open.store(true, SeqCst);
+        s.generation.fetch_add(1, SeqCst);
+        {
+            // Wake parked workers; taking the lock orders this notify after
+            // a parking worker's last check of `generation`.
+            let _l = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            s.wake.notify_all();
+        }
+        IN_JOB.set(true);
+        let mine = catch_unwind(AssertUnwindSafe(|| take_tasks(s, f)));
+        IN_JOB.set(false);
+        s.open.store(false, SeqCst);
+        while s.active.load(SeqCst) != 0 {
+            std::hint::spin_loop();
+        }
+        if let Err(p) = mine {
+            resume_unwind(p);
+        }
+        if s.panicked.load(SeqCst) {
+            panic!("a thread-pool task panicked");
+        }
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        self.shared.shutdown.store(true, SeqCst);
+        self.shared.generation.fetch_add(1, SeqCst);
+        {
+            let _l = self.shared.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.wake.notify_all();
+        }
+        for w in self.workers.drain(..) {
+            // A worker only ends by returning; a join error would be a panic
+            // outside a task, already reported by the runtime.
+            let _ = w.join();
+        }
+    }
+}
+
+/// Runs tasks of the current job until the counter passes the end.
+fn take_tasks(s: &Shared, f: &(dyn Fn(usize) + Sync)) {
+    let tasks = s.tasks.load(Relaxed);
+    loop {
+        let t = s.next.fetch_add(1, Relaxed);
+        if t >= tasks {
+            return;
+        }
+        f(t);
+    }
+}
+
+fn worker(s: &Shared) {
+    IN_JOB.set(true);
+    let mut seen = 0u64;
+    loop {
+        seen = wait_for_job(s, seen);
+        if s.shutdown.load(SeqCst) {
+            return;
+        }
+        s.active.fetch_add(1, SeqCst);
+        if s.open.load(SeqCst) {
+            // SAFETY: registered in `active` and then saw `open` (both
+            // SeqCst), so the submitter wrote `job` before opening and will
+            // not return (ending `f`'s borrow) or write `job` again until
+            // this worker leaves `active`.
+            if let Some(f) = unsafe { *s.job.get() } {
+                if catch_unwind(AssertUnwindSafe(|| take_tasks(s, f))).is_err() {
+                    s.panicked.store(true, SeqCst);
+                }
+            }
+        }
+        s.active.fetch_sub(1, SeqCst);
+    }
+}
+
+/// Spins, then parks, until `generation` differs from `seen`; returns it.
+fn wait_for_job(s: &Shared, seen: u64) -> u64 {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        let g = s.generation.load(SeqCst);
+        if g != seen {
+            return g;
+        }
+        std::hint::spin_loop();
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
+            let mut l = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
+            loop {
+                let g = s.generation.load(SeqCst);
+                if g != seen {
+                    return g;
+                }
+                l = s.wake.wait(l).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+    }
+}
+
+static GLOBAL: OnceLock<ThreadPool> = OnceLock::new();
+
+/// The process's pool, started on first use with [`set_global_threads`]'s
+/// count, else `KVANT_THREADS`, else one thread per available core.
+///
+/// # Panics
+/// If the OS cannot start the worker threads at all.
+pub fn global() -> &'static ThreadPool {
+    GLOBAL.get_or_init(|| {
+        let threads = std::env::var("KVANT_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(default_threads);
+        ThreadPool::new(threads)
+            .or_else(|_| ThreadPool::new(1))
+            .unwrap_or_else(|e| panic!("cannot start the thread pool: {e}"))
+    })
+}
+
+/// One thread per core the process may run on.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Errors of [`set_global_threads`].
+#[derive(Debug, thiserror::Error)]
+pub enum PoolError {
+    #[error("the thread count must be at least 1")]
+    ZeroThreads,
+    #[error("the thread pool already runs {0} threads")]
+    AlreadyStarted(usize),
+    #[error("cannot start the thread pool: {0}")]
+    Spawn(#[from] std::io::Error),
+}
+
+/// Starts the global pool with `threads` threads; call before any kernel.
+///
+/// # Errors
+/// [`PoolError::ZeroThreads`], a failed thread start, or
+/// [`PoolError::AlreadyStarted`] when the pool already runs with another count.
+pub fn set_global_threads(threads: usize) -> Result<(), PoolError> {
+    if threads == 0 {
+        return Err(PoolError::ZeroThreads);
+    }
+    let mut fresh = Some(ThreadPool::new(threads)?);
+    let pool = GLOBAL.get_or_init(|| fresh.take().expect("set once"));
+    match pool.threads() == threads {
+        true => Ok(()),
+        false => Err(PoolError::AlreadyStarted(pool.threads())),
+    }
+}
+
+/// A mutable slice that the tasks of one job write in disjoint ranges: the
+/// one piece of unchecked sharing the parallel kernels need.
+pub struct DisjointSlice<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: a `DisjointSlice` only hands out `&mut` sub-slices through the
+// unsafe `range`, whose callers guarantee the ranges are disjoint, so sharing
+// it between threads is sharing disjoint `&mut [T]`, which is `Send` for
+// `T: Send`.
+unsafe impl<T: Send> Send for DisjointSlice<'_, T> {}
+// SAFETY: as above.
+unsafe impl<T: Send> Sync for DisjointSlice<'_, T> {}
+
+impl<'a, T> DisjointSlice<'a, T> {
+    pub fn new(s: &'a mut [T]) -> Self {
+        DisjointSlice {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `r` of the slice.
+    ///
+    /// # Safety
+    /// No other live reference from this `DisjointSlice` overlaps `r`.
+    ///
+    /// # Panics
+    /// If `r` is not inside the slice.
+    #[allow(clippy::mut_from_ref)] // disjointness is the caller's contract
+    pub unsafe fn range(&self, r: std::ops::Range<usize>) -> &mut [T] {
+        assert!(
+            r.start <= r.end && r.end <= self.len,
+            "range {r:?} of {}",
+            self.len
+        );
+        // SAFETY: in bounds (asserted) of a slice borrowed mutably for 'a;
+        // exclusive by the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(r.start), r.len()) }
+    }
+}
+
+/// Splits `n` items into at most `parts` contiguous ranges of a multiple of
+/// `align` items (the last may be shorter); the i-th range of [`chunks`].
+pub fn chunk(n: usize, parts: usize, align: usize, i: usize) -> std::ops::Range<usize> {
+    let size = n.div_ceil(parts.max(1)).div_ceil(align.max(1)) * align.max(1);
+    let lo = (i * size).min(n);
+    lo..(lo + size).min(n)
+}
+
+/// How many ranges [`chunk`] makes of `n` items.
+pub fn chunks(n: usize, parts: usize, align: usize) -> usize {
+    let size = n.div_ceil(parts.max(1)).div_ceil(align.max(1)) * align.max(1);
+    n.div_ceil(size.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn every_task_runs_exactly_once() {
+        let pool = ThreadPool::new(3).unwrap();
+        for tasks in [0usize, 1, 2, 3, 7, 64, 1000] {
+            for _ in 0..50 {
+                let hits: Vec<AtomicU32> = (0..tasks).map(|_| AtomicU32::new(0)).collect();
+                pool.run(tasks, &|t| {
+                    hits[t].fetch_add(1, Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "tasks={tasks}");
+            }
+        }
+    }
+
+    #[test]
+    fn nested_and_concurrent_calls_run_inline() {
+        let pool = Arc::new(ThreadPool::new(2).unwrap());
+        let total = AtomicUsize::new(0);
+        std::thread::scope(|sc| {
+            for _ in 0..4 {
+                sc.spawn(|| {
+                    for _ in 0..200 {
+                        pool.run(8, &|_| {
+                            pool.run(3, &|_| {
+                                total.fetch_add(1, Relaxed);
+                            });
+                        });
+                    }
+                });
+            }
+        });
+        assert_eq!(total.load(Relaxed), 4 * 200 * 8 * 3);
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_survives() {
+        let pool = ThreadPool::new(2).unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(16, &|t| assert!(t != 11, "task 11"));
+        }));
+        assert!(r.is_err());
+        let n = AtomicUsize::new(0);
+        pool.run(16, &|_| {
+            n.fetch_add(1, Relaxed);
+        });
+        assert_eq!(n.load(Relaxed), 16);
+    }
+
+    #[test]
+    fn parked_workers_wake_up() {
+        let pool = ThreadPool::new(2).unwrap();
+        std::thread::sleep(SPIN * 3);
+        let n = AtomicUsize::new(0);
+        pool.run(100, &|_| {
+            n.fetch_add(1, Relaxed);
+        });
+        assert_eq!(n.load(Relaxed), 100);
+    }
+
+    #[test]
+    fn chunks_cover_the_range_aligned() {
+        for n in [0usize, 1, 5, 17, 100, 1023] {
+            for parts in [1usize, 2, 3, 8] {
+                for align in [1usize, 4, 8] {
+                    let c = chunks(n, parts, align);
+                    assert!(c <= parts.max(1));
+                    let mut next = 0;
+                    for i in 0..c {
+                        let r = chunk(n, parts, align, i);
+                        assert_eq!(r.start, next);
+                        assert!(r.start.is_multiple_of(align) && !r.is_empty());
+                        next = r.end;
+                    }
+                    assert_eq!(next, n, "n={n} parts={parts} align={align}");
+                }
+            }
+        }
+    }
+}

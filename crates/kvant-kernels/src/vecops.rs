@@ -1,0 +1,261 @@
+//! Small vector loops of the attention kernels: shifted exponentials, a
+//! weighted sum of rows, scaling.
+//!
+//! Each is written once as plain Rust over slices and compiled twice: as is
+//! (the scalar tier) and inside an `avx2,fma` function, where LLVM
+//! vectorizes the same loop 8 lanes wide. The exponential is a branch-free
+//! polynomial (Cephes' `expf`: range reduction by `ln 2`, degree-6
+//! polynomial, relative error ~2e-7) so that it vectorizes at all; `f32::exp`
+//! is a libm call per value.
+
+use crate::cpu::{self, SimdTier};
+
+/// `a·b + c`, fused where the tier has FMA.
+trait Fma {
+    fn fma(a: f32, b: f32, c: f32) -> f32;
+}
+
+struct Plain;
+impl Fma for Plain {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a * b + c
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Fused;
+#[cfg(target_arch = "x86_64")]
+impl Fma for Fused {
+    #[inline(always)]
+    fn fma(a: f32, b: f32, c: f32) -> f32 {
+        a.mul_add(b, c)
+    }
+}
+
+/// Below this, `exp` is 0 in f32 (and the reduction below would underflow).
+const EXP_MIN: f32 = -87.0;
+const EXP_MAX: f32 = 88.0;
+
+/// `e^x` for `x ≤ 88`; exactly 0 below [`EXP_MIN`] (and for `-inf`).
+#[inline(always)]
+fn exp<F: Fma>(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // Adding 1.5·2^23 rounds to an integer, left in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    let xc = x.clamp(EXP_MIN, EXP_MAX);
+    let t = F::fma(xc, LOG2E, MAGIC);
+    let n = t - MAGIC;
+    let r = F::fma(n, -LN2_LO, F::fma(n, -LN2_HI, xc));
+    let mut p = 1.987_569_1e-4f32;
+    p = F::fma(p, r, 1.398_199_9e-3);
+    p = F::fma(p, r, 8.333_452e-3);
+    p = F::fma(p, r, 4.166_579_6e-2);
+    p = F::fma(p, r, 1.666_666_5e-1);
+    p = F::fma(p, r, 0.5);
+    let e = F::fma(p, r * r, r) + 1.0;
+    // 2^n from the integer in `t`'s low bits: n + 127 in the exponent field.
+    let bits = t.to_bits().wrapping_sub(MAGIC.to_bits()).wrapping_add(127) << 23;
+    let v = e * f32::from_bits(bits);
+    if x < EXP_MIN {
+        0.0
+    } else {
+        v
+    }
+}
+
+#[inline(always)]
+fn exp_shifted_body<F: Fma>(s: &mut [f32], m: f32) -> f32 {
+    let mut sum = 0f32;
+    for v in s.iter_mut() {
+        *v = exp::<F>(*v - m);
+        sum += *v;
+    }
+    sum
+}
+
+/// Lanes of one accumulator chunk (a 256-bit register of f32).
+const LANES: usize = 8;
+
+#[inline(always)]
+fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, acc: &mut [f32]) {
+    let n = acc.len();
+    if let Some(last) = p.len().checked_sub(1) {
+        // Bounds once, so the loops below index without checks.
+        assert!(
+            base + last * stride + n <= v.len(),
+            "weighted_rows: rows past the end"
+        );
+    }
+    // Chunks of the accumulator outermost: each stays in a register while
+    // every row adds into it, instead of a load and store per row.
+    let mut chunks = acc.chunks_exact_mut(LANES);
+    let mut c0 = 0;
+    for a in &mut chunks {
+        let mut r: [f32; LANES] = std::array::from_fn(|i| a[i]);
+        for (j, &w) in p.iter().enumerate() {
+            let row = &v[base + j * stride + c0..][..LANES];
+            for i in 0..LANES {
+                r[i] = F::fma(w, row[i], r[i]);
+            }
+        }
+        a.copy_from_slice(&r);
+        c0 += LANES;
+    }
+    for (i, a) in chunks.into_remainder().iter_mut().enumerate() {
+        for (j, &w) in p.iter().enumerate() {
+            *a = F::fma(w, v[base + j * stride + c0 + i], *a);
+        }
+    }
+}
+
+#[inline(always)]
+fn scale_body(a: f32, y: &mut [f32]) {
+    for v in y.iter_mut() {
+        *v *= a;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
+        exp_shifted_body::<Fused>(s, m)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn weighted_rows(p: &[f32], v: &[f32], base: usize, stride: usize, acc: &mut [f32]) {
+        weighted_rows_body::<Fused>(p, v, base, stride, acc)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn scale(a: f32, y: &mut [f32]) {
+        scale_body(a, y)
+    }
+}
+
+/// `s[j] = e^(s[j] - m)` in place (0 where `s[j]` is `-inf`); returns `Σ s`.
+pub fn exp_shifted(tier: SimdTier, s: &mut [f32], m: f32) -> f32 {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::exp_shifted(s, m) },
+        _ => exp_shifted_body::<Plain>(s, m),
+    }
+}
+
+/// `acc[i] += Σ_j p[j] · v[base + j·stride + i]`: the probability-weighted
+/// sum of `p.len()` rows of `v` spaced `stride` apart.
+///
+/// # Panics
+/// If a row runs past the end of `v` (a bug in the calling kernel).
+pub fn weighted_rows(
+    tier: SimdTier,
+    p: &[f32],
+    v: &[f32],
+    base: usize,
+    stride: usize,
+    acc: &mut [f32],
+) {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            avx2::weighted_rows(p, v, base, stride, acc)
+        },
+        _ => weighted_rows_body::<Plain>(p, v, base, stride, acc),
+    }
+}
+
+/// `y *= a`.
+pub fn scale(tier: SimdTier, a: f32, y: &mut [f32]) {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::scale(a, y) },
+        _ => scale_body(a, y),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// Cephes' expf polynomial is accurate to ~2 ulp over the reduced range.
+    const EXP_REL_TOL: f64 = 4e-7;
+
+    #[test]
+    fn exp_matches_f64_on_every_tier() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let mut xs: Vec<f32> = (0..999).map(|_| rng.random_range(-90.0..0.0)).collect();
+        xs.extend([
+            0.0,
+            -0.0,
+            -1e-30,
+            f32::NEG_INFINITY,
+            -86.9,
+            -87.5,
+            -20.0,
+            10.0,
+            88.0,
+        ]);
+        for tier in cpu::available_tiers() {
+            let mut s = xs.clone();
+            let sum = exp_shifted(tier, &mut s, 0.0);
+            let mut want_sum = 0f64;
+            for (&x, &e) in xs.iter().zip(&s) {
+                let want = if x < EXP_MIN { 0.0 } else { (x as f64).exp() };
+                want_sum += want;
+                assert!(
+                    (e as f64 - want).abs() <= EXP_REL_TOL * want,
+                    "{tier}: exp({x}) = {e}, want {want}"
+                );
+            }
+            assert!((sum as f64 - want_sum).abs() <= 1e-5 * want_sum);
+        }
+    }
+
+    #[test]
+    fn weighted_rows_and_scale_match_scalar_loops() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
+        for &(n, rows, stride) in &[
+            (1usize, 1usize, 1usize),
+            (7, 3, 9),
+            (64, 33, 192),
+            (13, 5, 13),
+        ] {
+            let p: Vec<f32> = (0..rows).map(|_| rng.random_range(0.0..1.0)).collect();
+            let v: Vec<f32> = (0..2 + rows * stride + n)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let init: Vec<f32> = (0..n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let want: Vec<f64> = (0..n)
+                .map(|i| {
+                    init[i] as f64
+                        + (0..rows)
+                            .map(|j| p[j] as f64 * v[2 + j * stride + i] as f64)
+                            .sum::<f64>()
+                })
+                .collect();
+            for tier in cpu::available_tiers() {
+                let mut acc = init.clone();
+                weighted_rows(tier, &p, &v, 2, stride, &mut acc);
+                for (a, w) in acc.iter().zip(&want) {
+                    assert!((*a as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "{tier}");
+                }
+                scale(tier, 0.5, &mut acc);
+                for (a, w) in acc.iter().zip(&want) {
+                    assert!(
+                        (*a as f64 - 0.5 * w).abs() <= 1e-5 * (1.0 + w.abs()),
+                        "{tier}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The int8 path (packed weights × 8-bit activations) on every SIMD tier,
+//! against the scalar kernel (bit for bit), an f64 product of the same
+//! dequantized operands, and the unquantized activations (within the
+//! rounding bound of 8-bit quantization), on seeded random matrices of odd
+//! sizes.
+
+use kvant_core::{DType, Storage, Tensor};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::int8::{gemm_ref, gemm_with, PackedMatrix, Q8Activations, BLOCK};
+use kvant_kernels::quant::dequantize_row_ref;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// f32 accumulation of one f32 term per block (exact integer block sums):
+/// a few ulps of Σ|w·x| for rows of at most 48 blocks, while a wrong,
+/// missing or duplicated block moves the result by ~1e-2 of it.
+const REL_TOL: f64 = 1e-5;
+
+const TYPES: [DType; 4] = [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q8_0];
+
+/// A random `[rows, cols]` weight: random quants, finite f16 scales (and
+/// minimums for Q4_1).
+fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, rows: usize, cols: usize) -> Tensor {
+    let scale_fields: &[usize] = if dtype == DType::Q4_1 { &[0, 2] } else { &[0] };
+    let mut bytes = Vec::new();
+    for _ in 0..rows * cols / dtype.block_size() {
+        let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
+        for &off in scale_fields {
+            let s = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+            block[off..off + 2].copy_from_slice(&s.to_le_bytes());
+        }
+        bytes.extend(block);
+    }
+    Tensor::new(dtype, vec![rows, cols], Storage::Owned(bytes.into()), 0).unwrap()
+}
+
+fn dequantized(w: &Tensor) -> Vec<f32> {
+    let mut out = vec![0f32; w.elements()];
+    dequantize_row_ref(w.dtype(), w.bytes(), &mut out).unwrap();
+    out
+}
+
+#[test]
+fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for dtype in TYPES {
+        for &(rows, cols) in &[
+            (1usize, 32usize),
+            (7, 64),
+            (8, 96),
+            (9, 160),
+            (33, 576),
+            (20, 1536),
+        ] {
+            let w = random_weight(&mut rng, dtype, rows, cols);
+            let packed = PackedMatrix::pack(&w).unwrap().unwrap();
+            let wd = dequantized(&w);
+            for n in [1usize, 2, 3, 4, 5, 9] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+                let mut xq = Q8Activations::default();
+                xq.quantize(SimdTier::Scalar, &x, n, cols).unwrap();
+                let mut want = vec![f32::NAN; n * rows];
+                gemm_with(SimdTier::Scalar, &packed, &xq, &mut want).unwrap();
+                let exact = gemm_ref(&wd, rows, &xq);
+                let xd = xq.dequantize();
+                for (i, (&got, &e)) in want.iter().zip(&exact).enumerate() {
+                    let (t, r) = (i / rows, i % rows);
+                    let mag: f64 = (0..cols)
+                        .map(|j| (wd[r * cols + j] as f64 * xd[t * cols + j] as f64).abs())
+                        .sum();
+                    assert!(
+                        (got as f64 - e).abs() <= REL_TOL * mag + 1e-30,
+                        "{dtype} {rows}x{cols} n={n} [{t},{r}]: {got} vs {e}"
+                    );
+                }
+                for tier in cpu::available_tiers() {
+                    let mut got = vec![f32::NAN; n * rows];
+                    gemm_with(tier, &packed, &xq, &mut got).unwrap();
+                    assert_eq!(
+                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                        "{dtype} {tier} {rows}x{cols} n={n}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Against the f32 activations the only extra error is the activations'
+/// rounding: at most half a step (`d_x / 2`) per value, so
+/// `|Δy| ≤ Σ_i |w_i| · d_x(i) / 2` (plus the f32 accumulation above).
+#[test]
+fn error_against_f32_activations_is_within_the_quantization_bound() {
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    for dtype in TYPES {
+        let (rows, cols, n) = (17usize, 288usize, 3usize);
+        let w = random_weight(&mut rng, dtype, rows, cols);
+        let packed = PackedMatrix::pack(&w).unwrap().unwrap();
+        let wd = dequantized(&w);
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+        let mut xq = Q8Activations::default();
+        xq.quantize(cpu::tier(), &x, n, cols).unwrap();
+        let mut y = vec![0f32; n * rows];
+        gemm_with(cpu::tier(), &packed, &xq, &mut y).unwrap();
+        for t in 0..n {
+            let xt = &x[t * cols..(t + 1) * cols];
+            for r in 0..rows {
+                let wr = &wd[r * cols..(r + 1) * cols];
+                let f32_dot: f64 = wr.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
+                let bound: f64 = wr
+                    .chunks(BLOCK)
+                    .zip(xt.chunks(BLOCK))
+                    .map(|(wb, xb)| {
+                        let step = xb.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                        wb.iter().map(|&v| v.abs() as f64).sum::<f64>() * step / 2.0
+                    })
+                    .sum();
+                let mag: f64 = wr
+                    .iter()
+                    .zip(xt)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum();
+                let err = (y[t * rows + r] as f64 - f32_dot).abs();
+                assert!(
+                    err <= bound * (1.0 + 1e-4) + REL_TOL * mag,
+                    "{dtype} [{t},{r}]: error {err} over bound {bound}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn packing_refuses_other_types_and_bad_shapes_are_errors() {
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let f = Tensor::from_f32(vec![2, 32], &[0.5; 64]).unwrap();
+    assert!(PackedMatrix::pack(&f).unwrap().is_none());
+    let w = random_weight(&mut rng, DType::Q8_0, 3, 64);
+    let packed = PackedMatrix::pack(&w).unwrap().unwrap();
+    let mut xq = Q8Activations::default();
+    xq.quantize(SimdTier::Scalar, &[1.0; 96], 1, 96).unwrap();
+    assert!(gemm_with(SimdTier::Scalar, &packed, &xq, &mut [0.0; 3]).is_err());
+    xq.quantize(SimdTier::Scalar, &[1.0; 128], 2, 64).unwrap();
+    assert!(gemm_with(SimdTier::Scalar, &packed, &xq, &mut [0.0; 5]).is_err());
+    let mut y = [f32::NAN; 6];
+    gemm_with(SimdTier::Scalar, &packed, &xq, &mut y).unwrap();
+    assert!(y.iter().all(|v| v.is_finite()));
+}

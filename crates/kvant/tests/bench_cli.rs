@@ -1,0 +1,133 @@
+//! `kvant bench` on a tiny fixture GGUF: the JSON report's keys and values,
+//! and clear errors (never a panic) for requests it cannot run.
+
+mod common;
+use common::*;
+
+/// serde_json parses floats to within an ulp or two, not always exactly.
+const JSON_REL_TOL: f64 = 1e-12;
+
+fn tiny_gguf() -> String {
+    fixture("models/gguf/llama-gqa.Q4_0.gguf")
+        .to_str()
+        .expect("utf-8 fixture path")
+        .to_string()
+}
+
+fn positive(v: &serde_json::Value, key: &str) -> f64 {
+    let x = v[key]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{key} is not a number in {v}"));
+    assert!(x.is_finite() && x > 0.0, "{key} = {x}");
+    x
+}
+
+fn rates(v: &serde_json::Value, key: &str) -> Vec<f64> {
+    v[key]
+        .as_array()
+        .unwrap_or_else(|| panic!("{key} is not an array in {v}"))
+        .iter()
+        .map(|x| x.as_f64().expect("a rate"))
+        .collect()
+}
+
+#[test]
+fn bench_json_reports_rates_and_roofline() {
+    let model = tiny_gguf();
+    let out = json(&kvant_ok(&[
+        "bench",
+        "--model",
+        &model,
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--repetitions",
+        "2",
+        "--threads",
+        "1",
+        "--json",
+    ]));
+    assert_eq!(out["model"], model.as_str());
+    assert_eq!(out["threads"], 1);
+    assert_eq!(out["prompt_tokens"], 8);
+    assert_eq!(out["gen_tokens"], 4);
+    assert_eq!(out["repetitions"], 2);
+    let file_len = std::fs::metadata(&model).expect("fixture").len();
+    assert_eq!(out["model_bytes"].as_u64(), Some(file_len));
+    let weights = positive(&out, "weight_bytes");
+    for key in [
+        "prefill_tokens_per_s",
+        "decode_tokens_per_s",
+        "peak_rss_bytes",
+        "bandwidth_bytes_per_s",
+        "roofline_decode_tokens_per_s",
+        "decode_roofline_fraction",
+    ] {
+        positive(&out, key);
+    }
+    for key in ["prefill_runs", "decode_runs"] {
+        let runs = rates(&out, key);
+        assert_eq!(runs.len(), 2, "{key}");
+        assert!(runs.iter().all(|r| r.is_finite() && *r > 0.0), "{key}");
+    }
+    // The KV cache read at the mean decode position (8 + 4/2) is on top of the weights.
+    let kv = positive(&out, "kv_bytes_per_position");
+    assert_eq!(positive(&out, "bytes_per_token"), weights + 10.0 * kv);
+    let roofline = out["bandwidth_bytes_per_s"].as_f64().unwrap() / (weights + 10.0 * kv);
+    let reported = positive(&out, "roofline_decode_tokens_per_s");
+    assert!(
+        (reported - roofline).abs() <= JSON_REL_TOL * roofline,
+        "{reported} vs {roofline}"
+    );
+    assert!(["scalar", "avx2", "avx512"].contains(&out["simd_tier"].as_str().unwrap()));
+}
+
+#[test]
+fn bench_without_decode_reports_null_decode_fields() {
+    let out = json(&kvant_ok(&[
+        "bench",
+        "--model",
+        &tiny_gguf(),
+        "--prompt-tokens",
+        "5",
+        "--gen-tokens",
+        "0",
+        "--repetitions",
+        "1",
+        "--json",
+    ]));
+    positive(&out, "prefill_tokens_per_s");
+    assert!(out["decode_tokens_per_s"].is_null(), "{out}");
+    assert!(out["decode_roofline_fraction"].is_null(), "{out}");
+    assert!(rates(&out, "decode_runs").is_empty());
+}
+
+#[test]
+fn bench_rejects_requests_it_cannot_run() {
+    // The fixture's context is 256 tokens.
+    let err = kvant_err(&[
+        "bench",
+        "--model",
+        &tiny_gguf(),
+        "--prompt-tokens",
+        "250",
+        "--gen-tokens",
+        "7",
+    ]);
+    assert!(
+        err.contains("exceeds the model's context length 256"),
+        "{err}"
+    );
+    // Zero prompt tokens, repetitions or threads are usage errors (exit 2).
+    for args in [
+        ["--prompt-tokens", "0"],
+        ["--repetitions", "0"],
+        ["--threads", "0"],
+    ] {
+        let out = kvant(&[&["bench", "--model", &tiny_gguf()], &args[..]].concat());
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("must be at least 1"), "{args:?}: {stderr}");
+    }
+}
