@@ -68,16 +68,28 @@ fn exp<F: Fma>(x: f32) -> f32 {
 
 #[inline(always)]
 fn exp_shifted_body<F: Fma>(s: &mut [f32], m: f32) -> f32 {
-    let mut sum = 0f32;
-    for v in s.iter_mut() {
+    // Eight partial sums: one running sum would be a serial chain of adds
+    // that keeps the whole loop scalar (float adds may not be reordered).
+    let mut lanes = [0f32; 8];
+    let mut chunks = s.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for (v, l) in c.iter_mut().zip(lanes.iter_mut()) {
+            *v = exp::<F>(*v - m);
+            *l += *v;
+        }
+    }
+    let mut sum = lanes.iter().sum::<f32>();
+    for v in chunks.into_remainder() {
         *v = exp::<F>(*v - m);
         sum += *v;
     }
     sum
 }
 
-/// Lanes of one accumulator chunk (a 256-bit register of f32).
-const LANES: usize = 8;
+/// Accumulator values kept in registers while every row adds into them:
+/// 8 registers of 8 lanes, so 8 independent FMA chains cover the FMA
+/// latency (one chain would run at a fifth of the FMA rate).
+const BLOCK: usize = 64;
 
 #[inline(always)]
 fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, acc: &mut [f32]) {
@@ -89,24 +101,24 @@ fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, 
             "weighted_rows: rows past the end"
         );
     }
-    // Chunks of the accumulator outermost: each stays in a register while
-    // every row adds into it, instead of a load and store per row.
-    let mut chunks = acc.chunks_exact_mut(LANES);
+    let mut blocks = acc.chunks_exact_mut(BLOCK);
     let mut c0 = 0;
-    for a in &mut chunks {
-        let mut r: [f32; LANES] = std::array::from_fn(|i| a[i]);
+    for a in &mut blocks {
+        let mut r: [f32; BLOCK] = std::array::from_fn(|i| a[i]);
         for (j, &w) in p.iter().enumerate() {
-            let row = &v[base + j * stride + c0..][..LANES];
-            for i in 0..LANES {
+            let row = &v[base + j * stride + c0..][..BLOCK];
+            for i in 0..BLOCK {
                 r[i] = F::fma(w, row[i], r[i]);
             }
         }
         a.copy_from_slice(&r);
-        c0 += LANES;
+        c0 += BLOCK;
     }
-    for (i, a) in chunks.into_remainder().iter_mut().enumerate() {
-        for (j, &w) in p.iter().enumerate() {
-            *a = F::fma(w, v[base + j * stride + c0 + i], *a);
+    let tail = blocks.into_remainder();
+    for (j, &w) in p.iter().enumerate() {
+        let row = &v[base + j * stride + c0..][..tail.len()];
+        for (a, &x) in tail.iter_mut().zip(row) {
+            *a = F::fma(w, x, *a);
         }
     }
 }

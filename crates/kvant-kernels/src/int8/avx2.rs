@@ -73,23 +73,23 @@ unsafe fn q4_tile<const T: usize, const ASYM: bool>(
             _mm256_mul_ps(d, _mm256_set1_ps(-8.0))
         };
         let q = blk.add(hdr);
-        let mut lo = [_mm256_setzero_si256(); 4];
-        let mut hi = [_mm256_setzero_si256(); 4];
+        // Chunk by chunk, every token: only the chunk's two nibble registers
+        // and one i16 sum per token stay live, so tiles of several tokens
+        // fit the 16 registers without spills.
+        let mut p = [_mm256_setzero_si256(); T];
         for c in 0..4 {
             let raw = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-            lo[c] = _mm256_and_si256(raw, mask);
-            hi[c] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            let lo = _mm256_and_si256(raw, mask);
+            let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            for (t, p) in p.iter_mut().enumerate() {
+                let xq = x[t].q.add(b * QK);
+                let a = _mm256_maddubs_epi16(lo, bcast4(xq.add(4 * c)));
+                let h = _mm256_maddubs_epi16(hi, bcast4(xq.add(16 + 4 * c)));
+                *p = _mm256_add_epi16(*p, _mm256_add_epi16(a, h));
+            }
         }
         for t in 0..T {
-            let xq = x[t].q.add(b * QK);
-            let mut p = _mm256_maddubs_epi16(lo[0], bcast4(xq));
-            for (c, &l) in lo.iter().enumerate().skip(1) {
-                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(l, bcast4(xq.add(4 * c))));
-            }
-            for (c, &h) in hi.iter().enumerate() {
-                p = _mm256_add_epi16(p, _mm256_maddubs_epi16(h, bcast4(xq.add(16 + 4 * c))));
-            }
-            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones));
+            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t], ones));
             let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
             acc[t] = _mm256_fmadd_ps(isum, dd, acc[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(*x[t].s.add(b)), acc[t]);
@@ -109,22 +109,20 @@ unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T
         let blk = w.add(b * bb);
         let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
         let q = blk.add(hdr);
-        let mut raw = [_mm256_setzero_si256(); 8];
-        let mut abs = [_mm256_setzero_si256(); 8];
+        // Chunk-outer as in `q4_tile`.
+        let mut s = [_mm256_setzero_si256(); T];
         for c in 0..8 {
-            raw[c] = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
-            abs[c] = _mm256_abs_epi8(raw[c]);
+            let raw = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+            let abs = _mm256_abs_epi8(raw);
+            for (t, s) in s.iter_mut().enumerate() {
+                let xs = _mm256_sign_epi8(bcast4(x[t].q.add(b * QK + 4 * c)), raw);
+                let p = _mm256_maddubs_epi16(abs, xs);
+                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+            }
         }
         for t in 0..T {
-            let xq = x[t].q.add(b * QK);
-            let mut s = _mm256_setzero_si256();
-            for c in 0..8 {
-                let xs = _mm256_sign_epi8(bcast4(xq.add(4 * c)), raw[c]);
-                let p = _mm256_maddubs_epi16(abs[c], xs);
-                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
-            }
             let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
-            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), dd, acc[t]);
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), dd, acc[t]);
         }
     }
     acc

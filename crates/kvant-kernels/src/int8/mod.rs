@@ -25,9 +25,10 @@ use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul, KernelError};
 use crate::pool;
 
-/// Tokens per tile: each packed block is unpacked once per tile, and four
-/// accumulators plus the unpacked weights fit the 16 AVX2 registers.
-const TOKEN_TILE: usize = 4;
+/// Tokens per tile: each packed block is read once per tile; six
+/// accumulators, six block sums and one chunk of weights fit the 16 AVX2
+/// registers.
+const TOKEN_TILE: usize = 6;
 
 /// The least multiply-adds worth a task: a job costs about a microsecond to
 /// hand out on the spinning pool, and one core does ~100 k int8
@@ -167,6 +168,8 @@ fn group_rows(tier: SimdTier, w: &PackedMatrix, g: usize, x: &Q8Activations, y: 
                         1 => tile::<1>(w, blk, t, &ptrs, &store),
                         2 => tile::<2>(w, blk, t, &ptrs, &store),
                         3 => tile::<3>(w, blk, t, &ptrs, &store),
+                        4 => tile::<4>(w, blk, t, &ptrs, &store),
+                        5 => tile::<5>(w, blk, t, &ptrs, &store),
                         _ => tile::<TOKEN_TILE>(w, blk, t, &ptrs, &store),
                     }
                 };
