@@ -1,4 +1,7 @@
-//! `matmul` throughput per weight type: GEMV (one token, decoding) and GEMM
+//! Linear-layer throughput per weight type, through the production path
+//! (`LinearWeight`: int8 kernels with 8-bit activations for Q4_0/Q4_1/
+//! Q5_0/Q8_0, the f32-activation kernels for the rest; the `f32act` group
+//! runs every type on the f32-activation path): GEMV (one token, decoding) and GEMM
 //! (64 tokens, prefill) on a SmolLM2-sized 1536×576 weight (1536×512 for
 //! the 256-weight k-quants, whose rows must be whole super-blocks), plus the
 //! small projections that decide the fork-join threshold and two weights
@@ -7,14 +10,17 @@
 //! Criterion reports `Gelem/s` as GFLOP/s (2 FLOPs per multiply-add) and
 //! `GiB/s` as weight bytes streamed per second: a one-token matmul reads
 //! each weight once, so its GiB/s is the figure to hold against the memory
-//! bandwidth. `KVANT_SIMD=scalar` benchmarks the portable path and
-//! `RAYON_NUM_THREADS=1` a single core.
+//! bandwidth, which the bench measures and prints first (and the `bandwidth`
+//! bench on its own). `KVANT_SIMD=scalar` benchmarks the portable path and
+//! `KVANT_THREADS=1` a single core. The activation quantization of the int8
+//! path is inside the timed loop, as in a forward pass.
 //!
 //! `cargo bench -p kvant-kernels --bench matmul [-- FILTER]`
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvant_core::{DType, Storage, Tensor};
-use kvant_kernels::matmul::matmul;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{LinearInput, LinearWeight};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::hint::black_box;
@@ -58,8 +64,10 @@ fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, out: usize, inp: usize) -> 
 }
 
 fn bench_one(c: &mut Criterion, group: &str, dtype: DType, out: usize, inp: usize, tokens: usize) {
+    let int8 = group != "f32act";
     let mut rng = ChaCha8Rng::seed_from_u64(1);
-    let w = random_weight(&mut rng, dtype, out, inp);
+    let w = LinearWeight::prepare(random_weight(&mut rng, dtype, out, inp), int8).expect("weight");
+    let mut q8 = Q8Activations::default();
     let x: Vec<f32> = (0..tokens * inp)
         .map(|_| rng.random_range(-1.0f32..1.0))
         .collect();
@@ -71,7 +79,10 @@ fn bench_one(c: &mut Criterion, group: &str, dtype: DType, out: usize, inp: usiz
     });
     let id = BenchmarkId::new(dtype.name(), format!("{out}x{inp}/n={tokens}"));
     g.bench_function(id, |b| {
-        b.iter(|| matmul(black_box(&w), black_box(&x), tokens, &mut y).expect("matmul"))
+        b.iter(|| {
+            let input = LinearInput::new(black_box(&x), tokens, &mut q8, &[&w]).expect("input");
+            w.forward(&input, &mut y).expect("forward")
+        })
     });
     g.finish();
 }
@@ -115,6 +126,26 @@ fn gemm(c: &mut Criterion) {
     }
 }
 
+/// The int8 types again on the f32-activation path, for the comparison.
+fn f32act(c: &mut Criterion) {
+    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q4_0] {
+        let (out, inp) = shape(dtype);
+        bench_one(c, "f32act", dtype, out, inp, 1);
+        bench_one(c, "f32act", dtype, out, inp, 64);
+    }
+}
+
+/// The measured peak next to which the GiB/s figures are read.
+fn peaks(_: &mut Criterion) {
+    let threads = kvant_kernels::pool::global().threads();
+    let bw = kvant_kernels::bandwidth::measure_read_bandwidth(256 << 20, threads, 3);
+    println!(
+        "measured DRAM read bandwidth, {threads} thread(s): {:.2} GB/s ({:.2} GiB/s)",
+        bw / 1e9,
+        bw / (1u64 << 30) as f64
+    );
+}
+
 /// SmolLM2's k/v (192×576), q/o (576×576) and down (576×1536) projections,
 /// one token: where the fork-join threshold shows.
 fn small(c: &mut Criterion) {
@@ -137,6 +168,6 @@ criterion_group! {
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    targets = gemv, gemm, small, dram
+    targets = peaks, gemv, gemm, f32act, small, dram
 }
 criterion_main!(benches);
