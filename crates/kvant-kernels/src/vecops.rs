@@ -11,11 +11,11 @@
 use crate::cpu::{self, SimdTier};
 
 /// `a·b + c`, fused where the tier has FMA.
-trait Fma {
+pub(crate) trait Fma {
     fn fma(a: f32, b: f32, c: f32) -> f32;
 }
 
-struct Plain;
+pub(crate) struct Plain;
 impl Fma for Plain {
     #[inline(always)]
     fn fma(a: f32, b: f32, c: f32) -> f32 {
@@ -24,7 +24,7 @@ impl Fma for Plain {
 }
 
 #[cfg(target_arch = "x86_64")]
-struct Fused;
+pub(crate) struct Fused;
 #[cfg(target_arch = "x86_64")]
 impl Fma for Fused {
     #[inline(always)]
@@ -39,7 +39,7 @@ const EXP_MAX: f32 = 88.0;
 
 /// `e^x` for `x ≤ 88`; exactly 0 below [`EXP_MIN`] (and for `-inf`).
 #[inline(always)]
-fn exp<F: Fma>(x: f32) -> f32 {
+pub(crate) fn exp<F: Fma>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // Adding 1.5·2^23 rounds to an integer, left in the low mantissa bits.
     const MAGIC: f32 = 12_582_912.0;

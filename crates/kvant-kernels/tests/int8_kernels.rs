@@ -16,12 +16,21 @@ use rand_chacha::ChaCha8Rng;
 /// missing or duplicated block moves the result by ~1e-2 of it.
 const REL_TOL: f64 = 1e-5;
 
-const TYPES: [DType; 4] = [DType::Q4_0, DType::Q4_1, DType::Q5_0, DType::Q8_0];
+const TYPES: [DType; 5] = [
+    DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q8_0,
+    DType::Q4_K,
+];
 
 /// A random `[rows, cols]` weight: random quants, finite f16 scales (and
 /// minimums for Q4_1).
 fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, rows: usize, cols: usize) -> Tensor {
-    let scale_fields: &[usize] = if dtype == DType::Q4_1 { &[0, 2] } else { &[0] };
+    let scale_fields: &[usize] = match dtype {
+        DType::Q4_1 | DType::Q4_K => &[0, 2],
+        _ => &[0],
+    };
     let mut bytes = Vec::new();
     for _ in 0..rows * cols / dtype.block_size() {
         let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
@@ -44,14 +53,12 @@ fn dequantized(w: &Tensor) -> Vec<f32> {
 fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     for dtype in TYPES {
-        for &(rows, cols) in &[
-            (1usize, 32usize),
-            (7, 64),
-            (8, 96),
-            (9, 160),
-            (33, 576),
-            (20, 1536),
-        ] {
+        let shapes: &[(usize, usize)] = if dtype.block_size() == 256 {
+            &[(1, 256), (7, 512), (9, 768), (17, 1536)]
+        } else {
+            &[(1, 32), (7, 64), (8, 96), (9, 160), (33, 576), (20, 1536)]
+        };
+        for &(rows, cols) in shapes {
             let w = random_weight(&mut rng, dtype, rows, cols);
             let packed = PackedMatrix::pack(&w).unwrap().unwrap();
             let wd = dequantized(&w);
@@ -94,7 +101,11 @@ fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
 fn error_against_f32_activations_is_within_the_quantization_bound() {
     let mut rng = ChaCha8Rng::seed_from_u64(12);
     for dtype in TYPES {
-        let (rows, cols, n) = (17usize, 288usize, 3usize);
+        let (rows, cols, n) = (
+            17usize,
+            if dtype.block_size() == 256 { 512 } else { 288 },
+            3usize,
+        );
         let w = random_weight(&mut rng, dtype, rows, cols);
         let packed = PackedMatrix::pack(&w).unwrap().unwrap();
         let wd = dequantized(&w);

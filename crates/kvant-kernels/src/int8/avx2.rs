@@ -9,7 +9,7 @@
 //! 8-bit weights go through `vpsignb` (|w| as the unsigned operand, the
 //! sign moved onto the activation, as in ggml) and widen per chunk.
 
-use super::pack::{PackedFormat, GROUP};
+use super::pack::{PackedFormat, GROUP, SUBS};
 use kvant_core::dtype::QK;
 use std::arch::x86_64::*;
 
@@ -62,6 +62,7 @@ pub(crate) unsafe fn group_tile<const T: usize>(
         PackedFormat::Q4Sym => q4_tile::<T, false>(w, blocks, x),
         PackedFormat::Q4Asym => q4_tile::<T, true>(w, blocks, x),
         PackedFormat::Q8 => q8_tile::<T>(w, blocks, x),
+        PackedFormat::Q4K => q4k_tile::<T>(w, blocks, x),
     }
 }
 
@@ -147,6 +148,55 @@ unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T
         for t in 0..T {
             let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
             acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[t]), dd, acc[t]);
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+    let fmt = PackedFormat::Q4K;
+    let (bb, hdr) = (fmt.block_bytes(), fmt.header());
+    let mask = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); T];
+    for sb in 0..blocks {
+        // SAFETY (whole loop): super-block `sb` of `blocks` at `w`;
+        // activation blocks `8 sb .. 8 sb + 8` of each token.
+        let blk = w.add(sb * bb);
+        if T == 1 {
+            prefetch(blk.wrapping_add(PREFETCH_BYTES), bb);
+        }
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i));
+        let lanes = |off: usize| {
+            let v = _mm_loadl_epi64(blk.add(off) as *const __m128i);
+            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+        };
+        for pair in 0..SUBS / 2 {
+            let mut p = [[_mm256_setzero_si256(); 2]; T];
+            for c in 0..8 {
+                let raw = _mm256_loadu_si256(blk.add(hdr + 32 * (8 * pair + c)) as *const __m256i);
+                let lo = _mm256_and_si256(raw, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+                for (t, p) in p.iter_mut().enumerate() {
+                    let xq = x[t].q.add(sb * 256 + 64 * pair + 4 * c);
+                    p[0] = _mm256_add_epi16(p[0], _mm256_maddubs_epi16(lo, bcast4(xq)));
+                    p[1] = _mm256_add_epi16(p[1], _mm256_maddubs_epi16(hi, bcast4(xq.add(32))));
+                }
+            }
+            for h in 0..2 {
+                let j = 2 * pair + h;
+                let dsc = _mm256_mul_ps(d, lanes(4 * GROUP + GROUP * j));
+                let dm = _mm256_mul_ps(dmin, lanes(4 * GROUP + GROUP * (SUBS + j)));
+                let xb = sb * SUBS + j;
+                for t in 0..T {
+                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t][h], ones));
+                    let dd = _mm256_mul_ps(dsc, _mm256_set1_ps(*x[t].d.add(xb)));
+                    acc[t] = _mm256_fmadd_ps(isum, dd, acc[t]);
+                    acc[t] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(*x[t].s.add(xb)), acc[t]);
+                }
+            }
         }
     }
     acc

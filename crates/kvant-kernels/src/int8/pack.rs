@@ -21,11 +21,22 @@
 //!   5-bit `q - 16` widened to a byte: exact, at 34 instead of 22 bytes per
 //!   block): `d: [f16; 8]`, then 8 chunks of 32 bytes, chunk `c`, lane `r`
 //!   holding weights `4c..4c+4` of row `r`.
+//! - `Q4K` (from Q4_K: 256 weights in 8 sub-blocks of 32, `w = d·sc_j q -
+//!   dmin·m_j`): `d: [f16; 8]`, `dmin: [f16; 8]`, `sc: [[u8; 8]; 8]` and
+//!   `m: [[u8; 8]; 8]` (sub-block-major: the 8 rows' 6-bit scales of
+//!   sub-block `j` are 8 consecutive bytes, widened to lanes by one load),
+//!   then 32 chunks of 32 bytes: chunk `k = 8p + c`, lane `r` holds source
+//!   bytes `4k..4k+4` of row `r` (low nibbles: sub-block `2p`, weights
+//!   `4c..4c+4`; high nibbles: sub-block `2p+1`). 1184 bytes per 8 rows
+//!   instead of 1152: the scales unpacked.
 //!
 //! Rows past the end of the matrix (the last group) are zero.
 
 use crate::error::KernelError;
-use kvant_core::dtype::QK;
+use kvant_core::dtype::{QK, QK_K};
+
+/// Sub-blocks of 32 in a Q4_K super-block.
+pub(crate) const SUBS: usize = QK_K / QK;
 use kvant_core::{DType, Tensor};
 
 /// Rows per interleaved group: one 32-bit lane each in a 256-bit register.
@@ -40,6 +51,9 @@ pub enum PackedFormat {
     Q4Asym,
     /// 8-bit signed `q` with `w = d q` (Q8_0, and Q5_0 widened).
     Q8,
+    /// 4-bit `q` in super-blocks of 256 with 6-bit sub-block scales and
+    /// minimums (Q4_K).
+    Q4K,
 }
 
 impl PackedFormat {
@@ -49,7 +63,16 @@ impl PackedFormat {
             DType::Q4_0 => Some(PackedFormat::Q4Sym),
             DType::Q4_1 => Some(PackedFormat::Q4Asym),
             DType::Q8_0 | DType::Q5_0 => Some(PackedFormat::Q8),
+            DType::Q4_K => Some(PackedFormat::Q4K),
             _ => None,
+        }
+    }
+
+    /// Weights per block of one row.
+    pub(crate) const fn block_elems(self) -> usize {
+        match self {
+            PackedFormat::Q4K => QK_K,
+            PackedFormat::Q4Sym | PackedFormat::Q4Asym | PackedFormat::Q8 => QK,
         }
     }
 
@@ -58,6 +81,7 @@ impl PackedFormat {
         match self {
             PackedFormat::Q4Asym => 4 * GROUP,
             PackedFormat::Q4Sym | PackedFormat::Q8 => 2 * GROUP,
+            PackedFormat::Q4K => 4 * GROUP + 2 * SUBS * GROUP,
         }
     }
 
@@ -66,6 +90,7 @@ impl PackedFormat {
         match self {
             PackedFormat::Q8 => QK,
             PackedFormat::Q4Sym | PackedFormat::Q4Asym => QK / 2,
+            PackedFormat::Q4K => QK_K / 2,
         }
     }
 
@@ -78,7 +103,7 @@ impl PackedFormat {
 /// One source block in packed terms: the f16 scale and minimum as stored,
 /// and the quant bytes in the packed format's order (nibble pairs for the
 /// 4-bit formats, one signed byte per weight for `Q8`).
-fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK]) -> ([u8; 2], [u8; 2]) {
+fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK_K / 2]) -> ([u8; 2], [u8; 2]) {
     let d = [src[0], src[1]];
     match dtype {
         DType::Q4_1 => {
@@ -88,7 +113,7 @@ fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK]) -> ([u8; 2], [u
         DType::Q5_0 => {
             let qh = u32::from_le_bytes([src[2], src[3], src[4], src[5]]);
             let qs = &src[6..6 + QK / 2];
-            for (j, q) in quants.iter_mut().enumerate() {
+            for (j, q) in quants[..QK].iter_mut().enumerate() {
                 let nib = if j < QK / 2 {
                     qs[j] & 0x0F
                 } else {
@@ -100,8 +125,12 @@ fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK]) -> ([u8; 2], [u
             (d, [0, 0])
         }
         DType::Q8_0 => {
-            quants.copy_from_slice(&src[2..2 + QK]);
+            quants[..QK].copy_from_slice(&src[2..2 + QK]);
             (d, [0, 0])
+        }
+        DType::Q4_K => {
+            quants[..QK_K / 2].copy_from_slice(&src[16..16 + QK_K / 2]);
+            (d, [src[2], src[3]])
         }
         // Q4_0 (the only other packable type).
         _ => {
@@ -137,7 +166,7 @@ impl PackedMatrix {
                 shape: w.shape().to_vec(),
             });
         };
-        let nb = cols / QK;
+        let nb = cols / format.block_elems();
         let src_bb = w.dtype().block_bytes();
         let row_bytes = w.dtype().bytes_for(cols)?;
         crate::error::check_len(
@@ -151,13 +180,21 @@ impl PackedMatrix {
         let (hdr, qb) = (format.header(), format.quant_bytes());
         for (r, row) in w.bytes().chunks_exact(row_bytes.max(1)).enumerate() {
             let (g, lane) = (r / GROUP, r % GROUP);
-            let mut quants = [0u8; QK];
+            let mut quants = [0u8; QK_K / 2];
             for (b, src) in row.chunks_exact(src_bb).enumerate() {
                 let (d, m) = source_block(w.dtype(), src, &mut quants);
                 let dst = &mut data[(g * nb + b) * bb..][..bb];
                 dst[2 * lane..2 * lane + 2].copy_from_slice(&d);
-                if format == PackedFormat::Q4Asym {
+                if matches!(format, PackedFormat::Q4Asym | PackedFormat::Q4K) {
                     dst[2 * GROUP + 2 * lane..][..2].copy_from_slice(&m);
+                }
+                if format == PackedFormat::Q4K {
+                    let packed: &[u8] = &src[4..16];
+                    for j in 0..SUBS {
+                        let (sc, mn) = crate::quant::q4_k::scale_min(j, packed);
+                        dst[4 * GROUP + GROUP * j + lane] = sc;
+                        dst[4 * GROUP + GROUP * (SUBS + j) + lane] = mn;
+                    }
                 }
                 for (c, four) in quants[..qb].chunks_exact(4).enumerate() {
                     dst[hdr + 32 * c + 4 * lane..][..4].copy_from_slice(four);
@@ -196,7 +233,7 @@ impl PackedMatrix {
 
     /// Blocks per row.
     pub(crate) fn blocks(&self) -> usize {
-        self.cols / QK
+        self.cols / self.format.block_elems()
     }
 
     /// The packed blocks of group `g`.
