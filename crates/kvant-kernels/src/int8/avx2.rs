@@ -174,24 +174,26 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
         };
         for pair in 0..SUBS / 2 {
-            let mut p = [[_mm256_setzero_si256(); 2]; T];
+            // p[0]: sub-block 2·pair (low nibbles), p[1]: 2·pair + 1.
+            let mut p = [[_mm256_setzero_si256(); T]; 2];
             for c in 0..8 {
                 let raw = _mm256_loadu_si256(blk.add(hdr + 32 * (8 * pair + c)) as *const __m256i);
                 let lo = _mm256_and_si256(raw, mask);
                 let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
-                for (t, p) in p.iter_mut().enumerate() {
+                let [p_lo, p_hi] = &mut p;
+                for (t, (pl, ph)) in p_lo.iter_mut().zip(p_hi.iter_mut()).enumerate() {
                     let xq = x[t].q.add(sb * 256 + 64 * pair + 4 * c);
-                    p[0] = _mm256_add_epi16(p[0], _mm256_maddubs_epi16(lo, bcast4(xq)));
-                    p[1] = _mm256_add_epi16(p[1], _mm256_maddubs_epi16(hi, bcast4(xq.add(32))));
+                    *pl = _mm256_add_epi16(*pl, _mm256_maddubs_epi16(lo, bcast4(xq)));
+                    *ph = _mm256_add_epi16(*ph, _mm256_maddubs_epi16(hi, bcast4(xq.add(32))));
                 }
             }
-            for h in 0..2 {
+            for (h, ph) in p.iter().enumerate() {
                 let j = 2 * pair + h;
                 let dsc = _mm256_mul_ps(d, lanes(4 * GROUP + GROUP * j));
                 let dm = _mm256_mul_ps(dmin, lanes(4 * GROUP + GROUP * (SUBS + j)));
                 let xb = sb * SUBS + j;
                 for t in 0..T {
-                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t][h], ones));
+                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(ph[t], ones));
                     let dd = _mm256_mul_ps(dsc, _mm256_set1_ps(*x[t].d.add(xb)));
                     acc[t] = _mm256_fmadd_ps(isum, dd, acc[t]);
                     acc[t] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(*x[t].s.add(xb)), acc[t]);
