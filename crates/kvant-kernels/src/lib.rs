@@ -6,6 +6,7 @@ pub mod bandwidth;
 pub mod cpu;
 pub mod dot;
 pub mod error;
+pub mod f16pack;
 pub mod int8;
 pub mod linear;
 pub mod matmul;

@@ -9,6 +9,7 @@
 
 use crate::cpu;
 use crate::error::KernelError;
+use crate::f16pack::{self, F16Matrix};
 use crate::int8::{self, PackedMatrix, Q8Activations};
 use crate::matmul::matmul;
 use kvant_core::Tensor;
@@ -18,13 +19,16 @@ use kvant_core::Tensor;
 pub enum LinearWeight {
     /// Repacked for the int8 kernels.
     Int8(PackedMatrix),
+    /// f16, repacked 8 rows interleaved (exact; f32 activations).
+    F16(F16Matrix),
     /// As stored, for the f32-activation kernels.
     Float(Tensor),
 }
 
 impl LinearWeight {
     /// Repacks `w` for the int8 kernels when `int8` is set and its type has
-    /// them; keeps it as stored otherwise.
+    /// them, f16 weights always (their packing is exact); keeps it as stored
+    /// otherwise.
     ///
     /// # Errors
     /// [`KernelError::NotAMatrix`] unless `w` is 2-D.
@@ -35,22 +39,32 @@ impl LinearWeight {
                 shape: w.shape().to_vec(),
             });
         }
-        if int8 {
-            if let Some(p) = PackedMatrix::pack(&w)? {
+        let packed = if int8 {
+            PackedMatrix::pack(&w)?.map(LinearWeight::Int8)
+        } else {
+            None
+        };
+        let packed = match packed {
+            Some(p) => Some(p),
+            None => F16Matrix::pack(&w)?.map(LinearWeight::F16),
+        };
+        match packed {
+            Some(p) => {
                 // The packed copy replaces the stored bytes: let the OS drop
                 // their pages now, not after every weight has been copied.
                 #[cfg(unix)]
                 w.release_resident_pages();
-                return Ok(LinearWeight::Int8(p));
+                Ok(p)
             }
+            None => Ok(LinearWeight::Float(w)),
         }
-        Ok(LinearWeight::Float(w))
     }
 
     /// Output features (rows).
     pub fn rows(&self) -> usize {
         match self {
             LinearWeight::Int8(p) => p.rows(),
+            LinearWeight::F16(p) => p.rows(),
             LinearWeight::Float(t) => t.shape()[0],
         }
     }
@@ -59,6 +73,7 @@ impl LinearWeight {
     pub fn cols(&self) -> usize {
         match self {
             LinearWeight::Int8(p) => p.cols(),
+            LinearWeight::F16(p) => p.cols(),
             LinearWeight::Float(t) => t.shape()[1],
         }
     }
@@ -67,6 +82,7 @@ impl LinearWeight {
     pub fn byte_len(&self) -> usize {
         match self {
             LinearWeight::Int8(p) => p.byte_len(),
+            LinearWeight::F16(p) => p.byte_len(),
             LinearWeight::Float(t) => t.byte_len(),
         }
     }
@@ -90,6 +106,7 @@ impl LinearWeight {
                     actual: 0,
                 }),
             },
+            LinearWeight::F16(p) => f16pack::gemm(p, x.x, x.n_tokens, y),
             LinearWeight::Float(t) => matmul(t, x.x, x.n_tokens, y),
         }
     }

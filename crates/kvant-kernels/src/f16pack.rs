@@ -1,0 +1,325 @@
+//! f16 weights repacked 8 rows interleaved, multiplied with f32 activations.
+//!
+//! The row-major f16 kernels dot each row with each token and reduce every
+//! product horizontally; here a group of 8 rows is stored `k`-major (the 8
+//! rows' weight `i` are 16 consecutive bytes), so one load and one F16C
+//! conversion give weight `i` of 8 rows, which one FMA per token multiplies
+//! by that token's broadcast `x[i]`: 8 rows' sums build up in the lanes of
+//! one register per token, with no horizontal sums, and a tile of tokens
+//! reuses each converted register (the register-blocked GEMM micro-kernel
+//! BLIS and llamafile's tinyBLAS use). The weights are used exactly.
+
+use crate::cpu::{self, SimdTier};
+use crate::error::{check_len, checked_mul, KernelError};
+use crate::pool::{self, DisjointSlice};
+use kvant_core::{DType, Tensor};
+
+/// Rows per interleaved group (8 f32 lanes).
+pub const GROUP: usize = 8;
+
+/// Tokens per tile. Tiles run two groups (16 rows) at once: per weight
+/// index, two converted weight registers and six broadcast activations feed
+/// twelve FMAs into twelve accumulators (BLIS's 6×16 micro-kernel), one
+/// load per two FMAs instead of one per FMA.
+const TOKEN_TILE: usize = 6;
+
+/// Partial sums per token over `i mod 4` for one or two tokens (too few
+/// independent FMA chains otherwise to cover the FMA latency); tiles of
+/// three or more tokens over two groups have enough chains with one.
+const CHAINS_SMALL: usize = 4;
+const CHAINS_TILE: usize = 1;
+
+/// The least multiply-adds worth a pool task (about a microsecond of work).
+const MIN_TASK_MACS: usize = 32 << 10;
+
+/// A `[rows, cols]` f16 weight, 8-row interleaved.
+#[derive(Clone, Debug)]
+pub struct F16Matrix {
+    rows: usize,
+    cols: usize,
+    /// Group `g`: `cols × 8` f16 values, weight `i` of rows `8g..8g+8` at `8i`.
+    data: Vec<half::f16>,
+}
+
+impl F16Matrix {
+    /// Repacks a 2-D f16 weight; `None` for other types.
+    ///
+    /// # Errors
+    /// [`KernelError::NotAMatrix`] unless `w` is 2-D.
+    pub fn pack(w: &Tensor) -> Result<Option<F16Matrix>, KernelError> {
+        if w.dtype() != DType::F16 {
+            return Ok(None);
+        }
+        let &[rows, cols] = w.shape() else {
+            return Err(KernelError::NotAMatrix {
+                op: "pack f16",
+                shape: w.shape().to_vec(),
+            });
+        };
+        check_len(
+            "f16 weight bytes",
+            checked_mul("pack f16", checked_mul("pack f16", rows, cols)?, 2)?,
+            w.bytes().len(),
+        )?;
+        let groups = rows.div_ceil(GROUP);
+        let mut data = vec![half::f16::ZERO; checked_mul("pack f16", groups * GROUP, cols)?];
+        for (r, row) in w.bytes().chunks_exact((2 * cols).max(1)).enumerate() {
+            let (g, lane) = (r / GROUP, r % GROUP);
+            let dst = &mut data[g * GROUP * cols..(g + 1) * GROUP * cols];
+            for (i, b) in row.chunks_exact(2).enumerate() {
+                dst[GROUP * i + lane] = half::f16::from_le_bytes([b[0], b[1]]);
+            }
+        }
+        Ok(Some(F16Matrix { rows, cols, data }))
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    pub fn byte_len(&self) -> usize {
+        2 * self.data.len()
+    }
+
+    fn group(&self, g: usize) -> &[half::f16] {
+        &self.data[g * GROUP * self.cols..(g + 1) * GROUP * self.cols]
+    }
+}
+
+/// `y[t, r] = Σ_i W[r, i] · x[t, i]` (`x` is `[n_tokens, cols]`, `y`
+/// `[n_tokens, rows]`) on the start-up tier.
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] if the slices disagree with the shapes.
+pub fn gemm(w: &F16Matrix, x: &[f32], n_tokens: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    gemm_with(cpu::tier(), w, x, n_tokens, y)
+}
+
+/// [`gemm`] on a given tier (lowered to one the CPU supports).
+pub fn gemm_with(
+    tier: SimdTier,
+    w: &F16Matrix,
+    x: &[f32],
+    n_tokens: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len(
+        "f16 gemm input",
+        checked_mul("f16 gemm", n_tokens, w.cols)?,
+        x.len(),
+    )?;
+    check_len(
+        "f16 gemm output",
+        checked_mul("f16 gemm", n_tokens, w.rows)?,
+        y.len(),
+    )?;
+    if n_tokens == 0 || w.rows == 0 {
+        return Ok(());
+    }
+    let tier = cpu::clamp(tier);
+    let groups = w.rows.div_ceil(GROUP);
+    let macs = (w.cols * GROUP * n_tokens).saturating_mul(groups);
+    let p = pool::global();
+    let tasks = (p.threads() * 3)
+        .min(groups)
+        .min((macs / MIN_TASK_MACS).max(1));
+    let out = DisjointSlice::new(y);
+    p.run(pool::chunks(groups, tasks, 2), &|i| {
+        let mine = pool::chunk(groups, tasks, 2, i);
+        let mut t = 0;
+        while t < n_tokens {
+            let n = (n_tokens - t).min(TOKEN_TILE);
+            let xt = &x[t * w.cols..(t + n) * w.cols];
+            let mut g = mine.start;
+            while g < mine.end {
+                let pair = n >= 3 && g + 1 < mine.end;
+                let mut v = [[[0f32; GROUP]; TOKEN_TILE]; 2];
+                let [v0, v1] = &mut v;
+                if pair {
+                    tile_pair(tier, w, g, xt, &mut v0[..n], &mut v1[..n]);
+                } else {
+                    tile(tier, w, g, xt, &mut v0[..n]);
+                }
+                for (dg, v) in v.iter().enumerate().take(1 + pair as usize) {
+                    let gg = g + dg;
+                    let live = (w.rows - gg * GROUP).min(GROUP);
+                    for (dt, v) in v[..n].iter().enumerate() {
+                        let o = (t + dt) * w.rows + gg * GROUP;
+                        // SAFETY: rows `8gg..8gg+live` of each token belong
+                        // to this task only.
+                        unsafe { out.range(o..o + live) }.copy_from_slice(&v[..live]);
+                    }
+                }
+                g += 1 + pair as usize;
+            }
+            t += n;
+        }
+    });
+    Ok(())
+}
+
+/// Groups `g` and `g + 1` against the 3..=6 tokens in `x`.
+fn tile_pair(
+    tier: SimdTier,
+    w: &F16Matrix,
+    g: usize,
+    x: &[f32],
+    out0: &mut [[f32; GROUP]],
+    out1: &mut [[f32; GROUP]],
+) {
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `tile`, for both groups.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            let (a, b) = (w.group(g), w.group(g + 1));
+            match out0.len() {
+                3 => avx2::tile_pair::<3>(a, b, w.cols, x, out0, out1),
+                4 => avx2::tile_pair::<4>(a, b, w.cols, x, out0, out1),
+                5 => avx2::tile_pair::<5>(a, b, w.cols, x, out0, out1),
+                _ => avx2::tile_pair::<TOKEN_TILE>(a, b, w.cols, x, out0, out1),
+            }
+        },
+        _ => {
+            tile(tier, w, g, x, out0);
+            tile(tier, w, g + 1, x, out1);
+        }
+    }
+}
+
+/// The 8 rows of group `g` against the `out.len()` tokens in `x`.
+fn tile(tier: SimdTier, w: &F16Matrix, g: usize, x: &[f32], out: &mut [[f32; GROUP]]) {
+    let wg = w.group(g);
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU); `wg`
+        // holds `cols × 8` values and `x` `out.len() × cols`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            match out.len() {
+                1 => avx2::tile::<1, CHAINS_SMALL>(wg, w.cols, x, out),
+                2 => avx2::tile::<2, CHAINS_SMALL>(wg, w.cols, x, out),
+                3 => avx2::tile::<3, CHAINS_TILE>(wg, w.cols, x, out),
+                4 => avx2::tile::<4, CHAINS_TILE>(wg, w.cols, x, out),
+                5 => avx2::tile::<5, CHAINS_TILE>(wg, w.cols, x, out),
+                _ => avx2::tile::<TOKEN_TILE, CHAINS_TILE>(wg, w.cols, x, out),
+            }
+        },
+        _ => {
+            let chains = if out.len() <= 2 {
+                CHAINS_SMALL
+            } else {
+                CHAINS_TILE
+            };
+            for (o, xt) in out.iter_mut().zip(x.chunks_exact(w.cols.max(1))) {
+                *o = group_dot_ref(wg, xt, chains);
+            }
+        }
+    }
+}
+
+/// The scalar kernel: per lane, `chains` partial sums over `i mod chains`
+/// (each a sequence of FMAs), added in order, as the AVX2 kernel does.
+pub(crate) fn group_dot_ref(wg: &[half::f16], x: &[f32], chains: usize) -> [f32; GROUP] {
+    let mut acc = [[0f32; GROUP]; CHAINS_SMALL];
+    for (i, &xv) in x.iter().enumerate() {
+        let a = &mut acc[i % chains];
+        for (r, a) in a.iter_mut().enumerate() {
+            *a = wg[GROUP * i + r].to_f32().mul_add(xv, *a);
+        }
+    }
+    std::array::from_fn(|r| (1..chains).fold(acc[0][r], |s, c| s + acc[c][r]))
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::GROUP;
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; `wg` holds `cols × 8` values,
+    /// `x` `T × cols` and `out` `T` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<const T: usize, const C: usize>(
+        wg: &[half::f16],
+        cols: usize,
+        x: &[f32],
+        out: &mut [[f32; GROUP]],
+    ) {
+        assert!(wg.len() >= cols * GROUP && x.len() >= T * cols && out.len() >= T);
+        let (wp, xp) = (wg.as_ptr() as *const __m128i, x.as_ptr());
+        let mut acc = [[_mm256_setzero_ps(); T]; C];
+        let mut i = 0;
+        while i + C <= cols {
+            for (c, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: `i + c < cols` (loop bound), in range of both (asserted).
+                let w = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wp.add(i + c)) });
+                for (t, a) in acc.iter_mut().enumerate() {
+                    let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i + c) });
+                    *a = _mm256_fmadd_ps(w, xv, *a);
+                }
+            }
+            i += C;
+        }
+        for (c, acc) in acc.iter_mut().enumerate().take(cols - i) {
+            // SAFETY: `i + c < cols`.
+            let w = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wp.add(i + c)) });
+            for (t, a) in acc.iter_mut().enumerate() {
+                let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i + c) });
+                *a = _mm256_fmadd_ps(w, xv, *a);
+            }
+        }
+        for (t, o) in out.iter_mut().enumerate().take(T) {
+            let mut s = acc[0][t];
+            for a in acc.iter().skip(1) {
+                s = _mm256_add_ps(s, a[t]);
+            }
+            _mm256_storeu_ps(o.as_mut_ptr(), s);
+        }
+    }
+
+    /// Two groups at once, one chain per (group, token): per weight index
+    /// two converted registers and `T` broadcasts feed `2T` FMAs.
+    ///
+    /// # Safety
+    /// As for [`tile`], for both `wa` and `wb`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_pair<const T: usize>(
+        wa: &[half::f16],
+        wb: &[half::f16],
+        cols: usize,
+        x: &[f32],
+        oa: &mut [[f32; GROUP]],
+        ob: &mut [[f32; GROUP]],
+    ) {
+        assert!(wa.len() >= cols * GROUP && wb.len() >= cols * GROUP);
+        assert!(x.len() >= T * cols && oa.len() >= T && ob.len() >= T);
+        let (pa, pb, xp) = (
+            wa.as_ptr() as *const __m128i,
+            wb.as_ptr() as *const __m128i,
+            x.as_ptr(),
+        );
+        let mut aa = [_mm256_setzero_ps(); T];
+        let mut ab = [_mm256_setzero_ps(); T];
+        for i in 0..cols {
+            // SAFETY: `i < cols`, in range of all three (asserted).
+            let (va, vb) = unsafe {
+                (
+                    _mm256_cvtph_ps(_mm_loadu_si128(pa.add(i))),
+                    _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i))),
+                )
+            };
+            for t in 0..T {
+                let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i) });
+                aa[t] = _mm256_fmadd_ps(va, xv, aa[t]);
+                ab[t] = _mm256_fmadd_ps(vb, xv, ab[t]);
+            }
+        }
+        for t in 0..T {
+            _mm256_storeu_ps(oa[t].as_mut_ptr(), aa[t]);
+            _mm256_storeu_ps(ob[t].as_mut_ptr(), ab[t]);
+        }
+    }
+}
