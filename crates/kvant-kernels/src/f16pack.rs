@@ -124,9 +124,12 @@ pub fn gemm_with(
     let groups = w.rows.div_ceil(GROUP);
     let macs = (w.cols * GROUP * n_tokens).saturating_mul(groups);
     let p = pool::global();
-    let tasks = (p.threads() * 3)
-        .min(groups)
-        .min((macs / MIN_TASK_MACS).max(1));
+    let tasks = pool::balanced_tasks(
+        (p.threads() * 3)
+            .min(groups)
+            .min((macs / MIN_TASK_MACS).max(1)),
+        p.threads(),
+    );
     let out = DisjointSlice::new(y);
     p.run(pool::chunks(groups, tasks, 2), &|i| {
         let mine = pool::chunk(groups, tasks, 2, i);

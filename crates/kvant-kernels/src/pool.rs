@@ -340,6 +340,17 @@ impl<'a, T> DisjointSlice<'a, T> {
     }
 }
 
+/// `tasks` lowered to a whole multiple of `threads` (when at least
+/// `threads`): equal tasks then end together, where e.g. 5 tasks on 2
+/// threads leave one thread idle for a fifth of the job.
+pub fn balanced_tasks(tasks: usize, threads: usize) -> usize {
+    if threads > 0 && tasks >= threads {
+        tasks / threads * threads
+    } else {
+        tasks
+    }
+}
+
 /// Splits `n` items into at most `parts` contiguous ranges of a multiple of
 /// `align` items (the last may be shorter); the i-th range of [`chunks`].
 pub fn chunk(n: usize, parts: usize, align: usize, i: usize) -> std::ops::Range<usize> {
@@ -416,6 +427,15 @@ mod tests {
             n.fetch_add(1, Relaxed);
         });
         assert_eq!(n.load(Relaxed), 100);
+    }
+
+    #[test]
+    fn balanced_task_counts_are_multiples_of_the_threads() {
+        assert_eq!(balanced_tasks(5, 2), 4);
+        assert_eq!(balanced_tasks(6, 2), 6);
+        assert_eq!(balanced_tasks(1, 2), 1);
+        assert_eq!(balanced_tasks(7, 3), 6);
+        assert_eq!(balanced_tasks(4, 0), 4);
     }
 
     #[test]

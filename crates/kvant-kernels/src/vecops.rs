@@ -124,6 +124,26 @@ fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, 
 }
 
 #[inline(always)]
+fn scale_max_body(a: f32, y: &mut [f32]) -> f32 {
+    // Eight running maxima, as the sums in `exp_shifted_body`: a single
+    // running maximum would keep the loop scalar.
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = y.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for (v, l) in c.iter_mut().zip(lanes.iter_mut()) {
+            *v *= a;
+            *l = if *v > *l { *v } else { *l };
+        }
+    }
+    let mut m = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    for v in chunks.into_remainder() {
+        *v *= a;
+        m = m.max(*v);
+    }
+    m
+}
+
+#[inline(always)]
 fn scale_body(a: f32, y: &mut [f32]) {
     for v in y.iter_mut() {
         *v *= a;
@@ -147,6 +167,11 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn scale(a: f32, y: &mut [f32]) {
         scale_body(a, y)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn scale_max(a: f32, y: &mut [f32]) -> f32 {
+        scale_max_body(a, y)
     }
 }
 
@@ -190,6 +215,16 @@ pub fn scale(tier: SimdTier, a: f32, y: &mut [f32]) {
         // SAFETY: as in `exp_shifted`.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::scale(a, y) },
         _ => scale_body(a, y),
+    }
+}
+
+/// `y *= a`, returning the largest result (`-inf` for an empty slice).
+pub fn scale_max(tier: SimdTier, a: f32, y: &mut [f32]) -> f32 {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::scale_max(a, y) },
+        _ => scale_max_body(a, y),
     }
 }
 

@@ -106,15 +106,21 @@ pub(super) fn run<T: KvElem>(
         for r in 0..n_rows {
             let rk = row_keys(r);
             let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
-            let mut tile_max = f32::NEG_INFINITY;
-            for (j, x) in (j0..).zip(s.iter_mut()) {
-                if rk.contains(&j) {
-                    *x *= p.scale;
-                    tile_max = tile_max.max(*x);
-                } else {
-                    *x = f32::NEG_INFINITY;
+            let tile_max = if rk.start <= j0 && j0 + tk <= rk.end {
+                // The whole tile is visible to this row (always, in decoding).
+                vecops::scale_max(tier, p.scale, s)
+            } else {
+                let mut m = f32::NEG_INFINITY;
+                for (j, x) in (j0..).zip(s.iter_mut()) {
+                    if rk.contains(&j) {
+                        *x *= p.scale;
+                        m = m.max(*x);
+                    } else {
+                        *x = f32::NEG_INFINITY;
+                    }
                 }
-            }
+                m
+            };
             if tile_max == f32::NEG_INFINITY {
                 continue;
             }

@@ -111,9 +111,12 @@ pub fn gemm_batch_with(
     let total = starts[ws.len()];
     let macs = (x.k().saturating_mul(GROUP).saturating_mul(n)).saturating_mul(total);
     let p = pool::global();
-    let tasks = (p.threads() * TASKS_PER_THREAD)
-        .min(total)
-        .min((macs / MIN_TASK_MACS).max(1));
+    let tasks = pool::balanced_tasks(
+        (p.threads() * TASKS_PER_THREAD)
+            .min(total)
+            .min((macs / MIN_TASK_MACS).max(1)),
+        p.threads(),
+    );
     let tier = cpu::clamp(tier);
     p.run(pool::chunks(total, tasks, 1), &|i| {
         for gg in pool::chunk(total, tasks, 1, i) {
