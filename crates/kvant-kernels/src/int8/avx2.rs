@@ -39,6 +39,20 @@ unsafe fn prefetch(p: *const u8, len: usize) {
     }
 }
 
+/// Block `b` (of `bb` bytes) at `w`, its first 8 f16 (the rows' scales)
+/// widened, after prefetching ahead for a one-token call.
+///
+/// # Safety
+/// As for [`group_tile`]: block `b` lies inside the packed weights.
+#[inline(always)]
+unsafe fn open_block<const T: usize>(w: *const u8, b: usize, bb: usize) -> (*const u8, __m256) {
+    let blk = w.add(b * bb);
+    if T == 1 {
+        prefetch(blk.wrapping_add(PREFETCH_BYTES), bb);
+    }
+    (blk, _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)))
+}
+
 /// Four activation bytes at `p` in all eight 32-bit lanes.
 #[inline(always)]
 unsafe fn bcast4(p: *const i8) -> __m256i {
@@ -84,11 +98,7 @@ unsafe fn q4_tile<const T: usize, const ASYM: bool>(
     for b in 0..blocks {
         // SAFETY (whole loop): block `b` of `blocks` packed blocks at `w`;
         // activation block `b` of each token (the caller's contract).
-        let blk = w.add(b * bb);
-        if T == 1 {
-            prefetch(blk.wrapping_add(PREFETCH_BYTES), bb);
-        }
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let (blk, d) = open_block::<T>(w, b, bb);
         let m = if ASYM {
             _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i))
         } else {
@@ -128,11 +138,7 @@ unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..blocks {
         // SAFETY (whole loop): as in `q4_tile`.
-        let blk = w.add(b * bb);
-        if T == 1 {
-            prefetch(blk.wrapping_add(PREFETCH_BYTES), bb);
-        }
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let (blk, d) = open_block::<T>(w, b, bb);
         let q = blk.add(hdr);
         // Chunk-outer as in `q4_tile`.
         let mut s = [_mm256_setzero_si256(); T];
@@ -163,11 +169,7 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
     for sb in 0..blocks {
         // SAFETY (whole loop): super-block `sb` of `blocks` at `w`;
         // activation blocks `8 sb .. 8 sb + 8` of each token.
-        let blk = w.add(sb * bb);
-        if T == 1 {
-            prefetch(blk.wrapping_add(PREFETCH_BYTES), bb);
-        }
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let (blk, d) = open_block::<T>(w, sb, bb);
         let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i));
         let lanes = |off: usize| {
             let v = _mm_loadl_epi64(blk.add(off) as *const __m128i);
