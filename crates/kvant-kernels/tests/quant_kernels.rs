@@ -228,12 +228,6 @@ fn check_matmul(tier: Option<SimdTier>, w: &Tensor, x: &[f32], n_tokens: usize) 
 #[test]
 fn matmul_matches_reference_for_every_dtype() {
     let mut rng = ChaCha8Rng::seed_from_u64(13);
-    // Three pool threads, as on a machine where these calls could fork (they
-    // are too small to).
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(3)
-        .build()
-        .unwrap();
     for dtype in DType::ALL {
         let inp = match dtype.block_size() {
             1 => 67,
@@ -247,40 +241,33 @@ fn matmul_matches_reference_for_every_dtype() {
             let w = random_weight(&mut rng, dtype, out, inp);
             for &n_tokens in tokens {
                 let x = random_f32(&mut rng, n_tokens * inp);
-                pool.install(|| {
-                    for tier in cpu::available_tiers() {
-                        check_matmul(Some(tier), &w, &x, n_tokens);
-                    }
-                    check_matmul(None, &w, &x, n_tokens);
-                });
+                for tier in cpu::available_tiers() {
+                    check_matmul(Some(tier), &w, &x, n_tokens);
+                }
+                check_matmul(None, &w, &x, n_tokens);
             }
         }
     }
 }
 
-/// Calls are split only when each task gets enough work (over 512 KiB of
-/// weights for one token, 2 M multiply-adds for several), so it takes a
-/// weight of a few MB to run the parallel paths, with a ragged last task,
-/// for every type: one token through the fused kernels, four through the
-/// dot tiles.
+/// Calls are split across the pool only when each task gets enough work
+/// (over 32 KiB of weights for one token, 128 k multiply-adds for several),
+/// so a weight of a few MB runs the parallel paths, with a ragged last
+/// task, for every type: one token through the fused kernels, four through
+/// the dot tiles. (When another test holds the pool, the same tasks run on
+/// the calling thread.)
 #[test]
 fn large_matmul_matches_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(17);
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(3)
-        .build()
-        .unwrap();
     // 13 super-blocks per row: 1.1 MB even as Q2_K, the smallest type.
     let (out, inp) = (1001, 13 * 256);
     for dtype in DType::ALL {
         let w = random_weight(&mut rng, dtype, out, inp);
         for n_tokens in [1, 4] {
             let x = random_f32(&mut rng, n_tokens * inp);
-            pool.install(|| {
-                for tier in cpu::available_tiers() {
-                    check_matmul(Some(tier), &w, &x, n_tokens);
-                }
-            });
+            for tier in cpu::available_tiers() {
+                check_matmul(Some(tier), &w, &x, n_tokens);
+            }
         }
     }
 }
