@@ -23,7 +23,7 @@ pub use pack::{PackedFormat, PackedMatrix, GROUP};
 
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul, KernelError};
-use crate::pool;
+use crate::pool::{self, DisjointSlice};
 
 /// Tokens per tile: each packed block is read once per tile; six
 /// accumulators, six block sums and one chunk of weights fit the 16 AVX2
@@ -103,10 +103,10 @@ pub fn gemm_batch_with(
     }
     // Row groups of all weights, numbered consecutively.
     let mut starts = [0usize; MAX_BATCH + 1];
-    let mut outs = [OutPtr(std::ptr::null_mut()); MAX_BATCH];
+    let mut outs: [Option<DisjointSlice<'_, f32>>; MAX_BATCH] = Default::default();
     for (i, (w, y)) in ws.iter().zip(ys.iter_mut()).enumerate() {
         starts[i + 1] = starts[i] + w.groups();
-        outs[i] = OutPtr(y.as_mut_ptr());
+        outs[i] = Some(DisjointSlice::new(y));
     }
     let total = starts[ws.len()];
     let macs = (x.k().saturating_mul(GROUP).saturating_mul(n)).saturating_mul(total);
@@ -121,33 +121,31 @@ pub fn gemm_batch_with(
     p.run(pool::chunks(total, tasks, 1), &|i| {
         for gg in pool::chunk(total, tasks, 1, i) {
             let m = (0..ws.len()).rfind(|&m| starts[m] <= gg).unwrap_or(0);
-            group_rows(tier, ws[m], gg - starts[m], x, outs[m]);
+            if let Some(y) = &outs[m] {
+                group_rows(tier, ws[m], gg - starts[m], x, y);
+            }
         }
     });
     Ok(())
 }
 
-/// The output pointer shared by the tasks of one call.
-#[derive(Clone, Copy)]
-struct OutPtr(*mut f32);
-// SAFETY: tasks write disjoint rows of `y` (their own groups), and
-// `gemm_with` holds the `&mut y` borrow until the pool has joined them.
-unsafe impl Send for OutPtr {}
-// SAFETY: as above; no task reads `y`.
-unsafe impl Sync for OutPtr {}
-
 /// Writes rows `8g..8g+8` (those that exist) of every token.
-fn group_rows(tier: SimdTier, w: &PackedMatrix, g: usize, x: &Q8Activations, y: OutPtr) {
+fn group_rows(
+    tier: SimdTier,
+    w: &PackedMatrix,
+    g: usize,
+    x: &Q8Activations,
+    y: &DisjointSlice<'_, f32>,
+) {
     let rows = w.rows();
     let first = g * GROUP;
     let live = (rows - first).min(GROUP);
     let blk = w.group(g);
     let store = |t: usize, v: &[f32; GROUP]| {
-        debug_assert!(t < x.n_tokens());
-        // SAFETY: `t < n_tokens` and `first + live <= rows`, so the range is
-        // inside `y` (`n_tokens * rows`, checked); only this task writes it.
-        let dst = unsafe { std::slice::from_raw_parts_mut(y.0.add(t * rows + first), live) };
-        dst.copy_from_slice(&v[..live]);
+        let o = t * rows + first;
+        // SAFETY: rows `first..first + live` of every token belong to this
+        // group's task only.
+        unsafe { y.range(o..o + live) }.copy_from_slice(&v[..live]);
     };
     match tier {
         #[cfg(target_arch = "x86_64")]
