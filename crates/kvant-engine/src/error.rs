@@ -14,6 +14,10 @@ pub enum EngineError {
     /// `Result` on the decode path.
     #[error(transparent)]
     Model(Box<kvant_model::ModelError>),
+    #[error("engine configuration: {0}")]
+    Config(String),
+    #[error("the engine thread stopped unexpectedly")]
+    EngineStopped,
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] kvant_model::tokenizer::TokenizerError),
 }

@@ -1,9 +1,10 @@
-//! kvant-engine: sampling, stop conditions and the generation loop over a
-//! model's KV cache. The paged cache and the continuous-batching scheduler
-//! arrive here next.
+//! kvant-engine: sampling, stop conditions, the single-stream generation
+//! loop, and the serving engine (paged KV blocks with prefix caching, a
+//! continuous-batching scheduler, and its thread and handle).
 
 pub mod error;
 pub mod sampling;
+pub mod serving;
 pub mod session;
 pub mod stop;
 

@@ -30,6 +30,8 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context length.
     Length,
+    /// Aborted: by its client, at shutdown, or by an internal error.
+    Abort,
 }
 
 impl FinishReason {
@@ -37,6 +39,7 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
         }
     }
 }
@@ -65,13 +68,17 @@ pub struct Session<'m> {
 impl<'m> Session<'m> {
     /// A session whose cache holds up to `capacity` tokens (capped at the
     /// model's context length). Memory is committed as it is used.
-    pub fn new(model: &'m LlamaModel, tokenizer: &'m Tokenizer, capacity: usize) -> Self {
-        Session {
-            cache: model.new_cache(capacity),
+    pub fn new(
+        model: &'m LlamaModel,
+        tokenizer: &'m Tokenizer,
+        capacity: usize,
+    ) -> Result<Self, EngineError> {
+        Ok(Session {
+            cache: model.new_cache(capacity)?,
             model,
             tokenizer,
             tokens: Vec::new(),
-        }
+        })
     }
 
     pub fn capacity(&self) -> usize {

@@ -8,6 +8,12 @@
 //! one register per token, with no horizontal sums, and a tile of tokens
 //! reuses each converted register (the register-blocked GEMM micro-kernel
 //! BLIS and llamafile's tinyBLAS use). The weights are used exactly.
+//!
+//! Every (row, token) sum is one chain of FMAs over `i` in order, whatever
+//! the tile: the latency is covered by running two groups (and several
+//! tokens) at once, never by splitting a sum into partial chains. So a
+//! token's output does not depend on how many tokens share the call (batch
+//! invariance: a decoding sequence gives the same bits alone or batched).
 
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul, KernelError};
@@ -22,12 +28,6 @@ pub const GROUP: usize = 8;
 /// twelve FMAs into twelve accumulators (BLIS's 6×16 micro-kernel), one
 /// load per two FMAs instead of one per FMA.
 const TOKEN_TILE: usize = 6;
-
-/// Partial sums per token over `i mod 4` for one or two tokens (too few
-/// independent FMA chains otherwise to cover the FMA latency); tiles of
-/// three or more tokens over two groups have enough chains with one.
-const CHAINS_SMALL: usize = 4;
-const CHAINS_TILE: usize = 1;
 
 /// The least multiply-adds worth a pool task (about a microsecond of work).
 const MIN_TASK_MACS: usize = 32 << 10;
@@ -139,7 +139,7 @@ pub fn gemm_with(
             let xt = &x[t * w.cols..(t + n) * w.cols];
             let mut g = mine.start;
             while g < mine.end {
-                let pair = n >= 3 && g + 1 < mine.end;
+                let pair = g + 1 < mine.end;
                 let mut v = [[[0f32; GROUP]; TOKEN_TILE]; 2];
                 let [v0, v1] = &mut v;
                 if pair {
@@ -165,7 +165,7 @@ pub fn gemm_with(
     Ok(())
 }
 
-/// Groups `g` and `g + 1` against the 3..=6 tokens in `x`.
+/// Groups `g` and `g + 1` against the 1..=6 tokens in `x`.
 fn tile_pair(
     tier: SimdTier,
     w: &F16Matrix,
@@ -180,6 +180,8 @@ fn tile_pair(
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
             let (a, b) = (w.group(g), w.group(g + 1));
             match out0.len() {
+                1 => avx2::tile_pair::<1>(a, b, w.cols, x, out0, out1),
+                2 => avx2::tile_pair::<2>(a, b, w.cols, x, out0, out1),
                 3 => avx2::tile_pair::<3>(a, b, w.cols, x, out0, out1),
                 4 => avx2::tile_pair::<4>(a, b, w.cols, x, out0, out1),
                 5 => avx2::tile_pair::<5>(a, b, w.cols, x, out0, out1),
@@ -202,38 +204,32 @@ fn tile(tier: SimdTier, w: &F16Matrix, g: usize, x: &[f32], out: &mut [[f32; GRO
         // holds `cols × 8` values and `x` `out.len() × cols`.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
             match out.len() {
-                1 => avx2::tile::<1, CHAINS_SMALL>(wg, w.cols, x, out),
-                2 => avx2::tile::<2, CHAINS_SMALL>(wg, w.cols, x, out),
-                3 => avx2::tile::<3, CHAINS_TILE>(wg, w.cols, x, out),
-                4 => avx2::tile::<4, CHAINS_TILE>(wg, w.cols, x, out),
-                5 => avx2::tile::<5, CHAINS_TILE>(wg, w.cols, x, out),
-                _ => avx2::tile::<TOKEN_TILE, CHAINS_TILE>(wg, w.cols, x, out),
+                1 => avx2::tile::<1>(wg, w.cols, x, out),
+                2 => avx2::tile::<2>(wg, w.cols, x, out),
+                3 => avx2::tile::<3>(wg, w.cols, x, out),
+                4 => avx2::tile::<4>(wg, w.cols, x, out),
+                5 => avx2::tile::<5>(wg, w.cols, x, out),
+                _ => avx2::tile::<TOKEN_TILE>(wg, w.cols, x, out),
             }
         },
         _ => {
-            let chains = if out.len() <= 2 {
-                CHAINS_SMALL
-            } else {
-                CHAINS_TILE
-            };
             for (o, xt) in out.iter_mut().zip(x.chunks_exact(w.cols.max(1))) {
-                *o = group_dot_ref(wg, xt, chains);
+                *o = group_dot_ref(wg, xt);
             }
         }
     }
 }
 
-/// The scalar kernel: per lane, `chains` partial sums over `i mod chains`
-/// (each a sequence of FMAs), added in order, as the AVX2 kernel does.
-pub(crate) fn group_dot_ref(wg: &[half::f16], x: &[f32], chains: usize) -> [f32; GROUP] {
-    let mut acc = [[0f32; GROUP]; CHAINS_SMALL];
+/// The scalar kernel: per lane, one chain of FMAs over `i` in order, as
+/// the AVX2 kernels compute it.
+pub(crate) fn group_dot_ref(wg: &[half::f16], x: &[f32]) -> [f32; GROUP] {
+    let mut acc = [0f32; GROUP];
     for (i, &xv) in x.iter().enumerate() {
-        let a = &mut acc[i % chains];
-        for (r, a) in a.iter_mut().enumerate() {
+        for (r, a) in acc.iter_mut().enumerate() {
             *a = wg[GROUP * i + r].to_f32().mul_add(xv, *a);
         }
     }
-    std::array::from_fn(|r| (1..chains).fold(acc[0][r], |s, c| s + acc[c][r]))
+    acc
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -245,7 +241,7 @@ mod avx2 {
     /// The CPU supports AVX2, FMA and F16C; `wg` holds `cols × 8` values,
     /// `x` `T × cols` and `out` `T` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<const T: usize, const C: usize>(
+    pub(super) unsafe fn tile<const T: usize>(
         wg: &[half::f16],
         cols: usize,
         x: &[f32],
@@ -253,33 +249,17 @@ mod avx2 {
     ) {
         assert!(wg.len() >= cols * GROUP && x.len() >= T * cols && out.len() >= T);
         let (wp, xp) = (wg.as_ptr() as *const __m128i, x.as_ptr());
-        let mut acc = [[_mm256_setzero_ps(); T]; C];
-        let mut i = 0;
-        while i + C <= cols {
-            for (c, acc) in acc.iter_mut().enumerate() {
-                // SAFETY: `i + c < cols` (loop bound), in range of both (asserted).
-                let w = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wp.add(i + c)) });
-                for (t, a) in acc.iter_mut().enumerate() {
-                    let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i + c) });
-                    *a = _mm256_fmadd_ps(w, xv, *a);
-                }
-            }
-            i += C;
-        }
-        for (c, acc) in acc.iter_mut().enumerate().take(cols - i) {
-            // SAFETY: `i + c < cols`.
-            let w = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wp.add(i + c)) });
+        let mut acc = [_mm256_setzero_ps(); T];
+        for i in 0..cols {
+            // SAFETY: `i < cols`, in range of both (asserted).
+            let w = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wp.add(i)) });
             for (t, a) in acc.iter_mut().enumerate() {
-                let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i + c) });
+                let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i) });
                 *a = _mm256_fmadd_ps(w, xv, *a);
             }
         }
-        for (t, o) in out.iter_mut().enumerate().take(T) {
-            let mut s = acc[0][t];
-            for a in acc.iter().skip(1) {
-                s = _mm256_add_ps(s, a[t]);
-            }
-            _mm256_storeu_ps(o.as_mut_ptr(), s);
+        for (o, a) in out.iter_mut().zip(acc) {
+            _mm256_storeu_ps(o.as_mut_ptr(), a);
         }
     }
 

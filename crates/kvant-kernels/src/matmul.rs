@@ -6,15 +6,21 @@
 //! than a short row's dot product), and not split at all when the whole
 //! call is too small to repay handing it to the pool.
 //!
-//! One token (decoding) streams every weight once, so it runs the fused
-//! row kernels, which expand each block in registers and never write a
-//! dequantized row. Several tokens reuse each weight row: four rows at a
-//! time are dequantized once into a per-thread scratch buffer (a few KiB:
-//! it stays in L1/L2) and dotted with every token in tiles of three, each
-//! row element and token element loaded once per tile.
+//! Four rows at a time are dequantized once into a per-thread scratch
+//! buffer (a few KiB: it stays in L1) and dotted with every token in tiles
+//! of three, each row element and token element loaded once per tile.
+//!
+//! **Batch invariance.** Every (row, token) product goes through the same
+//! per-pair arithmetic of the 4-row dot tile (one accumulator per pair),
+//! whatever the token count and the row's place: a last group of fewer
+//! than four rows repeats its last row, a last tile of fewer than three
+//! tokens uses a narrower tile. So a token's output does not depend on
+//! the other tokens of the call (one decoding sequence alone or batched
+//! with others gives the same bits), which is why one token takes this
+//! path too rather than the fused row kernels of `quant`.
 
 use crate::cpu::{self, SimdTier};
-use crate::dot::{dot4_f32_with, dot_f32_with, dot_tile_f32_with};
+use crate::dot::dot_tile_f32_with;
 use crate::error::{check_len, checked_mul, KernelError};
 use crate::pool;
 use crate::quant::{dequantize_row_ref, RowKernel};
@@ -28,12 +34,9 @@ const ROW_GROUP: usize = 4;
 /// loaded values fill the 16 AVX2 registers.
 const TOKEN_TILE: usize = 3;
 
-/// The least work worth a task of its own, in weight bytes streamed by a
-/// one-token call and in multiply-adds otherwise: a few times what one core
-/// gets through in the ~1 µs the spinning pool takes to hand out a job (one
-/// core streams ~7 GB/s of quantized weights through the fused kernels and
-/// ~30 G multiply-adds/s through the dot tiles).
-const MIN_TASK_BYTES: usize = 32 << 10;
+/// The least work worth a task of its own, in multiply-adds: a few times
+/// what one core gets through (~30 G multiply-adds/s in the dot tiles) in
+/// the ~1 µs the spinning pool takes to hand out a job.
 const MIN_TASK_MACS: usize = 128 << 10;
 
 /// Chunks of rows per pool thread, so a slow thread does not hold up the call.
@@ -43,16 +46,14 @@ thread_local! {
     /// Dequantized rows of the current group; reused across calls, so a
     /// steady-state forward pass does not allocate here.
     static SCRATCH: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
-    /// Activation sums of the one-token path (see `RowKernel::x_sums`).
-    static SUMS: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
 }
 
 /// Rows per task for `rows` rows of `work_per_row` each, a multiple of
 /// [`ROW_GROUP`]; `None` when the call should not fork.
-fn rows_per_task(rows: usize, work_per_row: usize, min_task_work: usize) -> Option<usize> {
+fn rows_per_task(rows: usize, work_per_row: usize) -> Option<usize> {
     let threads = pool::global().threads();
     let groups = rows.div_ceil(ROW_GROUP);
-    let by_work = rows.saturating_mul(work_per_row) / min_task_work;
+    let by_work = rows.saturating_mul(work_per_row) / MIN_TASK_MACS;
     let tasks = (threads * TASKS_PER_THREAD).min(groups).min(by_work);
     // A whole number of tasks per thread, or two threads would wait on a third task.
     let tasks = if tasks >= threads {
@@ -139,10 +140,6 @@ pub fn matmul_with(
     }
     let kernel = RowKernel::new(w.dtype(), tier);
     let bytes = w.bytes();
-    if n_tokens == 1 && kernel.is_fused() {
-        gemv(kernel, bytes, row_bytes, x, y);
-        return Ok(());
-    }
     let job = Job {
         kernel,
         x,
@@ -151,7 +148,7 @@ pub fn matmul_with(
         inp,
         y: OutPtr(y.as_mut_ptr()),
     };
-    match rows_per_task(out, inp.saturating_mul(n_tokens), MIN_TASK_MACS) {
+    match rows_per_task(out, inp.saturating_mul(n_tokens)) {
         None => job.rows(0, bytes, row_bytes),
         Some(rows) => pool::global().run(out.div_ceil(rows), &|task| {
             let r = task * rows..((task + 1) * rows).min(out);
@@ -163,28 +160,6 @@ pub fn matmul_with(
         }),
     }
     Ok(())
-}
-
-/// One token through the fused kernels: `y` is one output row, so each
-/// task writes its own contiguous slice of it.
-fn gemv(kernel: RowKernel, w: &[u8], row_bytes: usize, x: &[f32], y: &mut [f32]) {
-    let mut sums = SUMS.take();
-    sums.resize(kernel.sums_len(x.len()), 0.0);
-    kernel.x_sums(x, &mut sums);
-    let out = y.len();
-    match rows_per_task(out, row_bytes, MIN_TASK_BYTES) {
-        None => kernel.gemv(w, x, &sums, y),
-        Some(rows) => {
-            let y = pool::DisjointSlice::new(y);
-            pool::global().run(out.div_ceil(rows), &|task| {
-                let r = task * rows..((task + 1) * rows).min(out);
-                // SAFETY: each task's range of rows is its own.
-                let y = unsafe { y.range(r.clone()) };
-                kernel.gemv(&w[r.start * row_bytes..r.end * row_bytes], x, &sums, y);
-            });
-        }
-    }
-    SUMS.set(sums);
 }
 
 /// The output pointer, shared by the tasks of one call.
@@ -230,47 +205,46 @@ impl Job<'_> {
         SCRATCH.set(scratch);
     }
 
-    /// Dots the dequantized rows `first..` held in `w` with every token.
+    /// Dots the dequantized rows `first..` held in `w` (1 to 4 of them)
+    /// with every token, through the 4-row tile only (see the module doc).
     fn dot_group(&self, first: usize, w: &[f32]) {
         let tier = self.kernel.tier();
-        let mut rows = w.chunks_exact(self.inp);
-        let (Some(r0), Some(r1), Some(r2), Some(r3)) =
-            (rows.next(), rows.next(), rows.next(), rows.next())
-        else {
-            // A last group of fewer than four rows.
-            for (t, xt) in self.x.chunks_exact(self.inp).enumerate() {
-                for (r, row) in w.chunks_exact(self.inp).enumerate() {
-                    self.write(t, first + r, dot_f32_with(tier, row, xt));
-                }
-            }
-            return;
-        };
-        let rows = [r0, r1, r2, r3];
+        let n_rows = w.len() / self.inp;
+        let row = |r: usize| &w[r.min(n_rows - 1) * self.inp..][..self.inp];
+        let rows = [row(0), row(1), row(2), row(3)];
         let tile = self.inp * TOKEN_TILE;
         let mut tiles = self.x.chunks_exact(tile);
         for (i, xs) in (&mut tiles).enumerate() {
             let xs: [&[f32]; TOKEN_TILE] =
                 std::array::from_fn(|t| &xs[t * self.inp..(t + 1) * self.inp]);
             let d = dot_tile_f32_with(tier, rows, xs);
-            self.write_tile(i * TOKEN_TILE, first, &d);
+            self.write_tile(i * TOKEN_TILE, first, n_rows, &d);
         }
         let t0 = self.n_tokens - tiles.remainder().len() / self.inp;
         match tiles.remainder().len() / self.inp {
             2 => {
                 let (x0, x1) = tiles.remainder().split_at(self.inp);
-                self.write_tile(t0, first, &dot_tile_f32_with(tier, rows, [x0, x1]));
+                let d = dot_tile_f32_with(tier, rows, [x0, x1]);
+                self.write_tile(t0, first, n_rows, &d);
             }
             1 => {
-                let d = dot4_f32_with(tier, rows, tiles.remainder());
-                self.write_tile(t0, first, &d.map(|v| [v]));
+                let d = dot_tile_f32_with(tier, rows, [tiles.remainder()]);
+                self.write_tile(t0, first, n_rows, &d);
             }
             _ => {}
         }
     }
 
-    /// Writes `d[r][t]` to row `first + r` of token `t0 + t`.
-    fn write_tile<const T: usize>(&self, t0: usize, first: usize, d: &[[f32; T]; ROW_GROUP]) {
-        for (r, d) in d.iter().enumerate() {
+    /// Writes `d[r][t]` to row `first + r` of token `t0 + t`, for the
+    /// first `n_rows` rows (the rest are repeats).
+    fn write_tile<const T: usize>(
+        &self,
+        t0: usize,
+        first: usize,
+        n_rows: usize,
+        d: &[[f32; T]; ROW_GROUP],
+    ) {
+        for (r, d) in d.iter().enumerate().take(n_rows) {
             for (t, &v) in d.iter().enumerate() {
                 self.write(t0 + t, first + r, v);
             }

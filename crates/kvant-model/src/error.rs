@@ -34,4 +34,10 @@ pub enum ModelError {
     ContextOverflow { needed: usize, capacity: usize },
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
+    #[error("a KV pool of {n_blocks} blocks of {block_size} tokens cannot be allocated")]
+    KvTooLarge { block_size: usize, n_blocks: usize },
+    #[error("the KV pool was made for another model shape")]
+    KvShape,
+    #[error("block table entry {block} is outside the pool of {n_blocks} blocks")]
+    BadBlock { block: u32, n_blocks: usize },
 }

@@ -1,14 +1,19 @@
-//! The KV cache the forward pass writes and attention reads.
+//! The KV caches the forward pass writes and attention reads.
 //!
-//! One sequence, one buffer per layer, sized up front for the request
-//! (prompt + output budget) so decoding never reallocates. Rows are stored
-//! head-major (`[n_kv_heads, capacity, head_dim]`, see
-//! `kvant_kernels::attention::KvLayer`) in f16 by default, which halves
-//! what each decode step streams; f32 keeps results closest to an f32
-//! reference. The paged, block-table cache of the serving engine replaces
-//! this type behind the same methods.
+//! [`KvPool`] is the serving engine's paged cache: per layer, one store of
+//! fixed-size blocks allocated up front, `[n_blocks, n_kv_heads,
+//! block_size, head_dim]` (see `kvant_kernels::attention::KvBlocks`), into
+//! which each sequence's block table points. Which blocks a sequence owns
+//! is the engine's business; the pool only holds the numbers. Elements are
+//! f16 by default, which halves what each decode step streams; f32 keeps
+//! keys and values exactly as computed.
+//!
+//! [`KvCache`] is one sequence's cache for the single-stream paths (CLI
+//! generation, perplexity, benchmarks): a pool of one block as long as the
+//! sequence may grow, so both paths run the same kernels.
 
-use kvant_kernels::attention::{attention, store_rows, AttnParams, KvElem, KvLayer};
+use crate::ModelError;
+use kvant_kernels::attention::{attention, store_rows, AttnParams, KvBlocks, KvElem, SeqAttn};
 
 /// The element type of a KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,7 +31,7 @@ impl KvDType {
     }
 }
 
-/// Every layer's keys and values in one element type.
+/// Every layer's key and value blocks in one element type.
 struct Layers<T> {
     keys: Vec<Vec<T>>,
     values: Vec<Vec<T>>,
@@ -34,13 +39,14 @@ struct Layers<T> {
 
 impl<T: KvElem + Default> Layers<T> {
     fn new(n_layers: usize, per_layer: usize) -> Self {
+        let alloc = || {
+            (0..n_layers)
+                .map(|_| vec![T::default(); per_layer])
+                .collect()
+        };
         Layers {
-            keys: (0..n_layers)
-                .map(|_| vec![T::default(); per_layer])
-                .collect(),
-            values: (0..n_layers)
-                .map(|_| vec![T::default(); per_layer])
-                .collect(),
+            keys: alloc(),
+            values: alloc(),
         }
     }
 }
@@ -50,34 +56,184 @@ enum Store {
     F32(Layers<f32>),
 }
 
-/// Keys and values of one sequence.
-pub struct KvCache {
+/// The shape of a pool: what every block holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    pub n_layers: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub dtype: KvDType,
+}
+
+impl KvShape {
+    /// Bytes one token occupies across all layers (keys and values).
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.bytes()
+    }
+}
+
+/// Fixed-size blocks of keys and values for every layer.
+pub struct KvPool {
     store: Store,
-    n_kv_heads: usize,
-    head_dim: usize,
-    capacity: usize,
+    shape: KvShape,
+    block_size: usize,
+    n_blocks: usize,
+}
+
+impl KvPool {
+    /// A pool of `n_blocks` blocks of `block_size` tokens, allocated now
+    /// (pages are committed by the OS as blocks are first written).
+    pub fn new(shape: KvShape, block_size: usize, n_blocks: usize) -> Result<Self, ModelError> {
+        let per_layer = shape
+            .n_kv_heads
+            .checked_mul(shape.head_dim)
+            .and_then(|x| x.checked_mul(block_size))
+            .and_then(|x| x.checked_mul(n_blocks))
+            .filter(|&x| {
+                x.checked_mul(2 * shape.n_layers * shape.dtype.bytes())
+                    .is_some_and(|b| b <= isize::MAX as usize)
+            })
+            .ok_or(ModelError::KvTooLarge {
+                block_size,
+                n_blocks,
+            })?;
+        if block_size == 0 || n_blocks == 0 || n_blocks > u32::MAX as usize {
+            return Err(ModelError::KvTooLarge {
+                block_size,
+                n_blocks,
+            });
+        }
+        Ok(KvPool {
+            store: match shape.dtype {
+                KvDType::F16 => Store::F16(Layers::new(shape.n_layers, per_layer)),
+                KvDType::F32 => Store::F32(Layers::new(shape.n_layers, per_layer)),
+            },
+            shape,
+            block_size,
+            n_blocks,
+        })
+    }
+
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn n_blocks(&self) -> usize {
+        self.n_blocks
+    }
+
+    pub fn dtype(&self) -> KvDType {
+        self.shape.dtype
+    }
+
+    /// Bytes held, for memory reports.
+    pub fn bytes(&self) -> usize {
+        self.shape.bytes_per_token() * self.block_size * self.n_blocks
+    }
+
+    /// Whether `table` (block ids) covers `positions` positions of this pool.
+    pub(crate) fn check_table(&self, table: &[u32], positions: usize) -> Result<(), ModelError> {
+        let needed = positions.div_ceil(self.block_size);
+        if table.len() < needed {
+            return Err(ModelError::ContextOverflow {
+                needed: positions,
+                capacity: table.len() * self.block_size,
+            });
+        }
+        match table[..needed]
+            .iter()
+            .find(|&&b| b as usize >= self.n_blocks)
+        {
+            Some(&b) => Err(ModelError::BadBlock {
+                block: b,
+                n_blocks: self.n_blocks,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Stores `k` and `v` (`[n_tokens, kv_dim]`, the batch's new tokens) in
+    /// one layer at each sequence's positions, then runs attention for the
+    /// queries `q` (the same tokens) over each sequence's history including
+    /// them. The caller has checked every table with [`Self::check_table`].
+    pub(crate) fn store_and_attend(
+        &mut self,
+        layer: usize,
+        seqs: &[SeqAttn<'_>],
+        kv: (&[f32], &[f32]),
+        p: &AttnParams,
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        match &mut self.store {
+            Store::F16(l) => step(l, layer, self.block_size, seqs, kv, p, q, out),
+            Store::F32(l) => step(l, layer, self.block_size, seqs, kv, p, q, out),
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // one layer's step, unpacked from the pool
+fn step<T: KvElem>(
+    l: &mut Layers<T>,
+    layer: usize,
+    block_size: usize,
+    seqs: &[SeqAttn<'_>],
+    (k, v): (&[f32], &[f32]),
+    p: &AttnParams,
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let kv_dim = p.n_kv_heads * p.head_dim;
+    for s in seqs {
+        let rows = s.rows.start * kv_dim..s.rows.end * kv_dim;
+        let (nk, hd) = (p.n_kv_heads, p.head_dim);
+        store_rows(
+            &k[rows.clone()],
+            &mut l.keys[layer],
+            block_size,
+            nk,
+            hd,
+            s.table,
+            s.pos0,
+        );
+        store_rows(
+            &v[rows],
+            &mut l.values[layer],
+            block_size,
+            nk,
+            hd,
+            s.table,
+            s.pos0,
+        );
+    }
+    let blocks = KvBlocks {
+        k: &l.keys[layer],
+        v: &l.values[layer],
+        block_size,
+    };
+    attention(p, q, &blocks, seqs, out);
+}
+
+/// Keys and values of one sequence: a pool of one block of `capacity`
+/// positions.
+pub struct KvCache {
+    pool: KvPool,
     len: usize,
 }
 
+/// The one block of a [`KvCache`].
+pub(crate) const SINGLE_TABLE: [u32; 1] = [0];
+
 impl KvCache {
-    pub fn new(
-        n_layers: usize,
-        n_kv_heads: usize,
-        head_dim: usize,
-        capacity: usize,
-        dtype: KvDType,
-    ) -> Self {
-        let per_layer = n_kv_heads * capacity * head_dim;
-        KvCache {
-            store: match dtype {
-                KvDType::F16 => Store::F16(Layers::new(n_layers, per_layer)),
-                KvDType::F32 => Store::F32(Layers::new(n_layers, per_layer)),
-            },
-            n_kv_heads,
-            head_dim,
-            capacity,
+    pub fn new(shape: KvShape, capacity: usize) -> Result<Self, ModelError> {
+        Ok(KvCache {
+            pool: KvPool::new(shape, capacity.max(1), 1)?,
             len: 0,
-        }
+        })
     }
 
     /// Tokens already stored (the position of the next token).
@@ -90,67 +246,20 @@ impl KvCache {
     }
 
     pub fn capacity(&self) -> usize {
-        self.capacity
+        self.pool.block_size
     }
 
     pub fn dtype(&self) -> KvDType {
-        match self.store {
-            Store::F16(_) => KvDType::F16,
-            Store::F32(_) => KvDType::F32,
-        }
+        self.pool.dtype()
     }
 
     /// Bytes held, for memory reports.
     pub fn bytes(&self) -> usize {
-        let layers = match &self.store {
-            Store::F16(l) => l.keys.len(),
-            Store::F32(l) => l.keys.len(),
-        };
-        2 * layers * self.n_kv_heads * self.capacity * self.head_dim * self.dtype().bytes()
+        self.pool.bytes()
     }
 
-    /// Stores `k` and `v` (`[n, kv_dim]`, the next `n` tokens) in one layer
-    /// after the current length, then runs attention for queries `q` (the
-    /// same tokens) over the layer's history including them.
-    /// The caller has checked `len + n <= capacity`.
-    pub(crate) fn append_and_attend(
-        &mut self,
-        layer: usize,
-        k: &[f32],
-        v: &[f32],
-        p: &AttnParams,
-        q: &[f32],
-        out: &mut [f32],
-    ) {
-        let n = k.len() / (self.n_kv_heads * self.head_dim);
-        match &mut self.store {
-            Store::F16(l) => step(
-                l,
-                layer,
-                self.capacity,
-                self.head_dim,
-                self.len,
-                n,
-                k,
-                v,
-                p,
-                q,
-                out,
-            ),
-            Store::F32(l) => step(
-                l,
-                layer,
-                self.capacity,
-                self.head_dim,
-                self.len,
-                n,
-                k,
-                v,
-                p,
-                q,
-                out,
-            ),
-        }
+    pub(crate) fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
     }
 
     /// Commits the tokens appended to every layer by one forward pass.
@@ -162,29 +271,4 @@ impl KvCache {
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);
     }
-}
-
-#[allow(clippy::too_many_arguments)] // one layer's step, unpacked from the cache
-fn step<T: KvElem>(
-    l: &mut Layers<T>,
-    layer: usize,
-    capacity: usize,
-    head_dim: usize,
-    pos: usize,
-    n: usize,
-    k: &[f32],
-    v: &[f32],
-    p: &AttnParams,
-    q: &[f32],
-    out: &mut [f32],
-) {
-    store_rows(k, &mut l.keys[layer], capacity, head_dim, pos);
-    store_rows(v, &mut l.values[layer], capacity, head_dim, pos);
-    let kv = KvLayer {
-        k: &l.keys[layer],
-        v: &l.values[layer],
-        capacity,
-        len: pos + n,
-    };
-    attention(p, q, pos, &kv, out);
 }

@@ -67,7 +67,7 @@ fn check(model: &Path, fixture: &str) {
             .map(|v| v.as_f64().unwrap())
             .collect();
         let seq: Vec<u32> = prompt.iter().chain(&greedy).copied().collect();
-        let mut cache = m.new_cache(seq.len());
+        let mut cache = m.new_cache(seq.len()).unwrap();
         let logits = m.forward(&seq, &mut cache, Logits::All).unwrap();
         let row = |pos: usize| &logits[pos * vocab..(pos + 1) * vocab];
         let last = row(prompt.len() - 1);

@@ -120,7 +120,7 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
     let prompt = ids(&r["prompt_ids"]);
     let vocab = m.config().vocab;
 
-    let mut cache = m.new_cache(prompt.len());
+    let mut cache = m.new_cache(prompt.len()).unwrap();
     let logits = m.forward(&prompt, &mut cache, Logits::All).unwrap();
     let want = r["logits"].as_array().unwrap();
     let mut max_err = 0f32;
@@ -154,7 +154,7 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
 
 /// Greedy decoding straight on the model (the engine crate sits above this one).
 fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = m.new_cache(prompt.len() + n);
+    let mut cache = m.new_cache(prompt.len() + n).unwrap();
     let mut logits = m.forward(prompt, &mut cache, Logits::Last).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {

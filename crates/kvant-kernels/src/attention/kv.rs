@@ -1,12 +1,14 @@
-//! How attention sees one layer of a KV cache: head-major rows of `f32` or
-//! `f16`.
+//! How attention sees one layer of a KV cache: fixed-size blocks of
+//! head-major rows of `f32` or `f16`, addressed through each sequence's
+//! block table.
 //!
-//! Layout `[n_kv_heads, capacity, head_dim]`: the keys one work item reads
-//! (one KV head, consecutive positions) are contiguous, so a tile is one
-//! sequential read the prefetchers follow, not `head_dim` floats every
-//! `kv_dim` (the token-major layout's stride). `f16` halves the bytes a
-//! decode step streams; tiles are widened to f32 once per item and tile
-//! (F16C when the CPU has it), and all arithmetic stays f32.
+//! Within a block, layout `[n_kv_heads, block_size, head_dim]`: the keys one
+//! work item reads (one KV head, consecutive positions) are contiguous for
+//! a whole block, so a tile is one or two sequential reads the prefetchers
+//! follow, not `head_dim` floats every `kv_dim` (a token-major stride).
+//! `f16` halves the bytes a decode step streams; tiles are widened to f32
+//! once per item and tile (F16C when the CPU has it), and all arithmetic
+//! stays f32.
 
 use half::slice::HalfFloatSliceExt;
 
@@ -64,21 +66,38 @@ unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
     }
 }
 
-/// One layer's keys and values, `[n_kv_heads, capacity, head_dim]` each,
-/// of which positions `0..len` are valid.
+/// One layer's keys and values in fixed-size blocks (PagedAttention):
+/// `[n_blocks, n_kv_heads, block_size, head_dim]` each. Within a block the
+/// layout is head-major, so a key tile of one head is contiguous for up to
+/// `block_size` positions. A contiguous cache is the special case of one
+/// block of `capacity` positions.
 #[derive(Clone, Copy)]
-pub struct KvLayer<'a, T> {
+pub struct KvBlocks<'a, T> {
     pub k: &'a [T],
     pub v: &'a [T],
-    pub capacity: usize,
-    pub len: usize,
+    pub block_size: usize,
 }
 
-impl<T: KvElem> KvLayer<'_, T> {
-    /// Widens rows `j0..j0 + n` of KV head `h`'s keys and values into the
-    /// first `n * head_dim` values of `kt` and `vt`.
+impl<T: KvElem> KvBlocks<'_, T> {
+    /// Elements per block.
+    pub(super) fn block_elems(&self, n_kv_heads: usize, head_dim: usize) -> usize {
+        n_kv_heads * self.block_size * head_dim
+    }
+
+    /// Blocks held (the valid range of table entries).
+    pub(super) fn n_blocks(&self, n_kv_heads: usize, head_dim: usize) -> usize {
+        self.k.len() / self.block_elems(n_kv_heads, head_dim).max(1)
+    }
+
+    /// Widens positions `j0..j0 + n` of KV head `h` of the sequence whose
+    /// blocks are `table` (position `j` is slot `j % block_size` of block
+    /// `table[j / block_size]`) into the first `n * head_dim` values of `kt`
+    /// and `vt`, one contiguous run per block crossed.
+    #[allow(clippy::too_many_arguments)] // a tile's address, unpacked
     pub(super) fn widen_tile(
         &self,
+        table: &[u32],
+        n_kv_heads: usize,
         hd: usize,
         h: usize,
         j0: usize,
@@ -86,32 +105,47 @@ impl<T: KvElem> KvLayer<'_, T> {
         kt: &mut [f32],
         vt: &mut [f32],
     ) {
-        let r = (h * self.capacity + j0) * hd..(h * self.capacity + j0 + n) * hd;
-        T::widen(&self.k[r.clone()], &mut kt[..n * hd]);
-        T::widen(&self.v[r], &mut vt[..n * hd]);
+        let bs = self.block_size;
+        let per_block = self.block_elems(n_kv_heads, hd);
+        let mut j = j0;
+        while j < j0 + n {
+            let (b, slot) = (table[j / bs] as usize, j % bs);
+            let run = (bs - slot).min(j0 + n - j);
+            let src = b * per_block + (h * bs + slot) * hd;
+            let dst = (j - j0) * hd;
+            T::widen(&self.k[src..src + run * hd], &mut kt[dst..dst + run * hd]);
+            T::widen(&self.v[src..src + run * hd], &mut vt[dst..dst + run * hd]);
+            j += run;
+        }
     }
 }
 
 /// Writes `n` tokens' keys or values (`src`, token-major `[n, n_kv_heads *
-/// head_dim]`) at positions `pos..pos + n` of a head-major layer `dst`.
+/// head_dim]`) at positions `pos..pos + n` of a sequence whose blocks are
+/// `table`, in a block store `dst` laid out as [`KvBlocks`].
 ///
 /// # Panics
-/// If the positions exceed `capacity` or the slices disagree (a bug in the caller).
+/// If a position falls outside the table or a block outside `dst`, or the
+/// slices disagree (a bug in the caller: block tables are engine-made).
 pub fn store_rows<T: KvElem>(
     src: &[f32],
     dst: &mut [T],
-    capacity: usize,
+    block_size: usize,
+    n_kv_heads: usize,
     head_dim: usize,
+    table: &[u32],
     pos: usize,
 ) {
-    let kv_dim = dst.len() / capacity.max(1);
-    let n_kv = kv_dim / head_dim.max(1);
-    assert_eq!(src.len() % kv_dim.max(1), 0);
-    let n = src.len() / kv_dim.max(1);
-    assert!(pos + n <= capacity, "KV rows past the capacity");
-    for (t, row) in src.chunks_exact(kv_dim.max(1)).enumerate() {
-        for h in 0..n_kv {
-            let at = (h * capacity + pos + t) * head_dim;
+    let kv_dim = n_kv_heads * head_dim;
+    assert!(kv_dim > 0 && block_size > 0);
+    assert_eq!(src.len() % kv_dim, 0);
+    let per_block = kv_dim * block_size;
+    for (t, row) in src.chunks_exact(kv_dim).enumerate() {
+        let j = pos + t;
+        let b = table[j / block_size] as usize;
+        let slot = j % block_size;
+        for h in 0..n_kv_heads {
+            let at = b * per_block + (h * block_size + slot) * head_dim;
             T::narrow(
                 &row[h * head_dim..(h + 1) * head_dim],
                 &mut dst[at..at + head_dim],

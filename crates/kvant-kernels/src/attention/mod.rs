@@ -1,25 +1,29 @@
-//! Causal self-attention over a contiguous KV history: FlashAttention-style
-//! tiles with the online softmax, GQA groups processed together, and the key
-//! range split across threads (flash-decoding) when a call has too few
-//! query rows to occupy the pool.
+//! Causal self-attention over a paged KV cache (PagedAttention) for a
+//! ragged batch of sequences: FlashAttention-style tiles with the online
+//! softmax, GQA groups processed together, and the key range split across
+//! threads (flash-decoding) when a call has too few query rows to occupy
+//! the pool.
 //!
-//! Work items are a few query rows sharing one KV head (`rows`); each runs
-//! over its keys in tiles, never materialising a score row. A decode step
-//! has one item per KV head, fewer than the pool has threads, so the keys
-//! are split into ranges whose partial states `(max, denominator, weighted
-//! sum)` are merged afterwards, exactly as FlashDecoding does on a GPU.
+//! Work items are a few query rows of one sequence sharing one KV head
+//! (`rows`); each runs over its keys partition by partition, in tiles,
+//! never materialising a score row. A decode step of one sequence has one
+//! item per KV head, fewer than the pool has threads, so its partitions are
+//! spread over tasks whose partial states `(max, denominator, weighted sum)`
+//! are folded afterwards, as FlashDecoding does on a GPU. How the work is
+//! split never changes a result (see `rows`' batch invariance).
 
 mod kv;
 mod reference;
 mod rows;
 
-pub use kv::{store_rows, KvElem, KvLayer};
+pub use kv::{store_rows, KvBlocks, KvElem};
 pub use reference::attention_ref;
 
 use crate::cpu::{self, SimdTier};
 use crate::pool::{self, DisjointSlice};
-use rows::{Item, State};
+use rows::{fold, Item, Partial, SeqOperands, State};
 use std::cell::RefCell;
+use std::ops::Range;
 
 /// Shape and policy of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -34,7 +38,7 @@ pub struct AttnParams {
 }
 
 impl AttnParams {
-    fn key_range(&self, pos: usize) -> std::ops::Range<usize> {
+    fn key_range(&self, pos: usize) -> Range<usize> {
         let lo = match self.window {
             Some(w) => (pos + 1).saturating_sub(w),
             None => 0,
@@ -43,68 +47,244 @@ impl AttnParams {
     }
 }
 
+/// One sequence of a batched call: its query rows (`rows`, token indices
+/// into the call's `q` and `out`), the position of the first, and where its
+/// keys live. The table must cover `pos0 + rows.len()` positions, whose
+/// keys and values (the query tokens' own included) are already stored.
+#[derive(Clone, Debug)]
+pub struct SeqAttn<'a> {
+    pub rows: Range<usize>,
+    pub pos0: usize,
+    pub table: &'a [u32],
+}
+
 /// Query rows per work item: a GQA group's heads times a few tokens, as
 /// many as share each loaded (widened) key tile while the scores and
 /// accumulators stay in L1.
 const MAX_ROWS: usize = 24;
 
-/// The fewest keys worth a split of their own.
-const MIN_SPLIT_KEYS: usize = 128;
-
 /// Work items wanted per pool thread, for balance (late rows see more keys).
 const ITEMS_PER_THREAD: usize = 4;
 
+/// An item of a call and where its partitions' states go when split.
+#[derive(Clone, Copy)]
+struct Planned {
+    seq: usize,
+    item: Item,
+    parts: (usize, usize),
+    /// Offset of its partition states in the split buffer.
+    off: usize,
+}
+
+/// A task of a split call: an item (index into the plan) and the
+/// partitions `a..b` it runs.
+type Task = (usize, usize, usize);
+
 thread_local! {
     static STATE: RefCell<State> = RefCell::new(State::default());
-    /// Partial states of split calls: per task `[m; R] [l; R] [acc; R·hd]`.
+    static MERGED: RefCell<Partial> = RefCell::new(Partial::default());
+    /// The call's items, and its tasks when split.
+    static PLAN: RefCell<(Vec<Planned>, Vec<Task>)> =
+        const { RefCell::new((Vec::new(), Vec::new())) };
+    /// Partial states of split calls: per item and partition `[m; R] [l; R] [acc; R·hd]`.
     static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// `q` is `[n_tokens, n_heads * head_dim]` for positions `q_pos0..q_pos0 + n_tokens`;
-/// `kv` holds positions `0..kv.len` (including the query tokens' own keys);
-/// `out` is shaped like `q`.
+/// Attention of every sequence in `seqs` on the start-up tier. `q` and
+/// `out` are `[n_tokens, n_heads * head_dim]`, the sequences' rows
+/// concatenated.
 pub fn attention<T: KvElem>(
     p: &AttnParams,
     q: &[f32],
-    q_pos0: usize,
-    kv: &KvLayer<'_, T>,
+    kv: &KvBlocks<'_, T>,
+    seqs: &[SeqAttn<'_>],
     out: &mut [f32],
 ) {
-    attention_with(cpu::tier(), p, q, q_pos0, kv, out)
+    attention_with(cpu::tier(), p, q, kv, seqs, out)
 }
 
 /// [`attention`] on a given tier (lowered to one the CPU supports).
 ///
 /// # Panics
-/// If the slices disagree with `p` (a bug in the calling model code).
+/// If the slices, block tables or rows disagree with `p` and `kv` (a bug in
+/// the calling model or engine code: block tables are engine-made).
 pub fn attention_with<T: KvElem>(
     tier: SimdTier,
     p: &AttnParams,
     q: &[f32],
-    q_pos0: usize,
-    kv: &KvLayer<'_, T>,
+    kv: &KvBlocks<'_, T>,
+    seqs: &[SeqAttn<'_>],
     out: &mut [f32],
 ) {
     let hd = p.head_dim;
     let group = p.n_heads / p.n_kv_heads.max(1);
     assert!(hd > 0 && group > 0 && p.n_heads == group * p.n_kv_heads);
     assert_eq!(q.len(), out.len());
-    assert_eq!(kv.k.len(), p.n_kv_heads * kv.capacity * hd);
     assert_eq!(kv.v.len(), kv.k.len());
-    assert!(kv.len <= kv.capacity);
-    let n = q.len() / (p.n_heads * hd);
-    let kv_len = kv.len;
-    assert!(q_pos0 + n <= kv_len, "queries past the cached keys");
-    if n == 0 {
-        return;
+    assert!(kv.block_size > 0);
+    let qd = p.n_heads * hd;
+    let n_blocks = kv.n_blocks(p.n_kv_heads, hd);
+    assert_eq!(kv.k.len(), n_blocks * kv.block_elems(p.n_kv_heads, hd));
+    for s in seqs {
+        let len = s.pos0 + s.rows.len();
+        assert!(s.rows.end * qd <= q.len(), "rows past the queries");
+        assert!(
+            s.table.len() * kv.block_size >= len,
+            "block table too short"
+        );
+        assert!(s.table[..len.div_ceil(kv.block_size)]
+            .iter()
+            .all(|&b| (b as usize) < n_blocks));
     }
     let tier = cpu::clamp(tier);
+    let operands = |si: usize| {
+        let s = &seqs[si];
+        SeqOperands {
+            q: &q[s.rows.start * qd..s.rows.end * qd],
+            pos0: s.pos0,
+            kv,
+            table: s.table,
+        }
+    };
+    PLAN.with_borrow_mut(|(plan, tasks)| {
+        plan.clear();
+        let mut off = 0;
+        for (si, s) in seqs.iter().enumerate() {
+            let ops = operands(si);
+            for item in items(p, s.rows.len()) {
+                let parts = ops.partitions(p, &item);
+                plan.push(Planned {
+                    seq: si,
+                    item,
+                    parts: (parts.start, parts.end),
+                    off,
+                });
+                off += parts.len() * item.rows() * (2 + hd);
+            }
+        }
+        let out = DisjointSlice::new(out);
+        let write_row = |seq: usize, t: usize, h: usize, f: &mut dyn FnMut(&mut [f32])| {
+            let o = ((seqs[seq].rows.start + t) * p.n_heads + h) * hd;
+            // SAFETY: every (sequence, token, head) row belongs to exactly
+            // one item, and sequences' rows do not overlap (checked by the
+            // caller's construction; out-of-range panics in `range`).
+            f(unsafe { out.range(o..o + hd) });
+        };
+        let finish = |pl: &Planned, m: &Partial| {
+            for r in 0..pl.item.rows() {
+                let (t, h) = pl.item.row(r);
+                let (l, acc) = (m.l[r], &m.acc[r * hd..(r + 1) * hd]);
+                write_row(pl.seq, t, h, &mut |o| {
+                    o.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
+                });
+            }
+        };
+        let wanted = pool::global().threads() * ITEMS_PER_THREAD;
+        let total_parts: usize = plan.iter().map(|pl| pl.parts.1 - pl.parts.0).sum();
+        if plan.len() >= wanted || total_parts <= plan.len() {
+            let plan = &*plan;
+            pool::global().run(plan.len(), &|i| {
+                let pl = &plan[i];
+                let ops = &operands(pl.seq);
+                STATE.with_borrow_mut(|st| {
+                    MERGED.with_borrow_mut(|m| {
+                        m.reset(pl.item.rows(), hd);
+                        for part in pl.parts.0..pl.parts.1 {
+                            rows::run_partition(tier, p, ops, &pl.item, part, st);
+                            fold_rows(m, &st.part, hd);
+                        }
+                        finish(pl, m);
+                    });
+                });
+            });
+            return;
+        }
+        // Flash-decoding: spread each item's partitions over tasks, keep
+        // every partition's state, then fold them in order per item.
+        let per_item = wanted.div_ceil(plan.len());
+        tasks.clear();
+        for (i, pl) in plan.iter().enumerate() {
+            let n = pl.parts.1 - pl.parts.0;
+            let chunk = n.div_ceil(per_item.min(n).max(1));
+            let mut a = pl.parts.0;
+            while a < pl.parts.1 {
+                let b = (a + chunk).min(pl.parts.1);
+                tasks.push((i, a, b));
+                a = b;
+            }
+        }
+        PARTS.with_borrow_mut(|parts| {
+            parts.resize(off, 0.0);
+            let shared = DisjointSlice::new(parts);
+            let (plan, tasks) = (&*plan, &*tasks);
+            pool::global().run(tasks.len(), &|task| {
+                let (i, a, b) = tasks[task];
+                let pl = &plan[i];
+                let rows = pl.item.rows();
+                let stride = rows * (2 + hd);
+                let at = pl.off + (a - pl.parts.0) * stride;
+                // SAFETY: each (item, partition) owns its own stride of the
+                // buffer, and tasks cover disjoint partition ranges.
+                let mine = unsafe { shared.range(at..at + (b - a) * stride) };
+                STATE.with_borrow_mut(|st| {
+                    for (part, dst) in (a..b).zip(mine.chunks_exact_mut(stride)) {
+                        rows::run_partition(tier, p, &operands(pl.seq), &pl.item, part, st);
+                        dst[..rows].copy_from_slice(&st.part.m);
+                        dst[rows..2 * rows].copy_from_slice(&st.part.l);
+                        dst[2 * rows..].copy_from_slice(&st.part.acc);
+                    }
+                });
+            });
+            let parts = &*parts;
+            pool::global().run(plan.len(), &|i| {
+                let pl = &plan[i];
+                let rows = pl.item.rows();
+                let stride = rows * (2 + hd);
+                let n = pl.parts.1 - pl.parts.0;
+                MERGED.with_borrow_mut(|m| {
+                    m.reset(rows, hd);
+                    for s in parts[pl.off..pl.off + n * stride].chunks_exact(stride) {
+                        for r in 0..rows {
+                            fold(
+                                &mut m.m[r],
+                                &mut m.l[r],
+                                &mut m.acc[r * hd..(r + 1) * hd],
+                                s[r],
+                                s[rows + r],
+                                &s[2 * rows + r * hd..2 * rows + (r + 1) * hd],
+                            );
+                        }
+                    }
+                    finish(pl, m);
+                });
+            });
+        });
+    });
+}
+
+/// Folds every row of partition state `b` into `m`.
+fn fold_rows(m: &mut Partial, b: &Partial, hd: usize) {
+    for r in 0..b.m.len() {
+        fold(
+            &mut m.m[r],
+            &mut m.l[r],
+            &mut m.acc[r * hd..(r + 1) * hd],
+            b.m[r],
+            b.l[r],
+            &b.acc[r * hd..(r + 1) * hd],
+        );
+    }
+}
+
+/// The work items of a sequence with `n` query tokens: per KV head, the
+/// group's heads (at most `MAX_ROWS`) times as many tokens as fit.
+fn items(p: &AttnParams, n: usize) -> impl Iterator<Item = Item> {
+    let group = p.n_heads / p.n_kv_heads;
     let hs = group.min(MAX_ROWS);
     let head_chunks = group.div_ceil(hs);
-    let tq = (MAX_ROWS / hs).clamp(1, n);
+    let tq = (MAX_ROWS / hs).clamp(1, n.max(1));
     let token_blocks = n.div_ceil(tq);
-    let items = p.n_kv_heads * head_chunks * token_blocks;
-    let item = |i: usize| {
+    (0..p.n_kv_heads * head_chunks * token_blocks).map(move |i| {
         let (kvh, rest) = (
             i / (head_chunks * token_blocks),
             i % (head_chunks * token_blocks),
@@ -119,140 +299,110 @@ pub fn attention_with<T: KvElem>(
             t0,
             tq: tq.min(n - t0),
         }
-    };
-    let threads = pool::global().threads();
-    let wanted = threads * ITEMS_PER_THREAD;
-    let splits = if items >= wanted {
-        1
-    } else {
-        wanted.div_ceil(items).min(kv_len / MIN_SPLIT_KEYS).max(1)
-    };
-    let out = DisjointSlice::new(out);
-    let write_row = |t: usize, h: usize, f: &mut dyn FnMut(&mut [f32])| {
-        let o = (t * p.n_heads + h) * hd;
-        // SAFETY: every (token, head) row belongs to exactly one item.
-        f(unsafe { out.range(o..o + hd) });
-    };
-    if splits == 1 {
-        pool::global().run(items, &|i| {
-            let it = item(i);
-            STATE.with_borrow_mut(|st| {
-                rows::run(tier, p, q, q_pos0, kv, &it, 0..kv_len, st);
-                for r in 0..it.rows() {
-                    let (t, h) = it.row(r);
-                    let (l, acc) = (st.l[r], &st.acc[r * hd..(r + 1) * hd]);
-                    write_row(t, h, &mut |o| {
-                        o.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
-                    });
-                }
-            });
-        });
-        return;
-    }
-    // Flash-decoding: split the keys, then merge the partial states.
-    let stride = MAX_ROWS * (2 + hd);
-    let span = kv_len.div_ceil(splits);
-    PARTS.with_borrow_mut(|parts| {
-        parts.resize(items * splits * stride, 0.0);
-        let shared = DisjointSlice::new(parts);
-        pool::global().run(items * splits, &|task| {
-            let (it, sp) = (item(task / splits), task % splits);
-            let keys = (sp * span).min(kv_len)..((sp + 1) * span).min(kv_len);
-            // SAFETY: each task owns its own stride of the buffer.
-            let part = unsafe { shared.range(task * stride..(task + 1) * stride) };
-            STATE.with_borrow_mut(|st| {
-                rows::run(tier, p, q, q_pos0, kv, &it, keys, st);
-                let n_rows = it.rows();
-                part[..n_rows].copy_from_slice(&st.m);
-                part[MAX_ROWS..MAX_ROWS + n_rows].copy_from_slice(&st.l);
-                part[2 * MAX_ROWS..2 * MAX_ROWS + n_rows * hd].copy_from_slice(&st.acc);
-            });
-        });
-        let parts = &*parts;
-        pool::global().run(items, &|i| {
-            let it = item(i);
-            let mine = &parts[i * splits * stride..(i + 1) * splits * stride];
-            for r in 0..it.rows() {
-                let (t, h) = it.row(r);
-                write_row(t, h, &mut |o| merge(mine, stride, r, hd, o));
-            }
-        });
-    });
-}
-
-/// Row `r` of an item from its splits' partial states: rescale each by
-/// `e^(m_s - M)` to the common maximum `M`, then normalise.
-fn merge(parts: &[f32], stride: usize, r: usize, hd: usize, out: &mut [f32]) {
-    let m_all = parts
-        .chunks_exact(stride)
-        .map(|s| s[r])
-        .fold(f32::NEG_INFINITY, f32::max);
-    out.fill(0.0);
-    let mut l_all = 0f32;
-    for s in parts.chunks_exact(stride) {
-        if s[r] == f32::NEG_INFINITY {
-            continue;
-        }
-        let c = (s[r] - m_all).exp();
-        l_all += s[MAX_ROWS + r] * c;
-        let acc = &s[2 * MAX_ROWS + r * hd..2 * MAX_ROWS + (r + 1) * hd];
-        out.iter_mut().zip(acc).for_each(|(o, a)| *o += a * c);
-    }
-    let inv = 1.0 / l_all;
-    out.iter_mut().for_each(|o| *o *= inv);
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
-    /// Token-major `[kv_len, n_kv * hd]` keys/values as a head-major cache
-    /// layer of element `T` with spare capacity, and the values `T` holds
-    /// (what the reference must see).
-    fn layer<T: KvElem + Default>(
-        k: &[f32],
-        v: &[f32],
-        n_kv: usize,
-        hd: usize,
-    ) -> (Vec<T>, Vec<T>, usize, Vec<f32>, Vec<f32>) {
-        let len = k.len() / (n_kv * hd);
-        let cap = len + 3;
-        let mut kc = vec![T::default(); n_kv * cap * hd];
-        let mut vc = kc.clone();
-        store_rows(k, &mut kc, cap, hd, 0);
-        store_rows(v, &mut vc, cap, hd, 0);
-        let round = |x: &[f32]| {
-            let mut t = vec![T::default(); x.len()];
-            T::narrow(x, &mut t);
-            let mut back = vec![0f32; x.len()];
-            T::widen(&t, &mut back);
-            back
-        };
-        (kc, vc, cap, round(k), round(v))
+    /// A block store holding several sequences' keys and values (token-major
+    /// `[len, n_kv * hd]` each) in shuffled blocks, their tables, and the
+    /// values the store holds after rounding to `T` (what the reference sees).
+    struct Store<T> {
+        k: Vec<T>,
+        v: Vec<T>,
+        block_size: usize,
+        tables: Vec<Vec<u32>>,
+        rounded: Vec<(Vec<f32>, Vec<f32>)>,
     }
 
-    /// Online softmax in f32 over ≤ 50 keys: errors ~1e-6; 1e-5 leaves margin.
+    impl<T: KvElem + Default> Store<T> {
+        fn new(
+            rng: &mut ChaCha8Rng,
+            seqs: &[(Vec<f32>, Vec<f32>)],
+            n_kv: usize,
+            hd: usize,
+            block_size: usize,
+        ) -> Self {
+            let lens: Vec<usize> = seqs.iter().map(|(k, _)| k.len() / (n_kv * hd)).collect();
+            let n_blocks: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 2;
+            let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
+            ids.shuffle(rng);
+            let per_block = n_kv * block_size * hd;
+            let mut k = vec![T::default(); n_blocks * per_block];
+            let mut v = k.clone();
+            let mut tables = Vec::new();
+            let mut next = ids.into_iter();
+            for ((ks, vs), &len) in seqs.iter().zip(&lens) {
+                let table: Vec<u32> = next.by_ref().take(len.div_ceil(block_size)).collect();
+                store_rows(ks, &mut k, block_size, n_kv, hd, &table, 0);
+                store_rows(vs, &mut v, block_size, n_kv, hd, &table, 0);
+                tables.push(table);
+            }
+            let round = |x: &[f32]| {
+                let mut t = vec![T::default(); x.len()];
+                T::narrow(x, &mut t);
+                let mut back = vec![0f32; x.len()];
+                T::widen(&t, &mut back);
+                back
+            };
+            let rounded = seqs.iter().map(|(k, v)| (round(k), round(v))).collect();
+            Store {
+                k,
+                v,
+                block_size,
+                tables,
+                rounded,
+            }
+        }
+
+        fn blocks(&self) -> KvBlocks<'_, T> {
+            KvBlocks {
+                k: &self.k,
+                v: &self.v,
+                block_size: self.block_size,
+            }
+        }
+    }
+
+    /// Online softmax in f32 over ≤ 1000 keys: errors ~1e-6; 1e-5 leaves margin.
     const TOL: f32 = 1e-5;
 
-    /// Short and long histories (split across threads when few rows),
-    /// many-token prefill tiles, GQA groups small and large, windows, odd
-    /// head sizes, on every tier, for f32 and f16 caches.
+    fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+        (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
+    }
+
+    /// One case: heads, KV heads, head size, window, and per sequence
+    /// (query tokens, earlier positions).
+    type Case = (usize, usize, usize, Option<usize>, Vec<(usize, usize)>);
+
+    fn cases() -> Vec<Case> {
+        vec![
+            (4, 2, 16, None, vec![(7, 0)]),
+            (3, 1, 5, None, vec![(1, 20), (4, 3)]),
+            (6, 3, 8, Some(4), vec![(9, 13)]),
+            (2, 2, 3, Some(1), vec![(5, 0), (1, 0)]),
+            (9, 3, 64, None, vec![(1, 700)]),
+            (4, 1, 33, None, vec![(1, 1000), (1, 5), (2, 300)]),
+            (16, 1, 8, Some(300), vec![(1, 900)]),
+            (9, 3, 64, None, vec![(37, 5), (1, 129), (3, 0)]),
+            (8, 2, 17, Some(64), vec![(70, 100)]),
+            (24, 2, 12, None, vec![(3, 260)]),
+        ]
+    }
+
+    /// Ragged batches (prefill chunks next to decodes), short and long
+    /// histories, windows, GQA groups small and large, odd head sizes,
+    /// block sizes from 1 to contiguous, on every tier, for f32 and f16
+    /// caches: each sequence's rows against the f64 reference.
     #[test]
     fn every_tier_matches_reference() {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
-        for (n_heads, n_kv, hd, window, n_tok, past) in [
-            (4usize, 2usize, 16usize, None, 7usize, 0usize),
-            (3, 1, 5, None, 1, 20),
-            (6, 3, 8, Some(4), 9, 13),
-            (2, 2, 3, Some(1), 5, 0),
-            (9, 3, 64, None, 1, 700),
-            (4, 1, 33, None, 1, 1000),
-            (16, 1, 8, Some(300), 1, 900),
-            (9, 3, 64, None, 37, 5),
-            (8, 2, 17, Some(64), 70, 100),
-            (24, 2, 12, None, 3, 260),
-        ] {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        for (case, (n_heads, n_kv, hd, window, shape)) in cases().into_iter().enumerate() {
             let p = AttnParams {
                 n_heads,
                 n_kv_heads: n_kv,
@@ -260,41 +410,123 @@ mod tests {
                 scale: 1.0 / (hd as f32).sqrt(),
                 window,
             };
-            let kv_len = past + n_tok;
-            let mut rand_vec =
-                |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
-            let q = rand_vec(n_tok * n_heads * hd);
-            let k = rand_vec(kv_len * n_kv * hd);
-            let v = rand_vec(kv_len * n_kv * hd);
-            let (kc, vc, capacity, _, _) = layer::<f32>(&k, &v, n_kv, hd);
-            let (kh, vh, _, k16, v16) = layer::<half::f16>(&k, &v, n_kv, hd);
-            let r = attention_ref(&p, &q, past, &k, &v);
-            let r16 = attention_ref(&p, &q, past, &k16, &v16);
+            let kvs: Vec<(Vec<f32>, Vec<f32>)> = shape
+                .iter()
+                .map(|&(n, past)| {
+                    let len = (past + n) * n_kv * hd;
+                    (rand_vec(&mut rng, len), rand_vec(&mut rng, len))
+                })
+                .collect();
+            let n_tok: usize = shape.iter().map(|s| s.0).sum();
+            let q = rand_vec(&mut rng, n_tok * n_heads * hd);
+            let block_size = [1, 5, 16, 32, 1024][case % 5];
+            let f32s = Store::<f32>::new(&mut rng, &kvs, n_kv, hd, block_size);
+            let f16s = Store::<half::f16>::new(&mut rng, &kvs, n_kv, hd, block_size);
+            let qd = n_heads * hd;
+            let mut row0 = 0;
+            let mut seqs32 = Vec::new();
+            let mut seqs16 = Vec::new();
+            let mut refs32 = Vec::new();
+            let mut refs16 = Vec::new();
+            for (i, &(n, past)) in shape.iter().enumerate() {
+                let rows = row0..row0 + n;
+                let qs = &q[rows.start * qd..rows.end * qd];
+                let (k32, v32) = &f32s.rounded[i];
+                let (k16, v16) = &f16s.rounded[i];
+                refs32.extend(attention_ref(&p, qs, past, k32, v32));
+                refs16.extend(attention_ref(&p, qs, past, k16, v16));
+                seqs32.push(SeqAttn {
+                    rows: rows.clone(),
+                    pos0: past,
+                    table: &f32s.tables[i],
+                });
+                seqs16.push(SeqAttn {
+                    rows,
+                    pos0: past,
+                    table: &f16s.tables[i],
+                });
+                row0 += n;
+            }
             for tier in cpu::available_tiers() {
                 let mut out = vec![f32::NAN; q.len()];
-                let kv = KvLayer {
-                    k: &kc,
-                    v: &vc,
-                    capacity,
-                    len: kv_len,
-                };
-                attention_with(tier, &p, &q, past, &kv, &mut out);
-                for (a, b) in out.iter().zip(&r) {
-                    assert!(
-                        (a - b).abs() <= TOL,
-                        "{tier} {n_heads}/{n_kv}x{hd} n={n_tok}: {a} vs {b}"
-                    );
+                attention_with(tier, &p, &q, &f32s.blocks(), &seqs32, &mut out);
+                for (a, b) in out.iter().zip(&refs32) {
+                    assert!((a - b).abs() <= TOL, "{tier} case {case}: {a} vs {b}");
                 }
                 // f16 storage: the same arithmetic on the rounded keys and values.
-                let kv = KvLayer {
-                    k: &kh,
-                    v: &vh,
-                    capacity,
-                    len: kv_len,
+                let mut out = vec![f32::NAN; q.len()];
+                attention_with(tier, &p, &q, &f16s.blocks(), &seqs16, &mut out);
+                for (a, b) in out.iter().zip(&refs16) {
+                    assert!((a - b).abs() <= TOL, "{tier} f16 case {case}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    /// A sequence's rows come out bit for bit the same alone, next to other
+    /// sequences (which changes the key split), in prefill chunks of any
+    /// size, and one token at a time: what lets a served request's output
+    /// not depend on its neighbours.
+    #[test]
+    fn results_do_not_depend_on_the_batch() {
+        let mut rng = ChaCha8Rng::seed_from_u64(7);
+        for (n_heads, n_kv, hd, window, n, past) in [
+            (9usize, 3usize, 64usize, None, 45usize, 300usize),
+            (4, 1, 24, Some(50), 70, 10),
+            (6, 2, 7, None, 33, 0),
+        ] {
+            let p = AttnParams {
+                n_heads,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+                scale: 0.3,
+                window,
+            };
+            let len = past + n;
+            let me = (
+                rand_vec(&mut rng, len * n_kv * hd),
+                rand_vec(&mut rng, len * n_kv * hd),
+            );
+            let other = (
+                rand_vec(&mut rng, 500 * n_kv * hd),
+                rand_vec(&mut rng, 500 * n_kv * hd),
+            );
+            let store = Store::<half::f16>::new(&mut rng, &[me, other], n_kv, hd, 16);
+            let qd = n_heads * hd;
+            let q = rand_vec(&mut rng, n * qd);
+            let q_other = rand_vec(&mut rng, 3 * qd);
+            for tier in cpu::available_tiers() {
+                // Rows `a..b` of the sequence, optionally behind another sequence's 3 rows.
+                let run = |a: usize, b: usize, crowd: bool| -> Vec<f32> {
+                    let mut qs = Vec::new();
+                    let mut seqs = Vec::new();
+                    if crowd {
+                        qs.extend_from_slice(&q_other);
+                        seqs.push(SeqAttn {
+                            rows: 0..3,
+                            pos0: 497,
+                            table: &store.tables[1],
+                        });
+                    }
+                    let r0 = qs.len() / qd;
+                    qs.extend_from_slice(&q[a * qd..b * qd]);
+                    seqs.push(SeqAttn {
+                        rows: r0..r0 + b - a,
+                        pos0: past + a,
+                        table: &store.tables[0],
+                    });
+                    let mut out = vec![f32::NAN; qs.len()];
+                    attention_with(tier, &p, &qs, &store.blocks(), &seqs, &mut out);
+                    out[r0 * qd..].to_vec()
                 };
-                attention_with(tier, &p, &q, past, &kv, &mut out);
-                for (a, b) in out.iter().zip(&r16) {
-                    assert!((a - b).abs() <= TOL, "{tier} f16: {a} vs {b}");
+                let alone = run(0, n, false);
+                assert_eq!(alone, run(0, n, true), "{tier}: crowded");
+                for chunk in [1, 7, 16] {
+                    let mut pieces = Vec::new();
+                    for a in (0..n).step_by(chunk) {
+                        pieces.extend(run(a, (a + chunk).min(n), a % 2 == 0));
+                    }
+                    assert_eq!(alone, pieces, "{tier}: chunks of {chunk}");
                 }
             }
         }
@@ -310,22 +542,16 @@ mod tests {
             window: Some(1),
         };
         let q = [1.0, 0.0, 0.0, 1.0];
-        let k = [5.0, 5.0, -3.0, 2.0];
-        let v = [1.0, 2.0, 3.0, 4.0];
+        let (k, v) = ([5.0, 5.0, -3.0, 2.0], [1.0, 2.0, 3.0, 4.0]);
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let store = Store::<f32>::new(&mut rng, &[(k.to_vec(), v.to_vec())], 1, 2, 1);
         let mut out = [0f32; 4];
-        let (kc, vc, capacity, _, _) = layer::<f32>(&k, &v, 1, 2);
-        attention(
-            &p,
-            &q,
-            0,
-            &KvLayer {
-                k: &kc,
-                v: &vc,
-                capacity,
-                len: 2,
-            },
-            &mut out,
-        );
+        let seqs = [SeqAttn {
+            rows: 0..2,
+            pos0: 0,
+            table: &store.tables[0],
+        }];
+        attention(&p, &q, &store.blocks(), &seqs, &mut out);
         assert_eq!(out, [1.0, 2.0, 3.0, 4.0]);
     }
 }

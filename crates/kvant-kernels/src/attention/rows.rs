@@ -1,5 +1,5 @@
 //! One work item of attention: a few query rows that share a KV head,
-//! streamed over a range of keys in tiles with the online softmax.
+//! streamed over one partition of keys in tiles with the online softmax.
 //!
 //! The rows are the heads of one GQA group for a few consecutive tokens,
 //! so each key and value row is read once per tile for all of them (a
@@ -7,19 +7,36 @@
 //! on a tile is vectorized over its keys: scale and mask, one shifted
 //! exponential pass, one rescale of the accumulator when the running
 //! maximum moves, and a probability-weighted sum of the value rows.
+//!
+//! **Batch invariance.** A row's result depends only on the row (its
+//! query, position and window) and its sequence's keys, never on which
+//! other rows, tokens or sequences share the call, nor on the thread
+//! count: tiles start at absolute multiples of [`KEY_TILE`], partitions at
+//! multiples of [`PARTITION`], every score is one canonical per-pair dot
+//! product, each row's tile is cut at its own last visible key, and
+//! partitions are folded left to right by [`fold`] whether they ran in one
+//! task or in several. So a request decodes the same tokens alone, in a
+//! batch of 64, after a chunked prefill or after a prefix-cache hit.
 
-use super::kv::{KvElem, KvLayer};
+use super::kv::{KvBlocks, KvElem};
 use super::AttnParams;
 use crate::cpu::SimdTier;
-use crate::dot::{dot4_f32_with, dot_f32_with, dot_tile_f32_with};
+use crate::dot::dot_tile_f32_with;
 use crate::vecops;
 use std::ops::Range;
 
 /// Keys per tile: the tile's scores stay in L1 next to the accumulators.
 pub(super) const KEY_TILE: usize = 32;
 
-/// Query rows `tokens t0..t0+tq` × `heads h0..h0+hs` (all of KV head `kvh`);
-/// row `r` is token `t0 + r / hs`, head `h0 + r % hs`.
+/// Keys per partition: the unit of the key split (flash-decoding). Fixed,
+/// so that splitting never changes the arithmetic; small enough that a
+/// decode step at a few hundred positions still has work for every thread,
+/// large enough that the per-partition fold (one exp and one pass over the
+/// accumulator per row) is ~1% of the partition's work.
+pub(super) const PARTITION: usize = 128;
+
+/// Query rows `tokens t0..t0+tq` × `heads h0..h0+hs` (all of KV head `kvh`)
+/// of one sequence; row `r` is token `t0 + r / hs`, head `h0 + r % hs`.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Item {
     pub kvh: usize,
@@ -34,21 +51,66 @@ impl Item {
         self.tq * self.hs
     }
 
-    /// (token, head) of row `r`.
+    /// (token, head) of row `r`, the token relative to its sequence.
     pub fn row(&self, r: usize) -> (usize, usize) {
         (self.t0 + r / self.hs, self.h0 + r % self.hs)
     }
 }
 
-/// The running softmax state of an item's rows over the keys seen so far.
+/// One sequence's operands: its queries (`[n, n_heads * head_dim]`), the
+/// position of the first, and its keys and values.
+pub(super) struct SeqOperands<'a, T> {
+    pub q: &'a [f32],
+    pub pos0: usize,
+    pub kv: &'a KvBlocks<'a, T>,
+    pub table: &'a [u32],
+}
+
+impl<T> SeqOperands<'_, T> {
+    /// Keys row `r` of `it` may see.
+    fn row_keys(&self, p: &AttnParams, it: &Item, r: usize) -> Range<usize> {
+        p.key_range(self.pos0 + it.row(r).0)
+    }
+
+    /// The partitions that hold keys some row of `it` sees.
+    pub fn partitions(&self, p: &AttnParams, it: &Item) -> Range<usize> {
+        let lo = (0..it.rows())
+            .map(|r| self.row_keys(p, it, r).start)
+            .min()
+            .unwrap_or(0);
+        let hi = (0..it.rows())
+            .map(|r| self.row_keys(p, it, r).end)
+            .max()
+            .unwrap_or(0);
+        lo / PARTITION..hi.div_ceil(PARTITION)
+    }
+}
+
+/// The softmax state of some rows: running maximum, denominator relative
+/// to it, and the unnormalised weighted value sums (`rows × head_dim`).
+#[derive(Default)]
+pub(super) struct Partial {
+    pub m: Vec<f32>,
+    pub l: Vec<f32>,
+    pub acc: Vec<f32>,
+}
+
+impl Partial {
+    pub fn reset(&mut self, rows: usize, hd: usize) {
+        self.m.clear();
+        self.m.resize(rows, f32::NEG_INFINITY);
+        self.l.clear();
+        self.l.resize(rows, 0.0);
+        self.acc.clear();
+        self.acc.resize(rows * hd, 0.0);
+    }
+}
+
+/// Scratch of one running item: the partition being computed and the
+/// tile buffers.
 #[derive(Default)]
 pub(super) struct State {
-    /// Running maximum score per row (`-inf` before any key).
-    pub m: Vec<f32>,
-    /// Running denominator per row, relative to `m`.
-    pub l: Vec<f32>,
-    /// Unnormalised weighted value sums, `rows × head_dim`.
-    pub acc: Vec<f32>,
+    pub part: Partial,
     /// Scores of the current tile, `rows × KEY_TILE`.
     s: Vec<f32>,
     /// The tile's keys and values widened to f32, `KEY_TILE × head_dim`.
@@ -56,63 +118,64 @@ pub(super) struct State {
     vt: Vec<f32>,
 }
 
-impl State {
-    fn reset(&mut self, rows: usize, hd: usize) {
-        self.m.clear();
-        self.m.resize(rows, f32::NEG_INFINITY);
-        self.l.clear();
-        self.l.resize(rows, 0.0);
-        self.acc.clear();
-        self.acc.resize(rows * hd, 0.0);
-        self.s.resize(rows * KEY_TILE, 0.0);
-        self.kt.resize(KEY_TILE * hd, 0.0);
-        self.vt.resize(KEY_TILE * hd, 0.0);
-    }
-}
-
-/// Runs `it`'s rows over the keys in `keys` (intersected with each row's
-/// causal / sliding-window range), leaving the result in `st`.
-#[allow(clippy::too_many_arguments)] // the attention call's operands, unpacked
-pub(super) fn run<T: KvElem>(
+/// Runs `it`'s rows over the keys of partition `part` (intersected with
+/// each row's causal / sliding-window range), leaving the state in `st.part`.
+pub(super) fn run_partition<T: KvElem>(
     tier: SimdTier,
     p: &AttnParams,
-    q: &[f32],
-    q_pos0: usize,
-    kv: &KvLayer<'_, T>,
+    seq: &SeqOperands<'_, T>,
     it: &Item,
-    keys: Range<usize>,
+    part: usize,
     st: &mut State,
 ) {
     let hd = p.head_dim;
     let n_rows = it.rows();
-    st.reset(n_rows, hd);
+    st.part.reset(n_rows, hd);
+    st.s.resize(n_rows * KEY_TILE, 0.0);
+    st.kt.resize(KEY_TILE * hd, 0.0);
+    st.vt.resize(KEY_TILE * hd, 0.0);
+    let keys = part * PARTITION..(part + 1) * PARTITION;
     let row_keys = |r: usize| {
-        let kr = p.key_range(q_pos0 + it.row(r).0);
+        let kr = seq.row_keys(p, it, r);
         kr.start.max(keys.start)..kr.end.min(keys.end)
     };
     let lo = (0..n_rows).map(|r| row_keys(r).start).min().unwrap_or(0);
     let hi = (0..n_rows).map(|r| row_keys(r).end).max().unwrap_or(0);
     let qrow = |r: usize| {
         let (t, h) = it.row(r);
-        &q[(t * p.n_heads + h) * hd..][..hd]
+        &seq.q[(t * p.n_heads + h) * hd..][..hd]
     };
-    let mut j0 = lo;
+    // Tiles start at absolute multiples of KEY_TILE (see the module doc).
+    let mut j0 = lo / KEY_TILE * KEY_TILE;
     while j0 < hi {
         let tk = KEY_TILE.min(hi - j0);
-        kv.widen_tile(hd, it.kvh, j0, tk, &mut st.kt, &mut st.vt);
+        seq.kv.widen_tile(
+            seq.table,
+            p.n_kv_heads,
+            hd,
+            it.kvh,
+            j0,
+            tk,
+            &mut st.kt,
+            &mut st.vt,
+        );
         let kt = &st.kt;
         let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
         scores(tier, n_rows, &qrow, &krow, tk, &mut st.s);
         for r in 0..n_rows {
             let rk = row_keys(r);
-            let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
-            let tile_max = if rk.start <= j0 && j0 + tk <= rk.end {
-                // The whole tile is visible to this row (always, in decoding).
+            // The row's own cut of the tile: up to its last visible key.
+            let len = rk.end.min(j0 + tk).saturating_sub(j0);
+            if len == 0 || rk.start >= j0 + len {
+                continue;
+            }
+            let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + len];
+            let tile_max = if rk.start <= j0 {
                 vecops::scale_max(tier, p.scale, s)
             } else {
                 let mut m = f32::NEG_INFINITY;
                 for (j, x) in (j0..).zip(s.iter_mut()) {
-                    if rk.contains(&j) {
+                    if j >= rk.start {
                         *x *= p.scale;
                         m = m.max(*x);
                     } else {
@@ -121,28 +184,59 @@ pub(super) fn run<T: KvElem>(
                 }
                 m
             };
-            if tile_max == f32::NEG_INFINITY {
-                continue;
-            }
-            let acc = &mut st.acc[r * hd..(r + 1) * hd];
-            let m_old = st.m[r];
+            let pt = &mut st.part;
+            let acc = &mut pt.acc[r * hd..(r + 1) * hd];
+            let m_old = pt.m[r];
             let m_new = m_old.max(tile_max);
             if m_new > m_old && m_old != f32::NEG_INFINITY {
                 // Rescale what was accumulated under the old maximum.
                 let c = (m_old - m_new).exp();
-                st.l[r] *= c;
+                pt.l[r] *= c;
                 vecops::scale(tier, c, acc);
             }
-            st.m[r] = m_new;
-            st.l[r] += vecops::exp_shifted(tier, s, m_new);
+            pt.m[r] = m_new;
+            pt.l[r] += vecops::exp_shifted(tier, s, m_new);
             vecops::weighted_rows(tier, s, &st.vt, 0, hd, acc);
         }
         j0 += tk;
     }
 }
 
-/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's keys, in 4-key ×
-/// 3-row dot tiles where they fit.
+/// Folds partition state `b` (one row: max, denominator, sums) into the
+/// running state `a`, rescaling both to their common maximum. Both the
+/// one-task and the split paths fold partitions left to right through
+/// this one function, so they round identically.
+pub(super) fn fold(
+    a_m: &mut f32,
+    a_l: &mut f32,
+    a_acc: &mut [f32],
+    b_m: f32,
+    b_l: f32,
+    b_acc: &[f32],
+) {
+    if b_m == f32::NEG_INFINITY {
+        return;
+    }
+    if *a_m == f32::NEG_INFINITY {
+        *a_m = b_m;
+        *a_l = b_l;
+        a_acc.copy_from_slice(b_acc);
+        return;
+    }
+    let m = a_m.max(b_m);
+    let (ca, cb) = ((*a_m - m).exp(), (b_m - m).exp());
+    *a_m = m;
+    *a_l = *a_l * ca + b_l * cb;
+    for (a, &b) in a_acc.iter_mut().zip(b_acc) {
+        *a = *a * ca + b * cb;
+    }
+}
+
+/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's keys. Every pair goes
+/// through the same 4-key dot tile (one accumulator per pair), whatever
+/// the row and key counts: a short last group repeats its last key, odd
+/// rows use a narrower tile. That makes each score independent of its
+/// neighbours (batch invariance).
 fn scores<'a, 'b>(
     tier: SimdTier,
     n_rows: usize,
@@ -152,10 +246,11 @@ fn scores<'a, 'b>(
     s: &mut [f32],
 ) {
     let mut jj = 0;
-    while jj + 4 <= tk {
-        let ks = [krow(jj), krow(jj + 1), krow(jj + 2), krow(jj + 3)];
+    while jj < tk {
+        let kn = (tk - jj).min(4);
+        let ks = [0, 1, 2, 3].map(|i| krow(jj + i.min(kn - 1)));
         let mut put = |r: usize, d: [f32; 4]| {
-            s[r * KEY_TILE + jj..r * KEY_TILE + jj + 4].copy_from_slice(&d);
+            s[r * KEY_TILE + jj..r * KEY_TILE + jj + kn].copy_from_slice(&d[..kn]);
         };
         let mut r = 0;
         while r + 3 <= n_rows {
@@ -171,14 +266,9 @@ fn scores<'a, 'b>(
                 put(r, d.map(|row| row[0]));
                 put(r + 1, d.map(|row| row[1]));
             }
-            1 => put(r, dot4_f32_with(tier, ks, qrow(r))),
+            1 => put(r, dot_tile_f32_with(tier, ks, [qrow(r)]).map(|row| row[0])),
             _ => {}
         }
-        jj += 4;
-    }
-    for jj in jj..tk {
-        for r in 0..n_rows {
-            s[r * KEY_TILE + jj] = dot_f32_with(tier, qrow(r), krow(jj));
-        }
+        jj += kn;
     }
 }

@@ -1,5 +1,6 @@
 //! The Llama-family decoder: weights as stored in the checkpoint and the
-//! forward pass over a batch of consecutive tokens of one sequence.
+//! forward pass over a ragged batch (several sequences, each contributing
+//! a prefill chunk or one decode token) against a paged KV pool.
 //!
 //! Switches: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3),
 //! tied embeddings, GQA/MQA, sliding windows (Mistral, Gemma 3 local layers),
@@ -7,11 +8,11 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::kv::{KvCache, KvDType};
+use crate::kv::{KvCache, KvDType, KvPool, KvShape, SINGLE_TABLE};
 use crate::ModelError;
 use kvant_core::Tensor;
 use kvant_kernels::activation::gated;
-use kvant_kernels::attention::AttnParams;
+use kvant_kernels::attention::{AttnParams, SeqAttn};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::{rms_norm, rms_norm_inplace};
@@ -74,9 +75,11 @@ impl Layer {
     }
 }
 
-/// Which positions' logits a forward pass returns.
+/// Which positions' logits a forward pass returns for a sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
+    /// None (a prefill chunk that does not end its prompt).
+    None,
     /// Only the last token's (generation).
     Last,
     /// Every token's, `[n_tokens, vocab]` (perplexity, reference checks).
@@ -114,6 +117,19 @@ impl Default for LoadOptions {
             kv_dtype: KvDType::F16,
         }
     }
+}
+
+/// One sequence's part of a batched forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqStep<'a> {
+    /// The sequence's next tokens (a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// Positions already in the cache: the first token's position.
+    pub pos0: usize,
+    /// The sequence's blocks in the pool, covering `pos0 + tokens.len()`
+    /// positions; the first `pos0` hold its keys and values.
+    pub table: &'a [u32],
+    pub logits: Logits,
 }
 
 pub struct LlamaModel {
@@ -277,15 +293,30 @@ impl LlamaModel {
         &self.cfg
     }
 
-    /// A cache able to hold `capacity` tokens (at most the context length).
-    pub fn new_cache(&self, capacity: usize) -> KvCache {
-        KvCache::new(
-            self.cfg.n_layers,
-            self.cfg.n_kv_heads,
-            self.cfg.head_dim,
-            capacity.min(self.cfg.max_context),
-            self.kv_dtype,
-        )
+    /// The shape of this model's KV caches.
+    pub fn kv_shape(&self) -> KvShape {
+        KvShape {
+            n_layers: self.cfg.n_layers,
+            n_kv_heads: self.cfg.n_kv_heads,
+            head_dim: self.cfg.head_dim,
+            dtype: self.kv_dtype,
+        }
+    }
+
+    /// KV bytes one token occupies across all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.kv_shape().bytes_per_token()
+    }
+
+    /// A one-sequence cache able to hold `capacity` tokens (at most the
+    /// context length).
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache, ModelError> {
+        KvCache::new(self.kv_shape(), capacity.min(self.cfg.max_context))
+    }
+
+    /// A paged pool of `n_blocks` blocks of `block_size` tokens.
+    pub fn new_pool(&self, block_size: usize, n_blocks: usize) -> Result<KvPool, ModelError> {
+        KvPool::new(self.kv_shape(), block_size, n_blocks)
     }
 
     /// Bytes of weights read per decoded token: every layer's matrices and
@@ -307,17 +338,50 @@ impl LlamaModel {
         cache: &mut KvCache,
         want: Logits,
     ) -> Result<Vec<f32>, ModelError> {
+        let step = SeqStep {
+            tokens,
+            pos0: cache.len(),
+            table: &SINGLE_TABLE,
+            logits: want,
+        };
+        let logits = self.forward_batch(cache.pool_mut(), &[step])?;
+        cache.advance(tokens.len());
+        Ok(logits)
+    }
+
+    /// One forward pass over a ragged batch: every sequence's tokens run
+    /// through the model together (one matrix product per weight for the
+    /// whole batch), their keys and values are stored at their positions in
+    /// `pool`, and each attends over its own history. Returns the requested
+    /// logits, `[rows, vocab]`, sequences in order. A sequence's results do
+    /// not depend on the rest of the batch (see the attention kernel's
+    /// batch invariance), so batching never changes an output.
+    pub fn forward_batch(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqStep<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
         let c = &self.cfg;
-        let n = tokens.len();
-        if n == 0 {
+        let n: usize = seqs.iter().map(|s| s.tokens.len()).sum();
+        if n == 0 || seqs.iter().any(|s| s.tokens.is_empty()) {
             return Err(ModelError::EmptyInput);
         }
-        let pos0 = cache.len();
-        if pos0 + n > cache.capacity() {
-            return Err(ModelError::ContextOverflow {
-                needed: pos0 + n,
-                capacity: cache.capacity(),
+        if pool.shape() != self.kv_shape() {
+            return Err(ModelError::KvShape);
+        }
+        let mut attn_seqs = Vec::with_capacity(seqs.len());
+        let mut row = 0;
+        for s in seqs {
+            pool.check_table(s.table, s.pos0 + s.tokens.len())?;
+            if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= c.vocab) {
+                return Err(ModelError::TokenOutOfRange { id, vocab: c.vocab });
+            }
+            attn_seqs.push(SeqAttn {
+                rows: row..row + s.tokens.len(),
+                pos0: s.pos0,
+                table: s.table,
             });
+            row += s.tokens.len();
         }
         let (h, qd, kvd, ff) = (c.hidden, c.q_dim(), c.kv_dim(), c.intermediate);
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
@@ -334,15 +398,9 @@ impl LlamaModel {
             q8,
         } = &mut *guard;
         let x = sized(x, n * h);
+        let tokens = seqs.iter().flat_map(|s| s.tokens.iter());
         for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
-            let id = t as usize;
-            if id >= c.vocab {
-                return Err(ModelError::TokenOutOfRange {
-                    id: t,
-                    vocab: c.vocab,
-                });
-            }
-            dequantize_row(self.embed.dtype(), self.embed.row_bytes(id), row)?;
+            dequantize_row(self.embed.dtype(), self.embed.row_bytes(t as usize), row)?;
             if c.gemma {
                 let s = (h as f32).sqrt();
                 row.iter_mut().for_each(|v| *v *= s);
@@ -376,22 +434,13 @@ impl LlamaModel {
             if let Some(w) = &l.k_norm {
                 rms_norm_inplace(k, w, c.rms_eps);
             }
-            for t in 0..n {
-                let pos = pos0 + t;
-                rope_inplace(
-                    &mut q[t * qd..(t + 1) * qd],
-                    c.head_dim,
-                    pos,
-                    &l.inv_freq,
-                    c.rope.style,
-                );
-                rope_inplace(
-                    &mut k[t * kvd..(t + 1) * kvd],
-                    c.head_dim,
-                    pos,
-                    &l.inv_freq,
-                    c.rope.style,
-                );
+            for s in &attn_seqs {
+                for (i, t) in s.rows.clone().enumerate() {
+                    let pos = s.pos0 + i;
+                    let (qt, kt) = (&mut q[t * qd..(t + 1) * qd], &mut k[t * kvd..(t + 1) * kvd]);
+                    rope_inplace(qt, c.head_dim, pos, &l.inv_freq, c.rope.style);
+                    rope_inplace(kt, c.head_dim, pos, &l.inv_freq, c.rope.style);
+                }
             }
             let params = AttnParams {
                 n_heads: c.n_heads,
@@ -400,7 +449,7 @@ impl LlamaModel {
                 scale: c.attn_scale,
                 window: l.window,
             };
-            cache.append_and_attend(li, k, v, &params, q, attn);
+            pool.store_and_attend(li, &attn_seqs, (k, v), &params, q, attn);
             l.o.forward(&LinearInput::new(attn, n, q8, &[&l.o.weight])?, proj)?;
             if let Some(w) = &l.post_attn_norm {
                 rms_norm_inplace(proj, w, c.rms_eps);
@@ -417,14 +466,22 @@ impl LlamaModel {
             }
             add_assign(x, proj);
         }
-        cache.advance(n);
-        let rows = match want {
-            Logits::Last => &x[(n - 1) * h..],
-            Logits::All => &x[..],
-        };
-        let m = rows.len() / h;
+        // Gather the rows whose logits are wanted, then norm and project them.
+        let mut m = 0;
+        for (s, a) in seqs.iter().zip(&attn_seqs) {
+            let rows = match s.logits {
+                Logits::None => continue,
+                Logits::Last => a.rows.end - 1..a.rows.end,
+                Logits::All => a.rows.clone(),
+            };
+            proj[m * h..(m + rows.len()) * h].copy_from_slice(&x[rows.start * h..rows.end * h]);
+            m += rows.len();
+        }
+        if m == 0 {
+            return Ok(Vec::new());
+        }
         let xn = &mut xn[..m * h];
-        rms_norm(rows, &self.final_norm, c.rms_eps, xn);
+        rms_norm(&proj[..m * h], &self.final_norm, c.rms_eps, xn);
         let mut logits = vec![0f32; m * c.vocab];
         let input = LinearInput::new(xn, m, q8, &[&self.output])?;
         self.output.forward(&input, &mut logits)?;

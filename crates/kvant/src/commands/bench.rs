@@ -106,7 +106,7 @@ struct Timing {
 }
 
 fn run_once(model: &LlamaModel, prompt: &[u32], gen: usize) -> Result<Timing> {
-    let mut cache = model.new_cache(prompt.len() + gen);
+    let mut cache = model.new_cache(prompt.len() + gen)?;
     let t0 = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
     let prefill_secs = t0.elapsed().as_secs_f64();

@@ -15,7 +15,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         .chat_template
         .as_ref()
         .context("this checkpoint has no chat template, so it cannot chat; use `kvant generate`")?;
-    let mut session = Session::new(&m.model, &m.tokenizer, m.model.config().max_context);
+    let mut session = Session::new(&m.model, &m.tokenizer, m.model.config().max_context)?;
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
         messages.push(ChatMessage::new("system", s));

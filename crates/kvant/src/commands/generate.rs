@@ -36,7 +36,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     // Room for the prompt and the output (at least one token, so `--max-tokens 0`
     // is not mistaken for an overlong prompt).
     let capacity = req.prompt_ids.len() + req.max_tokens.max(1);
-    let mut session = Session::new(&m.model, &m.tokenizer, capacity);
+    let mut session = Session::new(&m.model, &m.tokenizer, capacity)?;
     let stdout = std::io::stdout();
     let mut on_text = |s: &str| {
         if !a.json {

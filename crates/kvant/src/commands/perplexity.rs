@@ -25,7 +25,7 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
     }
     let ids = m.tokenizer.encode(&text, true)?;
     let vocab = m.model.config().vocab;
-    let mut cache = m.model.new_cache(a.ctx);
+    let mut cache = m.model.new_cache(a.ctx)?;
     let (mut nll, mut scored, mut windows) = (0f64, 0usize, 0usize);
     let t0 = Instant::now();
     for window in ids.chunks(a.ctx).filter(|w| w.len() >= 2) {

@@ -1,0 +1,292 @@
+//! The serving engine on its own thread, and the cloneable handle clients
+//! use to submit, abort and observe requests.
+//!
+//! The engine thread owns the model's KV pool and runs one step after
+//! another while it has work, and sleeps on its command channel when idle.
+//! Submissions are validated here, on the caller's thread, so a bad request
+//! is refused before it reaches the engine and never disturbs other work.
+
+use super::engine::Engine;
+use super::metrics::{Metrics, MetricsSnapshot};
+use super::request::{EngineRequest, EventSink, RequestId, MAX_TOP_LOGPROBS};
+use crate::error::EngineError;
+use crate::sampling::SamplingError;
+use kvant_model::arch::llama::LlamaModel;
+use kvant_model::tokenizer::Tokenizer;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Sizes and limits of one serving engine.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool (see [`EngineConfig::blocks_for_bytes`]).
+    pub kv_blocks: usize,
+    /// Tokens one forward pass may carry (prefill chunks plus decodes).
+    pub max_batch_tokens: usize,
+    /// Sequences running at once.
+    pub max_running: usize,
+    /// Requests waiting to start; more are refused at once.
+    pub max_waiting: usize,
+    /// Reuse the KV blocks of earlier prompts that share a prefix.
+    pub prefix_caching: bool,
+}
+
+impl EngineConfig {
+    /// Blocks of `block_size` tokens that fit in `bytes` for `model`.
+    pub fn blocks_for_bytes(model: &LlamaModel, block_size: usize, bytes: usize) -> usize {
+        bytes / model.kv_bytes_per_token().max(1) / block_size.max(1)
+    }
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            kv_blocks: 1024,
+            max_batch_tokens: 512,
+            max_running: 64,
+            max_waiting: 256,
+            prefix_caching: true,
+        }
+    }
+}
+
+/// Why a request was refused at submission.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum SubmitError {
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt has {prompt} tokens, but the model's context holds {context}")]
+    PromptTooLong { prompt: usize, context: usize },
+    #[error("max_tokens must be at least 1")]
+    NoTokens,
+    #[error("the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} tokens")]
+    BeyondContext {
+        prompt: usize,
+        max_tokens: usize,
+        context: usize,
+    },
+    #[error("the prompt plus max_tokens needs {needed} KV tokens, but the cache holds {capacity}")]
+    BeyondCache { needed: usize, capacity: usize },
+    #[error("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {0}")]
+    TooManyLogprobs(usize),
+    #[error("token id {id} is outside the vocabulary of {vocab}")]
+    TokenOutOfRange { id: u32, vocab: usize },
+    #[error("sampling: {0}")]
+    Sampling(#[from] SamplingError),
+    #[error("too many requests are waiting; retry later")]
+    QueueFull,
+    #[error("the server is shutting down")]
+    ShuttingDown,
+}
+
+/// How [`EngineHandle::shutdown`] treats requests in flight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shutdown {
+    /// Finish every submitted request, accept no new ones.
+    Drain,
+    /// Abort every request now (each gets its `Finished` event).
+    Abort,
+}
+
+pub(super) enum Command {
+    Submit(RequestId, Box<EngineRequest>, EventSink),
+    Abort(RequestId),
+    Shutdown(Shutdown),
+}
+
+/// A cloneable handle to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    shared: Arc<Shared>,
+}
+
+/// What the handle and the engine thread both see.
+pub(super) struct Shared {
+    pub metrics: Metrics,
+    /// Submitted requests not yet admitted by the scheduler.
+    pub waiting: AtomicUsize,
+    pub closed: AtomicBool,
+    next_id: AtomicU64,
+    context: usize,
+    vocab: usize,
+    cache_tokens: usize,
+    max_waiting: usize,
+}
+
+/// The engine thread; [`EngineThread::join`] waits for it after a shutdown.
+pub struct EngineThread(JoinHandle<()>);
+
+impl EngineThread {
+    /// Waits for the engine to stop; `Err` if it panicked (a bug).
+    pub fn join(self) -> Result<(), EngineError> {
+        self.0.join().map_err(|_| EngineError::EngineStopped)
+    }
+}
+
+impl EngineHandle {
+    /// Starts the engine thread over `model`, with a KV pool of
+    /// `cfg.kv_blocks` blocks allocated now.
+    pub fn start(
+        model: Arc<LlamaModel>,
+        tokenizer: Arc<Tokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<(EngineHandle, EngineThread), EngineError> {
+        if cfg.block_size == 0 || cfg.kv_blocks == 0 || cfg.max_batch_tokens == 0 {
+            return Err(EngineError::Config(
+                "block size, KV blocks and the batch token budget must be positive".into(),
+            ));
+        }
+        if cfg.max_running == 0 {
+            return Err(EngineError::Config(
+                "max running sequences must be positive".into(),
+            ));
+        }
+        let shared = Arc::new(Shared {
+            metrics: Metrics::default(),
+            waiting: AtomicUsize::new(0),
+            closed: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+            context: model.config().max_context,
+            vocab: model.config().vocab,
+            cache_tokens: cfg.kv_blocks * cfg.block_size,
+            max_waiting: cfg.max_waiting,
+        });
+        let pool = model.new_pool(cfg.block_size, cfg.kv_blocks)?;
+        let (tx, rx) = mpsc::channel();
+        let engine_shared = Arc::clone(&shared);
+        let thread = std::thread::Builder::new()
+            .name("kvant-engine".into())
+            .spawn(move || {
+                let mut engine = Engine::new(model, &tokenizer, pool, &cfg, engine_shared);
+                run(&mut engine, &rx)
+            })
+            .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
+        Ok((EngineHandle { tx, shared }, EngineThread(thread)))
+    }
+
+    /// Validates and queues a request; its events go to `sink`.
+    pub fn submit(&self, req: EngineRequest, sink: EventSink) -> Result<RequestId, SubmitError> {
+        let s = &self.shared;
+        if s.closed.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let prompt = req.prompt_ids.len();
+        if prompt == 0 {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if let Some(&id) = req.prompt_ids.iter().find(|&&id| id as usize >= s.vocab) {
+            return Err(SubmitError::TokenOutOfRange { id, vocab: s.vocab });
+        }
+        if prompt >= s.context {
+            return Err(SubmitError::PromptTooLong {
+                prompt,
+                context: s.context,
+            });
+        }
+        if req.max_tokens == 0 {
+            return Err(SubmitError::NoTokens);
+        }
+        if prompt + req.max_tokens > s.context {
+            return Err(SubmitError::BeyondContext {
+                prompt,
+                max_tokens: req.max_tokens,
+                context: s.context,
+            });
+        }
+        if prompt + req.max_tokens > s.cache_tokens {
+            return Err(SubmitError::BeyondCache {
+                needed: prompt + req.max_tokens,
+                capacity: s.cache_tokens,
+            });
+        }
+        if let Some(n) = req.logprobs.filter(|&n| n > MAX_TOP_LOGPROBS) {
+            return Err(SubmitError::TooManyLogprobs(n));
+        }
+        req.sampling.validate()?;
+        // Reserve a waiting slot; the engine releases it on admission.
+        let reserved = s
+            .waiting
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                (w < s.max_waiting).then_some(w + 1)
+            });
+        if reserved.is_err() {
+            return Err(SubmitError::QueueFull);
+        }
+        let id = s.next_id.fetch_add(1, Ordering::Relaxed);
+        if self
+            .tx
+            .send(Command::Submit(id, Box::new(req), sink))
+            .is_err()
+        {
+            s.waiting.fetch_sub(1, Ordering::AcqRel);
+            return Err(SubmitError::ShuttingDown);
+        }
+        Ok(id)
+    }
+
+    /// Aborts a request (no-op when it already finished): its blocks are
+    /// freed before the next step.
+    pub fn abort(&self, id: RequestId) {
+        // A stopped engine has nothing left to abort.
+        let _ = self.tx.send(Command::Abort(id));
+    }
+
+    /// Stops accepting requests; `mode` decides what happens to those in flight.
+    /// The engine thread ends once none is left.
+    pub fn shutdown(&self, mode: Shutdown) {
+        self.shared.closed.store(true, Ordering::Release);
+        let _ = self.tx.send(Command::Shutdown(mode));
+    }
+
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut m = self.shared.metrics.snapshot();
+        m.waiting = self.shared.waiting.load(Ordering::Acquire);
+        m
+    }
+
+    /// The model's context length: prompt plus output tokens per request.
+    pub fn context_length(&self) -> usize {
+        self.shared.context
+    }
+}
+
+/// The engine thread's loop: apply commands, step while there is work,
+/// block on the channel when idle.
+fn run(engine: &mut Engine<'_>, rx: &Receiver<Command>) {
+    let mut draining = false;
+    loop {
+        let cmd = if engine.has_work() {
+            match rx.try_recv() {
+                Ok(c) => Some(c),
+                Err(mpsc::TryRecvError::Empty) => None,
+                Err(mpsc::TryRecvError::Disconnected) => Some(Command::Shutdown(Shutdown::Drain)),
+            }
+        } else if draining {
+            return;
+        } else {
+            match rx.recv_timeout(Duration::from_secs(3600)) {
+                Ok(c) => Some(c),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        match cmd {
+            Some(Command::Submit(id, req, sink)) => engine.add(id, *req, sink),
+            Some(Command::Abort(id)) => engine.abort(id),
+            Some(Command::Shutdown(mode)) => {
+                draining = true;
+                if mode == Shutdown::Abort {
+                    engine.abort_all();
+                }
+            }
+            None => engine.step(),
+        }
+    }
+}

@@ -1,0 +1,17 @@
+//! The serving engine: continuous batching over a paged KV cache with
+//! prefix reuse and chunked prefill, run on its own thread.
+
+mod blocks;
+mod engine;
+mod handle;
+mod logprobs;
+mod metrics;
+mod request;
+mod scheduler;
+mod sequence;
+
+pub use handle::{EngineConfig, EngineHandle, EngineThread, Shutdown, SubmitError};
+pub use metrics::{Histogram, MetricsSnapshot, LATENCY_BUCKETS};
+pub use request::{
+    EngineRequest, Event, EventSink, RequestId, TokenLogprob, Usage, MAX_TOP_LOGPROBS,
+};

@@ -1,0 +1,69 @@
+//! What a client hands the serving engine and what it gets back.
+
+use crate::sampling::SamplingParams;
+use crate::session::FinishReason;
+
+/// One generation request: a tokenized prompt and how to continue it.
+#[derive(Clone, Debug)]
+pub struct EngineRequest {
+    pub prompt_ids: Vec<u32>,
+    /// Generated tokens at most (the context length also ends a sequence).
+    pub max_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Keep going past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: bool,
+    /// Report each generated token's log-probability and this many
+    /// alternatives (0..=[`MAX_TOP_LOGPROBS`]); `None` reports nothing.
+    pub logprobs: Option<usize>,
+}
+
+/// OpenAI's limit on `top_logprobs`.
+pub const MAX_TOP_LOGPROBS: usize = 20;
+
+/// A generated token's log-probability under the model (before sampling's
+/// penalties and truncation) and the most likely alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Identifies a submitted request, for [`crate::serving::EngineHandle::abort`].
+pub type RequestId = u64;
+
+/// What the engine reports about one request, in order: any number of
+/// `Token`s, then exactly one `Finished` (or `Failed`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// One generated token and the text it releases, which may be empty
+    /// while a UTF-8 character or a possible stop string is incomplete.
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        reason: FinishReason,
+        /// Text held back until the end (never part of a stop string).
+        text: String,
+        usage: Usage,
+    },
+    /// The engine could not run the request (an internal error); nothing
+    /// more follows.
+    Failed(String),
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_tokens: usize,
+}
+
+/// Receives a request's events on the engine thread. Returns `false` when
+/// the client is gone, which aborts the request and frees its blocks.
+pub type EventSink = Box<dyn FnMut(Event) -> bool + Send>;

@@ -1,0 +1,67 @@
+//! One request inside the serving engine: its tokens, how many of them
+//! have keys and values in the pool, its block table, and the per-request
+//! state of sampling and detokenization.
+
+use super::blocks::{BlockManager, ROOT};
+use super::request::{EngineRequest, EventSink, RequestId};
+use crate::sampling::Sampler;
+use crate::stop::StopMatcher;
+use kvant_model::tokenizer::DecodeStream;
+use std::time::Instant;
+
+pub(super) struct Sequence<'t> {
+    pub id: RequestId,
+    /// The prompt, then the generated tokens.
+    pub tokens: Vec<u32>,
+    pub prompt_len: usize,
+    /// Leading tokens whose keys and values are in the pool.
+    pub computed: usize,
+    /// Block table: position `j` lives in `blocks[j / block_size]`.
+    pub blocks: Vec<u32>,
+    /// Content ids of the leading blocks registered in the prefix cache.
+    pub cids: Vec<u64>,
+    /// Prompt tokens found in the prefix cache when first admitted.
+    pub cached_tokens: Option<usize>,
+    pub req: EngineRequest,
+    pub sampler: Sampler,
+    pub stops: StopMatcher,
+    pub stream: DecodeStream<'t>,
+    pub sink: EventSink,
+    /// The sink has had its last event, or its client is gone.
+    pub closed: bool,
+    pub arrived: Instant,
+    pub last_token: Option<Instant>,
+}
+
+impl Sequence<'_> {
+    pub fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    /// Tokens still to run through the model before the next sample.
+    pub fn remaining(&self) -> usize {
+        self.tokens.len() - self.computed
+    }
+
+    /// Drops every block reference (finish, abort or preemption); the
+    /// sequence would start over from its tokens.
+    pub fn release_blocks(&mut self, bm: &mut BlockManager) {
+        for &b in &self.blocks {
+            bm.release(b);
+        }
+        self.blocks.clear();
+        self.cids.clear();
+        self.computed = 0;
+    }
+
+    /// Offers every newly filled block to the prefix cache.
+    pub fn register_full_blocks(&mut self, bm: &mut BlockManager) {
+        let bs = bm.block_size();
+        while self.cids.len() < self.blocks.len() && (self.cids.len() + 1) * bs <= self.computed {
+            let i = self.cids.len();
+            let parent = self.cids.last().copied().unwrap_or(ROOT);
+            let cid = bm.register(self.blocks[i], parent, &self.tokens[i * bs..(i + 1) * bs]);
+            self.cids.push(cid);
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! The serving engine end to end on a tiny real checkpoint (a Q4_0 GGUF
+//! with its tokenizer): batch invariance under load, chunked prefill,
+//! preemption, prefix caching, aborts, validation and shutdown.
+
+use kvant_engine::serving::{
+    EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, Shutdown, SubmitError, Usage,
+};
+use kvant_engine::{FinishReason, SamplingParams};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::path::Path;
+use std::sync::mpsc::{channel, Receiver};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn fixture() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models/gguf/llama-gqa.Q4_0.gguf")
+}
+
+fn start(cfg: EngineConfig) -> (EngineHandle, EngineThread) {
+    let m = kvant_model::load(&fixture()).expect("fixture loads");
+    EngineHandle::start(Arc::new(m.model), Arc::new(m.tokenizer), cfg).expect("engine starts")
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
+    EngineRequest {
+        prompt_ids: prompt,
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        logprobs: None,
+    }
+}
+
+fn submit(h: &EngineHandle, req: EngineRequest) -> Receiver<Event> {
+    let (tx, rx) = channel();
+    h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
+        .expect("accepted");
+    rx
+}
+
+/// Waits for a request's events; returns its tokens, finish reason and usage.
+fn collect(rx: &Receiver<Event>) -> (Vec<u32>, FinishReason, Usage) {
+    let mut ids = Vec::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("an event in time")
+        {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Finished { reason, usage, .. } => return (ids, reason, usage),
+            Event::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+}
+
+fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..n)
+        .map(|_| {
+            let len = rng.random_range(3..70);
+            (0..len).map(|_| rng.random_range(3..250)).collect()
+        })
+        .collect()
+}
+
+/// Every request's greedy tokens are the same alone and among 16
+/// concurrent ones, even when the step budget chunks their prompts and a
+/// small pool forces preemptions (recomputed from the prefix cache).
+#[test]
+fn outputs_do_not_depend_on_load() {
+    let ps = prompts(16, 1);
+    let (h, t) = start(EngineConfig::default());
+    let alone: Vec<Vec<u32>> = ps
+        .iter()
+        .map(|p| collect(&submit(&h, greedy(p.clone(), 24))).0)
+        .collect();
+    h.shutdown(Shutdown::Drain);
+    t.join().unwrap();
+
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_blocks: 64,
+        max_batch_tokens: 40,
+        max_running: 12,
+        ..EngineConfig::default()
+    };
+    let (h, t) = start(cfg);
+    let rxs: Vec<Receiver<Event>> = ps
+        .iter()
+        .map(|p| submit(&h, greedy(p.clone(), 24)))
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        let (ids, reason, usage) = collect(rx);
+        assert_eq!(ids, alone[i], "request {i}");
+        assert_eq!(reason, FinishReason::Length);
+        assert_eq!(usage.completion_tokens, 24);
+        assert_eq!(usage.prompt_tokens, ps[i].len());
+    }
+    let m = h.metrics();
+    assert!(
+        m.preemptions > 0,
+        "the small pool should force preemptions: {m:?}"
+    );
+    assert_eq!(m.kv_blocks_used, 0, "every block released");
+    assert_eq!((m.running, m.waiting), (0, 0));
+    assert_eq!(m.requests_finished, 16);
+    assert_eq!(m.generation_tokens, 16 * 24);
+    assert_eq!(m.time_to_first_token.count, 16);
+    h.shutdown(Shutdown::Drain);
+    t.join().unwrap();
+}
+
+/// A prompt sharing a prefix with earlier work reuses its blocks, and
+/// produces what it produces with caching off.
+#[test]
+fn prefix_cache_hits_change_nothing_but_work() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let shared: Vec<u32> = (0..50).map(|_| rng.random_range(3..250)).collect();
+    let with_suffix = |s: &[u32]| [shared.as_slice(), s].concat();
+    let (a, b) = (with_suffix(&[7, 8, 9]), with_suffix(&[10, 11]));
+    let mut outs = Vec::new();
+    for caching in [true, false] {
+        let (h, t) = start(EngineConfig {
+            block_size: 8,
+            prefix_caching: caching,
+            ..EngineConfig::default()
+        });
+        let (first, _, u1) = collect(&submit(&h, greedy(a.clone(), 10)));
+        let (second, _, u2) = collect(&submit(&h, greedy(b.clone(), 10)));
+        assert_eq!(u1.cached_tokens, 0);
+        let m = h.metrics();
+        if caching {
+            // 50 shared tokens: 6 full blocks of 8.
+            assert_eq!(u2.cached_tokens, 48);
+            assert_eq!(m.prefix_cache_hits, 48);
+        } else {
+            assert_eq!(u2.cached_tokens, 0);
+        }
+        assert_eq!(m.prefix_cache_queries, (a.len() + b.len()) as u64);
+        outs.push((first, second));
+        h.shutdown(Shutdown::Drain);
+        t.join().unwrap();
+    }
+    assert_eq!(outs[0], outs[1]);
+}
+
+/// An aborted request, or one whose client went away, frees its blocks
+/// at once and leaves a concurrent request's output unchanged.
+#[test]
+fn aborts_free_blocks_and_disturb_nobody() {
+    let ps = prompts(2, 3);
+    let (h, t) = start(EngineConfig::default());
+    let expected = collect(&submit(&h, greedy(ps[0].clone(), 40))).0;
+
+    let steady = submit(&h, greedy(ps[0].clone(), 40));
+    // A client that goes away after its third token.
+    let mut seen = 0;
+    let (tx, gone) = channel();
+    h.submit(
+        greedy(ps[1].clone(), 150),
+        Box::new(move |e| {
+            seen += 1;
+            let _ = tx.send(e);
+            seen < 3
+        }),
+    )
+    .unwrap();
+    let long = submit(&h, greedy(ps[1].clone(), 150));
+    // Abort `long` once it has produced something.
+    let first = long.recv_timeout(Duration::from_secs(60)).unwrap();
+    assert!(matches!(first, Event::Token { .. }));
+    // Its id is the last submitted: ids count up from 1 per engine.
+    h.abort(4);
+    let (ids, reason, _) = collect(&steady);
+    assert_eq!(ids, expected);
+    assert_eq!(reason, FinishReason::Length);
+    let aborted = loop {
+        match long.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Event::Finished { reason, .. } => break reason,
+            Event::Token { .. } => continue,
+            Event::Failed(e) => panic!("{e}"),
+        }
+    };
+    assert_eq!(aborted, FinishReason::Abort);
+    let events: Vec<Event> = gone.try_iter().collect();
+    assert_eq!(events.len(), 3, "no events after the client left");
+    // The engine thread may still be publishing: wait for a quiet state.
+    for _ in 0..100 {
+        let m = h.metrics();
+        if m.running == 0 && m.kv_blocks_used == 0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let m = h.metrics();
+    assert_eq!(m.kv_blocks_used, 0);
+    assert_eq!(m.requests_aborted, 2);
+    h.shutdown(Shutdown::Drain);
+    t.join().unwrap();
+}
+
+#[test]
+fn bad_requests_are_refused_at_submission() {
+    let (h, t) = start(EngineConfig {
+        kv_blocks: 8,
+        block_size: 16,
+        ..EngineConfig::default()
+    });
+    let ctx = h.context_length();
+    let refuse = |req: EngineRequest| h.submit(req, Box::new(|_| true)).unwrap_err();
+    assert_eq!(refuse(greedy(vec![], 4)), SubmitError::EmptyPrompt);
+    assert_eq!(refuse(greedy(vec![5], 0)), SubmitError::NoTokens);
+    assert!(matches!(
+        refuse(greedy(vec![5; ctx], 1)),
+        SubmitError::PromptTooLong { .. }
+    ));
+    assert!(matches!(
+        refuse(greedy(vec![5; 10], ctx)),
+        SubmitError::BeyondContext { .. }
+    ));
+    assert!(matches!(
+        refuse(greedy(vec![5; 100], 100)),
+        SubmitError::BeyondCache { .. }
+    ));
+    assert!(matches!(
+        refuse(greedy(vec![1_000_000], 1)),
+        SubmitError::TokenOutOfRange { .. }
+    ));
+    let mut r = greedy(vec![5], 1);
+    r.logprobs = Some(21);
+    assert_eq!(refuse(r), SubmitError::TooManyLogprobs(21));
+    let mut r = greedy(vec![5], 1);
+    r.sampling.top_p = 0.0;
+    assert!(matches!(refuse(r), SubmitError::Sampling(_)));
+    h.shutdown(Shutdown::Drain);
+    assert_eq!(refuse(greedy(vec![5], 1)), SubmitError::ShuttingDown);
+    t.join().unwrap();
+
+    let (h, t) = start(EngineConfig {
+        max_waiting: 0,
+        ..EngineConfig::default()
+    });
+    assert_eq!(
+        h.submit(greedy(vec![5], 1), Box::new(|_| true))
+            .unwrap_err(),
+        SubmitError::QueueFull
+    );
+    h.shutdown(Shutdown::Drain);
+    t.join().unwrap();
+}
+
+/// Logprobs come with every token when asked, the sampled token among the
+/// alternatives of a greedy run, most likely first.
+#[test]
+fn logprobs_and_stop_strings() {
+    let (h, t) = start(EngineConfig::default());
+    let mut r = greedy(prompts(1, 4).remove(0), 6);
+    r.logprobs = Some(3);
+    let rx = submit(&h, r);
+    let mut n = 0;
+    loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Event::Token { id, logprob, .. } => {
+                let lp = logprob.expect("logprobs requested");
+                assert_eq!(lp.token, id);
+                assert_eq!(lp.top.len(), 3);
+                assert_eq!(lp.top[0].0, id, "greedy picks the most likely");
+                assert!((lp.top[0].1 - lp.logprob).abs() < 1e-6 && lp.logprob <= 0.0);
+                assert!(lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+                n += 1;
+            }
+            Event::Finished { .. } => break,
+            Event::Failed(e) => panic!("{e}"),
+        }
+    }
+    assert_eq!(n, 6);
+    h.shutdown(Shutdown::Abort);
+    t.join().unwrap();
+}
+
+/// Shutting down with `Abort` ends running requests with an abort event.
+#[test]
+fn shutdown_abort_ends_streams() {
+    let (h, t) = start(EngineConfig::default());
+    let rx = submit(&h, greedy(vec![5, 6, 7], 200));
+    assert!(matches!(
+        rx.recv_timeout(Duration::from_secs(60)).unwrap(),
+        Event::Token { .. }
+    ));
+    h.shutdown(Shutdown::Abort);
+    let reason = loop {
+        match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
+            Event::Finished { reason, .. } => break reason,
+            _ => continue,
+        }
+    };
+    assert_eq!(reason, FinishReason::Abort);
+    t.join().unwrap();
+}
