@@ -13,6 +13,7 @@
 //! sequence may grow, so both paths run the same kernels.
 
 use crate::ModelError;
+use half::slice::HalfBitsSliceExt;
 use kvant_kernels::attention::{attention, store_rows, AttnParams, KvBlocks, KvElem, SeqAttn};
 
 /// The element type of a KV cache.
@@ -31,13 +32,16 @@ impl KvDType {
     }
 }
 
-/// Every layer's key and value blocks in one element type.
+/// Every layer's key and value blocks, as element type `T` (f16 values
+/// are held as their bits, `u16`: zeroed vectors of primitive types come
+/// from the allocator already zero, so a large pool costs no start-up time
+/// and its pages are committed only when first written).
 struct Layers<T> {
     keys: Vec<Vec<T>>,
     values: Vec<Vec<T>>,
 }
 
-impl<T: KvElem + Default> Layers<T> {
+impl<T: Clone + Default> Layers<T> {
     fn new(n_layers: usize, per_layer: usize) -> Self {
         let alloc = || {
             (0..n_layers)
@@ -52,7 +56,7 @@ impl<T: KvElem + Default> Layers<T> {
 }
 
 enum Store {
-    F16(Layers<half::f16>),
+    F16(Layers<u16>),
     F32(Layers<f32>),
 }
 
@@ -169,17 +173,31 @@ impl KvPool {
         q: &[f32],
         out: &mut [f32],
     ) {
+        let bs = self.block_size;
         match &mut self.store {
-            Store::F16(l) => step(l, layer, self.block_size, seqs, kv, p, q, out),
-            Store::F32(l) => step(l, layer, self.block_size, seqs, kv, p, q, out),
+            Store::F16(l) => {
+                let k = l.keys[layer].reinterpret_cast_mut::<half::f16>();
+                let v = l.values[layer].reinterpret_cast_mut::<half::f16>();
+                step(k, v, bs, seqs, kv, p, q, out)
+            }
+            Store::F32(l) => step(
+                &mut l.keys[layer],
+                &mut l.values[layer],
+                bs,
+                seqs,
+                kv,
+                p,
+                q,
+                out,
+            ),
         }
     }
 }
 
 #[allow(clippy::too_many_arguments)] // one layer's step, unpacked from the pool
 fn step<T: KvElem>(
-    l: &mut Layers<T>,
-    layer: usize,
+    keys: &mut [T],
+    values: &mut [T],
     block_size: usize,
     seqs: &[SeqAttn<'_>],
     (k, v): (&[f32], &[f32]),
@@ -188,31 +206,15 @@ fn step<T: KvElem>(
     out: &mut [f32],
 ) {
     let kv_dim = p.n_kv_heads * p.head_dim;
+    let (nk, hd) = (p.n_kv_heads, p.head_dim);
     for s in seqs {
         let rows = s.rows.start * kv_dim..s.rows.end * kv_dim;
-        let (nk, hd) = (p.n_kv_heads, p.head_dim);
-        store_rows(
-            &k[rows.clone()],
-            &mut l.keys[layer],
-            block_size,
-            nk,
-            hd,
-            s.table,
-            s.pos0,
-        );
-        store_rows(
-            &v[rows],
-            &mut l.values[layer],
-            block_size,
-            nk,
-            hd,
-            s.table,
-            s.pos0,
-        );
+        store_rows(&k[rows.clone()], keys, block_size, nk, hd, s.table, s.pos0);
+        store_rows(&v[rows], values, block_size, nk, hd, s.table, s.pos0);
     }
     let blocks = KvBlocks {
-        k: &l.keys[layer],
-        v: &l.values[layer],
+        k: keys,
+        v: values,
         block_size,
     };
     attention(p, q, &blocks, seqs, out);

@@ -80,6 +80,8 @@ pub enum Command {
     Fetch,
     /// Measure prefill and decode speed against the memory-bandwidth roofline.
     Bench(BenchArgs),
+    /// Serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).
+    Serve(crate::commands::ServeArgs),
 }
 
 #[derive(Args)]

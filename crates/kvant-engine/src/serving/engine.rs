@@ -39,9 +39,6 @@ impl<'t> Engine<'t> {
         shared: Arc<Shared>,
     ) -> Self {
         let blocks = BlockManager::new(pool.n_blocks(), pool.block_size(), cfg.prefix_caching);
-        shared
-            .metrics
-            .update(|m| m.kv_blocks_total = blocks.total());
         Engine {
             model,
             tokenizer,

@@ -159,6 +159,7 @@ impl EngineHandle {
             max_waiting: cfg.max_waiting,
         });
         let pool = model.new_pool(cfg.block_size, cfg.kv_blocks)?;
+        shared.metrics.update(|m| m.kv_blocks_total = cfg.kv_blocks);
         let (tx, rx) = mpsc::channel();
         let engine_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()

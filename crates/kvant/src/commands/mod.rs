@@ -5,7 +5,10 @@ mod chat;
 mod generate;
 mod info;
 mod perplexity;
+mod serve;
 mod tokenize;
+
+pub use serve::ServeArgs;
 
 use crate::args::{Cli, Command, ModelArg};
 use crate::fetch;
@@ -21,6 +24,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Tokenize { model, text } => tokenize::tokenize(&model, &text),
         Command::Detokenize { model, ids } => tokenize::detokenize(&model, &ids),
         Command::Perplexity(a) => perplexity::run(a),
+        Command::Serve(a) => serve::run(a),
         Command::Info { model, json } => info::run(&model, json),
         Command::Fetch => {
             println!("{}", fetch::ensure_default_model()?.display());

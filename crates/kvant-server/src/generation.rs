@@ -1,0 +1,152 @@
+//! One API request's `n` engine requests and the events they send back.
+//!
+//! Each choice is submitted with a sink that forwards its events, tagged
+//! with the choice index, into one unbounded channel: the engine thread
+//! never waits on a client. When the receiving side is dropped (the client
+//! went away, or the handler failed) the sinks start returning `false` and
+//! the engine aborts those sequences; the [`Generation`]'s guard also aborts
+//! them at once, so a request still waiting in the queue never runs.
+
+use crate::api::usage::Usage;
+use crate::error::ApiError;
+use crate::state::AppState;
+use crate::validate::Plan;
+use kvant_engine::serving::{EngineHandle, EngineRequest, Event, RequestId, TokenLogprob};
+use kvant_engine::FinishReason;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+/// The choices of one request, in flight.
+pub struct Generation {
+    events: UnboundedReceiver<(usize, Event)>,
+    guard: AbortGuard,
+    n: usize,
+}
+
+/// Aborts the engine requests it holds when dropped, unless disarmed.
+struct AbortGuard {
+    engine: EngineHandle,
+    ids: Vec<RequestId>,
+    armed: bool,
+}
+
+impl Drop for AbortGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            for &id in &self.ids {
+                self.engine.abort(id);
+            }
+        }
+    }
+}
+
+/// Submits `plan.n` sequences continuing `prompt_ids`. All or none: if one
+/// is refused (say, the queue is full), those already submitted are aborted.
+pub fn start(
+    state: &AppState,
+    prompt_ids: Vec<u32>,
+    plan: &Plan,
+    prompt_param: &str,
+) -> Result<Generation, ApiError> {
+    let engine = state.engine();
+    let max_tokens = plan.max_tokens.unwrap_or_else(|| {
+        // Fill what the context leaves; at least one token, so an overlong
+        // prompt is reported as such rather than as `max_tokens` 0.
+        state
+            .max_sequence_tokens()
+            .saturating_sub(prompt_ids.len())
+            .max(1)
+    });
+    let base = EngineRequest {
+        prompt_ids,
+        max_tokens,
+        sampling: plan.sampling.clone(),
+        stop: plan.stop.clone(),
+        ignore_eos: plan.ignore_eos,
+        logprobs: plan.logprobs,
+    };
+    let seed = plan.seed.unwrap_or_else(rand::random);
+    let (tx, events) = unbounded_channel();
+    let mut guard = AbortGuard {
+        engine: engine.clone(),
+        ids: Vec::with_capacity(plan.n),
+        armed: true,
+    };
+    for index in 0..plan.n {
+        let mut req = base.clone();
+        req.sampling.seed = seed.wrapping_add(index as u64);
+        let tx = tx.clone();
+        let sink = Box::new(move |ev: Event| tx.send((index, ev)).is_ok());
+        let id = engine
+            .submit(req, sink)
+            .map_err(|e| ApiError::from_submit(e, prompt_param))?;
+        guard.ids.push(id);
+    }
+    Ok(Generation {
+        events,
+        guard,
+        n: plan.n,
+    })
+}
+
+impl Generation {
+    pub fn choices(&self) -> usize {
+        self.n
+    }
+
+    /// The next event of any choice; `None` if the engine dropped every
+    /// sink without finishing (it stopped).
+    pub async fn next(&mut self) -> Option<(usize, Event)> {
+        self.events.recv().await
+    }
+
+    /// Every choice has finished: nothing is left to abort.
+    pub fn disarm(&mut self) {
+        self.guard.armed = false;
+    }
+}
+
+/// One finished choice.
+#[derive(Debug, Default)]
+pub struct ChoiceOutput {
+    pub text: String,
+    /// Per generated token, when logprobs were asked for.
+    pub logprobs: Vec<TokenLogprob>,
+    pub finish_reason: Option<FinishReason>,
+}
+
+/// Waits for every choice to finish (a non-streamed response).
+pub async fn collect(mut gen: Generation) -> Result<(Vec<ChoiceOutput>, Usage), ApiError> {
+    let mut out: Vec<ChoiceOutput> = (0..gen.n).map(|_| ChoiceOutput::default()).collect();
+    let mut usage = Usage::default();
+    let mut open = gen.n;
+    while open > 0 {
+        let Some((index, event)) = gen.next().await else {
+            return Err(ApiError::internal(
+                "the engine stopped before the response finished",
+            ));
+        };
+        let Some(choice) = out.get_mut(index) else {
+            continue;
+        };
+        match event {
+            Event::Token { text, logprob, .. } => {
+                choice.text.push_str(&text);
+                choice.logprobs.extend(logprob);
+            }
+            Event::Finished {
+                reason,
+                text,
+                usage: u,
+            } => {
+                choice.text.push_str(&text);
+                if choice.finish_reason.replace(reason).is_none() {
+                    open -= 1;
+                    usage.add_choice(&u);
+                }
+            }
+            Event::Failed(msg) => return Err(ApiError::internal(msg)),
+        }
+    }
+    gen.disarm();
+    Ok((out, usage))
+}

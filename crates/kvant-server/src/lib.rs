@@ -1,0 +1,90 @@
+//! kvant-server: an OpenAI-compatible HTTP API over the serving engine.
+//!
+//! `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as
+//! server-sent events on request), `GET /v1/models`, `GET /health` and
+//! `GET /metrics` (Prometheus text). Every request field is validated before
+//! the engine sees it, and every error is an OpenAI-style JSON object, so
+//! the official clients raise their usual exception types.
+//!
+//! The engine runs on its own thread; handlers talk to it only through
+//! [`kvant_engine::serving::EngineHandle`] and unbounded channels, so a slow
+//! or vanished client never blocks a step. Dropping a response (a client
+//! that disconnects) aborts its engine requests.
+
+mod api;
+mod auth;
+mod body;
+mod error;
+mod generation;
+mod logprobs;
+pub mod memory;
+mod metrics;
+mod prompt;
+mod router;
+mod routes;
+mod sse;
+mod state;
+mod validate;
+
+pub use error::ApiError;
+pub use router::router;
+pub use state::{AppState, ServerConfig};
+
+use kvant_engine::serving::Shutdown;
+use std::future::Future;
+use tokio::net::TcpListener;
+
+/// Serves the API on `listener` until `shutdown` completes, then stops
+/// accepting connections, lets the engine drain the requests in flight for
+/// [`ServerConfig::shutdown_grace`], aborts whatever is left (each stream
+/// still ends with its final chunk) and returns once every connection has
+/// closed. The engine thread ends by itself once its work is done.
+pub async fn serve<F>(listener: TcpListener, state: AppState, shutdown: F) -> std::io::Result<()>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let engine = state.engine().clone();
+    let grace = state.config().shutdown_grace;
+    let app = router(std::sync::Arc::new(state));
+    let on_shutdown = async move {
+        shutdown.await;
+        engine.shutdown(Shutdown::Drain);
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            engine.shutdown(Shutdown::Abort);
+        });
+    };
+    axum::serve(listener, app)
+        .with_graceful_shutdown(on_shutdown)
+        .await
+}
+
+/// Completes on SIGINT (Ctrl-C) or, on Unix, SIGTERM. A signal whose handler
+/// cannot be installed is reported on stderr and never fires.
+pub async fn shutdown_signal() {
+    let interrupt = async {
+        if let Err(e) = tokio::signal::ctrl_c().await {
+            eprintln!("kvant: cannot listen for Ctrl-C: {e}");
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(e) => {
+                eprintln!("kvant: cannot listen for SIGTERM: {e}");
+                std::future::pending::<()>().await;
+            }
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        () = interrupt => {}
+        () = terminate => {}
+    }
+}

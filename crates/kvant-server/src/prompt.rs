@@ -1,0 +1,71 @@
+//! Prompts → token ids: text is tokenized with the checkpoint's special
+//! tokens (BOS where the model wants one), a conversation is rendered by the
+//! chat template (which writes its own special tokens) and then tokenized,
+//! token ids pass through (the engine checks them against the vocabulary).
+
+use crate::error::ApiError;
+use crate::state::AppState;
+use kvant_model::chat::ChatMessage;
+
+#[derive(Debug, PartialEq)]
+pub enum PromptInput {
+    Text(String),
+    Tokens(Vec<u32>),
+    Chat(Vec<ChatMessage>),
+}
+
+impl PromptInput {
+    /// The request field errors about this prompt refer to.
+    pub fn param(&self) -> &'static str {
+        match self {
+            PromptInput::Chat(_) => "messages",
+            PromptInput::Text(_) | PromptInput::Tokens(_) => "prompt",
+        }
+    }
+}
+
+/// The prompt's token ids. Rendering and tokenizing run on tokio's blocking
+/// pool, so a long prompt or a slow template never stalls the tasks that
+/// stream other responses.
+pub async fn tokenize(state: &AppState, input: PromptInput) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = state.tokenizer().clone();
+    match input {
+        PromptInput::Tokens(ids) => Ok(ids),
+        PromptInput::Text(text) => {
+            blocking(move || {
+                tokenizer.encode(&text, true).map_err(|e| {
+                    ApiError::bad_param("prompt", format!("cannot tokenize the prompt: {e}"))
+                })
+            })
+            .await
+        }
+        PromptInput::Chat(messages) => {
+            let template = state.chat_template().cloned().ok_or_else(|| {
+                ApiError::bad_request(
+                    "this model has no chat template; use /v1/completions with a plain prompt",
+                )
+            })?;
+            blocking(move || {
+                let text = template
+                    .render(&messages, true)
+                    .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
+                // The rendered template carries its own BOS when the model wants one.
+                tokenizer.encode(&text, false).map_err(|e| {
+                    ApiError::bad_param(
+                        "messages",
+                        format!("cannot tokenize the conversation: {e}"),
+                    )
+                })
+            })
+            .await
+        }
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
+}

@@ -1,0 +1,35 @@
+//! The routes, the API-key layer on `/v1/*`, and OpenAI-style answers for
+//! unknown paths and methods.
+
+use crate::auth;
+use crate::routes::{chat, completions, models, ops};
+use crate::state::AppState;
+use axum::extract::DefaultBodyLimit;
+use axum::middleware;
+use axum::routing::{get, post};
+use axum::Router;
+use std::sync::Arc;
+
+/// Largest request body: room for a prompt filling a long context many
+/// times over, small enough that a hostile body cannot exhaust memory.
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let v1 = Router::new()
+        .route("/v1/completions", post(completions::handle))
+        .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/models", get(models::list))
+        .route("/v1/models/{id}", get(models::get))
+        .route_layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            auth::require_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(ops::health))
+        .route("/metrics", get(ops::metrics))
+        .fallback(ops::not_found)
+        .method_not_allowed_fallback(ops::method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}

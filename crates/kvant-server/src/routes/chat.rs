@@ -1,0 +1,162 @@
+//! `POST /v1/chat/completions`.
+
+use crate::api::chat::{
+    AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
+};
+use crate::api::usage::Usage;
+use crate::api::Header;
+use crate::body::JsonObject;
+use crate::error::ApiError;
+use crate::generation::{self, ChoiceOutput};
+use crate::logprobs;
+use crate::sse::{self, event, ChunkWriter};
+use crate::state::{unix_now, AppState};
+use crate::{prompt, validate};
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kvant_engine::serving::TokenLogprob;
+use kvant_engine::FinishReason;
+use kvant_model::tokenizer::Tokenizer;
+use std::sync::Arc;
+
+const ROLE: &str = "assistant";
+
+pub async fn handle(
+    State(state): State<Arc<AppState>>,
+    JsonObject(body): JsonObject,
+) -> Result<Response, ApiError> {
+    let (prompt, plan) = validate::chat::parse(&body, &state)?;
+    let param = prompt.param();
+    let ids = prompt::tokenize(&state, prompt).await?;
+    let gen = generation::start(&state, ids, &plan, param)?;
+    let model = &state.config().model_name;
+    let tokenizer = Arc::clone(state.tokenizer());
+    let with_logprobs = plan.logprobs.is_some();
+    match plan.stream {
+        Some(s) => {
+            let writer = Chunks {
+                header: Header::new("chatcmpl", "chat.completion.chunk", unix_now(), model),
+                tokenizer,
+                logprobs: with_logprobs,
+                include_usage: s.include_usage,
+            };
+            Ok(sse::response(gen, writer, s.include_usage))
+        }
+        None => {
+            let (outputs, usage) = generation::collect(gen).await?;
+            let header = Header::new("chatcmpl", "chat.completion", unix_now(), model);
+            let resp = response(header, &tokenizer, outputs, usage, with_logprobs);
+            Ok(Json(resp).into_response())
+        }
+    }
+}
+
+fn response(
+    header: Header,
+    tokenizer: &Tokenizer,
+    outputs: Vec<ChoiceOutput>,
+    usage: Usage,
+    with_logprobs: bool,
+) -> ChatResponse {
+    let choices = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(index, o)| ChatChoice {
+            index,
+            logprobs: with_logprobs.then(|| logprobs::chat(tokenizer, &o.logprobs)),
+            message: AssistantMessage {
+                role: ROLE,
+                content: o.text,
+            },
+            finish_reason: o.finish_reason.map(FinishReason::as_str),
+        })
+        .collect();
+    ChatResponse {
+        header,
+        choices,
+        usage,
+    }
+}
+
+/// Stream chunks: each choice's role first, then text deltas, then an empty
+/// delta carrying the finish reason.
+struct Chunks {
+    header: Header,
+    tokenizer: Arc<Tokenizer>,
+    logprobs: bool,
+    include_usage: bool,
+}
+
+impl Chunks {
+    fn chunk(&self, choice: ChatChunkChoice) -> Bytes {
+        event(&ChatChunk {
+            header: &self.header,
+            choices: vec![choice],
+            usage: self.include_usage.then_some(None),
+        })
+    }
+
+    fn content(&self, index: usize, text: String, lp: Option<TokenLogprob>) -> Bytes {
+        let tokens: Vec<TokenLogprob> = lp.into_iter().collect();
+        self.chunk(ChatChunkChoice {
+            index,
+            delta: Delta {
+                role: None,
+                content: Some(text),
+            },
+            logprobs: (self.logprobs && !tokens.is_empty())
+                .then(|| logprobs::chat(&self.tokenizer, &tokens)),
+            finish_reason: None,
+        })
+    }
+}
+
+impl ChunkWriter for Chunks {
+    fn opening(&mut self, choices: usize) -> Vec<Bytes> {
+        (0..choices)
+            .map(|index| {
+                self.chunk(ChatChunkChoice {
+                    index,
+                    delta: Delta {
+                        role: Some(ROLE),
+                        content: Some(String::new()),
+                    },
+                    logprobs: None,
+                    finish_reason: None,
+                })
+            })
+            .collect()
+    }
+
+    fn token(&mut self, index: usize, text: String, lp: Option<TokenLogprob>) -> Option<Bytes> {
+        let lp = lp.filter(|_| self.logprobs);
+        if text.is_empty() && lp.is_none() {
+            return None;
+        }
+        Some(self.content(index, text, lp))
+    }
+
+    fn finished(&mut self, index: usize, text: String, reason: FinishReason) -> Vec<Bytes> {
+        let mut out = Vec::with_capacity(2);
+        if !text.is_empty() {
+            out.push(self.content(index, text, None));
+        }
+        out.push(self.chunk(ChatChunkChoice {
+            index,
+            delta: Delta::default(),
+            logprobs: None,
+            finish_reason: Some(reason.as_str()),
+        }));
+        out
+    }
+
+    fn usage(&mut self, usage: Usage) -> Bytes {
+        event(&ChatChunk {
+            header: &self.header,
+            choices: Vec::new(),
+            usage: Some(Some(usage)),
+        })
+    }
+}

@@ -1,0 +1,234 @@
+//! `/v1/chat/completions` fields: the conversation, `max_completion_tokens`,
+//! `logprobs`/`top_logprobs`, and the tool-calling and structured-output
+//! options this server does not implement.
+
+use super::{common, Plan};
+use crate::api::request::{ChatFields, CommonFields, MessageIn};
+use crate::body::fields;
+use crate::error::ApiError;
+use crate::prompt::PromptInput;
+use crate::state::AppState;
+use kvant_engine::serving::MAX_TOP_LOGPROBS;
+use kvant_model::chat::ChatMessage;
+use serde_json::Value;
+
+pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiError> {
+    let c: CommonFields = fields(body)?;
+    let f: ChatFields = fields(body)?;
+    let mut plan = common(c, state)?;
+    unsupported_options(&f)?;
+    if let Some(m) = f.max_completion_tokens {
+        if m == 0 {
+            return Err(ApiError::bad_param(
+                "max_completion_tokens",
+                "`max_completion_tokens` must be at least 1",
+            ));
+        }
+        plan.max_tokens = Some(usize::try_from(m).unwrap_or(usize::MAX));
+    }
+    plan.logprobs = match (f.logprobs.unwrap_or(false), f.top_logprobs) {
+        (false, None) => None,
+        (false, Some(_)) => {
+            return Err(ApiError::bad_param(
+                "top_logprobs",
+                "`top_logprobs` needs `logprobs` set to true",
+            ))
+        }
+        (true, k) => {
+            let k = k.unwrap_or(0);
+            if k > MAX_TOP_LOGPROBS as u64 {
+                return Err(ApiError::bad_param(
+                    "top_logprobs",
+                    format!("`top_logprobs` must be at most {MAX_TOP_LOGPROBS}, got {k}"),
+                ));
+            }
+            Some(k as usize)
+        }
+    };
+    let messages = f
+        .messages
+        .ok_or_else(|| ApiError::bad_param("messages", "`messages` is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::bad_param(
+            "messages",
+            "`messages` must not be empty",
+        ));
+    }
+    let messages = messages
+        .into_iter()
+        .enumerate()
+        .map(|(i, m)| message(i, m))
+        .collect::<Result<_, _>>()?;
+    Ok((PromptInput::Chat(messages), plan))
+}
+
+/// Tools, functions and response formats other than plain text change what
+/// the model must produce; refusing them beats silently ignoring them.
+fn unsupported_options(f: &ChatFields) -> Result<(), ApiError> {
+    // "none" and "auto" without tools both mean: answer in text.
+    let no_call = |v: &Option<Value>| match v {
+        None | Some(Value::Null) => true,
+        Some(Value::String(s)) => s == "none" || s == "auto",
+        Some(_) => false,
+    };
+    if present(&f.tools) {
+        return Err(ApiError::unsupported("tools"));
+    }
+    if !no_call(&f.tool_choice) {
+        return Err(ApiError::unsupported("tool_choice"));
+    }
+    if present(&f.functions) {
+        return Err(ApiError::unsupported("functions"));
+    }
+    if !no_call(&f.function_call) {
+        return Err(ApiError::unsupported("function_call"));
+    }
+    match &f.response_format {
+        None | Some(Value::Null) => Ok(()),
+        Some(r) if r.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
+        Some(_) => Err(ApiError::unsupported("response_format")),
+    }
+}
+
+/// Whether an optional list-like field says something: not absent, null or `[]`.
+fn present(v: &Option<Value>) -> bool {
+    match v {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(_) => true,
+    }
+}
+
+/// One message: a known role and text content (a string or text parts).
+fn message(i: usize, m: MessageIn) -> Result<ChatMessage, ApiError> {
+    let at = |field: &str| format!("messages[{i}].{field}");
+    let role = match m.role.as_str() {
+        // Chat templates know "system"; "developer" is OpenAI's newer name for it.
+        "system" | "developer" => "system",
+        "user" => "user",
+        "assistant" => "assistant",
+        "tool" | "function" => return Err(ApiError::unsupported(&at("role"))),
+        other => {
+            return Err(ApiError::bad_param(
+                at("role"),
+                format!("unknown role `{other}`: use system, developer, user or assistant"),
+            ))
+        }
+    };
+    if present(&m.tool_calls) {
+        return Err(ApiError::unsupported(&at("tool_calls")));
+    }
+    if present(&m.function_call) {
+        return Err(ApiError::unsupported(&at("function_call")));
+    }
+    let content = match m.content {
+        Some(Value::String(s)) => s,
+        // An assistant turn may carry no text (OpenAI sends null there).
+        None | Some(Value::Null) if role == "assistant" => String::new(),
+        Some(Value::Array(parts)) => text_parts(&parts, &at("content"))?,
+        _ => {
+            return Err(ApiError::bad_param(
+                at("content"),
+                "`content` must be a string or an array of text parts",
+            ))
+        }
+    };
+    Ok(ChatMessage::new(role, content))
+}
+
+/// `[{"type": "text", "text": ...}, ...]`, joined with newlines.
+fn text_parts(parts: &[Value], param: &str) -> Result<String, ApiError> {
+    let texts = parts
+        .iter()
+        .enumerate()
+        .map(|(j, p)| {
+            let kind = p.get("type").and_then(Value::as_str);
+            match (kind, p.get("text").and_then(Value::as_str)) {
+                (Some("text"), Some(t)) => Ok(t),
+                (Some("text"), None) => Err(ApiError::bad_param(
+                    format!("{param}[{j}].text"),
+                    "a text part needs a string `text`",
+                )),
+                _ => Err(ApiError::bad_param(
+                    format!("{param}[{j}].type"),
+                    "only text content parts are supported",
+                )),
+            }
+        })
+        .collect::<Result<Vec<&str>, _>>()?;
+    Ok(texts.join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn msg(v: Value) -> Result<ChatMessage, ApiError> {
+        let m: MessageIn = fields(&v)?;
+        message(2, m)
+    }
+
+    #[test]
+    fn messages_map_roles_and_content() {
+        let m = msg(json!({"role": "developer", "content": "be brief"}));
+        assert_eq!(m.ok(), Some(ChatMessage::new("system", "be brief")));
+        let parts = json!({"role": "user", "content": [
+            {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]});
+        assert_eq!(msg(parts).ok(), Some(ChatMessage::new("user", "a\nb")));
+        let empty_reply = json!({"role": "assistant", "content": null, "tool_calls": []});
+        assert_eq!(
+            msg(empty_reply).ok(),
+            Some(ChatMessage::new("assistant", ""))
+        );
+    }
+
+    #[test]
+    fn bad_messages_name_the_field() {
+        let cases = [
+            (
+                json!({"role": "wizard", "content": "x"}),
+                "messages[2].role",
+            ),
+            (json!({"role": "tool", "content": "x"}), "messages[2].role"),
+            (
+                json!({"role": "user", "content": null}),
+                "messages[2].content",
+            ),
+            (json!({"role": "user", "content": 5}), "messages[2].content"),
+            (
+                json!({"role": "user", "content": [{"type": "image_url"}]}),
+                "messages[2].content[0].type",
+            ),
+            (
+                json!({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}),
+                "messages[2].tool_calls",
+            ),
+        ];
+        for (v, param) in cases {
+            let e = msg(v.clone()).err();
+            assert_eq!(e.and_then(|e| e.param).as_deref(), Some(param), "{v}");
+        }
+    }
+
+    #[test]
+    fn unsupported_options_are_refused_by_name() {
+        let parse = |v: Value| fields::<ChatFields>(&v).and_then(|f| unsupported_options(&f));
+        assert!(parse(json!({"tools": [], "tool_choice": "none"})).is_ok());
+        assert!(parse(json!({"response_format": {"type": "text"}})).is_ok());
+        let cases = [
+            (json!({"tools": [{"type": "function"}]}), "tools"),
+            (json!({"tool_choice": "required"}), "tool_choice"),
+            (json!({"functions": [{"name": "f"}]}), "functions"),
+            (json!({"function_call": {"name": "f"}}), "function_call"),
+            (
+                json!({"response_format": {"type": "json_object"}}),
+                "response_format",
+            ),
+        ];
+        for (v, param) in cases {
+            let e = parse(v.clone()).err();
+            assert_eq!(e.and_then(|e| e.param).as_deref(), Some(param), "{v}");
+        }
+    }
+}

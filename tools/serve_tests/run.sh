@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Drives a real `kvant serve` through the official `openai` Python package.
+#
+#   bash tools/serve_tests/run.sh [MODEL]
+#
+# MODEL: a .gguf or Hugging Face directory (default: the tiny fixture model,
+# tests/fixtures/models/llama-gqa). The server binary is $KVANT_BIN, default
+# target/debug/kvant (built here with `cargo build --profile test` if absent).
+# The venv (openai, pytest) lives in $KVANT_SERVE_VENV, default
+# target/serve-tests-venv, and is reused. The server listens on a free
+# loopback port with an API key; after the tests it gets SIGTERM and must
+# exit 0 (graceful shutdown).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+model="${1:-tests/fixtures/models/llama-gqa}"
+bin="${KVANT_BIN:-target/debug/kvant}"
+venv="${KVANT_SERVE_VENV:-target/serve-tests-venv}"
+name="kvant-test"
+key="test-key-$$"
+
+if [ ! -x "$bin" ]; then
+  cargo build --locked --profile test -p kvant
+fi
+if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
+  python3 -m venv "$venv"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai pytest
+fi
+
+log="$(mktemp)"
+"$bin" serve --model "$model" --host 127.0.0.1 --port 0 --kv-cache-memory 256MiB \
+  --served-model-name "$name" --api-key "$key" --shutdown-grace 5 >"$log" 2>&1 &
+pid=$!
+cleanup() {
+  if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
+  rm -f "$log"
+}
+trap cleanup EXIT
+
+# The ready line names the address: "kvant serve: NAME on http://HOST:PORT (...)".
+url=""
+for _ in $(seq 1200); do
+  url="$(grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -n 1 || true)"
+  [ -n "$url" ] && break
+  if ! kill -0 "$pid" 2>/dev/null; then
+    echo "kvant serve exited before it was ready:" >&2
+    cat "$log" >&2
+    exit 1
+  fi
+  sleep 0.1
+done
+if [ -z "$url" ]; then
+  echo "kvant serve was not ready after 120 s:" >&2
+  cat "$log" >&2
+  exit 1
+fi
+
+status=0
+KVANT_BASE_URL="$url/v1" KVANT_API_KEY="$key" KVANT_SERVED_MODEL="$name" \
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider tools/serve_tests/test_openai_client.py || status=$?
+
+kill -TERM "$pid"
+server_status=0
+wait "$pid" || server_status=$?
+if [ "$server_status" -ne 0 ]; then
+  echo "kvant serve exited with status $server_status after SIGTERM:" >&2
+  cat "$log" >&2
+  exit 1
+fi
+exit "$status"
