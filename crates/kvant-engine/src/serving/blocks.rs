@@ -74,6 +74,11 @@ impl BlockManager {
         self.block_size
     }
 
+    /// Whether full blocks are cached for reuse (prefix caching is on).
+    pub fn caches(&self) -> bool {
+        self.prefix_caching
+    }
+
     /// The cached blocks (and their content ids) holding the longest prefix
     /// of `tokens` made of full blocks, leaving at least one token
     /// uncomputed (its logits are needed). Takes no reference.

@@ -9,7 +9,9 @@
 //! the running limit and free blocks allow. When a running sequence needs a
 //! block and none is free, the most recently admitted sequence is preempted:
 //! its blocks are released and it returns to the head of the queue, to be
-//! recomputed (its full blocks often still in the prefix cache).
+//! recomputed (its full blocks often still in the prefix cache). A waiting
+//! request whose prompt shares blocks with a prompt still being computed
+//! waits for them rather than computing them a second time.
 
 use super::blocks::BlockManager;
 use super::sequence::Sequence;
@@ -109,6 +111,10 @@ pub(super) fn schedule<'t>(
     while budget > 0 && running.len() < limits.max_running {
         let Some(s) = waiting.front_mut() else { break };
         let hits = bm.lookup(&s.tokens);
+        if bm.caches() && awaits_shared_prefill(s, hits.len(), running, bm.block_size()) {
+            // Strict FCFS: nobody overtakes it while it waits.
+            break;
+        }
         for &(b, _) in &hits {
             bm.acquire(b);
         }
@@ -142,6 +148,31 @@ pub(super) fn schedule<'t>(
         out.admitted += 1;
     }
     (plan, out)
+}
+
+/// Whether `s` should wait for a running sequence that is still computing
+/// at least one more full block of the prefix they share: once that block
+/// is registered, `s` reuses it instead of computing it again (requests
+/// that arrive together with one long system prompt compute it once, not
+/// once each). `hits` full blocks of `s` are already cached.
+fn awaits_shared_prefill(
+    s: &Sequence<'_>,
+    hits: usize,
+    running: &[Sequence<'_>],
+    bs: usize,
+) -> bool {
+    let usable = s.tokens.len().saturating_sub(1) / bs * bs;
+    running.iter().any(|r| {
+        let shared = r
+            .tokens
+            .iter()
+            .zip(&s.tokens[..usable])
+            .take_while(|(a, b)| a == b)
+            .count()
+            / bs
+            * bs;
+        shared > hits * bs && r.computed < shared
+    })
 }
 
 fn blocks_for(bm: &BlockManager, positions: usize) -> usize {
