@@ -39,4 +39,8 @@ pub enum CoreError {
         #[source]
         source: std::io::Error,
     },
+    #[error("expected a 3-D tensor of stacked matrices, found shape {shape:?}")]
+    NotStacked { shape: Vec<usize> },
+    #[error("matrix {index} of a stack of {count} is out of range")]
+    MatrixOutOfRange { index: usize, count: usize },
 }

@@ -88,6 +88,35 @@ impl Tensor {
             .release_resident_pages(self.offset, self.byte_len());
     }
 
+    /// Matrix `i` of a 3-D tensor `[n, rows, cols]`, as a `[rows, cols]`
+    /// view of the same storage (no copy). GGUF stores all experts of a
+    /// mixture-of-experts layer as one such stack (`ffn_gate_exps` is
+    /// `[n_expert, ff, hidden]`); each expert's weight is one matrix of it.
+    /// Rows are whole blocks (checked in [`Tensor::new`]), so matrix `i`
+    /// starts `i` matrices' bytes in.
+    ///
+    /// # Errors
+    /// [`CoreError::NotStacked`] unless the tensor is 3-D, and
+    /// [`CoreError::MatrixOutOfRange`] unless `i < n`.
+    pub fn matrix(&self, i: usize) -> Result<Tensor> {
+        let &[n, rows, cols] = self.shape.as_slice() else {
+            return Err(CoreError::NotStacked {
+                shape: self.shape.clone(),
+            });
+        };
+        if i >= n {
+            return Err(CoreError::MatrixOutOfRange { index: i, count: n });
+        }
+        // `len` is `n` whole matrices (checked in `new`) and `n > i >= 0`.
+        let bytes = self.len / n;
+        Tensor::new(
+            self.dtype,
+            vec![rows, cols],
+            self.storage.clone(),
+            self.offset + i * bytes,
+        )
+    }
+
     pub fn byte_len(&self) -> usize {
         self.len
     }
@@ -115,6 +144,45 @@ mod tests {
         assert!(Tensor::new(DType::Q4_0, vec![1, 64], s.clone(), 0).is_ok());
         assert!(Tensor::new(DType::Q4_0, vec![4, 16], s.clone(), 0).is_err());
         assert!(Tensor::new(DType::F32, vec![usize::MAX, 2], s, 0).is_err());
+    }
+
+    #[test]
+    fn matrices_of_a_stack_are_views_of_their_bytes() {
+        // 3 matrices of [2, 64] Q4_0: 2 rows of 2 blocks of 18 bytes each.
+        let bytes: Vec<u8> = (0..3 * 2 * 36).map(|i| (i % 251) as u8).collect();
+        let s = Storage::Owned(bytes.clone().into());
+        // An offset into the storage, as a tensor inside a GGUF file has.
+        let mut padded = vec![0xAAu8; 5];
+        padded.extend(&bytes);
+        let stack = Tensor::new(
+            DType::Q4_0,
+            vec![3, 2, 64],
+            Storage::Owned(padded.into()),
+            5,
+        )
+        .unwrap();
+        for (i, want) in bytes.chunks(72).enumerate() {
+            let m = stack.matrix(i).unwrap();
+            assert_eq!(m.shape(), &[2, 64]);
+            assert_eq!(m.dtype(), DType::Q4_0);
+            assert_eq!(m.bytes(), want, "matrix {i}");
+            // A view, not a copy.
+            assert_eq!(m.bytes().as_ptr(), stack.bytes()[72 * i..].as_ptr());
+            assert_eq!(m.row_bytes(1), &want[36..]);
+        }
+        let f = Tensor::new(DType::F32, vec![2, 3, 1], s.clone(), 0).unwrap();
+        assert_eq!(f.matrix(1).unwrap().bytes(), &bytes[12..24]);
+        assert!(matches!(
+            stack.matrix(3),
+            Err(CoreError::MatrixOutOfRange { index: 3, count: 3 })
+        ));
+        let flat = Tensor::new(DType::Q4_0, vec![6, 64], s.clone(), 0).unwrap();
+        assert!(matches!(flat.matrix(0), Err(CoreError::NotStacked { .. })));
+        let empty = Tensor::new(DType::F32, vec![0, 4, 4], s, 0).unwrap();
+        assert!(matches!(
+            empty.matrix(0),
+            Err(CoreError::MatrixOutOfRange { index: 0, count: 0 })
+        ));
     }
 
     #[test]

@@ -4,8 +4,9 @@
 
 use crate::error::EngineError;
 use crate::sampling::{Sampler, SamplingParams};
+use crate::speculative::MtpDrafter;
 use crate::stop::StopMatcher;
-use kvant_model::arch::llama::{LlamaModel, Logits};
+use kvant_model::arch::decoder::{DecoderModel, Logits};
 use kvant_model::kv::KvCache;
 use kvant_model::tokenizer::Tokenizer;
 use std::time::Instant;
@@ -55,26 +56,34 @@ pub struct GenerateOutput {
     /// Forward passes after the prompt, and their time.
     pub decode_steps: usize,
     pub decode_secs: f64,
+    /// Tokens drafted by the MTP module and accepted (self-speculative
+    /// decoding; both 0 without it).
+    pub drafted: usize,
+    pub accepted: usize,
 }
 
 pub struct Session<'m> {
-    model: &'m LlamaModel,
+    model: &'m DecoderModel,
     tokenizer: &'m Tokenizer,
     cache: KvCache,
     /// Tokens whose keys and values `cache` holds.
     tokens: Vec<u32>,
+    /// Present when the model's MTP module is loaded: every decode step
+    /// then drafts a second token (see [`crate::speculative`]).
+    drafter: Option<MtpDrafter>,
 }
 
 impl<'m> Session<'m> {
     /// A session whose cache holds up to `capacity` tokens (capped at the
     /// model's context length). Memory is committed as it is used.
     pub fn new(
-        model: &'m LlamaModel,
+        model: &'m DecoderModel,
         tokenizer: &'m Tokenizer,
         capacity: usize,
     ) -> Result<Self, EngineError> {
         Ok(Session {
             cache: model.new_cache(capacity)?,
+            drafter: model.has_mtp().then(MtpDrafter::default),
             model,
             tokenizer,
             tokens: Vec::new(),
@@ -106,20 +115,32 @@ impl<'m> Session<'m> {
         let mut sampler = Sampler::new(req.sampling.clone())?;
         // Reuse the cached prefix, but always recompute the last prompt
         // token: its logits are needed.
-        let common = self
+        let mut common = self
             .tokens
             .iter()
             .zip(prompt)
             .take_while(|(a, b)| a == b)
             .count()
             .min(prompt.len() - 1);
+        let hidden = self.model.config().hidden;
+        if let Some(d) = &mut self.drafter {
+            common = d.truncate(common, hidden);
+        }
         self.cache.truncate(common);
         self.tokens.truncate(common);
 
         let t0 = Instant::now();
         let mut logits = Vec::new();
+        let want = match self.drafter {
+            Some(_) => Logits::LastAndHidden,
+            None => Logits::Last,
+        };
         for chunk in prompt[common..].chunks(PREFILL_CHUNK) {
-            logits = self.model.forward(chunk, &mut self.cache, Logits::Last)?;
+            let (l, h) = self.model.forward_hidden(chunk, &mut self.cache, want)?;
+            logits = l;
+            if let Some(d) = &mut self.drafter {
+                d.push_hidden(&h);
+            }
             self.tokens.extend_from_slice(chunk);
         }
         let prefill_secs = t0.elapsed().as_secs_f64();
@@ -135,6 +156,8 @@ impl<'m> Session<'m> {
             prefill_secs,
             decode_steps: 0,
             decode_secs: 0.0,
+            drafted: 0,
+            accepted: 0,
         };
         let mut emit = |s: &str, out: &mut GenerateOutput| {
             if !s.is_empty() {
@@ -143,31 +166,76 @@ impl<'m> Session<'m> {
             }
         };
         let t1 = Instant::now();
-        while out.token_ids.len() < req.max_tokens {
-            let next = sampler.sample(&mut logits, &self.tokens)?;
+        // Takes a sampled token: records and streams it; false when it ends
+        // the generation.
+        let mut take = |next: u32, out: &mut GenerateOutput| -> Result<bool, EngineError> {
             out.token_ids.push(next);
             if !req.ignore_eos && eos.contains(&next) {
                 out.finish_reason = FinishReason::Stop;
-                break;
+                return Ok(false);
             }
             if let Some(piece) = stream.step(next)? {
                 let (released, hit) = stops.push(&piece);
-                emit(&released, &mut out);
+                emit(&released, out);
                 if hit {
                     out.finish_reason = FinishReason::Stop;
-                    break;
+                    return Ok(false);
                 }
             }
-            if out.token_ids.len() == req.max_tokens {
-                break;
-            }
-            if self.tokens.len() + 1 >= self.cache.capacity() {
+            Ok(out.token_ids.len() < req.max_tokens)
+        };
+        let mut next = sampler.sample(&mut logits, &self.tokens)?;
+        while take(next, &mut out)? {
+            let room = self.cache.capacity() - self.tokens.len();
+            if room < 2 {
                 // The context is full: the token is produced but not fed back.
                 break;
             }
-            logits = self.model.forward(&[next], &mut self.cache, Logits::Last)?;
-            self.tokens.push(next);
             out.decode_steps += 1;
+            let draft = match &mut self.drafter {
+                Some(d) if room >= 3 => {
+                    Some(d.draft(self.model, &mut self.cache, &self.tokens, next)?)
+                }
+                _ => None,
+            };
+            let Some(draft) = draft else {
+                let want = match self.drafter {
+                    Some(_) => Logits::LastAndHidden,
+                    None => Logits::Last,
+                };
+                let (mut l, h) = self.model.forward_hidden(&[next], &mut self.cache, want)?;
+                if let Some(d) = &mut self.drafter {
+                    d.push_hidden(&h);
+                }
+                self.tokens.push(next);
+                next = sampler.sample(&mut l, &self.tokens)?;
+                continue;
+            };
+            // Verify: one pass over the sampled token and the draft.
+            let (l, h) = self
+                .model
+                .forward_hidden(&[next, draft], &mut self.cache, Logits::All)?;
+            let vocab = l.len() / 2;
+            let (mut l1, mut l2) = (l[..vocab].to_vec(), l[vocab..].to_vec());
+            self.tokens.push(next);
+            let second = sampler.sample(&mut l1, &self.tokens)?;
+            let hit = second == draft;
+            out.drafted += 1;
+            out.accepted += usize::from(hit);
+            if let Some(d) = &mut self.drafter {
+                // A rejected draft's row and keys are dropped.
+                d.push_hidden(if hit { &h } else { &h[..hidden] });
+            }
+            if !hit {
+                self.cache.truncate(self.tokens.len());
+                next = second;
+                continue;
+            }
+            self.tokens.push(draft);
+            if !take(second, &mut out)? {
+                break;
+            }
+            next = sampler.sample(&mut l2, &self.tokens)?;
         }
         if out.finish_reason == FinishReason::Length {
             let tail = stream.flush();

@@ -1,6 +1,8 @@
 //! The serving engine end to end on a tiny real checkpoint (a Q4_0 GGUF
 //! with its tokenizer): batch invariance under load, chunked prefill,
-//! preemption, prefix caching, aborts, validation and shutdown.
+//! preemption, prefix caching, aborts, validation and shutdown; the load
+//! test also on a mixture of experts with latent attention (DeepSeek-V3)
+//! and one with a gated shared expert (Qwen2-MoE).
 
 use kvant_engine::serving::{
     EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, Shutdown, SubmitError, Usage,
@@ -13,13 +15,20 @@ use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::Duration;
 
-fn fixture() -> std::path::PathBuf {
+const DENSE: &str = "gguf/llama-gqa.Q4_0.gguf";
+
+fn fixture(name: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/models/gguf/llama-gqa.Q4_0.gguf")
+        .join("../../tests/fixtures/models")
+        .join(name)
 }
 
 fn start(cfg: EngineConfig) -> (EngineHandle, EngineThread) {
-    let m = kvant_model::load(&fixture()).expect("fixture loads");
+    start_with(DENSE, cfg)
+}
+
+fn start_with(name: &str, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
+    let m = kvant_model::load(&fixture(name)).expect("fixture loads");
     EngineHandle::start(Arc::new(m.model), Arc::new(m.tokenizer), cfg).expect("engine starts")
 }
 
@@ -71,8 +80,14 @@ fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
 /// small pool forces preemptions (recomputed from the prefix cache).
 #[test]
 fn outputs_do_not_depend_on_load() {
+    for name in [DENSE, "deepseek-v3", "qwen2-moe"] {
+        outputs_do_not_depend_on_load_of(name);
+    }
+}
+
+fn outputs_do_not_depend_on_load_of(name: &str) {
     let ps = prompts(16, 1);
-    let (h, t) = start(EngineConfig::default());
+    let (h, t) = start_with(name, EngineConfig::default());
     let alone: Vec<Vec<u32>> = ps
         .iter()
         .map(|p| collect(&submit(&h, greedy(p.clone(), 24))).0)
@@ -87,14 +102,14 @@ fn outputs_do_not_depend_on_load() {
         max_running: 12,
         ..EngineConfig::default()
     };
-    let (h, t) = start(cfg);
+    let (h, t) = start_with(name, cfg);
     let rxs: Vec<Receiver<Event>> = ps
         .iter()
         .map(|p| submit(&h, greedy(p.clone(), 24)))
         .collect();
     for (i, rx) in rxs.iter().enumerate() {
         let (ids, reason, usage) = collect(rx);
-        assert_eq!(ids, alone[i], "request {i}");
+        assert_eq!(ids, alone[i], "{name}: request {i}");
         assert_eq!(reason, FinishReason::Length);
         assert_eq!(usage.completion_tokens, 24);
         assert_eq!(usage.prompt_tokens, ps[i].len());

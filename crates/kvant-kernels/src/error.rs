@@ -26,6 +26,35 @@ pub enum KernelError {
     },
     #[error(transparent)]
     Core(#[from] CoreError),
+    #[error("router parameters: {what} is {value}, expected {min}..={max}")]
+    RouterParams {
+        what: &'static str,
+        value: usize,
+        min: usize,
+        max: usize,
+    },
+    #[error("{what} {index} is out of range (there are {len})")]
+    IndexOutOfRange {
+        what: &'static str,
+        index: usize,
+        len: usize,
+    },
+    #[error("grouped gemm segment of tokens {start}..{end} is not inside {min}..{max} (a set's segments must ascend without overlapping)")]
+    SegmentRange {
+        start: usize,
+        end: usize,
+        min: usize,
+        max: usize,
+    },
+    #[error("expert {expert}'s {what} weight is {actual:?}, expected {expected:?}")]
+    ExpertShape {
+        what: &'static str,
+        expert: usize,
+        expected: [usize; 2],
+        actual: [usize; 2],
+    },
+    #[error("expert {expert}'s {what} weight is packed for another kernel than expert 0's (one stacked tensor should give one kind)")]
+    ExpertKind { what: &'static str, expert: usize },
 }
 
 /// Checks one length argument.

@@ -10,6 +10,7 @@ pub mod f16pack;
 pub mod int8;
 pub mod linear;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 pub mod pool;
 pub mod quant;

@@ -54,6 +54,7 @@ impl Checkpoint {
             Checkpoint::Gguf(_) => {
                 let n = |s: &str| format!("blk.{layer}.{s}");
                 LayerNames {
+                    prefix: n(""),
                     attn_norm: n("attn_norm.weight"),
                     q: n("attn_q"),
                     k: n("attn_k"),
@@ -72,6 +73,7 @@ impl Checkpoint {
             Checkpoint::Hf(_) => {
                 let n = |s: &str| format!("model.layers.{layer}.{s}");
                 LayerNames {
+                    prefix: n(""),
                     attn_norm: n("input_layernorm.weight"),
                     q: n("self_attn.q_proj"),
                     k: n("self_attn.k_proj"),
@@ -115,6 +117,9 @@ impl Checkpoint {
 
 /// Projection names are stems: append `.weight` / `.bias`.
 pub struct LayerNames {
+    /// What every tensor name of the layer starts with (`blk.3.`,
+    /// `model.layers.3.`), for components that name their own tensors.
+    pub prefix: String,
     pub attn_norm: String,
     pub q: String,
     pub k: String,

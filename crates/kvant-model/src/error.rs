@@ -40,4 +40,14 @@ pub enum ModelError {
     KvShape,
     #[error("block table entry {block} is outside the pool of {n_blocks} blocks")]
     BadBlock { block: u32, n_blocks: usize },
+    #[error("the model has no multi-token-prediction module loaded")]
+    NoMtp,
+    #[error(
+        "MTP input: {tokens} tokens need {tokens} hidden rows of {hidden}, got {values} values"
+    )]
+    MtpHidden {
+        tokens: usize,
+        hidden: usize,
+        values: usize,
+    },
 }

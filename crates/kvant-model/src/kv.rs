@@ -38,19 +38,16 @@ impl KvDType {
 /// and its pages are committed only when first written).
 struct Layers<T> {
     keys: Vec<Vec<T>>,
+    /// Empty for a latent cache (values are part of the key rows).
     values: Vec<Vec<T>>,
 }
 
 impl<T: Clone + Default> Layers<T> {
-    fn new(n_layers: usize, per_layer: usize) -> Self {
-        let alloc = || {
-            (0..n_layers)
-                .map(|_| vec![T::default(); per_layer])
-                .collect()
-        };
+    fn new(n_layers: usize, per_layer: usize, latent: bool) -> Self {
+        let alloc = |n| (0..n).map(|_| vec![T::default(); per_layer]).collect();
         Layers {
-            keys: alloc(),
-            values: alloc(),
+            keys: alloc(n_layers),
+            values: alloc(if latent { 0 } else { n_layers }),
         }
     }
 }
@@ -65,14 +62,19 @@ enum Store {
 pub struct KvShape {
     pub n_layers: usize,
     pub n_kv_heads: usize,
+    /// Key row size per KV head (the latent row for latent attention).
     pub head_dim: usize,
+    /// Only keys are stored: multi-head latent attention reads its values
+    /// from the latent rows (see `kvant_kernels::attention::KvBlocks`).
+    pub latent: bool,
     pub dtype: KvDType,
 }
 
 impl KvShape {
     /// Bytes one token occupies across all layers (keys and values).
     pub fn bytes_per_token(&self) -> usize {
-        2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.bytes()
+        let arrays = if self.latent { 1 } else { 2 };
+        arrays * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.bytes()
     }
 }
 
@@ -109,8 +111,8 @@ impl KvPool {
         }
         Ok(KvPool {
             store: match shape.dtype {
-                KvDType::F16 => Store::F16(Layers::new(shape.n_layers, per_layer)),
-                KvDType::F32 => Store::F32(Layers::new(shape.n_layers, per_layer)),
+                KvDType::F16 => Store::F16(Layers::new(shape.n_layers, per_layer, shape.latent)),
+                KvDType::F32 => Store::F32(Layers::new(shape.n_layers, per_layer, shape.latent)),
             },
             shape,
             block_size,
@@ -160,15 +162,16 @@ impl KvPool {
         }
     }
 
-    /// Stores `k` and `v` (`[n_tokens, kv_dim]`, the batch's new tokens) in
-    /// one layer at each sequence's positions, then runs attention for the
-    /// queries `q` (the same tokens) over each sequence's history including
-    /// them. The caller has checked every table with [`Self::check_table`].
+    /// Stores `k` and `v` (`[n_tokens, kv_dim]`, the batch's new tokens;
+    /// `v` is `None` for a latent pool) in one layer at each sequence's
+    /// positions, then runs attention for the queries `q` (the same tokens)
+    /// over each sequence's history including them. The caller has checked
+    /// every table with [`Self::check_table`].
     pub(crate) fn store_and_attend(
         &mut self,
         layer: usize,
         seqs: &[SeqAttn<'_>],
-        kv: (&[f32], &[f32]),
+        kv: (&[f32], Option<&[f32]>),
         p: &AttnParams,
         q: &[f32],
         out: &mut [f32],
@@ -177,19 +180,16 @@ impl KvPool {
         match &mut self.store {
             Store::F16(l) => {
                 let k = l.keys[layer].reinterpret_cast_mut::<half::f16>();
-                let v = l.values[layer].reinterpret_cast_mut::<half::f16>();
+                let v = l
+                    .values
+                    .get_mut(layer)
+                    .map(|v| v.reinterpret_cast_mut::<half::f16>());
                 step(k, v, bs, seqs, kv, p, q, out)
             }
-            Store::F32(l) => step(
-                &mut l.keys[layer],
-                &mut l.values[layer],
-                bs,
-                seqs,
-                kv,
-                p,
-                q,
-                out,
-            ),
+            Store::F32(l) => {
+                let v = l.values.get_mut(layer).map(|v| v.as_mut_slice());
+                step(&mut l.keys[layer], v, bs, seqs, kv, p, q, out)
+            }
         }
     }
 }
@@ -197,24 +197,34 @@ impl KvPool {
 #[allow(clippy::too_many_arguments)] // one layer's step, unpacked from the pool
 fn step<T: KvElem>(
     keys: &mut [T],
-    values: &mut [T],
+    mut values: Option<&mut [T]>,
     block_size: usize,
     seqs: &[SeqAttn<'_>],
-    (k, v): (&[f32], &[f32]),
+    (k, v): (&[f32], Option<&[f32]>),
     p: &AttnParams,
     q: &[f32],
     out: &mut [f32],
 ) {
-    let kv_dim = p.n_kv_heads * p.head_dim;
-    let (nk, hd) = (p.n_kv_heads, p.head_dim);
+    let (nk, hd, vd) = (p.n_kv_heads, p.head_dim, p.v_dim);
     for s in seqs {
-        let rows = s.rows.start * kv_dim..s.rows.end * kv_dim;
-        store_rows(&k[rows.clone()], keys, block_size, nk, hd, s.table, s.pos0);
-        store_rows(&v[rows], values, block_size, nk, hd, s.table, s.pos0);
+        let (a, b) = (s.rows.start, s.rows.end);
+        store_rows(
+            &k[a * nk * hd..b * nk * hd],
+            keys,
+            block_size,
+            nk,
+            hd,
+            s.table,
+            s.pos0,
+        );
+        if let (Some(dst), Some(v)) = (values.as_deref_mut(), v) {
+            let src = &v[a * nk * vd..b * nk * vd];
+            store_rows(src, dst, block_size, nk, vd, s.table, s.pos0);
+        }
     }
     let blocks = KvBlocks {
         k: keys,
-        v: values,
+        v: values.as_deref(),
         block_size,
     };
     attention(p, q, &blocks, seqs, out);

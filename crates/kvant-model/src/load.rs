@@ -1,7 +1,7 @@
 //! Opening a checkpoint as a runnable model: configuration, weights,
 //! tokenizer and chat template from one path.
 
-use crate::arch::llama::{LlamaModel, LoadOptions};
+use crate::arch::decoder::{DecoderModel, LoadOptions};
 use crate::chat::ChatTemplate;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 pub struct LoadedModel {
-    pub model: LlamaModel,
+    pub model: DecoderModel,
     pub tokenizer: Tokenizer,
     /// `None` when the checkpoint carries no template.
     pub chat_template: Option<ChatTemplate>,
@@ -37,7 +37,22 @@ pub struct ModelInfo {
     pub tokenizer: String,
     pub vocab_size: usize,
     pub chat_template: bool,
+    /// Bytes of weights one decoded token reads (a mixture of experts reads
+    /// only its routed and shared experts).
     pub weight_bytes: usize,
+    /// Bytes of all prepared weights.
+    pub total_weight_bytes: usize,
+    /// Routed experts per MoE layer, experts per token, and MoE layers.
+    pub experts: Option<(usize, usize, usize)>,
+    /// Latent attention: `kv_lora_rank + qk_rope_head_dim` values cached
+    /// per token and layer.
+    pub mla_latent_dim: Option<usize>,
+    /// KV cache bytes per token (f16 cache), and what caching each head's
+    /// expanded keys and values would take.
+    pub kv_bytes_per_token: usize,
+    pub kv_bytes_per_token_expanded: usize,
+    /// Multi-token-prediction layers in the checkpoint.
+    pub mtp_layers: usize,
 }
 
 /// [`load_with`] the default options (int8 activations where they apply).
@@ -69,7 +84,7 @@ pub fn load_with(path: &Path, opts: LoadOptions) -> Result<LoadedModel, ModelErr
             (cfg, tokenizer, template, count(dtypes))
         }
     };
-    let model = LlamaModel::load(&ckpt, cfg, opts)?;
+    let model = DecoderModel::load(&ckpt, cfg, opts)?;
     let c = model.config();
     let info = ModelInfo {
         format: match ckpt {
@@ -88,6 +103,15 @@ pub fn load_with(path: &Path, opts: LoadOptions) -> Result<LoadedModel, ModelErr
         vocab_size: tokenizer.vocab_size(),
         chat_template: template.is_some(),
         weight_bytes: model.weight_bytes(),
+        total_weight_bytes: model.total_weight_bytes(),
+        experts: c.experts.as_ref().map(|e| {
+            let layers = e.layers.iter().filter(|&&m| m).count();
+            (e.router.n_experts, e.router.top_k, layers)
+        }),
+        mla_latent_dim: c.mla.map(|m| m.latent_dim()),
+        kv_bytes_per_token: model.kv_bytes_per_token(),
+        kv_bytes_per_token_expanded: model.expanded_kv_bytes_per_token(),
+        mtp_layers: c.mtp_layers,
     };
     Ok(LoadedModel {
         model,

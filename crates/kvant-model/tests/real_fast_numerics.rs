@@ -14,7 +14,7 @@
 //! Needs `KVANT_MODEL` and `KVANT_GEMMA3_MODEL` (`bash .ci/run` fetches
 //! both); with `KVANT_SKIP_REAL_MODEL=1` the tests are skipped.
 
-use kvant_model::arch::llama::{LlamaModel, Logits};
+use kvant_model::arch::decoder::{DecoderModel, Logits};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -53,7 +53,7 @@ fn check(model: &Path, fixture: &str) {
         .join("../../tests/fixtures/models")
         .join(fixture);
     let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-    let m: LlamaModel = kvant_model::load(model).unwrap().model;
+    let m: DecoderModel = kvant_model::load(model).unwrap().model;
     let vocab = m.config().vocab;
     let mut compared = 0;
     for p in r["prompts"].as_array().unwrap() {

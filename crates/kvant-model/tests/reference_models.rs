@@ -2,7 +2,7 @@
 //! against transformers (PyTorch, CPU, float32) outputs written by
 //! `tools/reference/make_model_fixtures.py`.
 
-use kvant_model::arch::llama::{LlamaModel, LoadOptions, Logits};
+use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits};
 use kvant_model::checkpoint::Checkpoint;
 use kvant_model::ModelError;
 use serde_json::Value;
@@ -27,6 +27,14 @@ const PPL_REL_TOL: f64 = 1e-4;
 /// scale makes these logits garbage, |Δ| ≫ 1).
 const FAST_LOGIT_TOL: f32 = 0.3;
 const FAST_PPL_REL_TOL: f64 = 0.02;
+/// Mixture-of-experts fixtures: on the fast path, positions whose expert
+/// choice is decided by less than this router-score margin (recorded per
+/// position as `routing_margins`) are left out. The 8-bit activations of
+/// the layers below move router inputs enough to flip such a choice, which
+/// changes that row by O(1) — as it does in llama.cpp (deepseek-v3 Q8_0:
+/// position 5, margin 0.007, Δ 1.53 there, 1.52 here). Rows after it still
+/// count: the flip reaches them only through attention.
+const FAST_ROUTING_MARGIN: f64 = 0.01;
 
 /// What one fixture check requires.
 struct Tol {
@@ -77,10 +85,10 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
     out
 }
 
-fn open(path: &Path, opts: LoadOptions) -> LlamaModel {
-    let load = || -> Result<LlamaModel, Box<ModelError>> {
+fn open(path: &Path, opts: LoadOptions) -> DecoderModel {
+    let load = || -> Result<DecoderModel, Box<ModelError>> {
         let ckpt = Checkpoint::open(path)?;
-        Ok(LlamaModel::load(&ckpt, ckpt.config()?, opts)?)
+        Ok(DecoderModel::load(&ckpt, ckpt.config()?, opts)?)
     };
     load().unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -123,26 +131,51 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
     let mut cache = m.new_cache(prompt.len()).unwrap();
     let logits = m.forward(&prompt, &mut cache, Logits::All).unwrap();
     let want = r["logits"].as_array().unwrap();
+    // Rows a fast path may route differently (see FAST_ROUTING_MARGIN).
+    let skip: Vec<bool> = match (tol.greedy, r["routing_margins"].as_array()) {
+        (false, Some(m)) => m
+            .iter()
+            .map(|x| x.as_f64().unwrap() < FAST_ROUTING_MARGIN)
+            .collect(),
+        _ => vec![false; want.len()],
+    };
     let mut max_err = 0f32;
-    let mut nll = 0f64;
+    let (mut nll, mut want_nll, mut scored) = (0f64, 0f64, 0usize);
     for (t, row) in want.iter().enumerate() {
+        if skip[t] {
+            continue;
+        }
         let got = &logits[t * vocab..(t + 1) * vocab];
-        for (g, w) in got.iter().zip(row.as_array().unwrap()) {
-            max_err = max_err.max((g - w.as_f64().unwrap() as f32).abs());
+        let row: Vec<f32> = row
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|w| w.as_f64().unwrap() as f32)
+            .collect();
+        for (g, w) in got.iter().zip(&row) {
+            max_err = max_err.max((g - w).abs());
         }
         if let Some(&next) = prompt.get(t + 1) {
-            nll += kvant_kernels::softmax::log_sum_exp(got) - got[next as usize] as f64;
+            let ln = |l: &[f32]| kvant_kernels::softmax::log_sum_exp(l) - l[next as usize] as f64;
+            nll += ln(got);
+            want_nll += ln(&row);
+            scored += 1;
         }
     }
     assert!(max_err <= tol.logit, "{name}: max |Δlogit| {max_err}");
-    let ppl = (nll / (prompt.len() - 1) as f64).exp();
-    let want_ppl = r["ppl"].as_f64().unwrap();
+    let ppl = (nll / scored as f64).exp();
+    // The recorded ppl when every row counts; else the same rows' reference.
+    let want_ppl = match skip.iter().any(|&s| s) {
+        false => r["ppl"].as_f64().unwrap(),
+        true => (want_nll / scored as f64).exp(),
+    };
     assert!(
         ((ppl - want_ppl) / want_ppl).abs() <= tol.ppl_rel,
         "{name}: ppl {ppl} vs {want_ppl}"
     );
 
-    eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4} (want {want_ppl:.4})");
+    let skipped = skip.iter().filter(|&&s| s).count();
+    eprintln!("{name}: max |Δlogit| {max_err:.2e}, ppl {ppl:.4} (want {want_ppl:.4}), {skipped} near-tie rows left out");
     if !tol.greedy {
         return;
     }
@@ -153,7 +186,7 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
 }
 
 /// Greedy decoding straight on the model (the engine crate sits above this one).
-fn greedy(m: &LlamaModel, prompt: &[u32], n: usize) -> Vec<u32> {
+fn greedy(m: &DecoderModel, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = m.new_cache(prompt.len() + n).unwrap();
     let mut logits = m.forward(prompt, &mut cache, Logits::Last).unwrap();
     let mut out = Vec::new();

@@ -97,6 +97,11 @@ pub struct ModelArg {
     /// attention reads per token; f32 keeps keys and values exact.
     #[arg(long, value_enum, default_value_t = KvCacheType::F16)]
     pub kv_cache_type: KvCacheType,
+    /// Load the checkpoint's multi-token-prediction layer (DeepSeek-V3,
+    /// GigaChat3) and decode self-speculatively with it: the same tokens,
+    /// up to two per forward pass.
+    #[arg(long)]
+    pub mtp: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -113,6 +118,7 @@ impl ModelArg {
                 KvCacheType::F16 => kvant_model::kv::KvDType::F16,
                 KvCacheType::F32 => kvant_model::kv::KvDType::F32,
             },
+            mtp: self.mtp,
         }
     }
 }

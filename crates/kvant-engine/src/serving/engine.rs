@@ -11,7 +11,7 @@ use super::sequence::Sequence;
 use crate::sampling::Sampler;
 use crate::session::FinishReason;
 use crate::stop::StopMatcher;
-use kvant_model::arch::llama::{LlamaModel, Logits, SeqStep};
+use kvant_model::arch::decoder::{DecoderModel, Logits, SeqStep};
 use kvant_model::kv::KvPool;
 use kvant_model::tokenizer::Tokenizer;
 use std::collections::VecDeque;
@@ -20,7 +20,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 pub(super) struct Engine<'t> {
-    model: Arc<LlamaModel>,
+    model: Arc<DecoderModel>,
     tokenizer: &'t Tokenizer,
     pool: KvPool,
     blocks: BlockManager,
@@ -32,7 +32,7 @@ pub(super) struct Engine<'t> {
 
 impl<'t> Engine<'t> {
     pub fn new(
-        model: Arc<LlamaModel>,
+        model: Arc<DecoderModel>,
         tokenizer: &'t Tokenizer,
         pool: KvPool,
         cfg: &EngineConfig,

@@ -11,7 +11,7 @@ use super::metrics::{Metrics, MetricsSnapshot};
 use super::request::{EngineRequest, EventSink, RequestId, MAX_TOP_LOGPROBS};
 use crate::error::EngineError;
 use crate::sampling::SamplingError;
-use kvant_model::arch::llama::LlamaModel;
+use kvant_model::arch::decoder::DecoderModel;
 use kvant_model::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -38,7 +38,7 @@ pub struct EngineConfig {
 
 impl EngineConfig {
     /// Blocks of `block_size` tokens that fit in `bytes` for `model`.
-    pub fn blocks_for_bytes(model: &LlamaModel, block_size: usize, bytes: usize) -> usize {
+    pub fn blocks_for_bytes(model: &DecoderModel, block_size: usize, bytes: usize) -> usize {
         bytes / model.kv_bytes_per_token().max(1) / block_size.max(1)
     }
 }
@@ -134,7 +134,7 @@ impl EngineHandle {
     /// Starts the engine thread over `model`, with a KV pool of
     /// `cfg.kv_blocks` blocks allocated now.
     pub fn start(
-        model: Arc<LlamaModel>,
+        model: Arc<DecoderModel>,
         tokenizer: Arc<Tokenizer>,
         cfg: EngineConfig,
     ) -> Result<(EngineHandle, EngineThread), EngineError> {

@@ -67,21 +67,25 @@ unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
 }
 
 /// One layer's keys and values in fixed-size blocks (PagedAttention):
-/// `[n_blocks, n_kv_heads, block_size, head_dim]` each. Within a block the
-/// layout is head-major, so a key tile of one head is contiguous for up to
-/// `block_size` positions. A contiguous cache is the special case of one
-/// block of `capacity` positions.
+/// keys `[n_blocks, n_kv_heads, block_size, head_dim]`, values the same
+/// with `v_dim`. Within a block the layout is head-major, so a key tile of
+/// one head is contiguous for up to `block_size` positions. A contiguous
+/// cache is the special case of one block of `capacity` positions.
 #[derive(Clone, Copy)]
 pub struct KvBlocks<'a, T> {
     pub k: &'a [T],
-    pub v: &'a [T],
+    /// `None` when the values are the first `v_dim` elements of each key
+    /// row: multi-head latent attention caches one latent vector per
+    /// token (its compressed KV followed by the rotary key part) that
+    /// serves as both, so only it is stored and streamed.
+    pub v: Option<&'a [T]>,
     pub block_size: usize,
 }
 
 impl<T: KvElem> KvBlocks<'_, T> {
-    /// Elements per block.
-    pub(super) fn block_elems(&self, n_kv_heads: usize, head_dim: usize) -> usize {
-        n_kv_heads * self.block_size * head_dim
+    /// Elements per block of rows of `dim` values.
+    pub(super) fn block_elems(&self, n_kv_heads: usize, dim: usize) -> usize {
+        n_kv_heads * self.block_size * dim
     }
 
     /// Blocks held (the valid range of table entries).
@@ -92,13 +96,14 @@ impl<T: KvElem> KvBlocks<'_, T> {
     /// Widens positions `j0..j0 + n` of KV head `h` of the sequence whose
     /// blocks are `table` (position `j` is slot `j % block_size` of block
     /// `table[j / block_size]`) into the first `n * head_dim` values of `kt`
-    /// and `vt`, one contiguous run per block crossed.
+    /// and (stored values only) the first `n * v_dim` of `vt`, one
+    /// contiguous run per block crossed.
     #[allow(clippy::too_many_arguments)] // a tile's address, unpacked
     pub(super) fn widen_tile(
         &self,
         table: &[u32],
         n_kv_heads: usize,
-        hd: usize,
+        (hd, vd): (usize, usize),
         h: usize,
         j0: usize,
         n: usize,
@@ -106,15 +111,21 @@ impl<T: KvElem> KvBlocks<'_, T> {
         vt: &mut [f32],
     ) {
         let bs = self.block_size;
-        let per_block = self.block_elems(n_kv_heads, hd);
+        let (k_block, v_block) = (
+            self.block_elems(n_kv_heads, hd),
+            self.block_elems(n_kv_heads, vd),
+        );
         let mut j = j0;
         while j < j0 + n {
             let (b, slot) = (table[j / bs] as usize, j % bs);
             let run = (bs - slot).min(j0 + n - j);
-            let src = b * per_block + (h * bs + slot) * hd;
-            let dst = (j - j0) * hd;
+            let row = h * bs + slot;
+            let (src, dst) = (b * k_block + row * hd, (j - j0) * hd);
             T::widen(&self.k[src..src + run * hd], &mut kt[dst..dst + run * hd]);
-            T::widen(&self.v[src..src + run * hd], &mut vt[dst..dst + run * hd]);
+            if let Some(v) = self.v {
+                let (src, dst) = (b * v_block + row * vd, (j - j0) * vd);
+                T::widen(&v[src..src + run * vd], &mut vt[dst..dst + run * vd]);
+            }
             j += run;
         }
     }

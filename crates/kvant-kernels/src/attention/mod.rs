@@ -30,7 +30,11 @@ use std::ops::Range;
 pub struct AttnParams {
     pub n_heads: usize,
     pub n_kv_heads: usize,
+    /// Query and key size per head.
     pub head_dim: usize,
+    /// Value (and output) size per head: `head_dim`, except in latent
+    /// attention, whose values are the first `v_dim` key elements.
+    pub v_dim: usize,
     /// Multiplies q·k (usually `1/sqrt(head_dim)`).
     pub scale: f32,
     /// Sliding window: a query at position p sees keys in `(p - w, p]`.
@@ -90,9 +94,9 @@ thread_local! {
     static PARTS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
-/// Attention of every sequence in `seqs` on the start-up tier. `q` and
-/// `out` are `[n_tokens, n_heads * head_dim]`, the sequences' rows
-/// concatenated.
+/// Attention of every sequence in `seqs` on the start-up tier. `q` is
+/// `[n_tokens, n_heads * head_dim]` and `out` `[n_tokens, n_heads *
+/// v_dim]`, the sequences' rows concatenated.
 pub fn attention<T: KvElem>(
     p: &AttnParams,
     q: &[f32],
@@ -116,15 +120,18 @@ pub fn attention_with<T: KvElem>(
     seqs: &[SeqAttn<'_>],
     out: &mut [f32],
 ) {
-    let hd = p.head_dim;
+    let (hd, vd) = (p.head_dim, p.v_dim);
     let group = p.n_heads / p.n_kv_heads.max(1);
-    assert!(hd > 0 && group > 0 && p.n_heads == group * p.n_kv_heads);
-    assert_eq!(q.len(), out.len());
-    assert_eq!(kv.v.len(), kv.k.len());
-    assert!(kv.block_size > 0);
+    assert!(hd > 0 && vd > 0 && group > 0 && p.n_heads == group * p.n_kv_heads);
     let qd = p.n_heads * hd;
+    assert_eq!(q.len() / qd * p.n_heads * vd, out.len());
+    assert!(kv.block_size > 0);
     let n_blocks = kv.n_blocks(p.n_kv_heads, hd);
     assert_eq!(kv.k.len(), n_blocks * kv.block_elems(p.n_kv_heads, hd));
+    match kv.v {
+        Some(v) => assert_eq!(v.len(), n_blocks * kv.block_elems(p.n_kv_heads, vd)),
+        None => assert!(vd <= hd, "latent values longer than the keys"),
+    }
     for s in seqs {
         let len = s.pos0 + s.rows.len();
         assert!(s.rows.end * qd <= q.len(), "rows past the queries");
@@ -159,21 +166,21 @@ pub fn attention_with<T: KvElem>(
                     parts: (parts.start, parts.end),
                     off,
                 });
-                off += parts.len() * item.rows() * (2 + hd);
+                off += parts.len() * item.rows() * (2 + vd);
             }
         }
         let out = DisjointSlice::new(out);
         let write_row = |seq: usize, t: usize, h: usize, f: &mut dyn FnMut(&mut [f32])| {
-            let o = ((seqs[seq].rows.start + t) * p.n_heads + h) * hd;
+            let o = ((seqs[seq].rows.start + t) * p.n_heads + h) * vd;
             // SAFETY: every (sequence, token, head) row belongs to exactly
             // one item, and sequences' rows do not overlap (checked by the
             // caller's construction; out-of-range panics in `range`).
-            f(unsafe { out.range(o..o + hd) });
+            f(unsafe { out.range(o..o + vd) });
         };
         let finish = |pl: &Planned, m: &Partial| {
             for r in 0..pl.item.rows() {
                 let (t, h) = pl.item.row(r);
-                let (l, acc) = (m.l[r], &m.acc[r * hd..(r + 1) * hd]);
+                let (l, acc) = (m.l[r], &m.acc[r * vd..(r + 1) * vd]);
                 write_row(pl.seq, t, h, &mut |o| {
                     o.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
                 });
@@ -188,10 +195,10 @@ pub fn attention_with<T: KvElem>(
                 let ops = &operands(pl.seq);
                 STATE.with_borrow_mut(|st| {
                     MERGED.with_borrow_mut(|m| {
-                        m.reset(pl.item.rows(), hd);
+                        m.reset(pl.item.rows(), vd);
                         for part in pl.parts.0..pl.parts.1 {
                             rows::run_partition(tier, p, ops, &pl.item, part, st);
-                            fold_rows(m, &st.part, hd);
+                            fold_rows(m, &st.part, vd);
                         }
                         finish(pl, m);
                     });
@@ -221,7 +228,7 @@ pub fn attention_with<T: KvElem>(
                 let (i, a, b) = tasks[task];
                 let pl = &plan[i];
                 let rows = pl.item.rows();
-                let stride = rows * (2 + hd);
+                let stride = rows * (2 + vd);
                 let at = pl.off + (a - pl.parts.0) * stride;
                 // SAFETY: each (item, partition) owns its own stride of the
                 // buffer, and tasks cover disjoint partition ranges.
@@ -239,19 +246,19 @@ pub fn attention_with<T: KvElem>(
             pool::global().run(plan.len(), &|i| {
                 let pl = &plan[i];
                 let rows = pl.item.rows();
-                let stride = rows * (2 + hd);
+                let stride = rows * (2 + vd);
                 let n = pl.parts.1 - pl.parts.0;
                 MERGED.with_borrow_mut(|m| {
-                    m.reset(rows, hd);
+                    m.reset(rows, vd);
                     for s in parts[pl.off..pl.off + n * stride].chunks_exact(stride) {
                         for r in 0..rows {
                             fold(
                                 &mut m.m[r],
                                 &mut m.l[r],
-                                &mut m.acc[r * hd..(r + 1) * hd],
+                                &mut m.acc[r * vd..(r + 1) * vd],
                                 s[r],
                                 s[rows + r],
-                                &s[2 * rows + r * hd..2 * rows + (r + 1) * hd],
+                                &s[2 * rows + r * vd..2 * rows + (r + 1) * vd],
                             );
                         }
                     }
@@ -263,15 +270,15 @@ pub fn attention_with<T: KvElem>(
 }
 
 /// Folds every row of partition state `b` into `m`.
-fn fold_rows(m: &mut Partial, b: &Partial, hd: usize) {
+fn fold_rows(m: &mut Partial, b: &Partial, vd: usize) {
     for r in 0..b.m.len() {
         fold(
             &mut m.m[r],
             &mut m.l[r],
-            &mut m.acc[r * hd..(r + 1) * hd],
+            &mut m.acc[r * vd..(r + 1) * vd],
             b.m[r],
             b.l[r],
-            &b.acc[r * hd..(r + 1) * hd],
+            &b.acc[r * vd..(r + 1) * vd],
         );
     }
 }
@@ -310,11 +317,13 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     /// A block store holding several sequences' keys and values (token-major
-    /// `[len, n_kv * hd]` each) in shuffled blocks, their tables, and the
-    /// values the store holds after rounding to `T` (what the reference sees).
+    /// `[len, n_kv * hd]` and `[len, n_kv * vd]` each) in shuffled blocks,
+    /// their tables, and the values the store holds after rounding to `T`
+    /// (what the reference sees). `latent`: no values are stored; they are
+    /// the keys' first `vd` elements (the given values are ignored).
     struct Store<T> {
         k: Vec<T>,
-        v: Vec<T>,
+        v: Option<Vec<T>>,
         block_size: usize,
         tables: Vec<Vec<u32>>,
         rounded: Vec<(Vec<f32>, Vec<f32>)>,
@@ -325,22 +334,24 @@ mod tests {
             rng: &mut ChaCha8Rng,
             seqs: &[(Vec<f32>, Vec<f32>)],
             n_kv: usize,
-            hd: usize,
+            (hd, vd): (usize, usize),
             block_size: usize,
+            latent: bool,
         ) -> Self {
             let lens: Vec<usize> = seqs.iter().map(|(k, _)| k.len() / (n_kv * hd)).collect();
             let n_blocks: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 2;
             let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
             ids.shuffle(rng);
-            let per_block = n_kv * block_size * hd;
-            let mut k = vec![T::default(); n_blocks * per_block];
-            let mut v = k.clone();
+            let mut k = vec![T::default(); n_blocks * n_kv * block_size * hd];
+            let mut v = (!latent).then(|| vec![T::default(); n_blocks * n_kv * block_size * vd]);
             let mut tables = Vec::new();
             let mut next = ids.into_iter();
             for ((ks, vs), &len) in seqs.iter().zip(&lens) {
                 let table: Vec<u32> = next.by_ref().take(len.div_ceil(block_size)).collect();
                 store_rows(ks, &mut k, block_size, n_kv, hd, &table, 0);
-                store_rows(vs, &mut v, block_size, n_kv, hd, &table, 0);
+                if let Some(v) = &mut v {
+                    store_rows(vs, v, block_size, n_kv, vd, &table, 0);
+                }
                 tables.push(table);
             }
             let round = |x: &[f32]| {
@@ -350,7 +361,17 @@ mod tests {
                 T::widen(&t, &mut back);
                 back
             };
-            let rounded = seqs.iter().map(|(k, v)| (round(k), round(v))).collect();
+            let rounded = seqs
+                .iter()
+                .map(|(k, v)| {
+                    let k = round(k);
+                    let v = match latent {
+                        true => k.chunks_exact(hd).flat_map(|r| &r[..vd]).copied().collect(),
+                        false => round(v),
+                    };
+                    (k, v)
+                })
+                .collect();
             Store {
                 k,
                 v,
@@ -363,7 +384,7 @@ mod tests {
         fn blocks(&self) -> KvBlocks<'_, T> {
             KvBlocks {
                 k: &self.k,
-                v: &self.v,
+                v: self.v.as_deref(),
                 block_size: self.block_size,
             }
         }
@@ -376,22 +397,44 @@ mod tests {
         (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
     }
 
-    /// One case: heads, KV heads, head size, window, and per sequence
-    /// (query tokens, earlier positions).
-    type Case = (usize, usize, usize, Option<usize>, Vec<(usize, usize)>);
+    /// One case: heads, KV heads, (key, value) head sizes, latent
+    /// (values inside the keys), window, and per sequence (query tokens,
+    /// earlier positions).
+    type Case = (
+        usize,
+        usize,
+        (usize, usize),
+        bool,
+        Option<usize>,
+        Vec<(usize, usize)>,
+    );
 
     fn cases() -> Vec<Case> {
         vec![
-            (4, 2, 16, None, vec![(7, 0)]),
-            (3, 1, 5, None, vec![(1, 20), (4, 3)]),
-            (6, 3, 8, Some(4), vec![(9, 13)]),
-            (2, 2, 3, Some(1), vec![(5, 0), (1, 0)]),
-            (9, 3, 64, None, vec![(1, 700)]),
-            (4, 1, 33, None, vec![(1, 1000), (1, 5), (2, 300)]),
-            (16, 1, 8, Some(300), vec![(1, 900)]),
-            (9, 3, 64, None, vec![(37, 5), (1, 129), (3, 0)]),
-            (8, 2, 17, Some(64), vec![(70, 100)]),
-            (24, 2, 12, None, vec![(3, 260)]),
+            (4, 2, (16, 16), false, None, vec![(7, 0)]),
+            (3, 1, (5, 5), false, None, vec![(1, 20), (4, 3)]),
+            (6, 3, (8, 8), false, Some(4), vec![(9, 13)]),
+            (2, 2, (3, 3), false, Some(1), vec![(5, 0), (1, 0)]),
+            (9, 3, (64, 64), false, None, vec![(1, 700)]),
+            (
+                4,
+                1,
+                (33, 33),
+                false,
+                None,
+                vec![(1, 1000), (1, 5), (2, 300)],
+            ),
+            (16, 1, (8, 8), false, Some(300), vec![(1, 900)]),
+            (9, 3, (64, 64), false, None, vec![(37, 5), (1, 129), (3, 0)]),
+            (8, 2, (17, 17), false, Some(64), vec![(70, 100)]),
+            (24, 2, (12, 12), false, None, vec![(3, 260)]),
+            // Values narrower than keys, stored apart.
+            (4, 2, (24, 16), false, None, vec![(3, 40), (1, 7)]),
+            // Latent attention (MLA): one KV head whose rows hold the
+            // compressed KV then the rotary part; values are the former.
+            (16, 1, (40, 32), true, None, vec![(1, 300), (5, 2)]),
+            (5, 1, (72, 64), true, Some(100), vec![(9, 150), (1, 0)]),
+            (32, 1, (24, 16), true, None, vec![(2, 129)]),
         ]
     }
 
@@ -402,26 +445,30 @@ mod tests {
     #[test]
     fn every_tier_matches_reference() {
         let mut rng = ChaCha8Rng::seed_from_u64(12);
-        for (case, (n_heads, n_kv, hd, window, shape)) in cases().into_iter().enumerate() {
+        for (case, (n_heads, n_kv, (hd, vd), latent, window, shape)) in
+            cases().into_iter().enumerate()
+        {
             let p = AttnParams {
                 n_heads,
                 n_kv_heads: n_kv,
                 head_dim: hd,
+                v_dim: vd,
                 scale: 1.0 / (hd as f32).sqrt(),
                 window,
             };
             let kvs: Vec<(Vec<f32>, Vec<f32>)> = shape
                 .iter()
                 .map(|&(n, past)| {
-                    let len = (past + n) * n_kv * hd;
-                    (rand_vec(&mut rng, len), rand_vec(&mut rng, len))
+                    let len = (past + n) * n_kv;
+                    (rand_vec(&mut rng, len * hd), rand_vec(&mut rng, len * vd))
                 })
                 .collect();
             let n_tok: usize = shape.iter().map(|s| s.0).sum();
             let q = rand_vec(&mut rng, n_tok * n_heads * hd);
+            let n_out = n_tok * n_heads * vd;
             let block_size = [1, 5, 16, 32, 1024][case % 5];
-            let f32s = Store::<f32>::new(&mut rng, &kvs, n_kv, hd, block_size);
-            let f16s = Store::<half::f16>::new(&mut rng, &kvs, n_kv, hd, block_size);
+            let f32s = Store::<f32>::new(&mut rng, &kvs, n_kv, (hd, vd), block_size, latent);
+            let f16s = Store::<half::f16>::new(&mut rng, &kvs, n_kv, (hd, vd), block_size, latent);
             let qd = n_heads * hd;
             let mut row0 = 0;
             let mut seqs32 = Vec::new();
@@ -448,13 +495,13 @@ mod tests {
                 row0 += n;
             }
             for tier in cpu::available_tiers() {
-                let mut out = vec![f32::NAN; q.len()];
+                let mut out = vec![f32::NAN; n_out];
                 attention_with(tier, &p, &q, &f32s.blocks(), &seqs32, &mut out);
                 for (a, b) in out.iter().zip(&refs32) {
                     assert!((a - b).abs() <= TOL, "{tier} case {case}: {a} vs {b}");
                 }
                 // f16 storage: the same arithmetic on the rounded keys and values.
-                let mut out = vec![f32::NAN; q.len()];
+                let mut out = vec![f32::NAN; n_out];
                 attention_with(tier, &p, &q, &f16s.blocks(), &seqs16, &mut out);
                 for (a, b) in out.iter().zip(&refs16) {
                     assert!((a - b).abs() <= TOL, "{tier} f16 case {case}: {a} vs {b}");
@@ -470,29 +517,31 @@ mod tests {
     #[test]
     fn results_do_not_depend_on_the_batch() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
-        for (n_heads, n_kv, hd, window, n, past) in [
-            (9usize, 3usize, 64usize, None, 45usize, 300usize),
-            (4, 1, 24, Some(50), 70, 10),
-            (6, 2, 7, None, 33, 0),
+        for (n_heads, n_kv, (hd, vd), latent, window, n, past) in [
+            (9usize, 3usize, (64, 64), false, None, 45usize, 300usize),
+            (4, 1, (24, 24), false, Some(50), 70, 10),
+            (6, 2, (7, 7), false, None, 33, 0),
+            (16, 1, (40, 32), true, None, 21, 140),
         ] {
             let p = AttnParams {
                 n_heads,
                 n_kv_heads: n_kv,
                 head_dim: hd,
+                v_dim: vd,
                 scale: 0.3,
                 window,
             };
             let len = past + n;
             let me = (
                 rand_vec(&mut rng, len * n_kv * hd),
-                rand_vec(&mut rng, len * n_kv * hd),
+                rand_vec(&mut rng, len * n_kv * vd),
             );
             let other = (
                 rand_vec(&mut rng, 500 * n_kv * hd),
-                rand_vec(&mut rng, 500 * n_kv * hd),
+                rand_vec(&mut rng, 500 * n_kv * vd),
             );
-            let store = Store::<half::f16>::new(&mut rng, &[me, other], n_kv, hd, 16);
-            let qd = n_heads * hd;
+            let store = Store::<half::f16>::new(&mut rng, &[me, other], n_kv, (hd, vd), 16, latent);
+            let (qd, od) = (n_heads * hd, n_heads * vd);
             let q = rand_vec(&mut rng, n * qd);
             let q_other = rand_vec(&mut rng, 3 * qd);
             for tier in cpu::available_tiers() {
@@ -515,9 +564,9 @@ mod tests {
                         pos0: past + a,
                         table: &store.tables[0],
                     });
-                    let mut out = vec![f32::NAN; qs.len()];
+                    let mut out = vec![f32::NAN; qs.len() / qd * od];
                     attention_with(tier, &p, &qs, &store.blocks(), &seqs, &mut out);
-                    out[r0 * qd..].to_vec()
+                    out[r0 * od..].to_vec()
                 };
                 let alone = run(0, n, false);
                 assert_eq!(alone, run(0, n, true), "{tier}: crowded");
@@ -538,13 +587,14 @@ mod tests {
             n_heads: 1,
             n_kv_heads: 1,
             head_dim: 2,
+            v_dim: 2,
             scale: 1.0,
             window: Some(1),
         };
         let q = [1.0, 0.0, 0.0, 1.0];
         let (k, v) = ([5.0, 5.0, -3.0, 2.0], [1.0, 2.0, 3.0, 4.0]);
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let store = Store::<f32>::new(&mut rng, &[(k.to_vec(), v.to_vec())], 1, 2, 1);
+        let store = Store::<f32>::new(&mut rng, &[(k.to_vec(), v.to_vec())], 1, (2, 2), 1, false);
         let mut out = [0f32; 4];
         let seqs = [SeqAttn {
             rows: 0..2,

@@ -2,13 +2,16 @@
 
 use super::AttnParams;
 
-/// f64 reference with an explicit softmax over the full score row.
+/// f64 reference with an explicit softmax over the full score row. `k` is
+/// `[len, n_kv_heads * head_dim]` and `v` `[len, n_kv_heads * v_dim]`
+/// (for latent attention, the keys' first `v_dim` values copied out);
+/// the result is `[n_tokens, n_heads * v_dim]`.
 pub fn attention_ref(p: &AttnParams, q: &[f32], q_pos0: usize, k: &[f32], v: &[f32]) -> Vec<f32> {
-    let hd = p.head_dim;
+    let (hd, vd) = (p.head_dim, p.v_dim);
     let kv_dim = p.n_kv_heads * hd;
     let group = p.n_heads / p.n_kv_heads;
     let n = q.len() / (p.n_heads * hd);
-    let mut out = vec![0f32; q.len()];
+    let mut out = vec![0f32; n * p.n_heads * vd];
     for t in 0..n {
         for h in 0..p.n_heads {
             let qh = &q[(t * p.n_heads + h) * hd..][..hd];
@@ -28,13 +31,13 @@ pub fn attention_ref(p: &AttnParams, q: &[f32], q_pos0: usize, k: &[f32], v: &[f
             let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
             let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
             let z: f64 = e.iter().sum();
-            for d in 0..hd {
+            for d in 0..vd {
                 let acc: f64 = range
                     .clone()
                     .zip(&e)
-                    .map(|(j, w)| w * v[j * kv_dim + kvh * hd + d] as f64)
+                    .map(|(j, w)| w * v[(j * p.n_kv_heads + kvh) * vd + d] as f64)
                     .sum();
-                out[(t * p.n_heads + h) * hd + d] = (acc / z) as f32;
+                out[(t * p.n_heads + h) * vd + d] = (acc / z) as f32;
             }
         }
     }

@@ -87,7 +87,7 @@ impl<T> SeqOperands<'_, T> {
 }
 
 /// The softmax state of some rows: running maximum, denominator relative
-/// to it, and the unnormalised weighted value sums (`rows × head_dim`).
+/// to it, and the unnormalised weighted value sums (`rows × v_dim`).
 #[derive(Default)]
 pub(super) struct Partial {
     pub m: Vec<f32>,
@@ -96,13 +96,13 @@ pub(super) struct Partial {
 }
 
 impl Partial {
-    pub fn reset(&mut self, rows: usize, hd: usize) {
+    pub fn reset(&mut self, rows: usize, vd: usize) {
         self.m.clear();
         self.m.resize(rows, f32::NEG_INFINITY);
         self.l.clear();
         self.l.resize(rows, 0.0);
         self.acc.clear();
-        self.acc.resize(rows * hd, 0.0);
+        self.acc.resize(rows * vd, 0.0);
     }
 }
 
@@ -113,7 +113,8 @@ pub(super) struct State {
     pub part: Partial,
     /// Scores of the current tile, `rows × KEY_TILE`.
     s: Vec<f32>,
-    /// The tile's keys and values widened to f32, `KEY_TILE × head_dim`.
+    /// The tile's keys and (stored) values widened to f32, `KEY_TILE ×
+    /// head_dim` and `KEY_TILE × v_dim`.
     kt: Vec<f32>,
     vt: Vec<f32>,
 }
@@ -128,12 +129,14 @@ pub(super) fn run_partition<T: KvElem>(
     part: usize,
     st: &mut State,
 ) {
-    let hd = p.head_dim;
+    let (hd, vd) = (p.head_dim, p.v_dim);
     let n_rows = it.rows();
-    st.part.reset(n_rows, hd);
+    st.part.reset(n_rows, vd);
     st.s.resize(n_rows * KEY_TILE, 0.0);
     st.kt.resize(KEY_TILE * hd, 0.0);
-    st.vt.resize(KEY_TILE * hd, 0.0);
+    if seq.kv.v.is_some() {
+        st.vt.resize(KEY_TILE * vd, 0.0);
+    }
     let keys = part * PARTITION..(part + 1) * PARTITION;
     let row_keys = |r: usize| {
         let kr = seq.row_keys(p, it, r);
@@ -152,7 +155,7 @@ pub(super) fn run_partition<T: KvElem>(
         seq.kv.widen_tile(
             seq.table,
             p.n_kv_heads,
-            hd,
+            (hd, vd),
             it.kvh,
             j0,
             tk,
@@ -185,7 +188,7 @@ pub(super) fn run_partition<T: KvElem>(
                 m
             };
             let pt = &mut st.part;
-            let acc = &mut pt.acc[r * hd..(r + 1) * hd];
+            let acc = &mut pt.acc[r * vd..(r + 1) * vd];
             let m_old = pt.m[r];
             let m_new = m_old.max(tile_max);
             if m_new > m_old && m_old != f32::NEG_INFINITY {
@@ -196,7 +199,12 @@ pub(super) fn run_partition<T: KvElem>(
             }
             pt.m[r] = m_new;
             pt.l[r] += vecops::exp_shifted(tier, s, m_new);
-            vecops::weighted_rows(tier, s, &st.vt, 0, hd, acc);
+            // Latent attention reads its values from the key rows.
+            let (values, stride) = match seq.kv.v {
+                Some(_) => (&st.vt, vd),
+                None => (&st.kt, hd),
+            };
+            vecops::weighted_rows(tier, s, values, 0, stride, acc);
         }
         j0 += tk;
     }

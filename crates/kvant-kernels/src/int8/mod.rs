@@ -15,10 +15,12 @@
 mod activations;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod grouped;
 mod pack;
 mod reference;
 
 pub use activations::{Q8Activations, BLOCK};
+pub use grouped::{gemm_grouped, gemm_grouped_with, Segment, MAX_SETS};
 pub use pack::{PackedFormat, PackedMatrix, GROUP};
 
 use crate::cpu::{self, SimdTier};
@@ -122,19 +124,21 @@ pub fn gemm_batch_with(
         for gg in pool::chunk(total, tasks, 1, i) {
             let m = (0..ws.len()).rfind(|&m| starts[m] <= gg).unwrap_or(0);
             if let Some(y) = &outs[m] {
-                group_rows(tier, ws[m], gg - starts[m], x, y);
+                group_rows(tier, ws[m], gg - starts[m], x, 0..n, y);
             }
         }
     });
     Ok(())
 }
 
-/// Writes rows `8g..8g+8` (those that exist) of every token.
+/// Writes rows `8g..8g+8` (those that exist) of tokens `tokens` (rows of
+/// `x` and of `y`, which is `[x.n_tokens(), w.rows()]`).
 fn group_rows(
     tier: SimdTier,
     w: &PackedMatrix,
     g: usize,
     x: &Q8Activations,
+    tokens: std::ops::Range<usize>,
     y: &DisjointSlice<'_, f32>,
 ) {
     let rows = w.rows();
@@ -143,7 +147,7 @@ fn group_rows(
     let blk = w.group(g);
     let store = |t: usize, v: &[f32; GROUP]| {
         let o = t * rows + first;
-        // SAFETY: rows `first..first + live` of every token belong to this
+        // SAFETY: rows `first..first + live` of these tokens belong to this
         // group's task only.
         unsafe { y.range(o..o + live) }.copy_from_slice(&v[..live]);
     };
@@ -158,9 +162,9 @@ fn group_rows(
                     s: s.as_ptr(),
                 }
             };
-            let mut t = 0;
-            while t < x.n_tokens() {
-                let left = x.n_tokens() - t;
+            let mut t = tokens.start;
+            while t < tokens.end {
+                let left = tokens.end - t;
                 // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU);
                 // `blk` is this group's `blocks()` packed blocks and each
                 // token's slices hold `cols` quants and `cols/32` scales.
@@ -178,7 +182,7 @@ fn group_rows(
             }
         }
         _ => {
-            for t in 0..x.n_tokens() {
+            for t in tokens {
                 let (q, d, s) = x.token(t);
                 store(t, &reference::group_dot(w.format(), blk, q, d, s));
             }

@@ -1,4 +1,21 @@
-//! Architectures. The Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2/3,
-//! Gemma 3) is one implementation with switches from [`crate::config::ModelConfig`].
+//! Architectures: one decoder ([`decoder::DecoderModel`]) whose layers
+//! compose an attention (multi-head with GQA, or DeepSeek's multi-head
+//! latent attention, [`mla`]) and a feed-forward (dense, or a mixture of
+//! experts, [`moe`]), with switches from [`crate::config::ModelConfig`]:
+//! Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE and
+//! DeepSeek-V2/V3 (GigaChat3) are configurations of it, not copies.
 
-pub mod llama;
+pub mod decoder;
+mod ffn;
+mod layer;
+mod loader;
+mod mha;
+mod mla;
+mod moe;
+mod mtp;
+
+/// `buf` resized to `len` (contents unspecified: every user overwrites it).
+fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {
+    buf.resize(len, 0.0);
+    &mut buf[..len]
+}

@@ -22,7 +22,7 @@ use crate::fetch;
 use anyhow::{bail, Context, Result};
 use kvant_engine::sampling::argmax;
 use kvant_kernels::bandwidth::measure_read_bandwidth;
-use kvant_model::arch::llama::{LlamaModel, Logits};
+use kvant_model::arch::decoder::{DecoderModel, Logits};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::path::Path;
@@ -105,7 +105,7 @@ struct Timing {
     kv_bytes_per_position: usize,
 }
 
-fn run_once(model: &LlamaModel, prompt: &[u32], gen: usize) -> Result<Timing> {
+fn run_once(model: &DecoderModel, prompt: &[u32], gen: usize) -> Result<Timing> {
     let mut cache = model.new_cache(prompt.len() + gen)?;
     let t0 = Instant::now();
     let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;

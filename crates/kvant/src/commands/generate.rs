@@ -56,7 +56,12 @@ pub fn run(a: GenerateArgs) -> Result<()> {
             "completion_tokens": out.token_ids.len(),
             "finish_reason": out.finish_reason.as_str(),
             "prefill_tokens_per_s": per_s(out.prefill_tokens, out.prefill_secs),
-            "decode_tokens_per_s": per_s(out.decode_steps, out.decode_secs),
+            // Tokens after the first, over the time after the prompt
+            // (a speculative step yields up to two).
+            "decode_tokens_per_s": per_s(out.token_ids.len().saturating_sub(1), out.decode_secs),
+            "decode_steps": out.decode_steps,
+            "mtp_drafted": out.drafted,
+            "mtp_accepted": out.accepted,
         });
         println!("{obj}");
     } else {

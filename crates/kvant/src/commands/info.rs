@@ -24,7 +24,26 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
         i.parameters as f64 / 1e6
     );
     println!("tensor dtypes   {}", dtypes.join(", "));
-    println!("weights         {:.1} MB", i.weight_bytes as f64 / 1e6);
+    println!(
+        "weights         {:.1} MB ({:.1} MB read per token)",
+        i.total_weight_bytes as f64 / 1e6,
+        i.weight_bytes as f64 / 1e6
+    );
+    if let Some((n, k, layers)) = i.experts {
+        println!("experts         {n} routed, {k} per token, in {layers} layers");
+    }
+    match i.mla_latent_dim {
+        Some(d) => println!(
+            "KV cache        {} B/token: latent attention, {d} values per layer ({} B/token expanded, {:.1}× more)",
+            i.kv_bytes_per_token,
+            i.kv_bytes_per_token_expanded,
+            i.kv_bytes_per_token_expanded as f64 / i.kv_bytes_per_token.max(1) as f64
+        ),
+        None => println!("KV cache        {} B/token", i.kv_bytes_per_token),
+    }
+    if i.mtp_layers > 0 {
+        println!("MTP layers      {} (load with --mtp)", i.mtp_layers);
+    }
     println!("context length  {}", i.context_length);
     println!(
         "layers          {} (hidden {}, heads {}, kv heads {})",

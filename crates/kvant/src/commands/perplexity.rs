@@ -8,7 +8,7 @@ use super::{load_model, read_utf8};
 use crate::args::PerplexityArgs;
 use anyhow::{bail, Result};
 use kvant_kernels::softmax::log_sum_exp;
-use kvant_model::arch::llama::Logits;
+use kvant_model::arch::decoder::Logits;
 use std::time::Instant;
 
 /// Tokens per forward pass inside a window: bounds the `[n, vocab]` logits.

@@ -6,6 +6,7 @@
 use crate::gguf::GgufFile;
 use kvant_kernels::activation::Activation;
 use kvant_kernels::rope::RopeStyle;
+use rope::{apply_scaling, parse_gguf_scaling, parse_hf_scaling};
 use serde_json::Value;
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +23,14 @@ pub enum ConfigError {
 
 type Result<T> = std::result::Result<T, ConfigError>;
 
+mod experts;
+mod mla;
+mod rope;
+
+pub use experts::{ExpertsConfig, SharedExperts};
+pub use mla::MlaConfig;
+pub use rope::RopeScaling;
+
 /// Which member of the family; decides the defaults the switches take.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
@@ -30,6 +39,11 @@ pub enum Arch {
     Qwen2,
     Qwen3,
     Gemma3,
+    Mixtral,
+    Qwen2Moe,
+    Qwen3Moe,
+    DeepseekV2,
+    DeepseekV3,
 }
 
 impl Arch {
@@ -40,25 +54,13 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Mixtral => "mixtral",
+            Arch::Qwen2Moe => "qwen2moe",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::DeepseekV2 => "deepseek2",
+            Arch::DeepseekV3 => "deepseek3",
         }
     }
-}
-
-/// Frequency scaling applied to the rotary embedding.
-#[derive(Clone, Debug, PartialEq)]
-pub enum RopeScaling {
-    None,
-    /// Positions divided by `factor` (inverse frequencies divided by it).
-    Linear {
-        factor: f32,
-    },
-    /// Llama 3.x piecewise scaling of the inverse frequencies.
-    Llama3 {
-        factor: f32,
-        low_freq_factor: f32,
-        high_freq_factor: f32,
-        original_max_position_embeddings: f32,
-    },
 }
 
 #[derive(Clone, Debug)]
@@ -97,6 +99,15 @@ pub struct ModelConfig {
     pub attn_scale: f32,
     /// Gemma multiplies embeddings by `sqrt(hidden)` and wraps FFN/attention in extra norms.
     pub gemma: bool,
+    /// Routed experts in place of the dense FFN (in the layers it says).
+    pub experts: Option<ExpertsConfig>,
+    /// Multi-head latent attention in place of multi-head attention; then
+    /// `n_kv_heads` is 1 (one latent per token) and `head_dim` is the
+    /// per-head query/key size before absorption.
+    pub mla: Option<MlaConfig>,
+    /// Multi-token-prediction layers stored after the main ones
+    /// (DeepSeek-V3's `num_nextn_predict_layers`).
+    pub mtp_layers: usize,
 }
 
 impl ModelConfig {
@@ -122,7 +133,7 @@ impl ModelConfig {
                 *f /= div;
             }
         } else if scaled {
-            apply_scaling(&mut inv, &self.rope.scaling);
+            apply_scaling(&mut inv, &self.rope.scaling, d, theta);
         }
         inv
     }
@@ -178,6 +189,9 @@ impl ModelConfig {
         if self.sliding_window == Some(0) {
             return Err(bad("sliding_window", "must be positive"));
         }
+        if self.mtp_layers > 16 {
+            return Err(bad("num_nextn_predict_layers", "is implausibly large"));
+        }
         Ok(self)
     }
 
@@ -190,9 +204,24 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "gemma3" => Arch::Gemma3,
+            "qwen2moe" => Arch::Qwen2Moe,
+            "qwen3moe" => Arch::Qwen3Moe,
+            "deepseek2" => Arch::DeepseekV2,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
+        let n_layers = g
+            .get_usize(&key("block_count"))?
+            .ok_or_else(|| ConfigError::Missing(key("block_count")))?;
+        let experts = ExpertsConfig::from_gguf(g, &arch_name, n_layers)?;
+        let arch = match (arch, &experts) {
+            (Arch::Llama, Some(_)) => Arch::Mixtral,
+            (a, _) => a,
+        };
+        let mla = match arch {
+            Arch::DeepseekV2 => Some(MlaConfig::from_gguf(g, &arch_name)?),
+            _ => None,
+        };
         let req = |k: &str| -> Result<usize> {
             g.get_usize(&key(k))?
                 .ok_or_else(|| ConfigError::Missing(key(k)))
@@ -202,11 +231,11 @@ impl ModelConfig {
         let n_kv_heads = g
             .get_usize(&key("attention.head_count_kv"))?
             .unwrap_or(n_heads);
-        let head_dim = match g.get_usize(&key("attention.key_length"))? {
-            Some(d) => d,
-            None => split_heads(hidden, n_heads, &key("attention.head_count"))?,
+        let head_dim = match (mla, g.get_usize(&key("attention.key_length"))?) {
+            (Some(m), _) => m.qk_dim(),
+            (None, Some(d)) => d,
+            (None, None) => split_heads(hidden, n_heads, &key("attention.head_count"))?,
         };
-        let n_layers = req("block_count")?;
         let vocab = match g.get_usize(&key("vocab_size"))? {
             Some(v) => v,
             None => g
@@ -214,18 +243,8 @@ impl ModelConfig {
                 .map(|t| t.len())
                 .ok_or_else(|| ConfigError::Missing(key("vocab_size")))?,
         };
-        let scaling = match g.get_str(&key("rope.scaling.type"))? {
-            None | Some("none") => RopeScaling::None,
-            Some("linear") => RopeScaling::Linear {
-                factor: g.get_f32(&key("rope.scaling.factor"))?.unwrap_or(1.0),
-            },
-            Some(other) => {
-                return Err(ConfigError::Invalid {
-                    key: key("rope.scaling.type"),
-                    why: format!("`{other}` is not supported"),
-                })
-            }
-        };
+        let scaling = parse_gguf_scaling(g, &arch_name)?;
+        let softmax_factor = scaling.softmax_factor();
         let gemma = arch == Arch::Gemma3;
         let sliding_window = g.get_usize(&key("attention.sliding_window"))?;
         // llama.cpp hard-codes Gemma 3's pattern: every 6th layer is global.
@@ -234,7 +253,10 @@ impl ModelConfig {
         } else {
             Vec::new()
         };
-        let style = if arch == Arch::Llama || arch == Arch::Mistral {
+        let style = if matches!(
+            arch,
+            Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::DeepseekV2
+        ) {
             RopeStyle::Interleaved
         } else {
             RopeStyle::Neox
@@ -246,7 +268,11 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            intermediate: req("feed_forward_length")?,
+            intermediate: match (&experts, g.get_usize(&key("feed_forward_length"))?) {
+                (_, Some(ff)) => ff,
+                (Some(e), None) => e.ff,
+                (None, None) => return Err(ConfigError::Missing(key("feed_forward_length"))),
+            },
             vocab,
             max_context: req("context_length")?,
             rms_eps: g
@@ -264,15 +290,19 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             qkv_bias: false,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             tied_embeddings: g.tensor_info("output.weight").is_none(),
             activation: if gemma {
                 Activation::GeluTanh
             } else {
                 Activation::Silu
             },
-            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            attn_scale: softmax_factor / (head_dim as f32).sqrt(),
             gemma,
+            experts,
+            mla,
+            // llama.cpp's deepseek2 converter drops the MTP layers.
+            mtp_layers: 0,
         }
         .validate()
     }
@@ -290,7 +320,17 @@ impl ModelConfig {
             "qwen2" => Arch::Qwen2,
             "qwen3" => Arch::Qwen3,
             "gemma3_text" => Arch::Gemma3,
+            "mixtral" => Arch::Mixtral,
+            "qwen2_moe" => Arch::Qwen2Moe,
+            "qwen3_moe" => Arch::Qwen3Moe,
+            "deepseek_v2" => Arch::DeepseekV2,
+            "deepseek_v3" => Arch::DeepseekV3,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
+        };
+        let deepseek = matches!(arch, Arch::DeepseekV2 | Arch::DeepseekV3);
+        let mla = match deepseek {
+            true => Some(MlaConfig::from_hf(cfg)?),
+            false => None,
         };
         let usize_key = |k: &str| -> Result<Option<usize>> {
             match cfg.get(k) {
@@ -320,10 +360,14 @@ impl ModelConfig {
         };
         let hidden = req("hidden_size")?;
         let n_heads = req("num_attention_heads")?;
-        let n_kv_heads = usize_key("num_key_value_heads")?.unwrap_or(n_heads);
-        let head_dim = match usize_key("head_dim")? {
-            Some(d) => d,
-            None => split_heads(hidden, n_heads, "num_attention_heads")?,
+        let n_kv_heads = match mla {
+            Some(_) => 1,
+            None => usize_key("num_key_value_heads")?.unwrap_or(n_heads),
+        };
+        let head_dim = match (mla, usize_key("head_dim")?) {
+            (Some(m), _) => m.qk_dim(),
+            (None, Some(d)) => d,
+            (None, None) => split_heads(hidden, n_heads, "num_attention_heads")?,
         };
         let gemma = arch == Arch::Gemma3;
         // transformers 5 nests rope settings; older files keep them top-level.
@@ -364,13 +408,19 @@ impl ModelConfig {
         // Qwen2 configs carry a window with `use_sliding_window: false`.
         let sliding_window = match (arch, use_sw) {
             (_, Some(false)) => None,
-            (Arch::Qwen2 | Arch::Qwen3, None) => None,
+            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe, None) => None,
             _ => sliding_window,
         };
-        let attn_bias = cfg
-            .get("attention_bias")
-            .and_then(Value::as_bool)
-            .unwrap_or(arch == Arch::Qwen2);
+        let attn_bias = match arch {
+            Arch::Qwen2Moe => cfg.get("qkv_bias").and_then(Value::as_bool).unwrap_or(true),
+            // DeepSeek's attention biases sit on other projections; they
+            // load when present.
+            Arch::DeepseekV2 | Arch::DeepseekV3 => false,
+            _ => cfg
+                .get("attention_bias")
+                .and_then(Value::as_bool)
+                .unwrap_or(arch == Arch::Qwen2),
+        };
         let activation = match cfg
             .get("hidden_act")
             .or_else(|| cfg.get("hidden_activation"))
@@ -387,9 +437,28 @@ impl ModelConfig {
         };
         let attn_scale = match (gemma, f32_in(cfg, "query_pre_attn_scalar")?) {
             (true, Some(s)) => 1.0 / s.sqrt(),
-            _ => 1.0 / (head_dim as f32).sqrt(),
+            _ => scaling.softmax_factor() / (head_dim as f32).sqrt(),
         };
         let partial = f32_in(cfg, "partial_rotary_factor")?.unwrap_or(1.0);
+        let rope_dim = match mla {
+            Some(m) => m.rope_dim,
+            None => ((head_dim as f32 * partial) as usize) & !1,
+        };
+        // DeepSeek rotates interleaved pairs (V2 as complex numbers, V3
+        // unless `rope_interleave` is false).
+        let interleaved = match arch {
+            Arch::DeepseekV2 => true,
+            Arch::DeepseekV3 => cfg
+                .get("rope_interleave")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+            _ => false,
+        };
+        let experts = ExpertsConfig::from_hf(cfg, arch, n_layers)?;
+        let mtp_layers = match arch {
+            Arch::DeepseekV3 => usize_key("num_nextn_predict_layers")?.unwrap_or(0),
+            _ => 0,
+        };
         ModelConfig {
             arch,
             hidden,
@@ -403,8 +472,12 @@ impl ModelConfig {
             rms_eps: f32_in(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
             rope: RopeConfig {
                 theta: theta.unwrap_or(10_000.0),
-                dim: ((head_dim as f32 * partial) as usize) & !1,
-                style: RopeStyle::Neox,
+                dim: rope_dim,
+                style: if interleaved {
+                    RopeStyle::Interleaved
+                } else {
+                    RopeStyle::Neox
+                },
                 scaling,
                 local_theta: if gemma {
                     Some(local_theta.unwrap_or(10_000.0))
@@ -415,7 +488,7 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             qkv_bias: attn_bias,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             tied_embeddings: cfg
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
@@ -423,6 +496,9 @@ impl ModelConfig {
             activation,
             attn_scale,
             gemma,
+            experts,
+            mla,
+            mtp_layers,
         }
         .validate()
     }
@@ -434,65 +510,4 @@ fn split_heads(hidden: usize, n_heads: usize, heads_key: &str) -> Result<usize> 
         key: heads_key.into(),
         why: "must be positive".into(),
     })
-}
-
-fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
-    let Some(obj) = obj.filter(|v| v.is_object()) else {
-        return Ok(RopeScaling::None);
-    };
-    let kind = obj
-        .get("rope_type")
-        .or_else(|| obj.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("default");
-    let num = |k: &str| -> Result<f32> {
-        obj.get(k)
-            .and_then(Value::as_f64)
-            .map(|v| v as f32)
-            .ok_or_else(|| ConfigError::Missing(format!("rope_scaling.{k}")))
-    };
-    match kind {
-        "default" => Ok(RopeScaling::None),
-        "linear" => Ok(RopeScaling::Linear {
-            factor: num("factor")?,
-        }),
-        "llama3" => Ok(RopeScaling::Llama3 {
-            factor: num("factor")?,
-            low_freq_factor: num("low_freq_factor")?,
-            high_freq_factor: num("high_freq_factor")?,
-            original_max_position_embeddings: num("original_max_position_embeddings")?,
-        }),
-        other => Err(ConfigError::Invalid {
-            key: "rope_scaling.rope_type".into(),
-            why: format!("`{other}` is not supported"),
-        }),
-    }
-}
-
-/// Folds rope scaling into inverse frequencies, as transformers'
-/// `_compute_linear_scaling_rope_parameters` / `_compute_llama3_parameters` do.
-fn apply_scaling(inv: &mut [f32], scaling: &RopeScaling) {
-    match *scaling {
-        RopeScaling::None => {}
-        RopeScaling::Linear { factor } => inv.iter_mut().for_each(|f| *f /= factor),
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings: old_ctx,
-        } => {
-            let low_wavelen = old_ctx / low_freq_factor;
-            let high_wavelen = old_ctx / high_freq_factor;
-            for f in inv.iter_mut() {
-                let wavelen = 2.0 * std::f32::consts::PI / *f;
-                if wavelen > low_wavelen {
-                    *f /= factor;
-                } else if wavelen >= high_wavelen {
-                    let smooth = (old_ctx / wavelen - low_freq_factor)
-                        / (high_freq_factor - low_freq_factor);
-                    *f = (1.0 - smooth) * *f / factor + smooth * *f;
-                }
-            }
-        }
-    }
 }

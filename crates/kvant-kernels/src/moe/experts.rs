@@ -1,0 +1,433 @@
+//! The routed experts' feed-forward blocks, run expert-major.
+//!
+//! `out[t] = Σ_slot w[t, slot] · down_e(act(gate_e(x_t)) ⊙ up_e(x_t))` with
+//! `e = ids[t, slot]`, computed without a per-token or per-expert loop of
+//! kernel calls:
+//! 1. the assignments are sorted by expert ([`MoePlan`]) and the token rows
+//!    gathered in that order, so each expert's tokens are one run;
+//! 2. int8 experts: the tokens are quantized once and the quantized rows
+//!    gathered; gate and up of every expert with tokens run as one
+//!    [`int8::gemm_grouped`] job, then the gating, one quantization of the
+//!    whole intermediate batch, and down as a second job: two fork-joins a
+//!    layer whatever the number of experts. f16 and other weights run one
+//!    product per active expert over its run (their kernels take f32 rows);
+//! 3. each token sums its slots' outputs in slot order.
+//!
+//! Batch invariance: every kernel here computes each (row, token) value
+//! the same way whatever the other tokens of the call (see `int8`,
+//! `f16pack`, `matmul`), activation quantization and gating are per row
+//! and per value, and the combine runs each token's slots in a fixed order
+//! and never mixes tokens; so a token's output is the same bits alone or
+//! in any batch, on any number of threads. Experts without tokens are never
+//! touched.
+
+use super::plan::MoePlan;
+use crate::activation::{gated_with, Activation};
+use crate::cpu::{self, SimdTier};
+use crate::error::{check_len, checked_mul, KernelError};
+use crate::f16pack::{self, F16Matrix};
+use crate::int8::{self, PackedMatrix, Q8Activations, Segment};
+use crate::linear::LinearWeight;
+use crate::matmul::matmul_with;
+use crate::pool::{self, DisjointSlice};
+use kvant_core::Tensor;
+
+/// An expert weight whose kernel takes f32 activations.
+#[derive(Clone, Debug)]
+enum F32Weight {
+    F16(F16Matrix),
+    Float(Tensor),
+}
+
+/// One projection of every expert: all packed for the int8 kernels (run
+/// together by `gemm_grouped`), or none (one product per expert). One
+/// stacked checkpoint tensor always prepares to one of the two.
+#[derive(Clone, Debug)]
+enum Projection {
+    Int8(Vec<PackedMatrix>),
+    F32(Vec<F32Weight>),
+}
+
+impl Projection {
+    /// Sorts `ws` into one kind, checking every shape is `shape`.
+    fn new(
+        what: &'static str,
+        ws: Vec<LinearWeight>,
+        shape: [usize; 2],
+    ) -> Result<Self, KernelError> {
+        for (expert, w) in ws.iter().enumerate() {
+            let actual = [w.rows(), w.cols()];
+            if actual != shape {
+                return Err(KernelError::ExpertShape {
+                    what,
+                    expert,
+                    expected: shape,
+                    actual,
+                });
+            }
+        }
+        let int8 = |w: &LinearWeight| matches!(w, LinearWeight::Int8(_));
+        if let Some(first) = ws.first() {
+            if let Some(expert) = ws.iter().position(|w| int8(w) != int8(first)) {
+                return Err(KernelError::ExpertKind { what, expert });
+            }
+        }
+        let (mut packed, mut plain) = (Vec::new(), Vec::new());
+        for w in ws {
+            match w {
+                LinearWeight::Int8(p) => packed.push(p),
+                LinearWeight::F16(p) => plain.push(F32Weight::F16(p)),
+                LinearWeight::Float(t) => plain.push(F32Weight::Float(t)),
+            }
+        }
+        Ok(match plain.is_empty() {
+            true => Projection::Int8(packed),
+            false => Projection::F32(plain),
+        })
+    }
+
+    fn int8(&self) -> Option<&[PackedMatrix]> {
+        match self {
+            Projection::Int8(v) => Some(v),
+            Projection::F32(_) => None,
+        }
+    }
+
+    fn expert_bytes(&self, e: usize) -> usize {
+        match self {
+            Projection::Int8(v) => v[e].byte_len(),
+            Projection::F32(v) => match &v[e] {
+                F32Weight::F16(p) => p.byte_len(),
+                F32Weight::Float(t) => t.byte_len(),
+            },
+        }
+    }
+}
+
+/// `y = x · W_eᵀ` over `n` f32 rows.
+fn forward_f32(
+    tier: SimdTier,
+    w: &F32Weight,
+    x: &[f32],
+    n: usize,
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    match w {
+        F32Weight::F16(p) => f16pack::gemm_with(tier, p, x, n, y),
+        F32Weight::Float(t) => matmul_with(tier, t, x, n, y),
+    }
+}
+
+/// A layer's routed experts: per expert, gate `[ff, hidden]`, up
+/// `[ff, hidden]` and down `[hidden, ff]`.
+#[derive(Clone, Debug)]
+pub struct Experts {
+    gate: Projection,
+    up: Projection,
+    down: Projection,
+    n_experts: usize,
+    hidden: usize,
+    ff: usize,
+}
+
+impl Experts {
+    /// Takes each projection's weights, expert by expert (as
+    /// [`LinearWeight::prepare`] made them from the stacked tensor's
+    /// matrices).
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`] unless there is at least one expert
+    /// and as many gates, ups and downs; [`KernelError::ExpertShape`] when
+    /// an expert's shapes differ from expert 0's gate `[ff, hidden]`;
+    /// [`KernelError::ExpertKind`] when one projection's experts were
+    /// prepared for different kernels.
+    pub fn new(
+        gate: Vec<LinearWeight>,
+        up: Vec<LinearWeight>,
+        down: Vec<LinearWeight>,
+    ) -> Result<Self, KernelError> {
+        let n_experts = gate.len();
+        check_len("experts (at least one)", n_experts.max(1), n_experts)?;
+        check_len("expert up weights", n_experts, up.len())?;
+        check_len("expert down weights", n_experts, down.len())?;
+        let (ff, hidden) = (gate[0].rows(), gate[0].cols());
+        Ok(Experts {
+            gate: Projection::new("gate", gate, [ff, hidden])?,
+            up: Projection::new("up", up, [ff, hidden])?,
+            down: Projection::new("down", down, [hidden, ff])?,
+            n_experts,
+            hidden,
+            ff,
+        })
+    }
+
+    /// Prepares a layer's stacked expert tensors (GGUF's `ffn_gate_exps`,
+    /// `ffn_up_exps` `[n_expert, ff, hidden]` and `ffn_down_exps`
+    /// `[n_expert, hidden, ff]`), matrix by matrix, with
+    /// [`LinearWeight::prepare`].
+    ///
+    /// # Errors
+    /// A [`kvant_core::CoreError`] unless each stack is 3-D, and as
+    /// [`Experts::new`].
+    pub fn from_stacks(
+        gate: &Tensor,
+        up: &Tensor,
+        down: &Tensor,
+        int8: bool,
+    ) -> Result<Self, KernelError> {
+        let prepare = |stack: &Tensor| -> Result<Vec<LinearWeight>, KernelError> {
+            let n = match stack.shape() {
+                &[n, _, _] => n,
+                shape => {
+                    let shape = shape.to_vec();
+                    return Err(kvant_core::CoreError::NotStacked { shape }.into());
+                }
+            };
+            (0..n)
+                .map(|i| LinearWeight::prepare(stack.matrix(i)?, int8))
+                .collect()
+        };
+        Experts::new(prepare(gate)?, prepare(up)?, prepare(down)?)
+    }
+
+    pub fn n_experts(&self) -> usize {
+        self.n_experts
+    }
+
+    pub fn hidden(&self) -> usize {
+        self.hidden
+    }
+
+    /// The experts' intermediate size.
+    pub fn ff(&self) -> usize {
+        self.ff
+    }
+
+    /// Bytes of every expert's weights.
+    pub fn byte_len(&self) -> usize {
+        (0..self.n_experts).map(|e| self.expert_bytes(e)).sum()
+    }
+
+    /// Bytes of expert `e`'s weights: what one token routed to it reads.
+    ///
+    /// # Panics
+    /// If `e >= n_experts()`.
+    pub fn expert_bytes(&self, e: usize) -> usize {
+        self.gate.expert_bytes(e) + self.up.expert_bytes(e) + self.down.expert_bytes(e)
+    }
+}
+
+/// Buffers of [`moe_ffn`], reused from call to call (a batch no larger
+/// than an earlier one allocates nothing).
+#[derive(Debug, Default)]
+pub struct MoeScratch {
+    plan: MoePlan,
+    /// The tokens, quantized once (int8 gate/up).
+    xq: Q8Activations,
+    /// `xq`'s rows in plan order.
+    gathered_q8: Q8Activations,
+    /// The token rows in plan order (f32 gate/up).
+    gathered: Vec<f32>,
+    /// `[n_assign, ff]`; `gate` becomes the gated intermediate.
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// The intermediate, quantized (int8 down).
+    inter_q8: Q8Activations,
+    /// `[n_assign, hidden]`: each assignment's expert output.
+    down: Vec<f32>,
+    segments: Vec<Segment>,
+}
+
+impl MoeScratch {
+    /// The last call's plan (which expert got which tokens).
+    pub fn plan(&self) -> &MoePlan {
+        &self.plan
+    }
+}
+
+/// The values of the combine below which it runs on the calling thread:
+/// handing out a pool job (~1 µs) costs more than adding these up.
+const MIN_PARALLEL_COMBINE: usize = 64 << 10;
+
+/// `out[t] = Σ_slot weights[t, slot] · down_e(act(gate_e(x_t)) ⊙ up_e(x_t))`,
+/// `e = ids[t, slot]`, on the start-up tier. `x` and `out` are
+/// `[n_tokens, hidden]` (`out` is overwritten), `ids` and `weights`
+/// `[n_tokens, top_k]` (see [`super::route`]).
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] if a slice disagrees with the shapes,
+/// [`KernelError::IndexOutOfRange`] for an id of no expert; `out` is then
+/// untouched.
+#[allow(clippy::too_many_arguments)] // the layer's inputs, named as in the model
+pub fn moe_ffn(
+    experts: &Experts,
+    act: Activation,
+    x: &[f32],
+    n_tokens: usize,
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    scratch: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    moe_ffn_with(
+        cpu::tier(),
+        experts,
+        act,
+        x,
+        n_tokens,
+        ids,
+        weights,
+        top_k,
+        scratch,
+        out,
+    )
+}
+
+/// [`moe_ffn`] on a given tier (lowered to one the CPU supports).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_ffn_with(
+    tier: SimdTier,
+    experts: &Experts,
+    act: Activation,
+    x: &[f32],
+    n_tokens: usize,
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    scratch: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let (h, ff) = (experts.hidden, experts.ff);
+    check_len(
+        "moe input [n_tokens, hidden]",
+        checked_mul("moe", n_tokens, h)?,
+        x.len(),
+    )?;
+    check_len("moe output [n_tokens, hidden]", x.len(), out.len())?;
+    let n_assign = checked_mul("moe", n_tokens, top_k)?;
+    check_len("moe ids [n_tokens, top_k]", n_assign, ids.len())?;
+    check_len("moe weights [n_tokens, top_k]", n_assign, weights.len())?;
+    let s = scratch;
+    s.plan.build(ids, top_k, experts.n_experts)?;
+    let inter_len = checked_mul("moe", n_assign, ff)?;
+    let out_len = checked_mul("moe", n_assign, h)?;
+    if n_assign == 0 {
+        out.fill(0.0);
+        return Ok(());
+    }
+    s.gate.resize(inter_len, 0.0);
+    s.up.resize(inter_len, 0.0);
+    s.down.resize(out_len, 0.0);
+
+    // Gate and up: the int8 projections as one grouped job.
+    let (gate_q8, up_q8) = (experts.gate.int8(), experts.up.int8());
+    if gate_q8.is_some() || up_q8.is_some() {
+        s.xq.quantize(tier, x, n_tokens, h)?;
+        s.gathered_q8.gather(&s.xq, s.plan.tokens())?;
+        s.segments.clear();
+        let mut sets: [&[PackedMatrix]; 2] = [&[], &[]];
+        let mut ys: [&mut [f32]; 2] = [&mut [], &mut []];
+        let mut m = 0;
+        for (p, y) in [(gate_q8, &mut s.gate), (up_q8, &mut s.up)] {
+            if let Some(p) = p {
+                sets[m] = p;
+                ys[m] = y;
+                m += 1;
+            }
+        }
+        for (e, r) in s.plan.active() {
+            for set in 0..m {
+                s.segments.push(Segment {
+                    set,
+                    matrix: e,
+                    tokens: r.clone(),
+                });
+            }
+        }
+        int8::gemm_grouped_with(tier, &sets[..m], &s.segments, &s.gathered_q8, &mut ys[..m])?;
+    }
+    if gate_q8.is_none() || up_q8.is_none() {
+        s.gathered.clear();
+        for &t in s.plan.tokens() {
+            s.gathered.extend_from_slice(&x[t * h..(t + 1) * h]);
+        }
+        for (proj, y) in [(&experts.gate, &mut s.gate), (&experts.up, &mut s.up)] {
+            if let Projection::F32(ws) = proj {
+                for (e, r) in s.plan.active() {
+                    let xr = &s.gathered[r.start * h..r.end * h];
+                    forward_f32(tier, &ws[e], xr, r.len(), &mut y[r.start * ff..r.end * ff])?;
+                }
+            }
+        }
+    }
+    gated_with(tier, act, &mut s.gate, &s.up);
+
+    // Down.
+    match &experts.down {
+        Projection::Int8(p) => {
+            s.inter_q8.quantize(tier, &s.gate, n_assign, ff)?;
+            s.segments.clear();
+            for (e, r) in s.plan.active() {
+                s.segments.push(Segment {
+                    set: 0,
+                    matrix: e,
+                    tokens: r,
+                });
+            }
+            int8::gemm_grouped_with(tier, &[p], &s.segments, &s.inter_q8, &mut [&mut s.down])?;
+        }
+        Projection::F32(ws) => {
+            for (e, r) in s.plan.active() {
+                let xr = &s.gate[r.start * ff..r.end * ff];
+                let y = &mut s.down[r.start * h..r.end * h];
+                forward_f32(tier, &ws[e], xr, r.len(), y)?;
+            }
+        }
+    }
+    combine(&s.plan, &s.down, weights, h, out);
+    Ok(())
+}
+
+/// `out[t] = Σ_slot w[t, slot] · y[position(t, slot)]`, slots in order
+/// (the first written, the others added): a fixed sequence of roundings
+/// per token whichever thread runs it.
+fn combine(plan: &MoePlan, y: &[f32], weights: &[f32], h: usize, out: &mut [f32]) {
+    let k = plan.top_k();
+    let n_tokens = out.len() / h.max(1);
+    let token = |t: usize, o: &mut [f32]| {
+        for slot in 0..k {
+            let a = t * k + slot;
+            let w = weights[a];
+            let p = plan.positions()[a];
+            let yr = &y[p * h..(p + 1) * h];
+            if slot == 0 {
+                for (o, &v) in o.iter_mut().zip(yr) {
+                    *o = w * v;
+                }
+            } else {
+                for (o, &v) in o.iter_mut().zip(yr) {
+                    *o += w * v;
+                }
+            }
+        }
+    };
+    let p = pool::global();
+    let tasks = (out.len().saturating_mul(k) / MIN_PARALLEL_COMBINE)
+        .clamp(1, p.threads())
+        .min(n_tokens);
+    if tasks <= 1 {
+        for (t, o) in out.chunks_exact_mut(h.max(1)).enumerate() {
+            token(t, o);
+        }
+        return;
+    }
+    let dst = DisjointSlice::new(out);
+    p.run(pool::chunks(n_tokens, tasks, 1), &|i| {
+        for t in pool::chunk(n_tokens, tasks, 1, i) {
+            // SAFETY: token `t`'s row belongs to this task only (the chunks
+            // of `0..n_tokens` are disjoint).
+            token(t, unsafe { dst.range(t * h..(t + 1) * h) });
+        }
+    });
+}

@@ -1,0 +1,565 @@
+//! The decoder: embeddings, a stack of layers each composing an attention
+//! (multi-head, [`super::mha`], or latent, [`super::mla`]) and a
+//! feed-forward (dense, [`super::ffn`], or a mixture of experts,
+//! [`super::moe`]), and the output head; the forward pass runs a ragged
+//! batch (several sequences, each contributing a prefill chunk or one
+//! decode token) against a paged KV pool.
+//!
+//! Switches: q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3),
+//! tied embeddings, GQA/MQA, sliding windows (Mistral, Gemma 3 local layers),
+//! Gemma's embedding scale, sandwich norms and GELU, experts (Mixtral,
+//! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
+
+use super::ffn::DenseFfn;
+use super::layer::{Attention, Ffn, Layer, LayerCtx, LayerScratch};
+use super::loader::Loader;
+use super::mha::MhaAttention;
+use super::mla::MlaAttention;
+use super::moe::MoeFfn;
+use super::mtp::MtpModule;
+use super::sized;
+use crate::checkpoint::Checkpoint;
+use crate::config::ModelConfig;
+use crate::kv::{KvCache, KvDType, KvPool, KvShape, SINGLE_TABLE};
+use crate::ModelError;
+use kvant_core::Tensor;
+use kvant_kernels::attention::SeqAttn;
+use kvant_kernels::linear::{LinearInput, LinearWeight};
+use kvant_kernels::norm::rms_norm;
+use kvant_kernels::quant::dequantize_row;
+use std::sync::Mutex;
+
+/// Which positions' logits a forward pass returns for a sequence.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None (a prefill chunk that does not end its prompt).
+    None,
+    /// Only the last token's (generation).
+    Last,
+    /// Every token's, `[n_tokens, vocab]` (perplexity, reference checks).
+    All,
+    /// The last token's, with every token's hidden state (the prefill of
+    /// a sequence that an MTP module drafts for).
+    LastAndHidden,
+}
+
+/// How a model is prepared at load time.
+#[derive(Clone, Copy, Debug)]
+pub struct LoadOptions {
+    /// Multiply Q4_0/Q4_1/Q5_0/Q8_0 weights with activations quantized to 8 bits
+    /// (integer kernels, as llama.cpp does): several times faster, at the
+    /// cost of the activations' rounding (at most `max|x|/254` per value of
+    /// each 32-value block). Off keeps every activation in f32, for results
+    /// closest to an f32 reference.
+    pub int8_activations: bool,
+    /// Element type of the KV caches the model makes: f16 (the default)
+    /// halves what attention streams per token, f32 keeps keys and values
+    /// exactly as computed.
+    pub kv_dtype: KvDType,
+    /// Load the multi-token-prediction module when the checkpoint has one
+    /// (for self-speculative decoding): one more layer of weights and of
+    /// KV cache.
+    pub mtp: bool,
+}
+
+impl LoadOptions {
+    /// Every activation and cached key/value in f32: results closest to an
+    /// f32 reference (the correctness tests' mode), at a cost in speed.
+    pub const F32: LoadOptions = LoadOptions {
+        int8_activations: false,
+        kv_dtype: KvDType::F32,
+        mtp: false,
+    };
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions {
+            int8_activations: true,
+            kv_dtype: KvDType::F16,
+            mtp: false,
+        }
+    }
+}
+
+/// One sequence's part of a batched forward pass.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqStep<'a> {
+    /// The sequence's next tokens (a prefill chunk, or one decode token).
+    pub tokens: &'a [u32],
+    /// Positions already in the cache: the first token's position.
+    pub pos0: usize,
+    /// The sequence's blocks in the pool, covering `pos0 + tokens.len()`
+    /// positions; the first `pos0` hold its keys and values.
+    pub table: &'a [u32],
+    pub logits: Logits,
+}
+
+pub struct DecoderModel {
+    cfg: ModelConfig,
+    embed: Tensor,
+    /// `lm_head`, or the embedding again when tied.
+    output: LinearWeight,
+    final_norm: Vec<f32>,
+    layers: Vec<Layer>,
+    /// DeepSeek-V3's multi-token-prediction module, when loaded; its KV
+    /// lives in the pool's layer after the main ones.
+    mtp: Option<MtpModule>,
+    /// Activation buffers, reused by every forward pass so that steady-state
+    /// decoding does not allocate; forward passes of one model are serial.
+    scratch: Mutex<Scratch>,
+    kv_dtype: KvDType,
+}
+
+/// The per-pass activations; each buffer grows to the largest batch seen.
+#[derive(Default)]
+struct Scratch {
+    x: Vec<f32>,
+    /// The normed rows of the output head.
+    rows_n: Vec<f32>,
+    /// The MTP module's input `[enorm(e); hnorm(h)]`.
+    eh: Vec<f32>,
+    layer: LayerScratch,
+}
+
+/// The final hidden states (after the final norm: what the output head
+/// reads) of the rows whose logits a pass returned, `[rows, hidden]`:
+/// what the MTP module continues from, as in transformers and vLLM.
+pub type Hidden = Vec<f32>;
+
+/// One sequence's part of an MTP pass: its tokens `t_{q}` for `q` from
+/// `slot0 + 1`, the main model's hidden states `h_{q-1}` (one row per
+/// token), and its blocks (the module's input `i` goes to slot `i`).
+#[derive(Clone, Copy, Debug)]
+pub struct MtpStep<'a> {
+    pub tokens: &'a [u32],
+    pub hidden: &'a [f32],
+    pub slot0: usize,
+    pub table: &'a [u32],
+}
+
+impl DecoderModel {
+    pub fn load(
+        ckpt: &Checkpoint,
+        cfg: ModelConfig,
+        opts: LoadOptions,
+    ) -> Result<Self, ModelError> {
+        let g = ckpt.global_names();
+        let ld = Loader {
+            ckpt,
+            int8: opts.int8_activations,
+            // Hugging Face Gemma stores norm weights as offsets from 1; GGUF
+            // files have the 1 added by the converter.
+            norm_offset: if cfg.gemma && matches!(ckpt, Checkpoint::Hf(_)) {
+                1.0
+            } else {
+                0.0
+            },
+        };
+        let h = cfg.hidden;
+        let embed = ld.matrix(g.embed, cfg.vocab, h)?;
+        let output = if ld.has(g.output) {
+            ld.weight(g.output, cfg.vocab, h)?
+        } else if cfg.tied_embeddings || matches!(ckpt, Checkpoint::Gguf(_)) {
+            ld.prepare(embed.clone())?
+        } else {
+            return Err(ModelError::MissingTensor(g.output.into()));
+        };
+        let freq_factors = match g.rope_freqs {
+            Some(name) if ld.has(name) => Some(ld.raw_vector(name, cfg.rope.dim / 2)?),
+            _ => None,
+        };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = ckpt.layer_names(i, cfg.gemma);
+            let gemma_norm = |name: &str| match cfg.gemma {
+                true => ld.vector(name, h).map(Some),
+                false => Ok(None),
+            };
+            let attn = match &cfg.mla {
+                Some(m) => Attention::Mla(MlaAttention::load(&ld, &cfg, m, &n.prefix)?),
+                None => Attention::Mha(MhaAttention::load(&ld, &cfg, &n)?),
+            };
+            let ffn = match &cfg.experts {
+                Some(e) if e.is_moe(i) => {
+                    Ffn::Moe(Box::new(MoeFfn::load(&ld, &cfg, e, &n.prefix)?))
+                }
+                _ => Ffn::Dense(DenseFfn::load(
+                    &ld,
+                    [&n.gate, &n.up, &n.down],
+                    h,
+                    cfg.intermediate,
+                )?),
+            };
+            layers.push(Layer {
+                attn_norm: ld.vector(&n.attn_norm, h)?,
+                attn,
+                post_attn_norm: gemma_norm(&n.post_attn_norm)?,
+                ffn_norm: ld.vector(&n.ffn_norm, h)?,
+                ffn,
+                post_ffn_norm: gemma_norm(&n.post_ffn_norm)?,
+                inv_freq: cfg.inv_freq(i, freq_factors.as_deref()),
+                window: if cfg.is_sliding(i) {
+                    cfg.sliding_window
+                } else {
+                    None
+                },
+            });
+        }
+        let mtp = match opts.mtp && cfg.mtp_layers > 0 && matches!(ckpt, Checkpoint::Hf(_)) {
+            true => MtpModule::load(&ld, &cfg, cfg.n_layers)?,
+            false => None,
+        };
+        Ok(DecoderModel {
+            final_norm: ld.vector(g.final_norm, h)?,
+            embed,
+            output,
+            layers,
+            mtp,
+            cfg,
+            scratch: Mutex::new(Scratch::default()),
+            kv_dtype: opts.kv_dtype,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The shape of this model's KV caches.
+    pub fn kv_shape(&self) -> KvShape {
+        let (n_kv_heads, head_dim, latent) = match &self.cfg.mla {
+            Some(m) => (1, m.latent_dim(), true),
+            None => (self.cfg.n_kv_heads, self.cfg.head_dim, false),
+        };
+        KvShape {
+            n_layers: self.cfg.n_layers + usize::from(self.mtp.is_some()),
+            n_kv_heads,
+            head_dim,
+            latent,
+            dtype: self.kv_dtype,
+        }
+    }
+
+    /// KV bytes one token would occupy if latent attention cached each
+    /// head's expanded keys and values (what the latent cache saves);
+    /// equal to [`Self::kv_bytes_per_token`] for other attention.
+    pub fn expanded_kv_bytes_per_token(&self) -> usize {
+        match &self.cfg.mla {
+            Some(m) => {
+                let per_layer = self.cfg.n_heads * (m.qk_dim() + m.v_dim);
+                self.cfg.n_layers * per_layer * self.kv_dtype.bytes()
+            }
+            None => self.kv_bytes_per_token(),
+        }
+    }
+
+    /// KV bytes one token occupies across all layers.
+    pub fn kv_bytes_per_token(&self) -> usize {
+        self.kv_shape().bytes_per_token()
+    }
+
+    /// A one-sequence cache able to hold `capacity` tokens (at most the
+    /// context length).
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache, ModelError> {
+        KvCache::new(self.kv_shape(), capacity.min(self.cfg.max_context))
+    }
+
+    /// A paged pool of `n_blocks` blocks of `block_size` tokens.
+    pub fn new_pool(&self, block_size: usize, n_blocks: usize) -> Result<KvPool, ModelError> {
+        KvPool::new(self.kv_shape(), block_size, n_blocks)
+    }
+
+    /// Bytes of weights read per decoded token: every layer's matrices
+    /// (for a mixture of experts, the router, `top_k` experts of average
+    /// size and the shared experts) and the output matrix (the embedding
+    /// contributes one row).
+    pub fn weight_bytes(&self) -> usize {
+        let l: usize = self.layers.iter().map(|l| l.bytes().1).sum();
+        l + self.output.byte_len()
+    }
+
+    /// Bytes of all prepared weights (every expert included).
+    pub fn total_weight_bytes(&self) -> usize {
+        let l: usize = self.layers.iter().map(|l| l.bytes().0).sum();
+        l + self.output.byte_len()
+    }
+
+    /// Runs `tokens` (the next tokens of the sequence in `cache`) through the
+    /// model, appending their keys and values to the cache.
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        want: Logits,
+    ) -> Result<Vec<f32>, ModelError> {
+        Ok(self.forward_hidden(tokens, cache, want)?.0)
+    }
+
+    /// [`Self::forward`], also returning the hidden states of the rows
+    /// whose logits it returns.
+    pub fn forward_hidden(
+        &self,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        want: Logits,
+    ) -> Result<(Vec<f32>, Hidden), ModelError> {
+        let step = SeqStep {
+            tokens,
+            pos0: cache.len(),
+            table: &SINGLE_TABLE,
+            logits: want,
+        };
+        let out = self.forward_batch_hidden(cache.pool_mut(), &[step])?;
+        cache.advance(tokens.len());
+        Ok(out)
+    }
+
+    /// One forward pass over a ragged batch: every sequence's tokens run
+    /// through the model together (one matrix product per weight for the
+    /// whole batch), their keys and values are stored at their positions in
+    /// `pool`, and each attends over its own history. Returns the requested
+    /// logits, `[rows, vocab]`, sequences in order. A sequence's results do
+    /// not depend on the rest of the batch (see the attention kernel's
+    /// batch invariance), so batching never changes an output.
+    pub fn forward_batch(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqStep<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        Ok(self.forward_batch_hidden(pool, seqs)?.0)
+    }
+
+    /// [`Self::forward_batch`], also returning the hidden states of the
+    /// rows whose logits it returns.
+    pub fn forward_batch_hidden(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqStep<'_>],
+    ) -> Result<(Vec<f32>, Hidden), ModelError> {
+        let c = &self.cfg;
+        let parts: Vec<(&[u32], usize, &[u32])> =
+            seqs.iter().map(|s| (s.tokens, s.pos0, s.table)).collect();
+        let attn_seqs = self.check_batch(pool, &parts)?;
+        let h = c.hidden;
+        let n = attn_seqs.last().map_or(0, |a| a.rows.end);
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = &mut *guard;
+        let x = sized(&mut s.x, n * h);
+        self.embed_rows(seqs.iter().flat_map(|s| s.tokens.iter()), x)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            let ctx = LayerCtx {
+                pool: &mut *pool,
+                index: li,
+                seqs: &attn_seqs,
+                rope_offset: 0,
+            };
+            l.forward(c, ctx, x, n, &mut s.layer)?;
+        }
+        let hidden_rows = seqs.iter().zip(&attn_seqs).map(|(s, a)| match s.logits {
+            Logits::None => a.rows.start..a.rows.start,
+            Logits::Last => a.rows.end - 1..a.rows.end,
+            Logits::All | Logits::LastAndHidden => a.rows.clone(),
+        });
+        let rows = gather(x, h, hidden_rows);
+        if !seqs.iter().any(|s| s.logits == Logits::LastAndHidden) {
+            let logits = self.head(&rows, &self.final_norm, &self.output, s)?;
+            return Ok((logits, s.rows_n[..rows.len()].to_vec()));
+        }
+        let hidden = self.norm_rows(&rows, &self.final_norm, s).to_vec();
+        // Within the gathered rows, the ones whose logits are wanted.
+        let mut at = 0;
+        let mut logit_rows = Vec::with_capacity(seqs.len());
+        for (sq, a) in seqs.iter().zip(&attn_seqs) {
+            let len = match sq.logits {
+                Logits::None => 0,
+                Logits::Last => 1,
+                Logits::All | Logits::LastAndHidden => a.rows.len(),
+            };
+            logit_rows.push(match sq.logits {
+                Logits::LastAndHidden => at + len - 1..at + len,
+                _ => at..at + len,
+            });
+            at += len;
+        }
+        let normed = gather(&hidden, h, logit_rows.into_iter());
+        let logits = self.project(&normed, &self.output, s)?;
+        Ok((logits, hidden))
+    }
+
+    /// [`Self::mtp_forward`] for the sequence in `cache`: `tokens` are its
+    /// tokens from position `slot0 + 1`, `hidden` the main model's hidden
+    /// states one position earlier. Returns the last row's logits.
+    pub fn mtp_draft(
+        &self,
+        tokens: &[u32],
+        hidden: &[f32],
+        slot0: usize,
+        cache: &mut KvCache,
+    ) -> Result<Vec<f32>, ModelError> {
+        let step = MtpStep {
+            tokens,
+            hidden,
+            slot0,
+            table: &SINGLE_TABLE,
+        };
+        self.mtp_forward(cache.pool_mut(), &[step])
+    }
+
+    /// Whether the multi-token-prediction module is loaded.
+    pub fn has_mtp(&self) -> bool {
+        self.mtp.is_some()
+    }
+
+    /// Runs the MTP module over each step's tokens (see [`MtpStep`]),
+    /// storing its keys in the pool's last layer, and returns each step's
+    /// last-row logits: the predicted token after the step's last token.
+    pub fn mtp_forward(
+        &self,
+        pool: &mut KvPool,
+        steps: &[MtpStep<'_>],
+    ) -> Result<Vec<f32>, ModelError> {
+        let Some(mtp) = &self.mtp else {
+            return Err(ModelError::NoMtp);
+        };
+        let c = &self.cfg;
+        let h = c.hidden;
+        let parts: Vec<(&[u32], usize, &[u32])> =
+            steps.iter().map(|s| (s.tokens, s.slot0, s.table)).collect();
+        let attn_seqs = self.check_batch(pool, &parts)?;
+        let n = attn_seqs.last().map_or(0, |a| a.rows.end);
+        if let Some(s) = steps.iter().find(|s| s.hidden.len() != s.tokens.len() * h) {
+            return Err(ModelError::MtpHidden {
+                tokens: s.tokens.len(),
+                hidden: h,
+                values: s.hidden.len(),
+            });
+        }
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = &mut *guard;
+        let x = sized(&mut s.x, n * h);
+        self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter()), x)?;
+        let eh = sized(&mut s.eh, n * 2 * h);
+        let hidden = steps.iter().flat_map(|s| s.hidden.chunks_exact(h));
+        for ((dst, e), hs) in eh
+            .chunks_exact_mut(2 * h)
+            .zip(x.chunks_exact(h))
+            .zip(hidden)
+        {
+            let (de, dh) = dst.split_at_mut(h);
+            rms_norm(e, &mtp.enorm, c.rms_eps, de);
+            rms_norm(hs, &mtp.hnorm, c.rms_eps, dh);
+        }
+        let q8 = &mut s.layer.q8;
+        mtp.eh_proj
+            .forward(&LinearInput::new(eh, n, q8, &[&mtp.eh_proj])?, x)?;
+        let ctx = LayerCtx {
+            pool,
+            index: c.n_layers,
+            seqs: &attn_seqs,
+            rope_offset: 1,
+        };
+        mtp.layer.forward(c, ctx, x, n, &mut s.layer)?;
+        let last = attn_seqs.iter().map(|a| a.rows.end - 1..a.rows.end);
+        let rows = gather(x, h, last);
+        let head = mtp.head.as_ref().unwrap_or(&self.output);
+        self.head(&rows, &mtp.head_norm, head, s)
+    }
+
+    /// Checks a batch (non-empty token lists in the vocabulary, block
+    /// tables covering them) and lays its sequences out as attention rows.
+    fn check_batch<'t>(
+        &self,
+        pool: &KvPool,
+        parts: &[(&[u32], usize, &'t [u32])],
+    ) -> Result<Vec<SeqAttn<'t>>, ModelError> {
+        let vocab = self.cfg.vocab;
+        if parts.is_empty() || parts.iter().any(|p| p.0.is_empty()) {
+            return Err(ModelError::EmptyInput);
+        }
+        if pool.shape() != self.kv_shape() {
+            return Err(ModelError::KvShape);
+        }
+        let mut out = Vec::with_capacity(parts.len());
+        let mut row = 0;
+        for &(tokens, pos0, table) in parts {
+            pool.check_table(table, pos0 + tokens.len())?;
+            if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ModelError::TokenOutOfRange { id, vocab });
+            }
+            out.push(SeqAttn {
+                rows: row..row + tokens.len(),
+                pos0,
+                table,
+            });
+            row += tokens.len();
+        }
+        Ok(out)
+    }
+
+    /// The embeddings of `tokens` (checked in range), one row each.
+    fn embed_rows<'t>(
+        &self,
+        tokens: impl Iterator<Item = &'t u32>,
+        x: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let h = self.cfg.hidden;
+        for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
+            dequantize_row(self.embed.dtype(), self.embed.row_bytes(t as usize), row)?;
+            if self.cfg.gemma {
+                let s = (h as f32).sqrt();
+                row.iter_mut().for_each(|v| *v *= s);
+            }
+        }
+        Ok(())
+    }
+
+    /// `head(norm(rows))`: logits `[rows, vocab]` of hidden rows (the
+    /// normed rows stay in `s.rows_n`).
+    fn head(
+        &self,
+        rows: &[f32],
+        norm: &[f32],
+        head: &LinearWeight,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.norm_rows(rows, norm, s);
+        let normed = std::mem::take(&mut s.rows_n);
+        let logits = self.project(&normed[..rows.len()], head, s);
+        s.rows_n = normed;
+        logits
+    }
+
+    /// `norm(rows)`, in `s.rows_n`.
+    fn norm_rows<'s>(&self, rows: &[f32], norm: &[f32], s: &'s mut Scratch) -> &'s [f32] {
+        let xn = sized(&mut s.rows_n, rows.len());
+        rms_norm(rows, norm, self.cfg.rms_eps, xn);
+        xn
+    }
+
+    /// `head(rows)`: logits `[rows, vocab]` of normed rows.
+    fn project(
+        &self,
+        rows: &[f32],
+        head: &LinearWeight,
+        s: &mut Scratch,
+    ) -> Result<Vec<f32>, ModelError> {
+        let m = rows.len() / self.cfg.hidden;
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let mut logits = vec![0f32; m * self.cfg.vocab];
+        let input = LinearInput::new(rows, m, &mut s.layer.q8, &[head])?;
+        head.forward(&input, &mut logits)?;
+        Ok(logits)
+    }
+}
+
+/// The rows `ranges` of `x` (`[_, h]`), concatenated.
+fn gather(x: &[f32], h: usize, ranges: impl Iterator<Item = std::ops::Range<usize>>) -> Vec<f32> {
+    let mut out = Vec::new();
+    for r in ranges {
+        out.extend_from_slice(&x[r.start * h..r.end * h]);
+    }
+    out
+}

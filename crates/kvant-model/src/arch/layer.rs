@@ -1,0 +1,129 @@
+//! One decoder layer: pre-norm attention and feed-forward blocks with
+//! residual adds (and Gemma's post-norms), whatever kind each block is.
+
+use super::ffn::{DenseFfn, FfnScratch};
+use super::mha::{MhaAttention, MhaScratch};
+use super::mla::{MlaAttention, MlaScratch};
+use super::moe::{MoeFfn, MoeLayerScratch};
+use super::sized;
+use crate::config::ModelConfig;
+use crate::kv::KvPool;
+use crate::ModelError;
+use kvant_kernels::attention::SeqAttn;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::norm::{rms_norm, rms_norm_inplace};
+
+pub(crate) enum Attention {
+    Mha(MhaAttention),
+    Mla(MlaAttention),
+}
+
+pub(crate) enum Ffn {
+    Dense(DenseFfn),
+    Moe(Box<MoeFfn>),
+}
+
+pub(crate) struct Layer {
+    pub attn_norm: Vec<f32>,
+    pub attn: Attention,
+    /// Gemma's norm on the attention output before the residual add.
+    pub post_attn_norm: Option<Vec<f32>>,
+    pub ffn_norm: Vec<f32>,
+    pub ffn: Ffn,
+    pub post_ffn_norm: Option<Vec<f32>>,
+    pub inv_freq: Vec<f32>,
+    pub window: Option<usize>,
+}
+
+/// Where a layer's tokens live: the pool, the layer's index in it, the
+/// batch's sequences, and what to add to a slot to get its rotary
+/// position (1 for the MTP module, 0 otherwise).
+pub(crate) struct LayerCtx<'a, 'b> {
+    pub pool: &'a mut KvPool,
+    pub index: usize,
+    pub seqs: &'a [SeqAttn<'b>],
+    pub rope_offset: usize,
+}
+
+/// Every layer's activations, reused across layers and passes.
+#[derive(Default)]
+pub(crate) struct LayerScratch {
+    xn: Vec<f32>,
+    proj: Vec<f32>,
+    mha: MhaScratch,
+    mla: MlaScratch,
+    ffn: FfnScratch,
+    moe: MoeLayerScratch,
+    pub q8: Q8Activations,
+}
+
+impl Layer {
+    /// Bytes of every weight, and of what one decoded token reads (a MoE
+    /// layer reads only its router, `top_k` experts and shared experts).
+    pub fn bytes(&self) -> (usize, usize) {
+        let attn: usize = match &self.attn {
+            Attention::Mha(a) => a.weights().iter().map(|w| w.byte_len()).sum(),
+            Attention::Mla(a) => a.weights().iter().map(|w| w.byte_len()).sum(),
+        };
+        let (all, read) = match &self.ffn {
+            Ffn::Dense(f) => {
+                let b: usize = f.weights().iter().map(|w| w.byte_len()).sum();
+                (b, b)
+            }
+            Ffn::Moe(m) => m.bytes(),
+        };
+        (attn + all, attn + read)
+    }
+
+    /// Runs the layer on the residual stream `x` (`[n, hidden]`) in place.
+    pub fn forward(
+        &self,
+        c: &ModelConfig,
+        ctx: LayerCtx<'_, '_>,
+        x: &mut [f32],
+        n: usize,
+        s: &mut LayerScratch,
+    ) -> Result<(), ModelError> {
+        let h = c.hidden;
+        let LayerScratch {
+            xn,
+            proj,
+            mha,
+            mla,
+            ffn,
+            moe,
+            q8,
+        } = s;
+        let xn = sized(xn, n * h);
+        let proj = sized(proj, n * h);
+        rms_norm(x, &self.attn_norm, c.rms_eps, xn);
+        match &self.attn {
+            Attention::Mha(a) => {
+                let rope = (self.inv_freq.as_slice(), self.window);
+                a.forward(c, rope, ctx, xn, n, q8, mha, proj)?
+            }
+            Attention::Mla(a) => {
+                let m = c.mla.as_ref().ok_or(ModelError::KvShape)?;
+                a.forward(c, m, &self.inv_freq, ctx, xn, n, q8, mla, proj)?
+            }
+        }
+        if let Some(w) = &self.post_attn_norm {
+            rms_norm_inplace(proj, w, c.rms_eps);
+        }
+        add_assign(x, proj);
+        rms_norm(x, &self.ffn_norm, c.rms_eps, xn);
+        match &self.ffn {
+            Ffn::Dense(f) => f.forward(c.activation, xn, n, q8, ffn, proj)?,
+            Ffn::Moe(m) => m.forward(c.activation, xn, n, q8, moe, proj)?,
+        }
+        if let Some(w) = &self.post_ffn_norm {
+            rms_norm_inplace(proj, w, c.rms_eps);
+        }
+        add_assign(x, proj);
+        Ok(())
+    }
+}
+
+fn add_assign(x: &mut [f32], y: &[f32]) {
+    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+}

@@ -1,0 +1,148 @@
+//! Reading a layer's tensors from a checkpoint into the forms the forward
+//! pass wants, with the shape checks every architecture component needs.
+
+use crate::checkpoint::Checkpoint;
+use crate::ModelError;
+use kvant_core::Tensor;
+use kvant_kernels::linear::{LinearInput, LinearWeight};
+use kvant_kernels::quant::dequantize_row;
+
+/// A projection: a weight `[out, in]` prepared for its kernel and an optional bias.
+pub(crate) struct Linear {
+    pub weight: LinearWeight,
+    pub bias: Option<Vec<f32>>,
+}
+
+impl Linear {
+    pub fn forward(&self, x: &LinearInput<'_>, y: &mut [f32]) -> Result<(), ModelError> {
+        self.weight.forward(x, y)?;
+        self.add_bias(y);
+        Ok(())
+    }
+
+    pub fn add_bias(&self, y: &mut [f32]) {
+        if let Some(b) = &self.bias {
+            for row in y.chunks_exact_mut(b.len()) {
+                row.iter_mut().zip(b).for_each(|(v, bv)| *v += bv);
+            }
+        }
+    }
+}
+
+/// Whether a projection's bias must be present.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Bias {
+    Required,
+    IfPresent,
+}
+
+pub(crate) struct Loader<'a> {
+    pub ckpt: &'a Checkpoint,
+    /// Prepare int8-capable weights for the int8 kernels.
+    pub int8: bool,
+    /// Added to norm weights (Hugging Face Gemma stores `w - 1`).
+    pub norm_offset: f32,
+}
+
+impl Loader<'_> {
+    pub fn has(&self, name: &str) -> bool {
+        self.ckpt.has_tensor(name)
+    }
+
+    pub fn tensor(&self, name: &str) -> Result<Tensor, ModelError> {
+        self.ckpt.tensor(name)
+    }
+
+    /// A norm weight or bias of `len` values, as f32.
+    pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.ckpt.tensor(name)?;
+        to_f32_vec(&t, name, len, self.norm_offset)
+    }
+
+    /// A 1-D tensor stored as-is (no norm offset), such as a bias.
+    pub fn raw_vector(&self, name: &str, len: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self.ckpt.tensor(name)?;
+        to_f32_vec(&t, name, len, 0.0)
+    }
+
+    pub fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<Tensor, ModelError> {
+        let t = self.ckpt.tensor(name)?;
+        check_shape(&t, name, &[rows, cols])?;
+        Ok(t)
+    }
+
+    pub fn weight(&self, name: &str, rows: usize, cols: usize) -> Result<LinearWeight, ModelError> {
+        self.prepare(self.matrix(name, rows, cols)?)
+    }
+
+    /// A weight kept in f32 activations whatever the load options say
+    /// (routers, latent-attention head products: small, and where the
+    /// rounding of 8-bit activations would flip expert choices or move
+    /// every attention score).
+    pub fn exact_weight(
+        &self,
+        name: &str,
+        rows: usize,
+        cols: usize,
+    ) -> Result<LinearWeight, ModelError> {
+        Ok(LinearWeight::prepare(
+            self.matrix(name, rows, cols)?,
+            false,
+        )?)
+    }
+
+    pub fn prepare(&self, t: Tensor) -> Result<LinearWeight, ModelError> {
+        Ok(LinearWeight::prepare(t, self.int8)?)
+    }
+
+    /// `{stem}.weight` and `{stem}.bias`.
+    pub fn linear(
+        &self,
+        stem: &str,
+        rows: usize,
+        cols: usize,
+        bias: Bias,
+    ) -> Result<Linear, ModelError> {
+        let b = match (self.has(&format!("{stem}.bias")), bias) {
+            (true, _) => Some(self.raw_vector(&format!("{stem}.bias"), rows)?),
+            (false, Bias::Required) => {
+                return Err(ModelError::MissingTensor(format!("{stem}.bias")))
+            }
+            (false, Bias::IfPresent) => None,
+        };
+        Ok(Linear {
+            weight: self.weight(&format!("{stem}.weight"), rows, cols)?,
+            bias: b,
+        })
+    }
+}
+
+pub(crate) fn check_shape(t: &Tensor, name: &str, expected: &[usize]) -> Result<(), ModelError> {
+    if t.shape() != expected {
+        return Err(ModelError::TensorShape {
+            name: name.into(),
+            expected: expected.to_vec(),
+            actual: t.shape().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// A tensor's values as f32 (dequantized row by row).
+pub(crate) fn to_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
+    let cols = t.row_len();
+    let mut out = vec![0f32; t.elements()];
+    for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
+        dequantize_row(t.dtype(), t.row_bytes(r), row)?;
+    }
+    Ok(out)
+}
+
+/// A small 1-D tensor (norm, bias) as f32, plus `offset` (Gemma's `1 + w`).
+fn to_f32_vec(t: &Tensor, name: &str, len: usize, offset: f32) -> Result<Vec<f32>, ModelError> {
+    check_shape(t, name, &[len])?;
+    let mut out = vec![0f32; len];
+    dequantize_row(t.dtype(), t.bytes(), &mut out)?;
+    out.iter_mut().for_each(|v| *v += offset);
+    Ok(out)
+}

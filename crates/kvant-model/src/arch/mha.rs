@@ -1,0 +1,143 @@
+//! Multi-head attention with grouped KV heads (MHA, GQA, MQA): q/k/v
+//! projections with optional biases (Qwen2) and per-head q/k RMSNorm
+//! (Qwen3, Gemma 3), rotary embedding, paged attention, output projection.
+
+use super::layer::LayerCtx;
+use super::loader::{Bias, Linear, Loader};
+use super::sized;
+use crate::checkpoint::LayerNames;
+use crate::config::ModelConfig;
+use crate::ModelError;
+use kvant_kernels::attention::AttnParams;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
+use kvant_kernels::norm::rms_norm_inplace;
+use kvant_kernels::rope::rope_inplace;
+
+pub(crate) struct MhaAttention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+}
+
+/// The projections' outputs, reused across passes.
+#[derive(Default)]
+pub(crate) struct MhaScratch {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+}
+
+impl MhaAttention {
+    pub fn load(ld: &Loader<'_>, cfg: &ModelConfig, n: &LayerNames) -> Result<Self, ModelError> {
+        let (h, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        // Biases load when present; a config that promises them must have them.
+        let bias = match cfg.qkv_bias {
+            true => Bias::Required,
+            false => Bias::IfPresent,
+        };
+        let req_norm = |name: &str| -> Result<Option<Vec<f32>>, ModelError> {
+            match cfg.qk_norm {
+                true => ld.vector(name, cfg.head_dim).map(Some),
+                false => Ok(None),
+            }
+        };
+        Ok(MhaAttention {
+            q: ld.linear(&n.q, qd, h, bias)?,
+            k: ld.linear(&n.k, kvd, h, bias)?,
+            v: ld.linear(&n.v, kvd, h, bias)?,
+            o: Linear {
+                weight: ld.weight(&format!("{}.weight", n.o), h, qd)?,
+                bias: None,
+            },
+            q_norm: req_norm(&n.q_norm)?,
+            k_norm: req_norm(&n.k_norm)?,
+        })
+    }
+
+    pub fn weights(&self) -> [&LinearWeight; 4] {
+        [
+            &self.q.weight,
+            &self.k.weight,
+            &self.v.weight,
+            &self.o.weight,
+        ]
+    }
+
+    /// Attention of the batch's `n` tokens (normed input `xn`), storing
+    /// their keys and values in layer `layer` of `pool`; the output
+    /// projection goes to `out` (`[n, hidden]`).
+    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
+    pub fn forward(
+        &self,
+        cfg: &ModelConfig,
+        (inv_freq, window): (&[f32], Option<usize>),
+        ctx: LayerCtx<'_, '_>,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut MhaScratch,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let q = sized(&mut s.q, n * qd);
+        let k = sized(&mut s.k, n * kvd);
+        let v = sized(&mut s.v, n * kvd);
+        let input = LinearInput::new(xn, n, q8, &[&self.q.weight, &self.k.weight, &self.v.weight])?;
+        forward_batch(
+            &input,
+            &mut [
+                (&self.q.weight, &mut *q),
+                (&self.k.weight, &mut *k),
+                (&self.v.weight, &mut *v),
+            ],
+        )?;
+        self.q.add_bias(q);
+        self.k.add_bias(k);
+        self.v.add_bias(v);
+        if let Some(w) = &self.q_norm {
+            rms_norm_inplace(q, w, cfg.rms_eps);
+        }
+        if let Some(w) = &self.k_norm {
+            rms_norm_inplace(k, w, cfg.rms_eps);
+        }
+        let factor = cfg.rope.scaling.attention_factor();
+        for sq in ctx.seqs {
+            for (i, t) in sq.rows.clone().enumerate() {
+                let pos = sq.pos0 + i + ctx.rope_offset;
+                let (qt, kt) = (&mut q[t * qd..(t + 1) * qd], &mut k[t * kvd..(t + 1) * kvd]);
+                rope_inplace(qt, cfg.head_dim, pos, inv_freq, cfg.rope.style);
+                rope_inplace(kt, cfg.head_dim, pos, inv_freq, cfg.rope.style);
+                if factor != 1.0 {
+                    scale_rotated(qt, cfg.head_dim, cfg.rope.dim, factor);
+                    scale_rotated(kt, cfg.head_dim, cfg.rope.dim, factor);
+                }
+            }
+        }
+        let params = AttnParams {
+            n_heads: cfg.n_heads,
+            n_kv_heads: cfg.n_kv_heads,
+            head_dim: cfg.head_dim,
+            v_dim: cfg.head_dim,
+            scale: cfg.attn_scale,
+            window,
+        };
+        let attn = sized(&mut s.attn, n * qd);
+        ctx.pool
+            .store_and_attend(ctx.index, ctx.seqs, (k, Some(v)), &params, q, attn);
+        self.o
+            .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
+    }
+}
+
+/// YaRN's attention factor on the rotated part of each head (transformers
+/// multiplies cos and sin by it).
+fn scale_rotated(x: &mut [f32], head_dim: usize, rot: usize, factor: f32) {
+    for head in x.chunks_exact_mut(head_dim) {
+        head[..rot].iter_mut().for_each(|v| *v *= factor);
+    }
+}

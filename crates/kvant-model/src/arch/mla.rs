@@ -1,0 +1,315 @@
+//! Multi-head latent attention (DeepSeek-V2/V3, GigaChat3) with weight
+//! absorption: the cache holds one latent row per token and layer (the
+//! normalised compressed KV, `kv_lora_rank` values, then the rotary key,
+//! `qk_rope_head_dim`), never per-head keys and values.
+//!
+//! Per head `h`, `kv_b` expands the latent `c` into a key part `K_h c` and a
+//! value `V_h c`. Since `q_nope · K_h c = (K_hᵀ q_nope) · c`, each query is
+//! mapped once into latent space (`K_hᵀ`, llama.cpp's `attn_k_b`) and
+//! attends over the latent rows directly: one key/value head for all query
+//! heads, whose values are the rows' first `kv_lora_rank` elements. The
+//! per-head output latent is expanded by `V_h` (`attn_v_b`) afterwards.
+//!
+//! The same absorbed path runs prefill and decode, so a token's result is
+//! the same arithmetic however the batch was cut (batch invariance); the
+//! expanded form would save attention FLOPs on long prompt chunks at the
+//! cost of that guarantee.
+
+use super::layer::LayerCtx;
+use super::loader::{to_f32, Bias, Linear, Loader};
+use super::sized;
+use crate::checkpoint::Checkpoint;
+use crate::config::{MlaConfig, ModelConfig};
+use crate::ModelError;
+use kvant_core::Tensor;
+use kvant_kernels::attention::AttnParams;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{LinearInput, LinearWeight};
+use kvant_kernels::norm::rms_norm_inplace;
+use kvant_kernels::rope::rope_inplace;
+
+/// The query projection: plain, or through the `q_lora_rank` bottleneck.
+enum QProj {
+    Plain(Linear),
+    LowRank {
+        a: Linear,
+        norm: Vec<f32>,
+        b: Linear,
+    },
+}
+
+pub(crate) struct MlaAttention {
+    q: QProj,
+    /// `hidden → kv_lora_rank + rope`: the latent and the rotary key.
+    kv_a: Linear,
+    kv_norm: Vec<f32>,
+    /// Per head, `K_hᵀ`: `[kv_lora_rank, nope]`.
+    k_b: Vec<LinearWeight>,
+    /// Per head, `V_h`: `[v_dim, kv_lora_rank]`.
+    v_b: Vec<LinearWeight>,
+    o: Linear,
+}
+
+/// Activations of one MLA layer, reused across passes.
+#[derive(Default)]
+pub(crate) struct MlaScratch {
+    qa: Vec<f32>,
+    q: Vec<f32>,
+    latent: Vec<f32>,
+    q_abs: Vec<f32>,
+    out_lat: Vec<f32>,
+    head_in: Vec<f32>,
+    head_out: Vec<f32>,
+    pe: Vec<f32>,
+    attn: Vec<f32>,
+}
+
+/// Tensor names of one layer's latent attention, by format.
+struct Names {
+    q: String,
+    q_a: String,
+    q_a_norm: String,
+    q_b: String,
+    kv_a: String,
+    kv_a_norm: String,
+    kv_b: String,
+    k_b: String,
+    v_b: String,
+    o: String,
+}
+
+impl Names {
+    fn new(ckpt: &Checkpoint, prefix: &str) -> Self {
+        let n = |s: &str| format!("{prefix}{s}");
+        match ckpt {
+            Checkpoint::Gguf(_) => Names {
+                q: n("attn_q"),
+                q_a: n("attn_q_a"),
+                q_a_norm: n("attn_q_a_norm.weight"),
+                q_b: n("attn_q_b"),
+                kv_a: n("attn_kv_a_mqa"),
+                kv_a_norm: n("attn_kv_a_norm.weight"),
+                kv_b: n("attn_kv_b.weight"),
+                k_b: n("attn_k_b.weight"),
+                v_b: n("attn_v_b.weight"),
+                o: n("attn_output"),
+            },
+            Checkpoint::Hf(_) => Names {
+                q: n("self_attn.q_proj"),
+                q_a: n("self_attn.q_a_proj"),
+                q_a_norm: n("self_attn.q_a_layernorm.weight"),
+                q_b: n("self_attn.q_b_proj"),
+                kv_a: n("self_attn.kv_a_proj_with_mqa"),
+                kv_a_norm: n("self_attn.kv_a_layernorm.weight"),
+                kv_b: n("self_attn.kv_b_proj.weight"),
+                k_b: String::new(),
+                v_b: String::new(),
+                o: n("self_attn.o_proj"),
+            },
+        }
+    }
+}
+
+impl MlaAttention {
+    /// Loads the attention of the layer whose tensor names start with
+    /// `prefix` (`blk.3.` or `model.layers.3.`).
+    pub fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        m: &MlaConfig,
+        prefix: &str,
+    ) -> Result<Self, ModelError> {
+        let names = Names::new(ld.ckpt, prefix);
+        let (h, nh) = (cfg.hidden, cfg.n_heads);
+        let q_out = nh * m.qk_dim();
+        let q = match m.q_lora_rank {
+            None => QProj::Plain(ld.linear(&names.q, q_out, h, Bias::IfPresent)?),
+            Some(r) => QProj::LowRank {
+                a: ld.linear(&names.q_a, r, h, Bias::IfPresent)?,
+                norm: ld.vector(&names.q_a_norm, r)?,
+                b: ld.linear(&names.q_b, q_out, r, Bias::IfPresent)?,
+            },
+        };
+        let (k_b, v_b) = if ld.has(&names.k_b) {
+            (
+                per_head(ld, &names.k_b, nh, m.kv_lora_rank, m.nope_dim)?,
+                per_head(ld, &names.v_b, nh, m.v_dim, m.kv_lora_rank)?,
+            )
+        } else {
+            split_kv_b(ld, &names.kv_b, nh, m)?
+        };
+        Ok(MlaAttention {
+            q,
+            kv_a: ld.linear(&names.kv_a, m.latent_dim(), h, Bias::IfPresent)?,
+            kv_norm: ld.vector(&names.kv_a_norm, m.kv_lora_rank)?,
+            k_b,
+            v_b,
+            o: ld.linear(&names.o, h, nh * m.v_dim, Bias::IfPresent)?,
+        })
+    }
+
+    pub fn weights(&self) -> Vec<&LinearWeight> {
+        let mut w = match &self.q {
+            QProj::Plain(q) => vec![&q.weight],
+            QProj::LowRank { a, b, .. } => vec![&a.weight, &b.weight],
+        };
+        w.extend([&self.kv_a.weight, &self.o.weight]);
+        w.extend(self.k_b.iter().chain(&self.v_b));
+        w
+    }
+
+    /// Attention of the batch's `n` tokens (normed input `xn`), storing
+    /// their latent rows in layer `layer` of `pool`; the output projection
+    /// goes to `out` (`[n, hidden]`).
+    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
+    pub fn forward(
+        &self,
+        cfg: &ModelConfig,
+        m: &MlaConfig,
+        inv_freq: &[f32],
+        ctx: LayerCtx<'_, '_>,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut MlaScratch,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let nh = cfg.n_heads;
+        let (qk, lat, rank, rope) = (m.qk_dim(), m.latent_dim(), m.kv_lora_rank, m.rope_dim);
+        let q = sized(&mut s.q, n * nh * qk);
+        let latent = sized(&mut s.latent, n * lat);
+        match &self.q {
+            QProj::Plain(p) => {
+                let input = LinearInput::new(xn, n, q8, &[&p.weight, &self.kv_a.weight])?;
+                p.forward(&input, q)?;
+                self.kv_a.forward(&input, latent)?;
+            }
+            QProj::LowRank { a, norm, b } => {
+                let r = norm.len();
+                let qa = sized(&mut s.qa, n * r);
+                let input = LinearInput::new(xn, n, q8, &[&a.weight, &self.kv_a.weight])?;
+                a.forward(&input, qa)?;
+                self.kv_a.forward(&input, latent)?;
+                rms_norm_inplace(qa, norm, cfg.rms_eps);
+                b.forward(&LinearInput::new(qa, n, q8, &[&b.weight])?, q)?;
+            }
+        }
+        let factor = cfg.rope.scaling.attention_factor();
+        let pe = sized(&mut s.pe, nh * rope);
+        for sq in ctx.seqs {
+            for (i, t) in sq.rows.clone().enumerate() {
+                let pos = sq.pos0 + i + ctx.rope_offset;
+                let row = &mut latent[t * lat..(t + 1) * lat];
+                rms_norm_inplace(&mut row[..rank], &self.kv_norm, cfg.rms_eps);
+                rope_inplace(&mut row[rank..], rope, pos, inv_freq, cfg.rope.style);
+                // Queries' rotary parts: gathered, rotated together, put back.
+                let qt = &mut q[t * nh * qk..(t + 1) * nh * qk];
+                for (p, head) in pe.chunks_exact_mut(rope).zip(qt.chunks_exact(qk)) {
+                    p.copy_from_slice(&head[m.nope_dim..]);
+                }
+                rope_inplace(pe, rope, pos, inv_freq, cfg.rope.style);
+                if factor != 1.0 {
+                    pe.iter_mut().for_each(|v| *v *= factor);
+                    row[rank..].iter_mut().for_each(|v| *v *= factor);
+                }
+                for (head, p) in qt.chunks_exact_mut(qk).zip(pe.chunks_exact(rope)) {
+                    head[m.nope_dim..].copy_from_slice(p);
+                }
+            }
+        }
+        // Absorb: each head's query into latent space, then its rotary part.
+        let q_abs = sized(&mut s.q_abs, n * nh * lat);
+        let head_in = sized(&mut s.head_in, n * m.nope_dim.max(rank));
+        let head_out = sized(&mut s.head_out, n * rank.max(m.v_dim));
+        for (hh, k_b) in self.k_b.iter().enumerate() {
+            let hin = &mut head_in[..n * m.nope_dim];
+            for (t, dst) in hin.chunks_exact_mut(m.nope_dim).enumerate() {
+                dst.copy_from_slice(&q[(t * nh + hh) * qk..][..m.nope_dim]);
+            }
+            let hout = &mut head_out[..n * rank];
+            k_b.forward(&LinearInput::new(hin, n, q8, &[k_b])?, hout)?;
+            for t in 0..n {
+                let dst = &mut q_abs[(t * nh + hh) * lat..][..lat];
+                dst[..rank].copy_from_slice(&hout[t * rank..(t + 1) * rank]);
+                dst[rank..].copy_from_slice(&q[(t * nh + hh) * qk + m.nope_dim..][..rope]);
+            }
+        }
+        let params = AttnParams {
+            n_heads: nh,
+            n_kv_heads: 1,
+            head_dim: lat,
+            v_dim: rank,
+            scale: cfg.attn_scale,
+            window: None,
+        };
+        let out_lat = sized(&mut s.out_lat, n * nh * rank);
+        ctx.pool
+            .store_and_attend(ctx.index, ctx.seqs, (latent, None), &params, q_abs, out_lat);
+        // Expand each head's output latent into its value.
+        let attn = sized(&mut s.attn, n * nh * m.v_dim);
+        for (hh, v_b) in self.v_b.iter().enumerate() {
+            let hin = &mut head_in[..n * rank];
+            for (t, dst) in hin.chunks_exact_mut(rank).enumerate() {
+                dst.copy_from_slice(&out_lat[(t * nh + hh) * rank..][..rank]);
+            }
+            let hout = &mut head_out[..n * m.v_dim];
+            v_b.forward(&LinearInput::new(hin, n, q8, &[v_b])?, hout)?;
+            for t in 0..n {
+                attn[(t * nh + hh) * m.v_dim..][..m.v_dim]
+                    .copy_from_slice(&hout[t * m.v_dim..(t + 1) * m.v_dim]);
+            }
+        }
+        self.o
+            .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
+    }
+}
+
+/// `heads` matrices `[rows, cols]` of a 3-D tensor `[heads, rows, cols]`
+/// (llama.cpp's split `attn_k_b` / `attn_v_b`).
+fn per_head(
+    ld: &Loader<'_>,
+    name: &str,
+    heads: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<Vec<LinearWeight>, ModelError> {
+    let t = ld.tensor(name)?;
+    super::loader::check_shape(&t, name, &[heads, rows, cols])?;
+    (0..heads)
+        .map(|h| Ok(LinearWeight::prepare(t.matrix(h)?, false)?))
+        .collect()
+}
+
+/// Splits Hugging Face's `kv_b_proj` (`[heads · (nope + v), kv_lora_rank]`)
+/// into each head's transposed key part `[kv_lora_rank, nope]` and value
+/// part `[v, kv_lora_rank]`, as f32.
+fn split_kv_b(
+    ld: &Loader<'_>,
+    name: &str,
+    heads: usize,
+    m: &MlaConfig,
+) -> Result<(Vec<LinearWeight>, Vec<LinearWeight>), ModelError> {
+    let (nope, v, rank) = (m.nope_dim, m.v_dim, m.kv_lora_rank);
+    let t = ld.matrix(name, heads * (nope + v), rank)?;
+    let w = to_f32(&t)?;
+    let mut k_b = Vec::with_capacity(heads);
+    let mut v_b = Vec::with_capacity(heads);
+    for head in w.chunks_exact((nope + v) * rank) {
+        let (k, vv) = head.split_at(nope * rank);
+        let mut kt = vec![0f32; rank * nope];
+        for (d, row) in k.chunks_exact(rank).enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                kt[c * nope + d] = x;
+            }
+        }
+        k_b.push(LinearWeight::prepare(
+            Tensor::from_f32(vec![rank, nope], &kt)?,
+            false,
+        )?);
+        v_b.push(LinearWeight::prepare(
+            Tensor::from_f32(vec![v, rank], vv)?,
+            false,
+        )?);
+    }
+    Ok((k_b, v_b))
+}

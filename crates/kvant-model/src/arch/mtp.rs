@@ -1,0 +1,85 @@
+//! DeepSeek-V3's multi-token prediction (MTP) module, stored as one more
+//! layer after the main ones (`num_nextn_predict_layers`; GigaChat3 has it
+//! too): from the main model's last hidden state `h` at position `p` and
+//! the embedding of token `p + 1`, it predicts token `p + 2`.
+//!
+//! `m = eh_proj([enorm(embed(t_{p+1})); hnorm(h_p)])` (`h_p` after the
+//! main model's final norm, as transformers and vLLM feed it), then a full decoder
+//! layer (latent attention over the module's own cache, experts), then
+//! `shared_head.norm` and `shared_head.head` (the main output head when a
+//! checkpoint omits it). Its input number `i` (token `i + 1` with hidden
+//! state `i`) sits in slot `i` of the module's cache layer and is rotated
+//! at position `i + 1`, the position of its token.
+
+use super::ffn::DenseFfn;
+use super::layer::{Attention, Ffn, Layer};
+use super::loader::Loader;
+use super::mha::MhaAttention;
+use super::mla::MlaAttention;
+use super::moe::MoeFfn;
+use crate::config::ModelConfig;
+use crate::ModelError;
+use kvant_kernels::linear::LinearWeight;
+
+pub(crate) struct MtpModule {
+    pub enorm: Vec<f32>,
+    pub hnorm: Vec<f32>,
+    /// `[hidden, 2 · hidden]`, applied to `[enorm(e); hnorm(h)]`.
+    pub eh_proj: LinearWeight,
+    pub layer: Layer,
+    pub head_norm: Vec<f32>,
+    pub head: Option<LinearWeight>,
+}
+
+impl MtpModule {
+    /// Loads the module stored as layer `index` of a Hugging Face
+    /// checkpoint (`model.layers.{index}.*`); `None` when it is absent.
+    pub fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        index: usize,
+    ) -> Result<Option<Self>, ModelError> {
+        let p = format!("model.layers.{index}.");
+        if !ld.has(&format!("{p}eh_proj.weight")) {
+            return Ok(None);
+        }
+        let h = cfg.hidden;
+        let n = ld.ckpt.layer_names(index, false);
+        let attn = match &cfg.mla {
+            Some(m) => Attention::Mla(MlaAttention::load(ld, cfg, m, &p)?),
+            None => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
+        };
+        let ffn = match &cfg.experts {
+            Some(e) if ld.has(&format!("{p}mlp.gate.weight")) => {
+                Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &p)?))
+            }
+            _ => Ffn::Dense(DenseFfn::load(
+                ld,
+                [&n.gate, &n.up, &n.down],
+                h,
+                cfg.intermediate,
+            )?),
+        };
+        let head = format!("{p}shared_head.head.weight");
+        Ok(Some(MtpModule {
+            enorm: ld.vector(&format!("{p}enorm.weight"), h)?,
+            hnorm: ld.vector(&format!("{p}hnorm.weight"), h)?,
+            eh_proj: ld.weight(&format!("{p}eh_proj.weight"), h, 2 * h)?,
+            layer: Layer {
+                attn_norm: ld.vector(&n.attn_norm, h)?,
+                attn,
+                post_attn_norm: None,
+                ffn_norm: ld.vector(&n.ffn_norm, h)?,
+                ffn,
+                post_ffn_norm: None,
+                inv_freq: cfg.inv_freq(index, None),
+                window: None,
+            },
+            head_norm: ld.vector(&format!("{p}shared_head.norm.weight"), h)?,
+            head: match ld.has(&head) {
+                true => Some(ld.weight(&head, cfg.vocab, h)?),
+                false => None,
+            },
+        }))
+    }
+}

@@ -1,0 +1,278 @@
+//! Mixture-of-experts settings: how many experts, how a token picks its
+//! `top_k` (the router), the shared experts, and which layers have experts.
+//!
+//! One shape covers Mixtral (softmax, renormalised), Qwen2-MoE (softmax,
+//! a shared expert behind a sigmoid gate), Qwen3-MoE (softmax,
+//! `norm_topk_prob`), DeepSeek-V2 (softmax, optional group-limited greedy,
+//! scaling) and DeepSeek-V3 / GigaChat3 (sigmoid scores with a selection
+//! bias, grouped top-k, renormalised and scaled).
+
+use super::{Arch, ConfigError, Result};
+use crate::gguf::GgufFile;
+use kvant_kernels::moe::{GroupScore, RouterParams, Scoring};
+use serde_json::Value;
+
+/// Experts that every token runs besides its routed ones.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedExperts {
+    /// Intermediate size of the shared FFN (DeepSeek: experts × their size).
+    pub ff: usize,
+    /// Qwen2-MoE scales the shared output by `sigmoid(x · w)`.
+    pub gated: bool,
+}
+
+#[derive(Clone, Debug)]
+pub struct ExpertsConfig {
+    pub router: RouterParams,
+    /// Intermediate size of one routed expert.
+    pub ff: usize,
+    pub shared: Option<SharedExperts>,
+    /// Per layer: experts (true) or the dense FFN of `intermediate` size.
+    pub layers: Vec<bool>,
+}
+
+impl ExpertsConfig {
+    pub fn is_moe(&self, layer: usize) -> bool {
+        self.layers.get(layer).copied().unwrap_or(false)
+    }
+
+    pub(super) fn validate(&self) -> Result<()> {
+        let r = &self.router;
+        let bad = |key: &str, why: &str| {
+            Err(ConfigError::Invalid {
+                key: key.into(),
+                why: why.into(),
+            })
+        };
+        if r.n_experts == 0 || r.n_experts > 1 << 16 {
+            return bad("num_experts", "must be between 1 and 65536");
+        }
+        if r.top_k == 0 || r.top_k > r.n_experts {
+            return bad(
+                "num_experts_per_tok",
+                "must be between 1 and the expert count",
+            );
+        }
+        if self.ff == 0 || self.ff > 1 << 24 {
+            return bad("moe_intermediate_size", "must be positive and plausible");
+        }
+        if r.n_group == 0 || !r.n_experts.is_multiple_of(r.n_group) {
+            return bad("n_group", "must divide the number of experts");
+        }
+        if r.topk_group == 0 || r.topk_group > r.n_group {
+            return bad("topk_group", "must be between 1 and n_group");
+        }
+        if r.top_k > r.topk_group * (r.n_experts / r.n_group) {
+            return bad("topk_group", "keeps fewer experts than num_experts_per_tok");
+        }
+        if !(r.scale.is_finite() && r.scale > 0.0) {
+            return bad("routed_scaling_factor", "must be a positive number");
+        }
+        Ok(())
+    }
+
+    /// From a transformers `config.json`; `None` for a dense architecture.
+    pub(super) fn from_hf(cfg: &Value, arch: Arch, n_layers: usize) -> Result<Option<Self>> {
+        let int = |k: &str| -> Result<Option<usize>> {
+            match cfg.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|v| usize::try_from(v).ok())
+                    .map(Some)
+                    .ok_or_else(|| ConfigError::Invalid {
+                        key: k.into(),
+                        why: format!("expected a non-negative integer, found {v}"),
+                    }),
+            }
+        };
+        let req = |k: &str| int(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
+        // transformers 5 writes `num_local_experts` for every MoE family
+        // (its attribute map); published Qwen checkpoints say `num_experts`.
+        let n_experts = |k: &str| match int("num_local_experts")? {
+            Some(n) => Ok(n),
+            None => req(k),
+        };
+        let flag = |k: &str, default: bool| cfg.get(k).and_then(Value::as_bool).unwrap_or(default);
+        let num = |k: &str, default: f32| {
+            cfg.get(k)
+                .and_then(Value::as_f64)
+                .map_or(default, |v| v as f32)
+        };
+        let plain = |n_experts, top_k, norm_topk| RouterParams {
+            n_experts,
+            top_k,
+            scoring: Scoring::Softmax,
+            norm_topk,
+            n_group: 1,
+            topk_group: 1,
+            group_score: GroupScore::Max,
+            scale: 1.0,
+        };
+        let top_k = || req("num_experts_per_tok");
+        let out = match arch {
+            Arch::Mixtral => ExpertsConfig {
+                router: plain(n_experts("num_local_experts")?, top_k()?, true),
+                ff: req("intermediate_size")?,
+                shared: None,
+                layers: vec![true; n_layers],
+            },
+            Arch::Qwen2Moe | Arch::Qwen3Moe => {
+                let n = n_experts("num_experts")?;
+                let step = int("decoder_sparse_step")?.unwrap_or(1).max(1);
+                let dense: Vec<u64> = cfg
+                    .get("mlp_only_layers")
+                    .and_then(Value::as_array)
+                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
+                    .unwrap_or_default();
+                let shared_ff = match arch {
+                    Arch::Qwen2Moe => int("shared_expert_intermediate_size")?.unwrap_or(0),
+                    _ => 0,
+                };
+                ExpertsConfig {
+                    router: plain(n, top_k()?, flag("norm_topk_prob", false)),
+                    ff: req("moe_intermediate_size")?,
+                    shared: (shared_ff > 0).then_some(SharedExperts {
+                        ff: shared_ff,
+                        gated: true,
+                    }),
+                    layers: (0..n_layers)
+                        .map(|i| !dense.contains(&(i as u64)) && (i + 1) % step == 0)
+                        .collect(),
+                }
+            }
+            Arch::DeepseekV2 | Arch::DeepseekV3 => {
+                let Some(n) = int("n_routed_experts")? else {
+                    return Ok(None);
+                };
+                let v3 = arch == Arch::DeepseekV3;
+                let grouped = v3
+                    || cfg.get("topk_method").and_then(Value::as_str)
+                        == Some("group_limited_greedy");
+                let (n_group, topk_group) = match grouped {
+                    true => (
+                        int("n_group")?.unwrap_or(1),
+                        int("topk_group")?.unwrap_or(1),
+                    ),
+                    false => (1, 1),
+                };
+                let ff = req("moe_intermediate_size")?;
+                let first_dense = int("first_k_dense_replace")?.unwrap_or(0);
+                let freq = int("moe_layer_freq")?.unwrap_or(1).max(1);
+                let n_shared = int("n_shared_experts")?.unwrap_or(0);
+                ExpertsConfig {
+                    router: RouterParams {
+                        n_experts: n,
+                        top_k: top_k()?,
+                        // transformers' DeepSeek-V3 router is sigmoid whatever
+                        // `scoring_func` says; V2's is softmax.
+                        scoring: if v3 {
+                            Scoring::Sigmoid
+                        } else {
+                            Scoring::Softmax
+                        },
+                        norm_topk: flag("norm_topk_prob", v3),
+                        n_group,
+                        topk_group,
+                        group_score: if v3 {
+                            GroupScore::SumTop2
+                        } else {
+                            GroupScore::Max
+                        },
+                        scale: num("routed_scaling_factor", if v3 { 2.5 } else { 1.0 }),
+                    },
+                    ff,
+                    shared: (n_shared > 0).then_some(SharedExperts {
+                        ff: ff * n_shared,
+                        gated: false,
+                    }),
+                    layers: (0..n_layers)
+                        .map(|i| i >= first_dense && i % freq == 0)
+                        .collect(),
+                }
+            }
+            _ => return Ok(None),
+        };
+        out.validate()?;
+        Ok(Some(out))
+    }
+
+    /// From `{arch}.expert_*` metadata as llama.cpp's converter writes it;
+    /// `None` without experts. Which layers have experts is read from the
+    /// tensors (`blk.N.ffn_gate_inp.weight`), so leading dense layers
+    /// (`leading_dense_block_count`) and Qwen's `mlp_only_layers` need no
+    /// per-architecture rule.
+    pub(super) fn from_gguf(
+        g: &GgufFile,
+        arch_name: &str,
+        n_layers: usize,
+    ) -> Result<Option<Self>> {
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let Some(n_experts) = g.get_usize(&key("expert_count"))?.filter(|&n| n > 0) else {
+            return Ok(None);
+        };
+        let req = |k: &str| -> Result<usize> {
+            g.get_usize(&key(k))?
+                .ok_or_else(|| ConfigError::Missing(key(k)))
+        };
+        let ff = match g.get_usize(&key("expert_feed_forward_length"))? {
+            Some(ff) => ff,
+            None => req("feed_forward_length")?,
+        };
+        let scoring = match g.get_u32(&key("expert_gating_func"))? {
+            None | Some(1) => Scoring::Softmax,
+            Some(2) => Scoring::Sigmoid,
+            Some(other) => {
+                return Err(ConfigError::Invalid {
+                    key: key("expert_gating_func"),
+                    why: format!("gating function {other} is not supported"),
+                })
+            }
+        };
+        // llama.cpp's defaults where the converter writes no key.
+        let norm_default = matches!(arch_name, "llama" | "qwen3moe");
+        let shared = match arch_name {
+            "qwen2moe" => g
+                .get_usize(&key("expert_shared_feed_forward_length"))?
+                .filter(|&f| f > 0)
+                .map(|ff| SharedExperts { ff, gated: true }),
+            _ => g
+                .get_usize(&key("expert_shared_count"))?
+                .filter(|&n| n > 0)
+                .map(|n| SharedExperts {
+                    ff: n * ff,
+                    gated: false,
+                }),
+        };
+        let out = ExpertsConfig {
+            router: RouterParams {
+                n_experts,
+                top_k: req("expert_used_count")?,
+                scoring,
+                norm_topk: g
+                    .get_bool(&key("expert_weights_norm"))?
+                    .unwrap_or(norm_default),
+                n_group: g.get_usize(&key("expert_group_count"))?.unwrap_or(1).max(1),
+                topk_group: g
+                    .get_usize(&key("expert_group_used_count"))?
+                    .unwrap_or(1)
+                    .max(1),
+                group_score: match scoring {
+                    Scoring::Sigmoid => GroupScore::SumTop2,
+                    Scoring::Softmax => GroupScore::Max,
+                },
+                scale: g.get_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
+            },
+            ff,
+            shared,
+            layers: (0..n_layers)
+                .map(|i| {
+                    g.tensor_info(&format!("blk.{i}.ffn_gate_inp.weight"))
+                        .is_some()
+                })
+                .collect(),
+        };
+        out.validate()?;
+        Ok(Some(out))
+    }
+}

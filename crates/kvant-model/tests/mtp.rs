@@ -1,0 +1,106 @@
+//! DeepSeek-V3's multi-token-prediction module against the reference
+//! (`tools/reference/make_moe_fixtures.py`, transformers' MTP layer on the
+//! tiny GigaChat3-shaped checkpoint): each draft row's logits, fed one
+//! position at a time through the module's own cache.
+
+use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits};
+use kvant_model::checkpoint::Checkpoint;
+use kvant_model::ModelError;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// As the main reference test: f32 throughout, only summation order
+/// differs (~1e-5 on logits of magnitude ~5).
+const LOGIT_TOL: f32 = 1e-4;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/models")
+        .join(name)
+}
+
+fn open(name: &str, mtp: bool) -> DecoderModel {
+    let ckpt = Checkpoint::open(&fixture(name)).expect("open");
+    let opts = LoadOptions {
+        mtp,
+        ..LoadOptions::F32
+    };
+    DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts).expect("load")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+#[test]
+fn mtp_logits_match_the_reference() {
+    let r: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("deepseek-v3").join("reference.json")).expect("ref"),
+    )
+    .expect("json");
+    let m = open("deepseek-v3", true);
+    assert!(m.has_mtp());
+    let (h, vocab) = (m.config().hidden, m.config().vocab);
+    let prompt = ids(&r["prompt_ids"]);
+    let mut cache = m.new_cache(prompt.len() + 1).expect("cache");
+    let (_, hidden) = m
+        .forward_hidden(&prompt, &mut cache, Logits::All)
+        .expect("forward");
+    let want = r["mtp"]["logits"].as_array().expect("mtp logits");
+    assert_eq!(want.len(), prompt.len() - 1);
+    let mut max_err = 0f32;
+    for (i, row) in want.iter().enumerate() {
+        let got = m
+            .mtp_draft(
+                &prompt[i + 1..i + 2],
+                &hidden[i * h..(i + 1) * h],
+                i,
+                &mut cache,
+            )
+            .expect("mtp");
+        assert_eq!(got.len(), vocab);
+        for (g, w) in got.iter().zip(row.as_array().expect("row")) {
+            max_err = max_err.max((g - w.as_f64().expect("f") as f32).abs());
+        }
+    }
+    eprintln!("mtp: max |Δlogit| {max_err:.2e}");
+    assert!(max_err <= LOGIT_TOL, "mtp: max |Δlogit| {max_err}");
+    // The same rows in one pass give the last row bit for bit.
+    let mut again = m.new_cache(prompt.len() + 1).expect("cache");
+    m.forward(&prompt, &mut again, Logits::None)
+        .expect("forward");
+    let n = prompt.len() - 1;
+    let all = m
+        .mtp_draft(&prompt[1..], &hidden[..n * h], 0, &mut again)
+        .expect("mtp");
+    let last = m
+        .mtp_draft(&prompt[n..], &hidden[(n - 1) * h..n * h], n - 1, &mut cache)
+        .expect("mtp");
+    assert_eq!(all, last);
+}
+
+#[test]
+fn models_without_mtp_skip_it_cleanly() {
+    let m = open("deepseek-v3-qnull", true);
+    assert!(!m.has_mtp());
+    let mut cache = m.new_cache(4).expect("cache");
+    let h = m.config().hidden;
+    let err = m.mtp_draft(&[5], &vec![0.0; h], 0, &mut cache).unwrap_err();
+    assert!(matches!(err, ModelError::NoMtp), "{err}");
+    // Not asked for: not loaded, and the KV cache has no layer for it.
+    let m = open("deepseek-v3", false);
+    assert!(!m.has_mtp());
+    assert_eq!(m.kv_shape().n_layers, m.config().n_layers);
+    let with = open("deepseek-v3", true);
+    assert_eq!(with.kv_shape().n_layers, with.config().n_layers + 1);
+    // Wrongly sized hidden input is a typed error.
+    let mut cache = with.new_cache(4).expect("cache");
+    let err = with
+        .mtp_draft(&[5, 6], &vec![0.0; h], 0, &mut cache)
+        .unwrap_err();
+    assert!(matches!(err, ModelError::MtpHidden { .. }), "{err}");
+}
