@@ -206,7 +206,7 @@ impl DecoderModel {
                 },
             });
         }
-        let mtp = match opts.mtp && cfg.mtp_layers > 0 && matches!(ckpt, Checkpoint::Hf(_)) {
+        let mtp = match opts.mtp && cfg.mtp_layers > 0 {
             true => MtpModule::load(&ld, &cfg, cfg.n_layers)?,
             false => None,
         };

@@ -63,7 +63,7 @@ impl Layer {
     pub fn bytes(&self) -> (usize, usize) {
         let attn: usize = match &self.attn {
             Attention::Mha(a) => a.weights().iter().map(|w| w.byte_len()).sum(),
-            Attention::Mla(a) => a.weights().iter().map(|w| w.byte_len()).sum(),
+            Attention::Mla(a) => a.byte_len(),
         };
         let (all, read) = match &self.ffn {
             Ffn::Dense(f) => {

@@ -15,6 +15,7 @@
 //! expanded form would save attention FLOPs on long prompt chunks at the
 //! cost of that guarantee.
 
+use super::heads::PerHead;
 use super::layer::LayerCtx;
 use super::loader::{to_f32, Bias, Linear, Loader};
 use super::sized;
@@ -44,9 +45,9 @@ pub(crate) struct MlaAttention {
     kv_a: Linear,
     kv_norm: Vec<f32>,
     /// Per head, `K_hᵀ`: `[kv_lora_rank, nope]`.
-    k_b: Vec<LinearWeight>,
+    k_b: PerHead,
     /// Per head, `V_h`: `[v_dim, kv_lora_rank]`.
-    v_b: Vec<LinearWeight>,
+    v_b: PerHead,
     o: Linear,
 }
 
@@ -142,20 +143,22 @@ impl MlaAttention {
             q,
             kv_a: ld.linear(&names.kv_a, m.latent_dim(), h, Bias::IfPresent)?,
             kv_norm: ld.vector(&names.kv_a_norm, m.kv_lora_rank)?,
-            k_b,
-            v_b,
+            k_b: PerHead::new(k_b),
+            v_b: PerHead::new(v_b),
             o: ld.linear(&names.o, h, nh * m.v_dim, Bias::IfPresent)?,
         })
     }
 
-    pub fn weights(&self) -> Vec<&LinearWeight> {
-        let mut w = match &self.q {
-            QProj::Plain(q) => vec![&q.weight],
-            QProj::LowRank { a, b, .. } => vec![&a.weight, &b.weight],
+    /// Bytes of all weights (each read once per pass).
+    pub fn byte_len(&self) -> usize {
+        let q = match &self.q {
+            QProj::Plain(q) => q.weight.byte_len(),
+            QProj::LowRank { a, b, .. } => a.weight.byte_len() + b.weight.byte_len(),
         };
-        w.extend([&self.kv_a.weight, &self.o.weight]);
-        w.extend(self.k_b.iter().chain(&self.v_b));
-        w
+        q + self.kv_a.weight.byte_len()
+            + self.o.weight.byte_len()
+            + self.k_b.byte_len()
+            + self.v_b.byte_len()
     }
 
     /// Attention of the batch's `n` tokens (normed input `xn`), storing
@@ -217,22 +220,26 @@ impl MlaAttention {
                 }
             }
         }
-        // Absorb: each head's query into latent space, then its rotary part.
+        // Absorb: every head's query into latent space (head-major rows
+        // through the per-head matrices), then its rotary part.
+        let nope = m.nope_dim;
         let q_abs = sized(&mut s.q_abs, n * nh * lat);
-        let head_in = sized(&mut s.head_in, n * m.nope_dim.max(rank));
-        let head_out = sized(&mut s.head_out, n * rank.max(m.v_dim));
-        for (hh, k_b) in self.k_b.iter().enumerate() {
-            let hin = &mut head_in[..n * m.nope_dim];
-            for (t, dst) in hin.chunks_exact_mut(m.nope_dim).enumerate() {
-                dst.copy_from_slice(&q[(t * nh + hh) * qk..][..m.nope_dim]);
-            }
-            let hout = &mut head_out[..n * rank];
-            k_b.forward(&LinearInput::new(hin, n, q8, &[k_b])?, hout)?;
-            for t in 0..n {
-                let dst = &mut q_abs[(t * nh + hh) * lat..][..lat];
-                dst[..rank].copy_from_slice(&hout[t * rank..(t + 1) * rank]);
-                dst[rank..].copy_from_slice(&q[(t * nh + hh) * qk + m.nope_dim..][..rope]);
-            }
+        let head_in = sized(&mut s.head_in, nh * n * nope.max(rank));
+        let head_out = sized(&mut s.head_out, nh * n * rank.max(m.v_dim));
+        let (hin, hout) = (
+            &mut head_in[..nh * n * nope],
+            &mut head_out[..nh * n * rank],
+        );
+        for (i, dst) in hin.chunks_exact_mut(nope).enumerate() {
+            let (hh, t) = (i / n, i % n);
+            dst.copy_from_slice(&q[(t * nh + hh) * qk..][..nope]);
+        }
+        self.k_b.forward(hin, n, q8, hout)?;
+        for (i, src) in hout.chunks_exact(rank).enumerate() {
+            let (hh, t) = (i / n, i % n);
+            let dst = &mut q_abs[(t * nh + hh) * lat..][..lat];
+            dst[..rank].copy_from_slice(src);
+            dst[rank..].copy_from_slice(&q[(t * nh + hh) * qk + nope..][..rope]);
         }
         let params = AttnParams {
             n_heads: nh,
@@ -246,18 +253,17 @@ impl MlaAttention {
         ctx.pool
             .store_and_attend(ctx.index, ctx.seqs, (latent, None), &params, q_abs, out_lat);
         // Expand each head's output latent into its value.
-        let attn = sized(&mut s.attn, n * nh * m.v_dim);
-        for (hh, v_b) in self.v_b.iter().enumerate() {
-            let hin = &mut head_in[..n * rank];
-            for (t, dst) in hin.chunks_exact_mut(rank).enumerate() {
-                dst.copy_from_slice(&out_lat[(t * nh + hh) * rank..][..rank]);
-            }
-            let hout = &mut head_out[..n * m.v_dim];
-            v_b.forward(&LinearInput::new(hin, n, q8, &[v_b])?, hout)?;
-            for t in 0..n {
-                attn[(t * nh + hh) * m.v_dim..][..m.v_dim]
-                    .copy_from_slice(&hout[t * m.v_dim..(t + 1) * m.v_dim]);
-            }
+        let vd = m.v_dim;
+        let attn = sized(&mut s.attn, n * nh * vd);
+        let (hin, hout) = (&mut head_in[..nh * n * rank], &mut head_out[..nh * n * vd]);
+        for (i, dst) in hin.chunks_exact_mut(rank).enumerate() {
+            let (hh, t) = (i / n, i % n);
+            dst.copy_from_slice(&out_lat[(t * nh + hh) * rank..][..rank]);
+        }
+        self.v_b.forward(hin, n, q8, hout)?;
+        for (i, src) in hout.chunks_exact(vd).enumerate() {
+            let (hh, t) = (i / n, i % n);
+            attn[(t * nh + hh) * vd..][..vd].copy_from_slice(src);
         }
         self.o
             .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
@@ -275,9 +281,7 @@ fn per_head(
 ) -> Result<Vec<LinearWeight>, ModelError> {
     let t = ld.tensor(name)?;
     super::loader::check_shape(&t, name, &[heads, rows, cols])?;
-    (0..heads)
-        .map(|h| Ok(LinearWeight::prepare(t.matrix(h)?, false)?))
-        .collect()
+    (0..heads).map(|h| ld.prepare(t.matrix(h)?)).collect()
 }
 
 /// Splits Hugging Face's `kv_b_proj` (`[heads · (nope + v), kv_lora_rank]`)

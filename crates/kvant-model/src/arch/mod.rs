@@ -7,6 +7,7 @@
 
 pub mod decoder;
 mod ffn;
+mod heads;
 mod layer;
 mod loader;
 mod mha;

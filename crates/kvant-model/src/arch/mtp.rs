@@ -17,6 +17,7 @@ use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 use super::moe::MoeFfn;
+use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::ModelError;
 use kvant_kernels::linear::LinearWeight;
@@ -32,27 +33,35 @@ pub(crate) struct MtpModule {
 }
 
 impl MtpModule {
-    /// Loads the module stored as layer `index` of a Hugging Face
-    /// checkpoint (`model.layers.{index}.*`); `None` when it is absent.
+    /// Loads the module stored as layer `index` (`model.layers.{index}.*`
+    /// in Hugging Face files; block `index` with its `nextn.*` tensors in
+    /// llama.cpp's GGUF layout); `None` when it is absent.
     pub fn load(
         ld: &Loader<'_>,
         cfg: &ModelConfig,
         index: usize,
     ) -> Result<Option<Self>, ModelError> {
-        let p = format!("model.layers.{index}.");
-        if !ld.has(&format!("{p}eh_proj.weight")) {
+        let n = ld.ckpt.layer_names(index, false);
+        let p = n.prefix.clone();
+        let own = |hf: &str, gguf: &str| match ld.ckpt {
+            Checkpoint::Hf(_) => format!("{p}{hf}.weight"),
+            Checkpoint::Gguf(_) => format!("{p}nextn.{gguf}.weight"),
+        };
+        let eh_proj = own("eh_proj", "eh_proj");
+        let router = match ld.ckpt {
+            Checkpoint::Hf(_) => format!("{p}mlp.gate.weight"),
+            Checkpoint::Gguf(_) => format!("{p}ffn_gate_inp.weight"),
+        };
+        if !ld.has(&eh_proj) {
             return Ok(None);
         }
         let h = cfg.hidden;
-        let n = ld.ckpt.layer_names(index, false);
         let attn = match &cfg.mla {
             Some(m) => Attention::Mla(MlaAttention::load(ld, cfg, m, &p)?),
             None => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
         };
         let ffn = match &cfg.experts {
-            Some(e) if ld.has(&format!("{p}mlp.gate.weight")) => {
-                Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &p)?))
-            }
+            Some(e) if ld.has(&router) => Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &p)?)),
             _ => Ffn::Dense(DenseFfn::load(
                 ld,
                 [&n.gate, &n.up, &n.down],
@@ -60,11 +69,11 @@ impl MtpModule {
                 cfg.intermediate,
             )?),
         };
-        let head = format!("{p}shared_head.head.weight");
+        let head = own("shared_head.head", "shared_head_head");
         Ok(Some(MtpModule {
-            enorm: ld.vector(&format!("{p}enorm.weight"), h)?,
-            hnorm: ld.vector(&format!("{p}hnorm.weight"), h)?,
-            eh_proj: ld.weight(&format!("{p}eh_proj.weight"), h, 2 * h)?,
+            enorm: ld.vector(&own("enorm", "enorm"), h)?,
+            hnorm: ld.vector(&own("hnorm", "hnorm"), h)?,
+            eh_proj: ld.weight(&eh_proj, h, 2 * h)?,
             layer: Layer {
                 attn_norm: ld.vector(&n.attn_norm, h)?,
                 attn,
@@ -75,7 +84,7 @@ impl MtpModule {
                 inv_freq: cfg.inv_freq(index, None),
                 window: None,
             },
-            head_norm: ld.vector(&format!("{p}shared_head.norm.weight"), h)?,
+            head_norm: ld.vector(&own("shared_head.norm", "shared_head_norm"), h)?,
             head: match ld.has(&head) {
                 true => Some(ld.weight(&head, cfg.vocab, h)?),
                 false => None,

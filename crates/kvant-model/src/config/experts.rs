@@ -7,7 +7,7 @@
 //! scaling) and DeepSeek-V3 / GigaChat3 (sigmoid scores with a selection
 //! bias, grouped top-k, renormalised and scaled).
 
-use super::{Arch, ConfigError, Result};
+use super::{json_usize, Arch, ConfigError, Result};
 use crate::gguf::GgufFile;
 use kvant_kernels::moe::{GroupScore, RouterParams, Scoring};
 use serde_json::Value;
@@ -73,19 +73,7 @@ impl ExpertsConfig {
 
     /// From a transformers `config.json`; `None` for a dense architecture.
     pub(super) fn from_hf(cfg: &Value, arch: Arch, n_layers: usize) -> Result<Option<Self>> {
-        let int = |k: &str| -> Result<Option<usize>> {
-            match cfg.get(k) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|v| usize::try_from(v).ok())
-                    .map(Some)
-                    .ok_or_else(|| ConfigError::Invalid {
-                        key: k.into(),
-                        why: format!("expected a non-negative integer, found {v}"),
-                    }),
-            }
-        };
+        let int = |k: &str| json_usize(cfg, k);
         let req = |k: &str| int(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
         // transformers 5 writes `num_local_experts` for every MoE family
         // (its attribute map); published Qwen checkpoints say `num_experts`.
@@ -99,20 +87,10 @@ impl ExpertsConfig {
                 .and_then(Value::as_f64)
                 .map_or(default, |v| v as f32)
         };
-        let plain = |n_experts, top_k, norm_topk| RouterParams {
-            n_experts,
-            top_k,
-            scoring: Scoring::Softmax,
-            norm_topk,
-            n_group: 1,
-            topk_group: 1,
-            group_score: GroupScore::Max,
-            scale: 1.0,
-        };
         let top_k = || req("num_experts_per_tok");
         let out = match arch {
             Arch::Mixtral => ExpertsConfig {
-                router: plain(n_experts("num_local_experts")?, top_k()?, true),
+                router: RouterParams::softmax(n_experts("num_local_experts")?, top_k()?, true),
                 ff: req("intermediate_size")?,
                 shared: None,
                 layers: vec![true; n_layers],
@@ -130,7 +108,7 @@ impl ExpertsConfig {
                     _ => 0,
                 };
                 ExpertsConfig {
-                    router: plain(n, top_k()?, flag("norm_topk_prob", false)),
+                    router: RouterParams::softmax(n, top_k()?, flag("norm_topk_prob", false)),
                     ff: req("moe_intermediate_size")?,
                     shared: (shared_ff > 0).then_some(SharedExperts {
                         ff: shared_ff,

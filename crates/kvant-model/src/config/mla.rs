@@ -6,7 +6,7 @@
 //! `v_head_dim` value. Queries come from a plain projection or through a
 //! `q_lora_rank` bottleneck.
 
-use super::{ConfigError, Result};
+use super::{json_usize, ConfigError, Result};
 use crate::gguf::GgufFile;
 use serde_json::Value;
 
@@ -56,19 +56,7 @@ impl MlaConfig {
 
     /// From a transformers DeepSeek `config.json`.
     pub(super) fn from_hf(cfg: &Value) -> Result<Self> {
-        let int = |k: &str| -> Result<Option<usize>> {
-            match cfg.get(k) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|v| usize::try_from(v).ok())
-                    .map(Some)
-                    .ok_or_else(|| ConfigError::Invalid {
-                        key: k.into(),
-                        why: format!("expected a non-negative integer or null, found {v}"),
-                    }),
-            }
-        };
+        let int = |k: &str| json_usize(cfg, k);
         let req = |k: &str| int(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
         MlaConfig {
             q_lora_rank: int("q_lora_rank")?,

@@ -210,9 +210,17 @@ impl ModelConfig {
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
+        // llama.cpp counts multi-token-prediction (NextN) layers in
+        // `block_count` and says how many of the last blocks they are.
+        let mtp_layers = g.get_usize(&key("nextn_predict_layers"))?.unwrap_or(0);
         let n_layers = g
             .get_usize(&key("block_count"))?
-            .ok_or_else(|| ConfigError::Missing(key("block_count")))?;
+            .ok_or_else(|| ConfigError::Missing(key("block_count")))?
+            .checked_sub(mtp_layers)
+            .ok_or_else(|| ConfigError::Invalid {
+                key: key("nextn_predict_layers"),
+                why: "is more than the block count".into(),
+            })?;
         let experts = ExpertsConfig::from_gguf(g, &arch_name, n_layers)?;
         let arch = match (arch, &experts) {
             (Arch::Llama, Some(_)) => Arch::Mixtral,
@@ -301,8 +309,7 @@ impl ModelConfig {
             gemma,
             experts,
             mla,
-            // llama.cpp's deepseek2 converter drops the MTP layers.
-            mtp_layers: 0,
+            mtp_layers,
         }
         .validate()
     }
@@ -332,19 +339,7 @@ impl ModelConfig {
             true => Some(MlaConfig::from_hf(cfg)?),
             false => None,
         };
-        let usize_key = |k: &str| -> Result<Option<usize>> {
-            match cfg.get(k) {
-                None | Some(Value::Null) => Ok(None),
-                Some(v) => v
-                    .as_u64()
-                    .and_then(|v| usize::try_from(v).ok())
-                    .map(Some)
-                    .ok_or_else(|| ConfigError::Invalid {
-                        key: k.into(),
-                        why: format!("expected a non-negative integer, found {v}"),
-                    }),
-            }
-        };
+        let usize_key = |k: &str| json_usize(cfg, k);
         let req = |k: &str| usize_key(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
         let f32_in = |obj: &Value, k: &str| -> Result<Option<f32>> {
             match obj.get(k) {
@@ -501,6 +496,22 @@ impl ModelConfig {
             mtp_layers,
         }
         .validate()
+    }
+}
+
+/// `cfg[key]` as a count: absent or `null` is `None`, anything but a
+/// non-negative integer an error naming the key.
+fn json_usize(cfg: &Value, key: &str) -> Result<Option<usize>> {
+    match cfg.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .and_then(|v| usize::try_from(v).ok())
+            .map(Some)
+            .ok_or_else(|| ConfigError::Invalid {
+                key: key.into(),
+                why: format!("expected a non-negative integer, found {v}"),
+            }),
     }
 }
 
