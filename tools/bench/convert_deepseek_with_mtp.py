@@ -12,6 +12,10 @@ kvant's self-speculative decoding can be measured on a quantized file.
 
     PYTHONPATH=$LCPP/gguf-py python tools/bench/convert_deepseek_with_mtp.py \\
         --converter $LCPP/convert_hf_to_gguf.py MODEL_DIR --outtype bf16 --outfile OUT.gguf
+
+`--pre-tokenizer smollm` also makes the converter's pre-tokenizer check
+answer that name, for the tiny test fixtures' tokenizer (as
+tools/reference/convert_with_llama_cpp.py does).
 """
 
 from __future__ import annotations
@@ -25,13 +29,18 @@ from pathlib import Path
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--converter", type=Path, required=True, help="llama.cpp's convert_hf_to_gguf.py")
+    ap.add_argument("--pre-tokenizer", help="answer the converter's pre-tokenizer check with this name")
     args, rest = ap.parse_known_args()
     converter = args.converter.resolve()
     sys.path.insert(0, str(converter.parent))
     sys.argv = [str(converter), *rest]
     module = importlib.import_module(converter.stem)
     import gguf
+    from conversion.base import TextModel
     from conversion.deepseek import DeepseekV2Model
+
+    if args.pre_tokenizer:
+        TextModel.get_vocab_base_pre = lambda self, tokenizer: args.pre_tokenizer
 
     DeepseekV2Model.skip_mtp = False
     init, params = DeepseekV2Model.__init__, DeepseekV2Model.set_gguf_parameters

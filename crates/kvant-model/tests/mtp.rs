@@ -36,14 +36,16 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-#[test]
-fn mtp_logits_match_the_reference() {
+/// The MTP rows of `name` (a checkpoint of deepseek-v3's weights) against
+/// the reference; returns the largest difference over the rows whose MTP
+/// expert choice wins by at least `skip_margin`.
+fn mtp_error(name: &str, skip_margin: f64) -> f32 {
     let r: Value = serde_json::from_str(
         &std::fs::read_to_string(fixture("deepseek-v3").join("reference.json")).expect("ref"),
     )
     .expect("json");
-    let m = open("deepseek-v3", true);
-    assert!(m.has_mtp());
+    let m = open(name, true);
+    assert!(m.has_mtp(), "{name}");
     let (h, vocab) = (m.config().hidden, m.config().vocab);
     let prompt = ids(&r["prompt_ids"]);
     let mut cache = m.new_cache(prompt.len() + 1).expect("cache");
@@ -51,6 +53,12 @@ fn mtp_logits_match_the_reference() {
         .forward_hidden(&prompt, &mut cache, Logits::All)
         .expect("forward");
     let want = r["mtp"]["logits"].as_array().expect("mtp logits");
+    let margins: Vec<f64> = r["mtp"]["routing_margins"]
+        .as_array()
+        .expect("margins")
+        .iter()
+        .map(|m| m.as_f64().expect("margin"))
+        .collect();
     assert_eq!(want.len(), prompt.len() - 1);
     let mut max_err = 0f32;
     for (i, row) in want.iter().enumerate() {
@@ -63,12 +71,15 @@ fn mtp_logits_match_the_reference() {
             )
             .expect("mtp");
         assert_eq!(got.len(), vocab);
+        let mut row_err = 0f32;
         for (g, w) in got.iter().zip(row.as_array().expect("row")) {
-            max_err = max_err.max((g - w.as_f64().expect("f") as f32).abs());
+            row_err = row_err.max((g - w.as_f64().expect("f") as f32).abs());
+        }
+        if margins[i] >= skip_margin {
+            max_err = max_err.max(row_err);
         }
     }
-    eprintln!("mtp: max |Δlogit| {max_err:.2e}");
-    assert!(max_err <= LOGIT_TOL, "mtp: max |Δlogit| {max_err}");
+    eprintln!("{name}: MTP max |Δlogit| {max_err:.2e}");
     // The same rows in one pass give the last row bit for bit.
     let mut again = m.new_cache(prompt.len() + 1).expect("cache");
     m.forward(&prompt, &mut again, Logits::None)
@@ -81,6 +92,27 @@ fn mtp_logits_match_the_reference() {
         .mtp_draft(&prompt[n..], &hidden[(n - 1) * h..n * h], n - 1, &mut cache)
         .expect("mtp");
     assert_eq!(all, last);
+    max_err
+}
+
+#[test]
+fn mtp_logits_match_the_reference() {
+    let err = mtp_error("deepseek-v3", 0.0);
+    assert!(err <= LOGIT_TOL, "MTP max |Δlogit| {err}");
+}
+
+/// The same weights in llama.cpp's GGUF layout with the MTP layer kept
+/// (`blk.4.nextn.*`, `nextn_predict_layers`; made by
+/// tools/bench/convert_deepseek_with_mtp.py, Q8_0). Q8_0 rounding of the
+/// weights moves the main model's logits by up to 0.25 against the f32
+/// reference (tools/reference/README.md); a misread MTP tensor moves these
+/// by ≫ 1. The rounding also flips the MTP layer's closest expert choice
+/// (row 9, margin 0.0004), so rows decided by less than 0.01 are left out,
+/// as in the fast-numerics reference check.
+#[test]
+fn mtp_loads_from_gguf() {
+    let err = mtp_error("mtp/deepseek-v3-mtp.Q8_0.gguf", 0.01);
+    assert!(err <= 0.5, "MTP max |Δlogit| {err}");
 }
 
 #[test]
