@@ -6,7 +6,7 @@ pub mod error;
 pub mod sampling;
 pub mod serving;
 pub mod session;
-mod speculative;
+pub mod speculative;
 pub mod stop;
 
 pub use error::EngineError;

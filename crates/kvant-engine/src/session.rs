@@ -4,7 +4,7 @@
 
 use crate::error::EngineError;
 use crate::sampling::{Sampler, SamplingParams};
-use crate::speculative::MtpDrafter;
+use crate::speculative::{MtpDrafter, Policy};
 use crate::stop::StopMatcher;
 use kvant_model::arch::decoder::{DecoderModel, Logits};
 use kvant_model::kv::KvCache;
@@ -83,7 +83,7 @@ impl<'m> Session<'m> {
     ) -> Result<Self, EngineError> {
         Ok(Session {
             cache: model.new_cache(capacity)?,
-            drafter: model.has_mtp().then(MtpDrafter::default),
+            drafter: model.has_mtp().then(|| MtpDrafter::new(Policy::default())),
             model,
             tokenizer,
             tokens: Vec::new(),
@@ -92,6 +92,14 @@ impl<'m> Session<'m> {
 
     pub fn capacity(&self) -> usize {
         self.cache.capacity()
+    }
+
+    /// When decode steps draft with the model's MTP module (no effect on
+    /// a model without one; never on the tokens produced).
+    pub fn set_speculation(&mut self, policy: Policy) {
+        if let Some(d) = &mut self.drafter {
+            d.set_policy(policy);
+        }
     }
 
     /// Generates a continuation of `req.prompt_ids`, calling `on_text` with
@@ -192,8 +200,9 @@ impl<'m> Session<'m> {
                 break;
             }
             out.decode_steps += 1;
+            let step = Instant::now();
             let draft = match &mut self.drafter {
-                Some(d) if room >= 3 => {
+                Some(d) if room >= 3 && d.wants_draft() => {
                     Some(d.draft(self.model, &mut self.cache, &self.tokens, next)?)
                 }
                 _ => None,
@@ -209,6 +218,9 @@ impl<'m> Session<'m> {
                 }
                 self.tokens.push(next);
                 next = sampler.sample(&mut l, &self.tokens)?;
+                if let Some(d) = &mut self.drafter {
+                    d.record(step.elapsed().as_secs_f64(), 1);
+                }
                 continue;
             };
             // Verify: one pass over the sampled token and the draft.
@@ -228,6 +240,9 @@ impl<'m> Session<'m> {
             }
             if !hit {
                 self.cache.truncate(self.tokens.len());
+                if let Some(d) = &mut self.drafter {
+                    d.record(step.elapsed().as_secs_f64(), 1);
+                }
                 next = second;
                 continue;
             }
@@ -236,6 +251,9 @@ impl<'m> Session<'m> {
                 break;
             }
             next = sampler.sample(&mut l2, &self.tokens)?;
+            if let Some(d) = &mut self.drafter {
+                d.record(step.elapsed().as_secs_f64(), 2);
+            }
         }
         if out.finish_reason == FinishReason::Length {
             let tail = stream.flush();

@@ -14,18 +14,107 @@
 //! The drafter keeps the module's cache in step with the sequence: input
 //! `i` of the module is token `i + 1` with the main model's hidden state at
 //! position `i`; hidden states of positions the module has not consumed
-//! yet wait in `pending`.
+//! yet wait in `pending`, so drafting can pause and resume (one draft
+//! then catches up on every position in one pass).
+//!
+//! Whether a step drafts is the [`Policy`]'s call. Drafting pays when the
+//! acceptance rate is high and a draft plus a two-token pass costs little
+//! more than a one-token pass; a model whose output head is a large share
+//! of its weights (the head runs in the draft too) or whose module guesses
+//! badly loses. [`Policy::Adaptive`] measures the seconds per produced
+//! token both ways and keeps the cheaper, re-measuring the other now and
+//! then.
 
 use crate::error::EngineError;
 use kvant_model::arch::decoder::DecoderModel;
 use kvant_model::kv::KvCache;
 
+/// When a decode step drafts with the MTP module.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Policy {
+    /// Every step that has room.
+    Always,
+    /// When it is measured to be faster (see the module doc).
+    #[default]
+    Adaptive,
+}
+
+/// Steps measured before comparing the two ways.
+const WINDOW: usize = 8;
+/// Steps the cheaper way runs before the other is measured again.
+const REMEASURE: usize = 256;
+
+/// The adaptive policy's state: which way runs, and the measured cost per
+/// produced token of each (exponential averages).
 #[derive(Default)]
+struct Meter {
+    drafting: bool,
+    cost: [Option<f64>; 2],
+    /// Steps in the current way since it was chosen.
+    steps: usize,
+}
+
+impl Meter {
+    fn record(&mut self, secs: f64, tokens: usize) {
+        let way = usize::from(self.drafting);
+        self.steps += 1;
+        // The first step after a switch carries the switch's catch-up.
+        if self.steps > 1 {
+            let c = secs / tokens.max(1) as f64;
+            self.cost[way] = Some(match self.cost[way] {
+                Some(old) => 0.75 * old + 0.25 * c,
+                None => c,
+            });
+        }
+        let other = 1 - way;
+        let switch = match (self.cost[way], self.cost[other]) {
+            _ if self.steps <= WINDOW => false,
+            (_, None) => true,
+            (Some(mine), Some(theirs)) => theirs < mine || self.steps > REMEASURE,
+            (None, Some(_)) => false,
+        };
+        if switch {
+            self.drafting = !self.drafting;
+            self.steps = 0;
+        }
+    }
+}
+
 pub(crate) struct MtpDrafter {
     /// Module inputs stored: positions `0..slots` consumed.
     slots: usize,
     /// Hidden states `[rows, hidden]` of positions `slots..slots + rows`.
     pending: Vec<f32>,
+    policy: Policy,
+    meter: Meter,
+}
+
+impl MtpDrafter {
+    pub fn new(policy: Policy) -> Self {
+        MtpDrafter {
+            slots: 0,
+            pending: Vec::new(),
+            policy,
+            meter: Meter {
+                drafting: true,
+                ..Meter::default()
+            },
+        }
+    }
+
+    pub fn set_policy(&mut self, policy: Policy) {
+        self.policy = policy;
+    }
+
+    /// Whether the next decode step should draft.
+    pub fn wants_draft(&self) -> bool {
+        self.policy == Policy::Always || self.meter.drafting
+    }
+
+    /// Reports a decode step's time and the tokens it produced.
+    pub fn record(&mut self, secs: f64, tokens: usize) {
+        self.meter.record(secs, tokens);
+    }
 }
 
 impl MtpDrafter {
@@ -78,4 +167,40 @@ fn argmax(v: &[f32]) -> u32 {
         }
     }
     best.0 as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `steps` steps whose cost per token is `costs[drafting]`;
+    /// returns the share of steps that drafted.
+    fn drive(m: &mut Meter, costs: [f64; 2], steps: usize) -> f64 {
+        let mut drafted = 0;
+        for _ in 0..steps {
+            let way = usize::from(m.drafting);
+            drafted += way;
+            let tokens = 1 + way;
+            m.record(costs[way] * tokens as f64, tokens);
+        }
+        drafted as f64 / steps as f64
+    }
+
+    #[test]
+    fn the_cheaper_way_wins_and_the_other_is_remeasured() {
+        let mut m = Meter {
+            drafting: true,
+            ..Meter::default()
+        };
+        // Drafting is dearer per token: after one window of each, plain
+        // decoding runs, with a window of drafting every REMEASURE steps.
+        let share = drive(&mut m, [1.0, 2.0], 2000);
+        assert!(share < 0.1, "drafted {share}");
+        assert!(!m.drafting || m.steps <= WINDOW + 1);
+        // The costs swap (say the module starts guessing right): drafting
+        // takes over within a re-measurement.
+        drive(&mut m, [2.0, 1.0], REMEASURE + 4 * WINDOW);
+        let share = drive(&mut m, [2.0, 1.0], 1000);
+        assert!(share > 0.9, "drafted {share}");
+    }
 }

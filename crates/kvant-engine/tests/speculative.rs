@@ -4,6 +4,7 @@
 //! turns that reuse the cache; and drafts do get accepted.
 
 use kvant_engine::session::{GenerateRequest, Session};
+use kvant_engine::speculative::Policy;
 use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::LoadOptions;
 use kvant_model::LoadedModel;
@@ -45,7 +46,17 @@ fn run(
     capacity: usize,
     turns: &[(Vec<u32>, usize, SamplingParams)],
 ) -> (Vec<Vec<u32>>, usize, usize) {
+    run_with(m, capacity, turns, Policy::Always)
+}
+
+fn run_with(
+    m: &LoadedModel,
+    capacity: usize,
+    turns: &[(Vec<u32>, usize, SamplingParams)],
+    policy: Policy,
+) -> (Vec<Vec<u32>>, usize, usize) {
     let mut s = Session::new(&m.model, &m.tokenizer, capacity).expect("session");
+    s.set_speculation(policy);
     let (mut drafted, mut accepted) = (0, 0);
     let mut outs = Vec::new();
     for (prompt, n, sampling) in turns {
@@ -89,6 +100,9 @@ fn mtp_decoding_equals_plain_decoding() {
         let (got, drafted, accepted) = run(&mtp, 256, &turns);
         assert_eq!(d0, 0);
         assert_eq!(want, got, "{opts:?}");
+        // The adaptive policy drafts on some steps and not others.
+        let (adaptive, ..) = run_with(&mtp, 256, &turns, Policy::Adaptive);
+        assert_eq!(want, adaptive, "{opts:?} adaptive");
         // Random weights: the module rarely guesses right (acceptance is
         // measured on a model built to agree, below).
         eprintln!("{opts:?}: drafted {drafted}, accepted {accepted}");
@@ -118,6 +132,7 @@ fn accepted_drafts_give_two_tokens_per_pass() {
         let mut s = Session::new(&plain.model, &plain.tokenizer, 128).expect("session");
         let want = s.generate(&req, &mut |_| {}).expect("plain");
         let mut s = Session::new(&mtp.model, &mtp.tokenizer, 128).expect("session");
+        s.set_speculation(Policy::Always);
         let got = s.generate(&req, &mut |_| {}).expect("mtp");
         assert_eq!(want.token_ids, got.token_ids, "{opts:?}");
         eprintln!(

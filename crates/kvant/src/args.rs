@@ -102,6 +102,10 @@ pub struct ModelArg {
     /// up to two per forward pass.
     #[arg(long)]
     pub mtp: bool,
+    /// With --mtp: draft at every step, instead of only while drafting is
+    /// measured to be faster than plain decoding.
+    #[arg(long, requires = "mtp")]
+    pub mtp_always: bool,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -111,6 +115,14 @@ pub enum KvCacheType {
 }
 
 impl ModelArg {
+    /// The speculation policy `--mtp-always` asks for.
+    pub fn speculation(&self) -> kvant_engine::speculative::Policy {
+        match self.mtp_always {
+            true => kvant_engine::speculative::Policy::Always,
+            false => kvant_engine::speculative::Policy::Adaptive,
+        }
+    }
+
     pub fn load_options(&self) -> kvant_model::LoadOptions {
         kvant_model::LoadOptions {
             int8_activations: !self.f32_activations,

@@ -16,6 +16,7 @@ pub fn run(a: ChatArgs) -> Result<()> {
         .as_ref()
         .context("this checkpoint has no chat template, so it cannot chat; use `kvant generate`")?;
     let mut session = Session::new(&m.model, &m.tokenizer, m.model.config().max_context)?;
+    session.set_speculation(a.model.speculation());
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
         messages.push(ChatMessage::new("system", s));

@@ -37,6 +37,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     // is not mistaken for an overlong prompt).
     let capacity = req.prompt_ids.len() + req.max_tokens.max(1);
     let mut session = Session::new(&m.model, &m.tokenizer, capacity)?;
+    session.set_speculation(a.model.speculation());
     let stdout = std::io::stdout();
     let mut on_text = |s: &str| {
         if !a.json {
