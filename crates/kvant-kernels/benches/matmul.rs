@@ -1,11 +1,11 @@
 //! Linear-layer throughput per weight type, through the production path
 //! (`LinearWeight`: int8 kernels with 8-bit activations for Q4_0/Q4_1/
-//! Q5_0/Q8_0, the f32-activation kernels for the rest; the `f32act` group
-//! runs every type on the f32-activation path): GEMV (one token, decoding) and GEMM
-//! (64 tokens, prefill) on a SmolLM2-sized 1536×576 weight (1536×512 for
-//! the 256-weight k-quants, whose rows must be whole super-blocks), plus the
-//! small projections that decide the fork-join threshold and two weights
-//! too large for the caches.
+//! Q5_0/Q8_0/Q4_K/Q5_K/Q6_K, the f32-activation kernels for the rest; the
+//! `f32act` group runs the int8 types on the f32-activation path): GEMV
+//! (one token, decoding) and GEMM (64 tokens, prefill) on a SmolLM2-sized
+//! 1536×576 weight (1536×512 for the 256-weight k-quants, whose rows must
+//! be whole super-blocks), plus the small projections that decide the
+//! fork-join threshold and four weights too large for the caches.
 //!
 //! Criterion reports `Gelem/s` as GFLOP/s (2 FLOPs per multiply-add) and
 //! `GiB/s` as weight bytes streamed per second: a one-token matmul reads
@@ -128,7 +128,15 @@ fn gemm(c: &mut Criterion) {
 
 /// The int8 types again on the f32-activation path, for the comparison.
 fn f32act(c: &mut Criterion) {
-    for dtype in [DType::Q4_1, DType::Q8_0, DType::Q5_0, DType::Q4_0] {
+    for dtype in [
+        DType::Q4_1,
+        DType::Q8_0,
+        DType::Q5_0,
+        DType::Q4_0,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+    ] {
         let (out, inp) = shape(dtype);
         bench_one(c, "f32act", dtype, out, inp, 1);
         bench_one(c, "f32act", dtype, out, inp, 64);
@@ -155,11 +163,17 @@ fn small(c: &mut Criterion) {
 }
 
 /// Weights larger than the last-level cache, as a whole model's are across
-/// one token: SmolLM2's Q8_0 output layer (49152×576, 30 MB) and a 42 MB
-/// Q4_1 matrix. Here the figure to watch is GiB/s against the DRAM bandwidth.
+/// one token: SmolLM2's Q8_0 output layer (49152×576, 30 MB), a 42 MB
+/// Q4_1 matrix, a 41 MB Q6_K output layer (49152×1024: `llama-quantize`
+/// writes the output layer as Q6_K even in Q4_0 files), that one also on
+/// the f32-activation path, and a Q4_K matrix of the same shape. Here the
+/// figure to watch is GiB/s against the DRAM bandwidth.
 fn dram(c: &mut Criterion) {
     bench_one(c, "dram", DType::Q8_0, 49152, 576, 1);
     bench_one(c, "dram", DType::Q4_1, 65536, 1024, 1);
+    bench_one(c, "dram", DType::Q6_K, 49152, 1024, 1);
+    bench_one(c, "dram", DType::Q4_K, 49152, 1024, 1);
+    bench_one(c, "f32act", DType::Q6_K, 49152, 1024, 1);
 }
 
 criterion_group! {

@@ -7,6 +7,7 @@
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::cpu::{self, SimdTier};
 use kvant_kernels::int8::{gemm_ref, gemm_with, PackedMatrix, Q8Activations, BLOCK};
+use kvant_kernels::linear::LinearWeight;
 use kvant_kernels::quant::dequantize_row_ref;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -16,19 +17,22 @@ use rand_chacha::ChaCha8Rng;
 /// missing or duplicated block moves the result by ~1e-2 of it.
 const REL_TOL: f64 = 1e-5;
 
-const TYPES: [DType; 5] = [
+const TYPES: [DType; 7] = [
     DType::Q4_0,
     DType::Q4_1,
     DType::Q5_0,
     DType::Q8_0,
     DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
 ];
 
-/// A random `[rows, cols]` weight: random quants, finite f16 scales (and
-/// minimums for Q4_1).
+/// A random `[rows, cols]` weight: random quants and sub-block scales,
+/// finite f16 scales (and minimums for Q4_1, Q4_K and Q5_K).
 fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, rows: usize, cols: usize) -> Tensor {
     let scale_fields: &[usize] = match dtype {
-        DType::Q4_1 | DType::Q4_K => &[0, 2],
+        DType::Q4_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
+        DType::Q6_K => &[208],
         _ => &[0],
     };
     let mut bytes = Vec::new();
@@ -62,7 +66,8 @@ fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
             let w = random_weight(&mut rng, dtype, rows, cols);
             let packed = PackedMatrix::pack(&w).unwrap().unwrap();
             let wd = dequantized(&w);
-            for n in [1usize, 2, 3, 4, 5, 9] {
+            // Every tile width, and a full tile plus one.
+            for n in [1usize, 2, 3, 4, 5, 7, 9] {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
                 let mut xq = Q8Activations::default();
                 xq.quantize(SimdTier::Scalar, &x, n, cols).unwrap();
@@ -157,4 +162,82 @@ fn packing_refuses_other_types_and_bad_shapes_are_errors() {
     let mut y = [f32::NAN; 6];
     gemm_with(SimdTier::Scalar, &packed, &xq, &mut y).unwrap();
     assert!(y.iter().all(|v| v.is_finite()));
+}
+
+/// The k-quants at the extremes of their integer sums, every product of
+/// one sign. Q6_K: every weight at `q - 32 = -32` with activations all at
+/// -127 after quantization, then every weight at 31 with activations at
+/// 127, sub-block scales of -128 and 127: each i16 partial sum (`8·32·127 =
+/// 32512`) and i32 block sum (`2·128·16·32·127`) is as large as it can be,
+/// and in the second case the AVX2 kernel's raw `Σ q x` (`8·63·127`) wraps
+/// its i16 before the offset comes off. Q5_K: every `q` 31, every scale 63
+/// and activations at 127, the largest i16 partial sum (`8·31·127`). A
+/// saturated or wrongly wrapped sum would be off by far more than the
+/// tolerance.
+#[test]
+fn k_quant_largest_sums_neither_saturate_nor_wrap() {
+    let (rows, cols, n) = (9usize, 512usize, 7usize);
+    for (dtype, fill, x) in [
+        (DType::Q6_K, 0x00u8, -1.5f32),
+        (DType::Q6_K, 0xFF, 1.5),
+        (DType::Q5_K, 0xFF, 1.5),
+    ] {
+        let mut bytes = Vec::new();
+        for b in 0..rows * cols / 256 {
+            let mut block = vec![fill; dtype.block_bytes()];
+            let d = half::f16::from_f32(0.01).to_le_bytes();
+            if dtype == DType::Q6_K {
+                for (j, sc) in block[192..208].iter_mut().enumerate() {
+                    *sc = if (b + j) % 3 == 0 { 127 } else { 0x80 };
+                }
+                block[208..210].copy_from_slice(&d);
+            } else {
+                // d, then a zero dmin: no minimum term.
+                block[0..4].copy_from_slice(&[d[0], d[1], 0, 0]);
+            }
+            bytes.extend(block);
+        }
+        let w = Tensor::new(dtype, vec![rows, cols], Storage::Owned(bytes.into()), 0).unwrap();
+        let packed = PackedMatrix::pack(&w).unwrap().unwrap();
+        let wd = dequantized(&w);
+        let mut xq = Q8Activations::default();
+        xq.quantize(SimdTier::Scalar, &vec![x; n * cols], n, cols)
+            .unwrap();
+        let exact = gemm_ref(&wd, rows, &xq);
+        for tier in cpu::available_tiers() {
+            let mut y = vec![f32::NAN; n * rows];
+            gemm_with(tier, &packed, &xq, &mut y).unwrap();
+            for (&got, &e) in y.iter().zip(&exact) {
+                // Every product has the same sign: |e| is Σ|w·x| itself.
+                assert!(
+                    (got as f64 - e).abs() <= REL_TOL * e.abs(),
+                    "{dtype} {tier} {fill:#x}: {got} vs {e}"
+                );
+            }
+        }
+    }
+}
+
+/// The types with int8 kernels are packed when int8 is asked for, and kept
+/// as stored otherwise.
+#[test]
+fn linear_weights_of_packed_types_take_the_int8_path_when_asked() {
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    for dtype in TYPES {
+        let w = random_weight(&mut rng, dtype, 9, 512);
+        assert!(
+            matches!(
+                LinearWeight::prepare(w.clone(), true).unwrap(),
+                LinearWeight::Int8(_)
+            ),
+            "{dtype}"
+        );
+        assert!(
+            matches!(
+                LinearWeight::prepare(w, false).unwrap(),
+                LinearWeight::Float(_)
+            ),
+            "{dtype}"
+        );
+    }
 }

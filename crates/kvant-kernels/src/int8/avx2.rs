@@ -7,9 +7,12 @@
 //! `vpmaddwd` with ones widens to one i32 per row. 4-bit products are small
 //! enough (|pair| ≤ 2·15·127) to sum all 8 chunks in i16 before widening;
 //! 8-bit weights go through `vpsignb` (|w| as the unsigned operand, the
-//! sign moved onto the activation, as in ggml) and widen per chunk.
+//! sign moved onto the activation, as in ggml) and widen per chunk. 5- and
+//! 6-bit weights are rebuilt from their nibble and high-bit chunks; 5-bit
+//! sums widen every 4 chunks (`q5k_tile`), and the 6-bit offset of 32 comes
+//! off once per sub-block (`q6k_tile`).
 
-use super::pack::{PackedFormat, GROUP, SUBS};
+use super::pack::{PackedFormat, GROUP, Q5K_HIGH, Q6K_HIGH, SUBS};
 use kvant_core::dtype::QK;
 use std::arch::x86_64::*;
 
@@ -53,6 +56,22 @@ unsafe fn open_block<const T: usize>(w: *const u8, b: usize, bb: usize) -> (*con
     (blk, _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)))
 }
 
+/// Prefetches part `i` of `n` of the block of `bb` bytes [`PREFETCH_BYTES`]
+/// ahead of `blk`, for a one-token call that reads the block in `n` parts.
+///
+/// For the k-quants' large blocks, not all their lines at once as
+/// [`open_block`] does: the 19 to 27 lines of a block at once filled the
+/// core's outstanding-miss slots and stalled the kernel, which read weights
+/// far larger than the caches well below the read bandwidth
+/// (`benches/matmul.rs`, `dram`, one thread: `Q6K` at 5.2 GiB/s against
+/// 9–10 in parts, `Q4K` at 7.0 against 10.7, with 10.7 GiB/s measured). A
+/// part's prefetches are 64 bytes apart and the next part starts less than
+/// 64 bytes after its last, so every line is covered.
+#[inline(always)]
+unsafe fn prefetch_part(blk: *const u8, bb: usize, i: usize, n: usize) {
+    prefetch(blk.wrapping_add(PREFETCH_BYTES + i * bb / n), bb / n);
+}
+
 /// Four activation bytes at `p` in all eight 32-bit lanes.
 #[inline(always)]
 unsafe fn bcast4(p: *const i8) -> __m256i {
@@ -77,6 +96,8 @@ pub(crate) unsafe fn group_tile<const T: usize>(
         PackedFormat::Q4Asym => q4_tile::<T, true>(w, blocks, x),
         PackedFormat::Q8 => q8_tile::<T>(w, blocks, x),
         PackedFormat::Q4K => q4k_tile::<T>(w, blocks, x),
+        PackedFormat::Q5K => q5k_tile::<T>(w, blocks, x),
+        PackedFormat::Q6K => q6k_tile::<T>(w, blocks, x),
     }
 }
 
@@ -169,13 +190,17 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
     for sb in 0..blocks {
         // SAFETY (whole loop): super-block `sb` of `blocks` at `w`;
         // activation blocks `8 sb .. 8 sb + 8` of each token.
-        let (blk, d) = open_block::<T>(w, sb, bb);
+        let blk = w.add(sb * bb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
         let dmin = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i));
         let lanes = |off: usize| {
             let v = _mm_loadl_epi64(blk.add(off) as *const __m128i);
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
         };
         for pair in 0..SUBS / 2 {
+            if T == 1 {
+                prefetch_part(blk, bb, pair, SUBS / 2);
+            }
             // p[0]: sub-block 2·pair (low nibbles), p[1]: 2·pair + 1.
             let mut p = [[_mm256_setzero_si256(); T]; 2];
             for c in 0..8 {
@@ -204,4 +229,223 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
         }
     }
     acc
+}
+
+/// The `Q6K` kernel; the sums and roundings of `reference::q6k_group_dot`.
+///
+/// The unsigned 6-bit `q` is `vpmaddubsw`'s unsigned operand as stored, and
+/// the offset comes off once per sub-block: `Σ (q - 32) x = Σ q x - 32 Σ x`,
+/// with `32 Σ x` per i16 position computed once per token and sub-block
+/// (`q6k_offset`) instead of a subtraction, `vpabsb` and `vpsignb` per
+/// chunk. A `vpmaddubsw` pair is at most `2·63·127 = 16002`, so it
+/// never saturates; the four chunks of a sub-block of 16 then sum in i16
+/// with wrapping adds, and the sum less the offset is exact: the true
+/// value, `Σ (q - 32) x` over 8 products (`|·| ≤ 8·32·127 = 32512`), is an
+/// i16, and wrapping arithmetic is exact modulo 2^16. `vpmaddwd` with the
+/// sub-block's scale (in both i16 of a row lane) widens and scales at once,
+/// and the two sub-blocks of an activation block sum in i32 (exact, below
+/// 2^24: see the reference).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q6k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+    let bb = PackedFormat::Q6K.block_bytes();
+    let mut acc = [_mm256_setzero_ps(); T];
+    for sb in 0..blocks {
+        // SAFETY (whole loop): super-block `sb` of `blocks` at `w`;
+        // activation blocks `8 sb .. 8 sb + 8` of each token.
+        let blk = w.add(sb * bb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        for u in 0..4 {
+            if T == 1 {
+                prefetch_part(blk, bb, u, 4);
+            }
+            q6k_block::<T, 0>(blk, d, sb, u, x, &mut acc);
+            q6k_block::<T, 1>(blk, d, sb, u, x, &mut acc);
+        }
+    }
+    acc
+}
+
+/// `32 Σ x` of the 16 activations at `xq` (half a block) in the i16
+/// positions of the `vpmaddubsw` sums of a sub-block: in every 32-bit lane,
+/// position `e` sums `x[4k + 2e ..][..2]` over `k < 4`.
+///
+/// # Safety
+/// The CPU supports AVX2; `xq` is valid for 16 bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6k_offset(xq: *const i8) -> __m256i {
+    // Pairs `32 (x_2m + x_2m+1)` (at most 8128), then the four 32-bit lanes
+    // of each 128-bit half (both the same 16 bytes) summed (at most 32512,
+    // an i16).
+    let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(xq as *const __m128i));
+    let v = _mm256_maddubs_epi16(_mm256_set1_epi8(32), x);
+    let v = _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0b01_00_11_10));
+    _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0b10_11_00_01))
+}
+
+/// Activation block `2u + S` of super-block `sb` (packed at `blk`, row
+/// scales `d`) into `acc`: sub-blocks `4u + 2S` and `4u + 2S + 1`.
+///
+/// # Safety
+/// As for [`group_tile`], for super-block `sb` at `blk`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q6k_block<const T: usize, const S: usize>(
+    blk: *const u8,
+    d: __m256,
+    sb: usize,
+    u: usize,
+    x: &[TokenPtrs; T],
+    acc: &mut [__m256; T],
+) {
+    let (low, high) = (blk.add(PackedFormat::Q6K.header()), blk.add(Q6K_HIGH));
+    let (m4, m30) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x30));
+    let xb = sb * 8 + 2 * u + S;
+    let mut isum = [_mm256_setzero_si256(); T];
+    for h in 0..2 {
+        let mut p = [_mm256_setzero_si256(); T];
+        for k in 0..4 {
+            let l = _mm256_loadu_si256(low.add(32 * (8 * u + 4 * h + k)) as *const __m256i);
+            let hb = _mm256_loadu_si256(high.add(32 * (4 * u + k)) as *const __m256i);
+            let l = if S == 0 { l } else { _mm256_srli_epi16(l, 4) };
+            // Bits 2(S + 2h).. of each byte to bits 4..6; 16-bit shifts
+            // spill only into bits the 0x30 mask clears.
+            let hb = match S + 2 * h {
+                0 => _mm256_slli_epi16(hb, 4),
+                1 => _mm256_slli_epi16(hb, 2),
+                2 => hb,
+                _ => _mm256_srli_epi16(hb, 2),
+            };
+            let q = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(hb, m30));
+            for (t, p) in p.iter_mut().enumerate() {
+                let xq = x[t].q.add(QK * xb + 16 * h + 4 * k);
+                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(q, bcast4(xq)));
+            }
+        }
+        // The 8 rows' scales of sub-block 4u + 2S + h, each in both i16
+        // halves of its row's lane.
+        let sc =
+            _mm_loadl_epi64(blk.add(2 * GROUP + GROUP * (4 * u + 2 * S + h)) as *const __m128i);
+        let sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc, sc));
+        for t in 0..T {
+            let off = q6k_offset(x[t].q.add(QK * xb + 16 * h));
+            let p = _mm256_sub_epi16(p[t], off);
+            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, sc));
+        }
+    }
+    for t in 0..T {
+        let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(xb)));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), dd, acc[t]);
+    }
+}
+
+/// The `Q5K` kernel; the sums and roundings of `reference::q4k_group_dot`.
+///
+/// One pass over the chunks per sub-block (low or high nibbles with their
+/// fifth bits) rather than `q4k_tile`'s one for both: a `vpmaddubsw` pair
+/// is at most `2·31·127 = 7874`, so a sub-block's 8 chunks no longer fit
+/// one i16 sum and widen every 4, and the per-token sums of both
+/// sub-blocks would not fit the registers.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn q5k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+    let bb = PackedFormat::Q5K.block_bytes();
+    let mut acc = [_mm256_setzero_ps(); T];
+    for sb in 0..blocks {
+        // SAFETY (whole loop): super-block `sb` of `blocks` at `w`;
+        // activation blocks `8 sb .. 8 sb + 8` of each token.
+        let blk = w.add(sb * bb);
+        let p = Q5kBlock {
+            blk,
+            d: _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i)),
+            dmin: _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i)),
+            sb,
+        };
+        q5k_sub::<T, 0>(&p, x, &mut acc);
+        q5k_sub::<T, 1>(&p, x, &mut acc);
+        q5k_sub::<T, 2>(&p, x, &mut acc);
+        q5k_sub::<T, 3>(&p, x, &mut acc);
+        q5k_sub::<T, 4>(&p, x, &mut acc);
+        q5k_sub::<T, 5>(&p, x, &mut acc);
+        q5k_sub::<T, 6>(&p, x, &mut acc);
+        q5k_sub::<T, 7>(&p, x, &mut acc);
+    }
+    acc
+}
+
+/// A packed `Q5K` super-block: its address, the rows' scales and minimum
+/// scales widened, and its index.
+struct Q5kBlock {
+    blk: *const u8,
+    d: __m256,
+    dmin: __m256,
+    sb: usize,
+}
+
+/// Sub-block `J` of a `Q5K` super-block into `acc`.
+///
+/// # Safety
+/// As for [`group_tile`], for the super-block `b`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn q5k_sub<const T: usize, const J: usize>(
+    b: &Q5kBlock,
+    x: &[TokenPtrs; T],
+    acc: &mut [__m256; T],
+) {
+    let bb = PackedFormat::Q5K.block_bytes();
+    if T == 1 {
+        prefetch_part(b.blk, bb, J, SUBS);
+    }
+    let low = b.blk.add(PackedFormat::Q5K.header() + 32 * 8 * (J / 2));
+    let (m4, m10, ones) = (
+        _mm256_set1_epi8(0x0F),
+        _mm256_set1_epi8(0x10),
+        _mm256_set1_epi16(1),
+    );
+    let xb = b.sb * SUBS + J;
+    let mut isum = [_mm256_setzero_si256(); T];
+    for half in 0..2 {
+        let mut p = [_mm256_setzero_si256(); T];
+        for k in 0..4 {
+            let c = 4 * half + k;
+            let l = _mm256_loadu_si256(low.add(32 * c) as *const __m256i);
+            let l = if J.is_multiple_of(2) {
+                l
+            } else {
+                _mm256_srli_epi16(l, 4)
+            };
+            let hb = _mm256_loadu_si256(b.blk.add(Q5K_HIGH + 32 * c) as *const __m256i);
+            // Bit J of each byte to bit 4; 16-bit shifts spill only into
+            // bits the 0x10 mask clears.
+            let hb = match J {
+                0 => _mm256_slli_epi16(hb, 4),
+                1 => _mm256_slli_epi16(hb, 3),
+                2 => _mm256_slli_epi16(hb, 2),
+                3 => _mm256_slli_epi16(hb, 1),
+                4 => hb,
+                5 => _mm256_srli_epi16(hb, 1),
+                6 => _mm256_srli_epi16(hb, 2),
+                _ => _mm256_srli_epi16(hb, 3),
+            };
+            let q = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(hb, m10));
+            for (t, p) in p.iter_mut().enumerate() {
+                let xq = x[t].q.add(QK * xb + 4 * c);
+                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(q, bcast4(xq)));
+            }
+        }
+        for (s, p) in isum.iter_mut().zip(p) {
+            *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+        }
+    }
+    let lanes = |off: usize| {
+        let v = _mm_loadl_epi64(b.blk.add(off) as *const __m128i);
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))
+    };
+    let dsc = _mm256_mul_ps(b.d, lanes(4 * GROUP + GROUP * J));
+    let dm = _mm256_mul_ps(b.dmin, lanes(4 * GROUP + GROUP * (SUBS + J)));
+    for t in 0..T {
+        let dd = _mm256_mul_ps(dsc, _mm256_set1_ps(*x[t].d.add(xb)));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), dd, acc[t]);
+        acc[t] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(*x[t].s.add(xb)), acc[t]);
+    }
 }

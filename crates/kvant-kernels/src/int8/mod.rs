@@ -1,11 +1,13 @@
-//! Matrix products of packed 4- and 8-bit weights with 8-bit activations.
+//! Matrix products of packed 4-, 6- and 8-bit weights with 8-bit activations.
 //!
 //! The speed path for the block formats real GGUF releases use most (Q4_0,
-//! Q4_1, Q5_0, Q8_0): weights are repacked once at load time (`pack`), the
-//! activations of a call are quantized once (`activations`) and shared by
-//! every weight that reads them (q/k/v, gate/up), and each task runs groups
-//! of 8 rows against tiles of tokens with integer dot products (`avx2`),
-//! the scalar kernel (`reference`) standing in on CPUs without AVX2.
+//! Q4_1, Q5_0, Q8_0, Q4_K, and Q6_K, which `llama-quantize` gives the
+//! output layer even in Q4_0 files): weights are repacked once at load
+//! time (`pack`), the activations of a call are quantized once
+//! (`activations`) and shared by every weight that reads them (q/k/v,
+//! gate/up), and each task runs groups of 8 rows against tiles of tokens
+//! with integer dot products (`avx2`), the scalar kernel (`reference`)
+//! standing in on CPUs without AVX2.
 //!
 //! Numerics: the weights are used exactly; the activations carry the
 //! rounding of 8-bit quantization (at most half a step, `max|x| / 254`,
@@ -31,6 +33,15 @@ use crate::pool::{self, DisjointSlice};
 /// accumulators, six block sums and one chunk of weights fit the 16 AVX2
 /// registers.
 const TOKEN_TILE: usize = 6;
+
+/// Tokens per tile for `Q5K` and `Q6K`, whose tiles hold two integer sums
+/// per token besides the accumulator: six tokens' 18 registers would
+/// spill, four tokens' 12 leave room for the masks and the chunk being
+/// read, and the values are then rebuilt from their bit fields once per 4
+/// tokens instead of 6 (64-token `Q6K` products ran about 1.25× as fast as
+/// in tiles of 6, and faster than in tiles of 3: `benches/matmul.rs`,
+/// `gemm`).
+const K_TOKEN_TILE: usize = 4;
 
 /// The least multiply-adds worth a task: a job costs about a microsecond to
 /// hand out on the spinning pool, and one core does ~100 k int8
@@ -162,9 +173,13 @@ fn group_rows(
                     s: s.as_ptr(),
                 }
             };
+            let most = match w.format() {
+                PackedFormat::Q5K | PackedFormat::Q6K => K_TOKEN_TILE,
+                _ => TOKEN_TILE,
+            };
             let mut t = tokens.start;
             while t < tokens.end {
-                let left = tokens.end - t;
+                let left = (tokens.end - t).min(most);
                 // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU);
                 // `blk` is this group's `blocks()` packed blocks and each
                 // token's slices hold `cols` quants and `cols/32` scales.

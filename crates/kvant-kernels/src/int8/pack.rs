@@ -29,15 +29,46 @@
 //!   bytes `4k..4k+4` of row `r` (low nibbles: sub-block `2p`, weights
 //!   `4c..4c+4`; high nibbles: sub-block `2p+1`). 1184 bytes per 8 rows
 //!   instead of 1152: the scales unpacked.
+//! - `Q5K` (from Q5_K: `Q4K` with a fifth bit per weight): as `Q4K`, then
+//!   8 chunks of 32 bytes, chunk `c`, lane `r` holding source bytes
+//!   `4c..4c+4` of row `r`'s `qh`, whose bit `j` is the fifth bit of the
+//!   weight of sub-block `j` that the low chunks hold in the same byte
+//!   position (`4c + i`). 1440 bytes per 8 rows instead of 1408.
+//! - `Q6K` (from Q6_K: 256 weights in 16 sub-blocks of 16, `w = d·sc_j
+//!   (q - 32)`, `q` 6-bit, `sc_j` a signed byte): `d: [f16; 8]`, `sc:
+//!   [[i8; 8]; 16]` (sub-block-major, as for `Q4K`), then 32 chunks of 32
+//!   low-nibble bytes and 16 chunks of 32 high-bit bytes. Weight `w = 64u +
+//!   32s + 16h + 4k + i` (`u < 4`; `s`, `h < 2`; `k`, `i < 4`) of row `r`
+//!   has its low 4 bits in nibble `s` of byte `i` of lane `r` of low chunk
+//!   `8u + 4h + k`, and its top 2 bits at bit `2(s + 2h)` of byte `i` of
+//!   lane `r` of high chunk `4u + k`: one high chunk completes the values of
+//!   two low chunks, side `s` picks the activation block (`2u + s`) and `h`
+//!   its half (sub-block `4u + 2s + h`). The 6 bits stay 6 bits: 1680 bytes
+//!   per 8 rows, as stored, since decoding reads every weight once from
+//!   memory and a widened byte per weight would read 30% more.
 //!
 //! Rows past the end of the matrix (the last group) are zero.
 
 use crate::error::KernelError;
 use kvant_core::dtype::{QK, QK_K};
+use kvant_core::{DType, Tensor};
 
 /// Sub-blocks of 32 in a Q4_K super-block.
 pub(crate) const SUBS: usize = QK_K / QK;
-use kvant_core::{DType, Tensor};
+
+/// The most quant bytes a source block gives [`source_block`] (Q5_K's).
+const SOURCE_QUANTS: usize = QK_K / 2 + QK_K / 8;
+
+/// Offset of the fifth-bit chunks in a packed `Q5K` block (after the
+/// header and the 32 low-nibble chunks).
+pub(crate) const Q5K_HIGH: usize = 4 * GROUP + 2 * SUBS * GROUP + GROUP * QK_K / 2;
+
+/// Sub-blocks of 16 (one scale each) in a Q6_K super-block.
+pub(crate) const Q6K_SUBS: usize = QK_K / 16;
+
+/// Offset of the high-bit chunks in a packed `Q6K` block (after the
+/// header and the 32 low-nibble chunks).
+pub(crate) const Q6K_HIGH: usize = 2 * GROUP + Q6K_SUBS * GROUP + GROUP * QK_K / 2;
 
 /// Rows per interleaved group: one 32-bit lane each in a 256-bit register.
 pub const GROUP: usize = 8;
@@ -54,6 +85,11 @@ pub enum PackedFormat {
     /// 4-bit `q` in super-blocks of 256 with 6-bit sub-block scales and
     /// minimums (Q4_K).
     Q4K,
+    /// 5-bit `q`, otherwise as `Q4K` (Q5_K).
+    Q5K,
+    /// 6-bit `q` with `w = d·sc_j (q - 32)` in super-blocks of 256, a signed
+    /// 8-bit scale per sub-block of 16 (Q6_K).
+    Q6K,
 }
 
 impl PackedFormat {
@@ -64,6 +100,8 @@ impl PackedFormat {
             DType::Q4_1 => Some(PackedFormat::Q4Asym),
             DType::Q8_0 | DType::Q5_0 => Some(PackedFormat::Q8),
             DType::Q4_K => Some(PackedFormat::Q4K),
+            DType::Q5_K => Some(PackedFormat::Q5K),
+            DType::Q6_K => Some(PackedFormat::Q6K),
             _ => None,
         }
     }
@@ -71,7 +109,7 @@ impl PackedFormat {
     /// Weights per block of one row.
     pub(crate) const fn block_elems(self) -> usize {
         match self {
-            PackedFormat::Q4K => QK_K,
+            PackedFormat::Q4K | PackedFormat::Q5K | PackedFormat::Q6K => QK_K,
             PackedFormat::Q4Sym | PackedFormat::Q4Asym | PackedFormat::Q8 => QK,
         }
     }
@@ -81,7 +119,8 @@ impl PackedFormat {
         match self {
             PackedFormat::Q4Asym => 4 * GROUP,
             PackedFormat::Q4Sym | PackedFormat::Q8 => 2 * GROUP,
-            PackedFormat::Q4K => 4 * GROUP + 2 * SUBS * GROUP,
+            PackedFormat::Q4K | PackedFormat::Q5K => 4 * GROUP + 2 * SUBS * GROUP,
+            PackedFormat::Q6K => 2 * GROUP + Q6K_SUBS * GROUP,
         }
     }
 
@@ -91,6 +130,8 @@ impl PackedFormat {
             PackedFormat::Q8 => QK,
             PackedFormat::Q4Sym | PackedFormat::Q4Asym => QK / 2,
             PackedFormat::Q4K => QK_K / 2,
+            PackedFormat::Q5K => QK_K / 2 + QK_K / 8,
+            PackedFormat::Q6K => QK_K / 2 + QK_K / 4,
         }
     }
 
@@ -103,7 +144,7 @@ impl PackedFormat {
 /// One source block in packed terms: the f16 scale and minimum as stored,
 /// and the quant bytes in the packed format's order (nibble pairs for the
 /// 4-bit formats, one signed byte per weight for `Q8`).
-fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK_K / 2]) -> ([u8; 2], [u8; 2]) {
+fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; SOURCE_QUANTS]) -> ([u8; 2], [u8; 2]) {
     let d = [src[0], src[1]];
     match dtype {
         DType::Q4_1 => {
@@ -132,11 +173,46 @@ fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; QK_K / 2]) -> ([u8; 
             quants[..QK_K / 2].copy_from_slice(&src[16..16 + QK_K / 2]);
             (d, [src[2], src[3]])
         }
-        // Q4_0 (the only other packable type).
+        DType::Q5_K => {
+            // `qs` (after the 32 `qh` bytes), then `qh`.
+            let qs = 16 + QK_K / 8;
+            quants[..QK_K / 2].copy_from_slice(&src[qs..qs + QK_K / 2]);
+            quants[QK_K / 2..QK_K / 2 + QK_K / 8].copy_from_slice(&src[16..qs]);
+            (d, [src[2], src[3]])
+        }
+        // Q4_0 (the only other type packed through here; Q6_K goes
+        // through `place_q6k`).
         _ => {
             quants[..QK / 2].copy_from_slice(&src[2..2 + QK / 2]);
             (d, [0, 0])
         }
+    }
+}
+
+/// The 6-bit value (`0..64`, before the offset of 32) of weight `w` of a
+/// Q6_K source block (layout in `crate::quant::q6_k`).
+fn q6k_source(src: &[u8], w: usize) -> u8 {
+    let (half, quarter, l) = (w / 128, w % 128 / 32, w % 32);
+    let low = src[64 * half + 32 * (quarter % 2) + l] >> (4 * (quarter / 2)) & 0x0F;
+    let high = src[QK_K / 2 + 32 * half + l] >> (2 * quarter) & 3;
+    low | high << 4
+}
+
+/// Writes the Q6_K source block `src` as lane `lane` of the packed block
+/// `dst` (zeroed before its first lane is written).
+fn place_q6k(src: &[u8], dst: &mut [u8], lane: usize) {
+    let d = QK_K / 2 + QK_K / 4 + Q6K_SUBS;
+    dst[2 * lane..2 * lane + 2].copy_from_slice(&src[d..d + 2]);
+    for (j, &sc) in src[QK_K / 2 + QK_K / 4..d].iter().enumerate() {
+        dst[2 * GROUP + GROUP * j + lane] = sc;
+    }
+    let (low, high) =
+        dst[PackedFormat::Q6K.header()..].split_at_mut(Q6K_HIGH - PackedFormat::Q6K.header());
+    for w in 0..QK_K {
+        let q = q6k_source(src, w);
+        let (u, s, h, k, i) = (w / 64, w / 32 % 2, w / 16 % 2, w / 4 % 4, w % 4);
+        low[32 * (8 * u + 4 * h + k) + 4 * lane + i] |= (q & 0x0F) << (4 * s);
+        high[32 * (4 * u + k) + 4 * lane + i] |= (q >> 4) << (2 * (s + 2 * h));
     }
 }
 
@@ -180,15 +256,20 @@ impl PackedMatrix {
         let (hdr, qb) = (format.header(), format.quant_bytes());
         for (r, row) in w.bytes().chunks_exact(row_bytes.max(1)).enumerate() {
             let (g, lane) = (r / GROUP, r % GROUP);
-            let mut quants = [0u8; QK_K / 2];
+            let mut quants = [0u8; SOURCE_QUANTS];
             for (b, src) in row.chunks_exact(src_bb).enumerate() {
-                let (d, m) = source_block(w.dtype(), src, &mut quants);
                 let dst = &mut data[(g * nb + b) * bb..][..bb];
+                if format == PackedFormat::Q6K {
+                    place_q6k(src, dst, lane);
+                    continue;
+                }
+                let (d, m) = source_block(w.dtype(), src, &mut quants);
                 dst[2 * lane..2 * lane + 2].copy_from_slice(&d);
-                if matches!(format, PackedFormat::Q4Asym | PackedFormat::Q4K) {
+                let k_quant = matches!(format, PackedFormat::Q4K | PackedFormat::Q5K);
+                if k_quant || format == PackedFormat::Q4Asym {
                     dst[2 * GROUP + 2 * lane..][..2].copy_from_slice(&m);
                 }
-                if format == PackedFormat::Q4K {
+                if k_quant {
                     let packed: &[u8] = &src[4..16];
                     for j in 0..SUBS {
                         let (sc, mn) = crate::quant::q4_k::scale_min(j, packed);
