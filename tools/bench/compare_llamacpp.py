@@ -64,6 +64,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--kvant", default=str(REPO / "target" / "release" / "kvant"), help="kvant binary")
     p.add_argument("--json-out", help="write every raw number to this JSON file")
     p.add_argument("--transformers-python", help="a Python with torch, transformers and gguf")
+    p.add_argument("--llama-bench", help="measure llama.cpp with this llama-bench binary (C++, no Python "
+                   "in the loop) instead of the llama_cpp package; see LlamaBench")
     a = p.parse_args()
     a.models = [m for arg in a.model for m in arg.split(",") if m]
     try:
@@ -123,6 +125,31 @@ class LlamaCpp:
         self.llm.close()
 
 
+class LlamaBench:
+    """llama.cpp measured by its own `llama-bench` (one process per test
+    and repetition, `-r 1`, its own warm-up), the peer without the Python
+    binding's per-token overhead. The decode test runs at depth P
+    (`-d P`: positions P..P+N, after a prompt), as kvant bench decodes."""
+
+    def __init__(self, binary: str, model: str, threads: int, prompt_tokens: int, gen_tokens: int):
+        base = [binary, "-m", model, "-t", str(threads), "-r", "1", "-o", "json"]
+        self.pp = base + ["-p", str(prompt_tokens), "-n", "0"]
+        self.tg = base + ["-p", "0", "-n", str(gen_tokens), "-d", str(prompt_tokens)]
+
+    @staticmethod
+    def _rate(cmd: list[str]) -> float:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"llama-bench failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr}")
+        return json.loads(r.stdout)[0]["avg_ts"]
+
+    def run(self) -> tuple[float, float]:
+        return self._rate(self.pp), self._rate(self.tg)
+
+    def close(self) -> None:
+        pass
+
+
 def run_kvant(a: argparse.Namespace, model: str, threads: int) -> dict:
     cmd = [
         a.kvant, "bench", "--json", "--model", model, "--threads", str(threads),
@@ -146,8 +173,11 @@ def run_transformers(a: argparse.Namespace, model: str, threads: int) -> dict:
 
 
 def measure(a: argparse.Namespace, model: str, threads: int) -> dict:
-    lc = LlamaCpp(model, threads, a.prompt_tokens, a.gen_tokens)
-    lc.run()  # warm-up; every kvant bench run warms itself up
+    if a.llama_bench:
+        lc = LlamaBench(a.llama_bench, model, threads, a.prompt_tokens, a.gen_tokens)
+    else:
+        lc = LlamaCpp(model, threads, a.prompt_tokens, a.gen_tokens)
+        lc.run()  # warm-up; every kvant bench run warms itself up
     lc_pp, lc_tg, kv_runs = [], [], []
     for rep in range(a.repetitions):
         pp, tg = lc.run()
