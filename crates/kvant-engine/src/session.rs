@@ -256,13 +256,10 @@ impl<'m> Session<'m> {
             }
         }
         if out.finish_reason == FinishReason::Length {
-            let tail = stream.flush();
-            let (released, hit) = stops.push(&tail);
-            emit(&released, &mut out);
+            let (text, hit) = stops.finish_with(&stream.flush());
+            emit(&text, &mut out);
             if hit {
                 out.finish_reason = FinishReason::Stop;
-            } else {
-                emit(&stops.finish(), &mut out);
             }
         }
         out.decode_secs = t1.elapsed().as_secs_f64();

@@ -44,9 +44,15 @@ impl StopMatcher {
         (out, false)
     }
 
-    /// Releases whatever is held at the end of generation.
-    pub fn finish(&mut self) -> String {
-        std::mem::take(&mut self.pending)
+    /// Ends a stream with its last text (the detokenizer's flushed tail):
+    /// returns everything left to release and whether that tail completed
+    /// a stop string (then the text stops there, as in [`Self::push`]).
+    pub fn finish_with(&mut self, tail: &str) -> (String, bool) {
+        let (mut out, hit) = self.push(tail);
+        if !hit {
+            out.push_str(&std::mem::take(&mut self.pending));
+        }
+        (out, hit)
     }
 }
 
@@ -83,6 +89,18 @@ mod tests {
         assert_eq!(m.push("1xyz2ab"), ("1".into(), true));
         let mut m = StopMatcher::new(vec!["é!".into()]);
         assert_eq!(m.push("café"), ("caf".into(), false));
-        assert_eq!(m.finish(), "é");
+        assert_eq!(m.finish_with(""), ("é".into(), false));
+    }
+
+    /// The end of a stream releases what was held back, unless its last
+    /// text completes a stop string.
+    #[test]
+    fn the_tail_can_complete_a_stop() {
+        let mut m = StopMatcher::new(vec!["</end>".into()]);
+        assert_eq!(m.push("x </e"), ("x ".into(), false));
+        assert_eq!(m.finish_with("nd> more"), ("".into(), true));
+        let mut m = StopMatcher::new(vec!["</end>".into()]);
+        assert_eq!(m.push("x </e"), ("x ".into(), false));
+        assert_eq!(m.finish_with("n"), ("</en".into(), false));
     }
 }

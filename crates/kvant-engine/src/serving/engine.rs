@@ -198,15 +198,16 @@ impl<'t> Engine<'t> {
     }
 
     /// Releases a sequence's blocks and sends its last event.
-    fn finish(&mut self, mut s: Sequence<'t>, reason: FinishReason) {
+    fn finish(&mut self, mut s: Sequence<'t>, mut reason: FinishReason) {
         s.release_blocks(&mut self.blocks);
         let mut text = String::new();
         if reason == FinishReason::Length {
-            let tail = s.stream.flush();
-            let (released, hit) = s.stops.push(&tail);
-            text.push_str(&released);
-            if !hit {
-                text.push_str(&s.stops.finish());
+            // A stop string the flushed tail completes ends the request as
+            // a stop, as it does in `Session`.
+            let (released, hit) = s.stops.finish_with(&s.stream.flush());
+            text = released;
+            if hit {
+                reason = FinishReason::Stop;
             }
         }
         let usage = Usage {
