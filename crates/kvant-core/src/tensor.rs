@@ -117,6 +117,26 @@ impl Tensor {
         )
     }
 
+    /// A stack of matrices `[n, rows, cols]` as one `[n · rows, cols]`
+    /// matrix over the same bytes (every head's matrix in one product).
+    ///
+    /// # Errors
+    /// [`CoreError::NotStacked`] unless the tensor is 3-D.
+    pub fn stacked_rows(&self) -> Result<Tensor> {
+        let &[n, rows, cols] = self.shape.as_slice() else {
+            return Err(CoreError::NotStacked {
+                shape: self.shape.clone(),
+            });
+        };
+        // `n · rows · cols` elements were checked not to overflow in `new`.
+        Tensor::new(
+            self.dtype,
+            vec![n * rows, cols],
+            self.storage.clone(),
+            self.offset,
+        )
+    }
+
     pub fn byte_len(&self) -> usize {
         self.len
     }
@@ -176,8 +196,16 @@ mod tests {
             stack.matrix(3),
             Err(CoreError::MatrixOutOfRange { index: 3, count: 3 })
         ));
+        let rows = stack.stacked_rows().unwrap();
+        assert_eq!(rows.shape(), &[6, 64]);
+        assert_eq!(rows.bytes(), stack.bytes());
+        assert_eq!(rows.row_bytes(4), &bytes[144..180]);
         let flat = Tensor::new(DType::Q4_0, vec![6, 64], s.clone(), 0).unwrap();
         assert!(matches!(flat.matrix(0), Err(CoreError::NotStacked { .. })));
+        assert!(matches!(
+            flat.stacked_rows(),
+            Err(CoreError::NotStacked { .. })
+        ));
         let empty = Tensor::new(DType::F32, vec![0, 4, 4], s, 0).unwrap();
         assert!(matches!(
             empty.matrix(0),

@@ -28,7 +28,13 @@ fn start(cfg: EngineConfig) -> (EngineHandle, EngineThread) {
 }
 
 fn start_with(name: &str, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
-    let m = kvant_model::load(&fixture(name)).expect("fixture loads");
+    // As `kvant serve` loads: latent attention always absorbed, so that
+    // outputs cannot depend on the load.
+    let opts = kvant_model::LoadOptions {
+        mla_prefill: kvant_model::MlaPrefill::Absorbed,
+        ..kvant_model::LoadOptions::default()
+    };
+    let m = kvant_model::load_with(&fixture(name), opts).expect("fixture loads");
     EngineHandle::start(Arc::new(m.model), Arc::new(m.tokenizer), cfg).expect("engine starts")
 }
 

@@ -9,6 +9,7 @@
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::cpu::{self, SimdTier};
 use kvant_kernels::matmul::{matmul, matmul_ref, matmul_with};
+use kvant_kernels::quant;
 use kvant_kernels::quant::{
     dequantize_row, dequantize_row_ref, dequantize_row_with, dot_row, dot_row_with,
 };
@@ -337,4 +338,32 @@ fn empty_shapes_are_fine() {
     let mut rng = ChaCha8Rng::seed_from_u64(15);
     let w = random_weight(&mut rng, DType::Q8_0, 3, 32);
     matmul(&w, &[], 0, &mut []).unwrap();
+}
+
+/// The Q8_0 quantizer round-trips within half a step of each block's scale
+/// (plus up to 127 times the f16 rounding of the scale, 2⁻¹¹ relative), keeps zero blocks zero, and rejects
+/// a destination of the wrong size.
+#[test]
+fn quantize_q8_0_round_trips() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    for n in [32, 96, 32 * 17] {
+        let mut x = random_f32(&mut rng, n);
+        x[..32].iter_mut().for_each(|v| *v = 0.0);
+        let mut q = vec![0u8; DType::Q8_0.bytes_for(n).expect("whole blocks")];
+        quant::quantize_row_q8_0(&x, &mut q).expect("sizes agree");
+        let mut back = vec![0f32; n];
+        quant::dequantize_row_ref(DType::Q8_0, &q, &mut back).expect("sizes agree");
+        for (xb, yb) in x.chunks_exact(32).zip(back.chunks_exact(32)) {
+            let step = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            for (a, b) in xb.iter().zip(yb) {
+                assert!(
+                    (a - b).abs() <= (0.5 + 127.0 / 2048.0) * step + 1e-7,
+                    "{a} vs {b}"
+                );
+            }
+        }
+        assert!(back[..32].iter().all(|&v| v == 0.0));
+    }
+    let mut short = vec![0u8; 33];
+    assert!(quant::quantize_row_q8_0(&[0.0; 32], &mut short).is_err());
 }

@@ -14,7 +14,9 @@
 
 use crate::ModelError;
 use half::slice::HalfBitsSliceExt;
-use kvant_kernels::attention::{attention, store_rows, AttnParams, KvBlocks, KvElem, SeqAttn};
+use kvant_kernels::attention::{
+    attention, load_rows, store_rows, AttnParams, KvBlocks, KvElem, SeqAttn,
+};
 
 /// The element type of a KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -164,9 +166,33 @@ impl KvPool {
 
     /// Stores `k` and `v` (`[n_tokens, kv_dim]`, the batch's new tokens;
     /// `v` is `None` for a latent pool) in one layer at each sequence's
-    /// positions, then runs attention for the queries `q` (the same tokens)
-    /// over each sequence's history including them. The caller has checked
-    /// every table with [`Self::check_table`].
+    /// positions. The caller has checked every table with
+    /// [`Self::check_table`].
+    pub(crate) fn store(
+        &mut self,
+        layer: usize,
+        seqs: &[SeqAttn<'_>],
+        kv: (&[f32], Option<&[f32]>),
+    ) {
+        let (bs, nk, hd) = (self.block_size, self.shape.n_kv_heads, self.shape.head_dim);
+        match &mut self.store {
+            Store::F16(l) => {
+                let k = l.keys[layer].reinterpret_cast_mut::<half::f16>();
+                let v = l
+                    .values
+                    .get_mut(layer)
+                    .map(|v| v.reinterpret_cast_mut::<half::f16>());
+                store_seqs(k, v, (bs, nk, hd), seqs, kv)
+            }
+            Store::F32(l) => {
+                let v = l.values.get_mut(layer).map(|v| v.as_mut_slice());
+                store_seqs(&mut l.keys[layer], v, (bs, nk, hd), seqs, kv)
+            }
+        }
+    }
+
+    /// [`Self::store`], then attention for the queries `q` (the same
+    /// tokens) over each sequence's history including them.
     pub(crate) fn store_and_attend(
         &mut self,
         layer: usize,
@@ -176,58 +202,62 @@ impl KvPool {
         q: &[f32],
         out: &mut [f32],
     ) {
-        let bs = self.block_size;
-        match &mut self.store {
+        debug_assert!(p.n_kv_heads == self.shape.n_kv_heads && p.head_dim == self.shape.head_dim);
+        self.store(layer, seqs, kv);
+        let block_size = self.block_size;
+        match &self.store {
             Store::F16(l) => {
-                let k = l.keys[layer].reinterpret_cast_mut::<half::f16>();
-                let v = l
-                    .values
-                    .get_mut(layer)
-                    .map(|v| v.reinterpret_cast_mut::<half::f16>());
-                step(k, v, bs, seqs, kv, p, q, out)
+                let blocks = KvBlocks {
+                    k: l.keys[layer].reinterpret_cast::<half::f16>(),
+                    v: l.values
+                        .get(layer)
+                        .map(|v| v.reinterpret_cast::<half::f16>()),
+                    block_size,
+                };
+                attention(p, q, &blocks, seqs, out)
             }
             Store::F32(l) => {
-                let v = l.values.get_mut(layer).map(|v| v.as_mut_slice());
-                step(&mut l.keys[layer], v, bs, seqs, kv, p, q, out)
+                let blocks = KvBlocks {
+                    k: &l.keys[layer],
+                    v: l.values.get(layer).map(Vec::as_slice),
+                    block_size,
+                };
+                attention(p, q, &blocks, seqs, out)
             }
+        }
+    }
+
+    /// Widens the keys one layer holds for positions `pos..` of the
+    /// sequence whose blocks are `table` into `out` (token-major, as many
+    /// rows as it holds): for a latent pool, the latent rows, which the
+    /// expanded form of latent attention recomputes keys and values from.
+    pub(crate) fn load_keys(&self, layer: usize, table: &[u32], pos: usize, out: &mut [f32]) {
+        let (bs, nk, hd) = (self.block_size, self.shape.n_kv_heads, self.shape.head_dim);
+        match &self.store {
+            Store::F16(l) => {
+                let k = l.keys[layer].reinterpret_cast::<half::f16>();
+                load_rows(k, out, bs, nk, hd, table, pos)
+            }
+            Store::F32(l) => load_rows(&l.keys[layer], out, bs, nk, hd, table, pos),
         }
     }
 }
 
-#[allow(clippy::too_many_arguments)] // one layer's step, unpacked from the pool
-fn step<T: KvElem>(
+/// Writes each sequence's rows of `k` (and `v`) at its positions.
+fn store_seqs<T: KvElem>(
     keys: &mut [T],
     mut values: Option<&mut [T]>,
-    block_size: usize,
+    (block_size, nk, hd): (usize, usize, usize),
     seqs: &[SeqAttn<'_>],
     (k, v): (&[f32], Option<&[f32]>),
-    p: &AttnParams,
-    q: &[f32],
-    out: &mut [f32],
 ) {
-    let (nk, hd, vd) = (p.n_kv_heads, p.head_dim, p.v_dim);
     for s in seqs {
-        let (a, b) = (s.rows.start, s.rows.end);
-        store_rows(
-            &k[a * nk * hd..b * nk * hd],
-            keys,
-            block_size,
-            nk,
-            hd,
-            s.table,
-            s.pos0,
-        );
+        let rows = s.rows.start * nk * hd..s.rows.end * nk * hd;
+        store_rows(&k[rows.clone()], keys, block_size, nk, hd, s.table, s.pos0);
         if let (Some(dst), Some(v)) = (values.as_deref_mut(), v) {
-            let src = &v[a * nk * vd..b * nk * vd];
-            store_rows(src, dst, block_size, nk, vd, s.table, s.pos0);
+            store_rows(&v[rows], dst, block_size, nk, hd, s.table, s.pos0);
         }
     }
-    let blocks = KvBlocks {
-        k: keys,
-        v: values.as_deref(),
-        block_size,
-    };
-    attention(p, q, &blocks, seqs, out);
 }
 
 /// Keys and values of one sequence: a pool of one block of `capacity`

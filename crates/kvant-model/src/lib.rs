@@ -11,6 +11,6 @@ pub mod kv;
 pub mod load;
 pub mod tokenizer;
 
-pub use arch::decoder::LoadOptions;
+pub use arch::decoder::{LoadOptions, MlaPrefill};
 pub use error::ModelError;
 pub use load::{load, load_with, LoadedModel, ModelInfo};

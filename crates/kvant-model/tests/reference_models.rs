@@ -21,11 +21,14 @@ const PPL_REL_TOL: f64 = 1e-4;
 /// Q4_0/Q8_0 weights and an f16 KV cache. These random-weight models put
 /// most of each 32-value activation block's magnitude in one or two values
 /// (the worst case for per-block max scaling: the rest keep ~6 bits), so
-/// their logits move by up to 0.18 (Q4_0 fixture; f16 KV alone: 3e-3).
-/// The kernels' error bounds are tested exactly in kvant-kernels; here a
-/// loose bound still catches integration mistakes (a misplaced weight or
-/// scale makes these logits garbage, |Δ| ≫ 1).
-const FAST_LOGIT_TOL: f32 = 0.3;
+/// their logits move by up to 0.18 (Q4_0 fixture; f16 KV alone: 3e-3), and
+/// the MoE/latent-attention Q8_0 fixtures' by up to 0.32 (deepseek-v3:
+/// 0.26 when prompts run absorbed, 0.32 expanded, whose 8-bit rounding
+/// falls on the latent rows instead of the absorbed queries; deepseek-v2
+/// 0.15 and 0.13). The kernels' error bounds are tested exactly in
+/// kvant-kernels; here a loose bound still catches integration mistakes (a
+/// misplaced weight or scale makes these logits garbage, |Δ| ≫ 1).
+const FAST_LOGIT_TOL: f32 = 0.4;
 const FAST_PPL_REL_TOL: f64 = 0.02;
 /// Mixture-of-experts fixtures: on the fast path, positions whose expert
 /// choice is decided by less than this router-score margin (recorded per

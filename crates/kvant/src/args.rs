@@ -106,6 +106,19 @@ pub struct ModelArg {
     /// measured to be faster than plain decoding.
     #[arg(long, requires = "mtp")]
     pub mtp_always: bool,
+    /// How latent-attention models (DeepSeek-V2/V3, GigaChat3) run prompt
+    /// chunks: `auto` in whichever of the expanded and absorbed forms is
+    /// cheaper (the default, but for `serve`); `absorbed` always on the
+    /// decode path, so that results never depend on how requests were
+    /// batched (`serve`'s default).
+    #[arg(long, value_enum)]
+    pub mla_prefill: Option<MlaPrefillArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum MlaPrefillArg {
+    Auto,
+    Absorbed,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -123,7 +136,17 @@ impl ModelArg {
         }
     }
 
+    /// Load options for the single-stream commands.
     pub fn load_options(&self) -> kvant_model::LoadOptions {
+        self.load_options_or(kvant_model::MlaPrefill::Auto)
+    }
+
+    /// Load options with `mla_prefill` standing in for an absent
+    /// `--mla-prefill`.
+    pub fn load_options_or(
+        &self,
+        mla_prefill: kvant_model::MlaPrefill,
+    ) -> kvant_model::LoadOptions {
         kvant_model::LoadOptions {
             int8_activations: !self.f32_activations,
             kv_dtype: match self.kv_cache_type {
@@ -131,6 +154,11 @@ impl ModelArg {
                 KvCacheType::F32 => kvant_model::kv::KvDType::F32,
             },
             mtp: self.mtp,
+            mla_prefill: match self.mla_prefill {
+                None => mla_prefill,
+                Some(MlaPrefillArg::Auto) => kvant_model::MlaPrefill::Auto,
+                Some(MlaPrefillArg::Absorbed) => kvant_model::MlaPrefill::Absorbed,
+            },
         }
     }
 }

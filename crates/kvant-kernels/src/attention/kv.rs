@@ -164,3 +164,38 @@ pub fn store_rows<T: KvElem>(
         }
     }
 }
+
+/// Reads back positions `pos..pos + n` of a sequence whose blocks are
+/// `table` from a block store `src` laid out as [`KvBlocks`], widened into
+/// `dst` (token-major `[n, n_kv_heads * head_dim]`): the inverse of
+/// [`store_rows`], for paths that recompute from cached rows (latent
+/// attention's expanded prefill).
+///
+/// # Panics
+/// As [`store_rows`].
+pub fn load_rows<T: KvElem>(
+    src: &[T],
+    dst: &mut [f32],
+    block_size: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+    table: &[u32],
+    pos: usize,
+) {
+    let kv_dim = n_kv_heads * head_dim;
+    assert!(kv_dim > 0 && block_size > 0);
+    assert_eq!(dst.len() % kv_dim, 0);
+    let per_block = kv_dim * block_size;
+    for (t, row) in dst.chunks_exact_mut(kv_dim).enumerate() {
+        let j = pos + t;
+        let b = table[j / block_size] as usize;
+        let slot = j % block_size;
+        for h in 0..n_kv_heads {
+            let at = b * per_block + (h * block_size + slot) * head_dim;
+            T::widen(
+                &src[at..at + head_dim],
+                &mut row[h * head_dim..(h + 1) * head_dim],
+            );
+        }
+    }
+}

@@ -296,6 +296,17 @@ pub fn dequantize_row_with(
     Ok(())
 }
 
+/// Quantizes `src` (whole 32-value blocks) to Q8_0 blocks in `dst`, as
+/// ggml's reference quantizer does.
+///
+/// # Errors
+/// [`KernelError`] unless `dst` holds exactly the blocks of `src`.
+pub fn quantize_row_q8_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    check_row(DType::Q8_0, dst, src.len())?;
+    q8_0::quantize_ref(src, dst);
+    Ok(())
+}
+
 /// The scalar reference dequantizer, matching ggml's `dequantize_row_*`.
 pub fn dequantize_row_ref(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
     check_row(dtype, src, dst.len())?;

@@ -17,6 +17,23 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// ggml's `quantize_row_q8_0_ref`: per block `d = max|x| / 127`, `q =
+/// round(x / d)`. kvant reads Q8_0 weights from checkpoints; it writes them
+/// only for weights it derives at load time (a transposed copy of a stored
+/// matrix), so they run on the same int8 kernels.
+pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(src.len() / QK * BLOCK_BYTES, dst.len());
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
+        let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        for (q, &v) in b[2..].iter_mut().zip(x) {
+            *q = (v * id).round() as i8 as u8;
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::super::fused::{bytes8, dot32, FusedBlock, Legacy32};

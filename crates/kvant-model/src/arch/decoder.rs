@@ -15,6 +15,7 @@ use super::layer::{Attention, Ffn, Layer, LayerCtx, LayerScratch};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
+pub use super::mla_expand::MlaPrefill;
 use super::moe::MoeFfn;
 use super::mtp::MtpModule;
 use super::sized;
@@ -60,6 +61,10 @@ pub struct LoadOptions {
     /// (for self-speculative decoding): one more layer of weights and of
     /// KV cache.
     pub mtp: bool,
+    /// How latent-attention models run prompt chunks (no effect on
+    /// others): in the cheaper form, or always absorbed for bitwise batch
+    /// invariance.
+    pub mla_prefill: MlaPrefill,
 }
 
 impl LoadOptions {
@@ -69,6 +74,7 @@ impl LoadOptions {
         int8_activations: false,
         kv_dtype: KvDType::F32,
         mtp: false,
+        mla_prefill: MlaPrefill::Auto,
     };
 }
 
@@ -78,6 +84,7 @@ impl Default for LoadOptions {
             int8_activations: true,
             kv_dtype: KvDType::F16,
             mtp: false,
+            mla_prefill: MlaPrefill::Auto,
         }
     }
 }
@@ -177,7 +184,13 @@ impl DecoderModel {
                 false => Ok(None),
             };
             let attn = match &cfg.mla {
-                Some(m) => Attention::Mla(MlaAttention::load(&ld, &cfg, m, &n.prefix)?),
+                Some(m) => Attention::Mla(MlaAttention::load(
+                    &ld,
+                    &cfg,
+                    m,
+                    &n.prefix,
+                    opts.mla_prefill,
+                )?),
                 None => Attention::Mha(MhaAttention::load(&ld, &cfg, &n)?),
             };
             let ffn = match &cfg.experts {
@@ -207,7 +220,7 @@ impl DecoderModel {
             });
         }
         let mtp = match opts.mtp && cfg.mtp_layers > 0 {
-            true => MtpModule::load(&ld, &cfg, cfg.n_layers)?,
+            true => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,
             false => None,
         };
         Ok(DecoderModel {

@@ -10,20 +10,23 @@
 //! heads, whose values are the rows' first `kv_lora_rank` elements. The
 //! per-head output latent is expanded by `V_h` (`attn_v_b`) afterwards.
 //!
-//! The same absorbed path runs prefill and decode, so a token's result is
-//! the same arithmetic however the batch was cut (batch invariance); the
-//! expanded form would save attention FLOPs on long prompt chunks at the
-//! cost of that guarantee.
+//! Decode always runs absorbed. A prompt chunk runs in whichever form is
+//! cheaper for it (`mla_expand`: expanded, a fresh prompt's attention
+//! costs under a third), unless the model was loaded with
+//! [`MlaPrefill::Absorbed`], which keeps every token on the absorbed path
+//! so that results never depend on how batches were cut.
 
 use super::heads::PerHead;
 use super::layer::LayerCtx;
 use super::loader::{to_f32, Bias, Linear, Loader};
+use super::mla_expand::{Chunk, ExpandScratch, Expansion, MlaPrefill};
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::{MlaConfig, ModelConfig};
+use crate::kv::KvPool;
 use crate::ModelError;
 use kvant_core::Tensor;
-use kvant_kernels::attention::AttnParams;
+use kvant_kernels::attention::{AttnParams, SeqAttn};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
@@ -48,6 +51,9 @@ pub(crate) struct MlaAttention {
     k_b: PerHead,
     /// Per head, `V_h`: `[v_dim, kv_lora_rank]`.
     v_b: PerHead,
+    /// Both, stacked for the expanded form (`None` when loaded with
+    /// [`MlaPrefill::Absorbed`]).
+    expansion: Option<Expansion>,
     o: Linear,
 }
 
@@ -57,12 +63,36 @@ pub(crate) struct MlaScratch {
     qa: Vec<f32>,
     q: Vec<f32>,
     latent: Vec<f32>,
+    pe: Vec<f32>,
+    attn: Vec<f32>,
+    absorb: AbsorbScratch,
+    /// The absorbed sequences' rows when others run expanded.
+    packed: Packed,
+    expand: ExpandScratch,
+}
+
+#[derive(Default)]
+struct AbsorbScratch {
     q_abs: Vec<f32>,
     out_lat: Vec<f32>,
     head_in: Vec<f32>,
     head_out: Vec<f32>,
-    pe: Vec<f32>,
-    attn: Vec<f32>,
+}
+
+#[derive(Default)]
+struct Packed {
+    q: Vec<f32>,
+    latent: Vec<f32>,
+    out: Vec<f32>,
+}
+
+/// Tokens for the absorbed form: their queries (`[n, heads, qk]`) and
+/// latent rows (`[n, latent]`), and the sequences they belong to.
+struct Rows<'a, 'b> {
+    seqs: &'a [SeqAttn<'b>],
+    q: &'a [f32],
+    latent: &'a [f32],
+    n: usize,
 }
 
 /// Tensor names of one layer's latent attention, by format.
@@ -119,6 +149,7 @@ impl MlaAttention {
         cfg: &ModelConfig,
         m: &MlaConfig,
         prefix: &str,
+        prefill: MlaPrefill,
     ) -> Result<Self, ModelError> {
         let names = Names::new(ld.ckpt, prefix);
         let (h, nh) = (cfg.hidden, cfg.n_heads);
@@ -131,13 +162,24 @@ impl MlaAttention {
                 b: ld.linear(&names.q_b, q_out, r, Bias::IfPresent)?,
             },
         };
-        let (k_b, v_b) = if ld.has(&names.k_b) {
+        let expanded = prefill == MlaPrefill::Auto;
+        let (k_b, v_b, expansion) = if ld.has(&names.k_b) {
+            let split = (names.k_b.as_str(), names.v_b.as_str());
             (
                 per_head(ld, &names.k_b, nh, m.kv_lora_rank, m.nope_dim)?,
                 per_head(ld, &names.v_b, nh, m.v_dim, m.kv_lora_rank)?,
+                expanded
+                    .then(|| Expansion::from_split(ld, split, nh, m))
+                    .transpose()?,
             )
         } else {
-            split_kv_b(ld, &names.kv_b, nh, m)?
+            let w =
+                to_f32(&ld.matrix(&names.kv_b, nh * (m.nope_dim + m.v_dim), m.kv_lora_rank)?)?;
+            let (k_b, v_b) = split_kv_b(&w, nh, m)?;
+            let e = expanded
+                .then(|| Expansion::from_kv_b(&w, nh, m))
+                .transpose()?;
+            (k_b, v_b, e)
         };
         Ok(MlaAttention {
             q,
@@ -145,6 +187,7 @@ impl MlaAttention {
             kv_norm: ld.vector(&names.kv_a_norm, m.kv_lora_rank)?,
             k_b: PerHead::new(k_b),
             v_b: PerHead::new(v_b),
+            expansion,
             o: ld.linear(&names.o, h, nh * m.v_dim, Bias::IfPresent)?,
         })
     }
@@ -159,6 +202,7 @@ impl MlaAttention {
             + self.o.weight.byte_len()
             + self.k_b.byte_len()
             + self.v_b.byte_len()
+            + self.expansion.as_ref().map_or(0, Expansion::byte_len)
     }
 
     /// Attention of the batch's `n` tokens (normed input `xn`), storing
@@ -179,8 +223,18 @@ impl MlaAttention {
     ) -> Result<(), ModelError> {
         let nh = cfg.n_heads;
         let (qk, lat, rank, rope) = (m.qk_dim(), m.latent_dim(), m.kv_lora_rank, m.rope_dim);
-        let q = sized(&mut s.q, n * nh * qk);
-        let latent = sized(&mut s.latent, n * lat);
+        let MlaScratch {
+            qa,
+            q,
+            latent,
+            pe,
+            attn,
+            absorb,
+            packed,
+            expand,
+        } = s;
+        let q = sized(q, n * nh * qk);
+        let latent = sized(latent, n * lat);
         match &self.q {
             QProj::Plain(p) => {
                 let input = LinearInput::new(xn, n, q8, &[&p.weight, &self.kv_a.weight])?;
@@ -188,8 +242,7 @@ impl MlaAttention {
                 self.kv_a.forward(&input, latent)?;
             }
             QProj::LowRank { a, norm, b } => {
-                let r = norm.len();
-                let qa = sized(&mut s.qa, n * r);
+                let qa = sized(qa, n * norm.len());
                 let input = LinearInput::new(xn, n, q8, &[&a.weight, &self.kv_a.weight])?;
                 a.forward(&input, qa)?;
                 self.kv_a.forward(&input, latent)?;
@@ -198,7 +251,7 @@ impl MlaAttention {
             }
         }
         let factor = cfg.rope.scaling.attention_factor();
-        let pe = sized(&mut s.pe, nh * rope);
+        let pe = sized(pe, nh * rope);
         for sq in ctx.seqs {
             for (i, t) in sq.rows.clone().enumerate() {
                 let pos = sq.pos0 + i + ctx.rope_offset;
@@ -220,9 +273,97 @@ impl MlaAttention {
                 }
             }
         }
+        let (qd, vd) = (nh * qk, nh * m.v_dim);
+        let attn = sized(attn, n * vd);
+        let (expanded, absorbed): (Vec<&SeqAttn<'_>>, Vec<&SeqAttn<'_>>) =
+            ctx.seqs.iter().partition(|sq| {
+                self.expansion.is_some() && Expansion::cheaper(m, nh, sq.rows.len(), sq.pos0)
+            });
+        match self.expansion.as_ref().filter(|_| !expanded.is_empty()) {
+            None => {
+                let rows = Rows {
+                    seqs: ctx.seqs,
+                    q,
+                    latent,
+                    n,
+                };
+                self.absorbed(cfg, m, (ctx.pool, ctx.index), rows, q8, absorb, attn)?;
+            }
+            Some(e) => {
+                let chunks: Vec<SeqAttn<'_>> = expanded.iter().map(|&sq| sq.clone()).collect();
+                ctx.pool.store(ctx.index, &chunks, (latent, None));
+                for sq in expanded {
+                    let c = Chunk {
+                        pool: &*ctx.pool,
+                        layer: ctx.index,
+                        seq: sq,
+                        q: &q[sq.rows.start * qd..sq.rows.end * qd],
+                        out: &mut attn[sq.rows.start * vd..sq.rows.end * vd],
+                    };
+                    e.attend(m, (nh, cfg.attn_scale), c, q8, expand)?;
+                }
+                if !absorbed.is_empty() {
+                    // The other sequences' rows, packed together.
+                    let mut seqs = Vec::with_capacity(absorbed.len());
+                    packed.q.clear();
+                    packed.latent.clear();
+                    for sq in &absorbed {
+                        let at = packed.latent.len() / lat;
+                        packed
+                            .q
+                            .extend_from_slice(&q[sq.rows.start * qd..sq.rows.end * qd]);
+                        packed
+                            .latent
+                            .extend_from_slice(&latent[sq.rows.start * lat..sq.rows.end * lat]);
+                        seqs.push(SeqAttn {
+                            rows: at..at + sq.rows.len(),
+                            ..(*sq).clone()
+                        });
+                    }
+                    let k = packed.latent.len() / lat;
+                    let out = sized(&mut packed.out, k * vd);
+                    let rows = Rows {
+                        seqs: &seqs,
+                        q: &packed.q,
+                        latent: &packed.latent,
+                        n: k,
+                    };
+                    self.absorbed(cfg, m, (&mut *ctx.pool, ctx.index), rows, q8, absorb, out)?;
+                    for (sq, p) in absorbed.iter().zip(&seqs) {
+                        attn[sq.rows.start * vd..sq.rows.end * vd]
+                            .copy_from_slice(&out[p.rows.start * vd..p.rows.end * vd]);
+                    }
+                }
+            }
+        }
+        self.o
+            .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
+    }
+
+    /// The absorbed form for `r`'s tokens: stores their latent rows in the
+    /// pool's layer and writes each head's attention output (expanded by
+    /// `V_h`) to `attn` (`[n, heads, v]`).
+    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
+    fn absorbed(
+        &self,
+        cfg: &ModelConfig,
+        m: &MlaConfig,
+        (pool, layer): (&mut KvPool, usize),
+        r: Rows<'_, '_>,
+        q8: &mut Q8Activations,
+        s: &mut AbsorbScratch,
+        attn: &mut [f32],
+    ) -> Result<(), ModelError> {
         // Absorb: every head's query into latent space (head-major rows
         // through the per-head matrices), then its rotary part.
-        let nope = m.nope_dim;
+        let (nh, n) = (cfg.n_heads, r.n);
+        let (qk, lat, rank, rope, nope) = (
+            m.qk_dim(),
+            m.latent_dim(),
+            m.kv_lora_rank,
+            m.rope_dim,
+            m.nope_dim,
+        );
         let q_abs = sized(&mut s.q_abs, n * nh * lat);
         let head_in = sized(&mut s.head_in, nh * n * nope.max(rank));
         let head_out = sized(&mut s.head_out, nh * n * rank.max(m.v_dim));
@@ -232,14 +373,14 @@ impl MlaAttention {
         );
         for (i, dst) in hin.chunks_exact_mut(nope).enumerate() {
             let (hh, t) = (i / n, i % n);
-            dst.copy_from_slice(&q[(t * nh + hh) * qk..][..nope]);
+            dst.copy_from_slice(&r.q[(t * nh + hh) * qk..][..nope]);
         }
         self.k_b.forward(hin, n, q8, hout)?;
         for (i, src) in hout.chunks_exact(rank).enumerate() {
             let (hh, t) = (i / n, i % n);
             let dst = &mut q_abs[(t * nh + hh) * lat..][..lat];
             dst[..rank].copy_from_slice(src);
-            dst[rank..].copy_from_slice(&q[(t * nh + hh) * qk + nope..][..rope]);
+            dst[rank..].copy_from_slice(&r.q[(t * nh + hh) * qk + nope..][..rope]);
         }
         let params = AttnParams {
             n_heads: nh,
@@ -250,11 +391,9 @@ impl MlaAttention {
             window: None,
         };
         let out_lat = sized(&mut s.out_lat, n * nh * rank);
-        ctx.pool
-            .store_and_attend(ctx.index, ctx.seqs, (latent, None), &params, q_abs, out_lat);
+        pool.store_and_attend(layer, r.seqs, (r.latent, None), &params, q_abs, out_lat);
         // Expand each head's output latent into its value.
         let vd = m.v_dim;
-        let attn = sized(&mut s.attn, n * nh * vd);
         let (hin, hout) = (&mut head_in[..nh * n * rank], &mut head_out[..nh * n * vd]);
         for (i, dst) in hin.chunks_exact_mut(rank).enumerate() {
             let (hh, t) = (i / n, i % n);
@@ -265,8 +404,7 @@ impl MlaAttention {
             let (hh, t) = (i / n, i % n);
             attn[(t * nh + hh) * vd..][..vd].copy_from_slice(src);
         }
-        self.o
-            .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
+        Ok(())
     }
 }
 
@@ -284,18 +422,15 @@ fn per_head(
     (0..heads).map(|h| ld.prepare(t.matrix(h)?)).collect()
 }
 
-/// Splits Hugging Face's `kv_b_proj` (`[heads · (nope + v), kv_lora_rank]`)
-/// into each head's transposed key part `[kv_lora_rank, nope]` and value
-/// part `[v, kv_lora_rank]`, as f32.
+/// Splits Hugging Face's `kv_b_proj` (`w`, `[heads · (nope + v),
+/// kv_lora_rank]` as f32) into each head's transposed key part
+/// `[kv_lora_rank, nope]` and value part `[v, kv_lora_rank]`.
 fn split_kv_b(
-    ld: &Loader<'_>,
-    name: &str,
+    w: &[f32],
     heads: usize,
     m: &MlaConfig,
 ) -> Result<(Vec<LinearWeight>, Vec<LinearWeight>), ModelError> {
     let (nope, v, rank) = (m.nope_dim, m.v_dim, m.kv_lora_rank);
-    let t = ld.matrix(name, heads * (nope + v), rank)?;
-    let w = to_f32(&t)?;
     let mut k_b = Vec::with_capacity(heads);
     let mut v_b = Vec::with_capacity(heads);
     for head in w.chunks_exact((nope + v) * rank) {

@@ -12,6 +12,7 @@ mod layer;
 mod loader;
 mod mha;
 mod mla;
+mod mla_expand;
 mod moe;
 mod mtp;
 

@@ -16,6 +16,7 @@ use super::layer::{Attention, Ffn, Layer};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
+use super::mla_expand::MlaPrefill;
 use super::moe::MoeFfn;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -40,6 +41,7 @@ impl MtpModule {
         ld: &Loader<'_>,
         cfg: &ModelConfig,
         index: usize,
+        prefill: MlaPrefill,
     ) -> Result<Option<Self>, ModelError> {
         let n = ld.ckpt.layer_names(index, false);
         let p = n.prefix.clone();
@@ -57,7 +59,7 @@ impl MtpModule {
         }
         let h = cfg.hidden;
         let attn = match &cfg.mla {
-            Some(m) => Attention::Mla(MlaAttention::load(ld, cfg, m, &p)?),
+            Some(m) => Attention::Mla(MlaAttention::load(ld, cfg, m, &p, prefill)?),
             None => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
         };
         let ffn = match &cfg.experts {

@@ -53,8 +53,12 @@ pub struct ServeArgs {
 
 pub fn run(a: ServeArgs) -> Result<()> {
     let path = fetch::resolve_model(a.model.model.as_deref())?;
-    let m = kvant_model::load_with(&path, a.model.load_options())
-        .with_context(|| format!("loading {}", path.display()))?;
+    let m = kvant_model::load_with(
+        &path,
+        // Batch invariance is the server's promise (see `--mla-prefill`).
+        a.model.load_options_or(kvant_model::MlaPrefill::Absorbed),
+    )
+    .with_context(|| format!("loading {}", path.display()))?;
     let kv_bytes = a.kv_cache_memory.bytes()?;
     let block_size = a.block_size;
     let kv_blocks = EngineConfig::blocks_for_bytes(
