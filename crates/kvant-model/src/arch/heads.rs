@@ -13,7 +13,14 @@ use kvant_kernels::cpu;
 use kvant_kernels::int8::{gemm_grouped, PackedMatrix, Q8Activations, Segment};
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 
-pub(crate) enum PerHead {
+pub(crate) struct PerHead {
+    weights: Weights,
+    /// Every head's matrix is `[rows, cols]`.
+    rows: usize,
+    cols: usize,
+}
+
+enum Weights {
     Packed(Vec<PackedMatrix>),
     Each(Vec<LinearWeight>),
 }
@@ -21,7 +28,8 @@ pub(crate) enum PerHead {
 impl PerHead {
     /// Groups `weights` (one `[rows, cols]` per head, equal shapes).
     pub fn new(weights: Vec<LinearWeight>) -> Self {
-        if weights.iter().all(|w| matches!(w, LinearWeight::Int8(_))) {
+        let (rows, cols) = weights.first().map_or((0, 0), |w| (w.rows(), w.cols()));
+        let weights = if weights.iter().all(|w| matches!(w, LinearWeight::Int8(_))) {
             let packed = weights
                 .into_iter()
                 .filter_map(|w| match w {
@@ -29,32 +37,22 @@ impl PerHead {
                     _ => None,
                 })
                 .collect();
-            PerHead::Packed(packed)
+            Weights::Packed(packed)
         } else {
-            PerHead::Each(weights)
+            Weights::Each(weights)
+        };
+        PerHead {
+            weights,
+            rows,
+            cols,
         }
     }
 
     /// Bytes read by one pass over every head's matrix.
     pub fn byte_len(&self) -> usize {
-        match self {
-            PerHead::Packed(p) => p.iter().map(|m| m.byte_len()).sum(),
-            PerHead::Each(w) => w.iter().map(|m| m.byte_len()).sum(),
-        }
-    }
-
-    fn shape(&self) -> (usize, usize, usize) {
-        match self {
-            PerHead::Packed(p) => (
-                p.len(),
-                p.first().map_or(0, |m| m.rows()),
-                p.first().map_or(0, |m| m.cols()),
-            ),
-            PerHead::Each(w) => (
-                w.len(),
-                w.first().map_or(0, |m| m.rows()),
-                w.first().map_or(0, |m| m.cols()),
-            ),
+        match &self.weights {
+            Weights::Packed(p) => p.iter().map(|m| m.byte_len()).sum(),
+            Weights::Each(w) => w.iter().map(|m| m.byte_len()).sum(),
         }
     }
 
@@ -67,9 +65,10 @@ impl PerHead {
         q8: &mut Q8Activations,
         y: &mut [f32],
     ) -> Result<(), ModelError> {
-        let (heads, rows, cols) = self.shape();
-        match self {
-            PerHead::Packed(p) => {
+        let (rows, cols) = (self.rows, self.cols);
+        match &self.weights {
+            Weights::Packed(p) => {
+                let heads = p.len();
                 q8.quantize(cpu::tier(), x, heads * n, cols)?;
                 let segments: Vec<Segment> = (0..heads)
                     .map(|h| Segment {
@@ -80,7 +79,7 @@ impl PerHead {
                     .collect();
                 gemm_grouped(&[p], &segments, q8, &mut [y])?;
             }
-            PerHead::Each(w) => {
+            Weights::Each(w) => {
                 for ((w, x), y) in w
                     .iter()
                     .zip(x.chunks_exact(n * cols))

@@ -95,6 +95,20 @@ impl Loader<'_> {
         Ok(LinearWeight::prepare(t, self.int8)?)
     }
 
+    /// The `n` matrices `[rows, cols]` of a stacked tensor `[n, rows, cols]`
+    /// (GGUF's experts, llama.cpp's per-head `attn_k_b` / `attn_v_b`).
+    pub fn stacked(
+        &self,
+        name: &str,
+        n: usize,
+        rows: usize,
+        cols: usize,
+    ) -> Result<Vec<LinearWeight>, ModelError> {
+        let t = self.tensor(name)?;
+        check_shape(&t, name, &[n, rows, cols])?;
+        (0..n).map(|i| self.prepare(t.matrix(i)?)).collect()
+    }
+
     /// `{stem}.weight` and `{stem}.bias`.
     pub fn linear(
         &self,
@@ -145,4 +159,15 @@ fn to_f32_vec(t: &Tensor, name: &str, len: usize, offset: f32) -> Result<Vec<f32
     dequantize_row(t.dtype(), t.bytes(), &mut out)?;
     out.iter_mut().for_each(|v| *v += offset);
     Ok(out)
+}
+
+/// A row-major `[rows, cols]` matrix transposed to `[cols, rows]`.
+pub(crate) fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0f32; rows * cols];
+    for (r, row) in w.chunks_exact(cols).take(rows).enumerate() {
+        for (c, &x) in row.iter().enumerate() {
+            t[c * rows + r] = x;
+        }
+    }
+    t
 }

@@ -18,7 +18,7 @@
 
 use super::heads::PerHead;
 use super::layer::LayerCtx;
-use super::loader::{to_f32, Bias, Linear, Loader};
+use super::loader::{to_f32, transpose, Bias, Linear, Loader};
 use super::mla_expand::{Chunk, ExpandScratch, Expansion, MlaPrefill};
 use super::sized;
 use crate::checkpoint::Checkpoint;
@@ -53,7 +53,7 @@ pub(crate) struct MlaAttention {
     v_b: PerHead,
     /// Both, stacked for the expanded form (`None` when loaded with
     /// [`MlaPrefill::Absorbed`]).
-    expansion: Option<Expansion>,
+    expansion: Option<Box<Expansion>>,
     o: Linear,
 }
 
@@ -103,9 +103,11 @@ struct Names {
     q_b: String,
     kv_a: String,
     kv_a_norm: String,
+    /// `kv_b` in one tensor (Hugging Face, older GGUF conversions)...
     kv_b: String,
-    k_b: String,
-    v_b: String,
+    /// ...or split per head into `K_hᵀ` and `V_h` (llama.cpp's current
+    /// conversions; Hugging Face checkpoints have no such names).
+    split: Option<(String, String)>,
     o: String,
 }
 
@@ -121,8 +123,7 @@ impl Names {
                 kv_a: n("attn_kv_a_mqa"),
                 kv_a_norm: n("attn_kv_a_norm.weight"),
                 kv_b: n("attn_kv_b.weight"),
-                k_b: n("attn_k_b.weight"),
-                v_b: n("attn_v_b.weight"),
+                split: Some((n("attn_k_b.weight"), n("attn_v_b.weight"))),
                 o: n("attn_output"),
             },
             Checkpoint::Hf(_) => Names {
@@ -133,8 +134,7 @@ impl Names {
                 kv_a: n("self_attn.kv_a_proj_with_mqa"),
                 kv_a_norm: n("self_attn.kv_a_layernorm.weight"),
                 kv_b: n("self_attn.kv_b_proj.weight"),
-                k_b: String::new(),
-                v_b: String::new(),
+                split: None,
                 o: n("self_attn.o_proj"),
             },
         }
@@ -163,23 +163,24 @@ impl MlaAttention {
             },
         };
         let expanded = prefill == MlaPrefill::Auto;
-        let (k_b, v_b, expansion) = if ld.has(&names.k_b) {
-            let split = (names.k_b.as_str(), names.v_b.as_str());
-            (
-                per_head(ld, &names.k_b, nh, m.kv_lora_rank, m.nope_dim)?,
-                per_head(ld, &names.v_b, nh, m.v_dim, m.kv_lora_rank)?,
+        let split = names.split.as_ref().filter(|(k_b, _)| ld.has(k_b));
+        let (k_b, v_b, expansion) = match split {
+            Some((k_b, v_b)) => (
+                ld.stacked(k_b, nh, m.kv_lora_rank, m.nope_dim)?,
+                ld.stacked(v_b, nh, m.v_dim, m.kv_lora_rank)?,
                 expanded
-                    .then(|| Expansion::from_split(ld, split, nh, m))
+                    .then(|| Expansion::from_split(ld, (k_b, v_b), nh, m).map(Box::new))
                     .transpose()?,
-            )
-        } else {
-            let w =
-                to_f32(&ld.matrix(&names.kv_b, nh * (m.nope_dim + m.v_dim), m.kv_lora_rank)?)?;
-            let (k_b, v_b) = split_kv_b(&w, nh, m)?;
-            let e = expanded
-                .then(|| Expansion::from_kv_b(&w, nh, m))
-                .transpose()?;
-            (k_b, v_b, e)
+            ),
+            None => {
+                let rows = nh * (m.nope_dim + m.v_dim);
+                let w = to_f32(&ld.matrix(&names.kv_b, rows, m.kv_lora_rank)?)?;
+                let (k_b, v_b) = split_kv_b(&w, nh, m)?;
+                let e = expanded
+                    .then(|| Expansion::from_kv_b(&w, nh, m).map(Box::new))
+                    .transpose()?;
+                (k_b, v_b, e)
+            }
         };
         Ok(MlaAttention {
             q,
@@ -202,7 +203,7 @@ impl MlaAttention {
             + self.o.weight.byte_len()
             + self.k_b.byte_len()
             + self.v_b.byte_len()
-            + self.expansion.as_ref().map_or(0, Expansion::byte_len)
+            + self.expansion.as_ref().map_or(0, |e| e.byte_len())
     }
 
     /// Attention of the batch's `n` tokens (normed input `xn`), storing
@@ -408,20 +409,6 @@ impl MlaAttention {
     }
 }
 
-/// `heads` matrices `[rows, cols]` of a 3-D tensor `[heads, rows, cols]`
-/// (llama.cpp's split `attn_k_b` / `attn_v_b`).
-fn per_head(
-    ld: &Loader<'_>,
-    name: &str,
-    heads: usize,
-    rows: usize,
-    cols: usize,
-) -> Result<Vec<LinearWeight>, ModelError> {
-    let t = ld.tensor(name)?;
-    super::loader::check_shape(&t, name, &[heads, rows, cols])?;
-    (0..heads).map(|h| ld.prepare(t.matrix(h)?)).collect()
-}
-
 /// Splits Hugging Face's `kv_b_proj` (`w`, `[heads · (nope + v),
 /// kv_lora_rank]` as f32) into each head's transposed key part
 /// `[kv_lora_rank, nope]` and value part `[v, kv_lora_rank]`.
@@ -435,12 +422,7 @@ fn split_kv_b(
     let mut v_b = Vec::with_capacity(heads);
     for head in w.chunks_exact((nope + v) * rank) {
         let (k, vv) = head.split_at(nope * rank);
-        let mut kt = vec![0f32; rank * nope];
-        for (d, row) in k.chunks_exact(rank).enumerate() {
-            for (c, &x) in row.iter().enumerate() {
-                kt[c * nope + d] = x;
-            }
-        }
+        let kt = transpose(k, nope, rank);
         k_b.push(LinearWeight::prepare(
             Tensor::from_f32(vec![rank, nope], &kt)?,
             false,

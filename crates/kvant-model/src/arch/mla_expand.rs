@@ -11,7 +11,7 @@
 //! never is: [`Expansion::cheaper`] weighs the two for each sequence's
 //! chunk. Decode (one token) always stays absorbed.
 
-use super::loader::{to_f32, Loader};
+use super::loader::{to_f32, transpose, Loader};
 use super::sized;
 use crate::config::MlaConfig;
 use crate::kv::KvPool;
@@ -87,17 +87,10 @@ impl Expansion {
         let kt = ld.tensor(k_b)?;
         super::loader::check_shape(&kt, k_b, &[heads, rank, nope])?;
         let absorbed = to_f32(&kt)?;
-        let mut k = vec![0f32; heads * nope * rank];
-        for (head, src) in k
-            .chunks_exact_mut(nope * rank)
-            .zip(absorbed.chunks_exact(rank * nope))
-        {
-            for (c, row) in src.chunks_exact(nope).enumerate() {
-                for (d, &x) in row.iter().enumerate() {
-                    head[d * rank + c] = x;
-                }
-            }
-        }
+        let k: Vec<f32> = absorbed
+            .chunks_exact(rank * nope)
+            .flat_map(|head| transpose(head, rank, nope))
+            .collect();
         let k = match kt.dtype().is_quantized() && ld.int8 && rank % 32 == 0 {
             true => q8_0_matrix(&k, heads * nope, rank)?,
             false => Tensor::from_f32(vec![heads * nope, rank], &k)?,

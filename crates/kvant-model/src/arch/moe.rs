@@ -121,9 +121,7 @@ impl MoeFfn {
                         .map(|i| ld.weight(&pattern.replace("{e}", &i.to_string()), rows, cols))
                         .collect()
                 } else {
-                    let t = ld.tensor(pattern)?;
-                    super::loader::check_shape(&t, pattern, &[ne, rows, cols])?;
-                    (0..ne).map(|i| ld.prepare(t.matrix(i)?)).collect()
+                    ld.stacked(pattern, ne, rows, cols)
                 }
             };
         let bias = match ld.has(&names.bias) {
