@@ -98,7 +98,7 @@ impl<'m> Session<'m> {
     /// a model without one; never on the tokens produced).
     pub fn set_speculation(&mut self, policy: Policy) {
         if let Some(d) = &mut self.drafter {
-            d.set_policy(policy);
+            d.spec.set_policy(policy);
         }
     }
 
@@ -132,7 +132,7 @@ impl<'m> Session<'m> {
             .min(prompt.len() - 1);
         let hidden = self.model.config().hidden;
         if let Some(d) = &mut self.drafter {
-            common = d.truncate(common, hidden);
+            common = d.state.truncate(common, hidden);
         }
         self.cache.truncate(common);
         self.tokens.truncate(common);
@@ -147,7 +147,7 @@ impl<'m> Session<'m> {
             let (l, h) = self.model.forward_hidden(chunk, &mut self.cache, want)?;
             logits = l;
             if let Some(d) = &mut self.drafter {
-                d.push_hidden(&h);
+                d.state.push_hidden(&h);
             }
             self.tokens.extend_from_slice(chunk);
         }
@@ -202,7 +202,7 @@ impl<'m> Session<'m> {
             out.decode_steps += 1;
             let step = Instant::now();
             let draft = match &mut self.drafter {
-                Some(d) if room >= 3 && d.wants_draft() => {
+                Some(d) if room >= 3 && d.spec.wants_draft() => {
                     Some(d.draft(self.model, &mut self.cache, &self.tokens, next)?)
                 }
                 _ => None,
@@ -214,12 +214,12 @@ impl<'m> Session<'m> {
                 };
                 let (mut l, h) = self.model.forward_hidden(&[next], &mut self.cache, want)?;
                 if let Some(d) = &mut self.drafter {
-                    d.push_hidden(&h);
+                    d.state.push_hidden(&h);
                 }
                 self.tokens.push(next);
                 next = sampler.sample(&mut l, &self.tokens)?;
                 if let Some(d) = &mut self.drafter {
-                    d.record(step.elapsed().as_secs_f64(), 1);
+                    d.spec.record(step.elapsed().as_secs_f64(), 1);
                 }
                 continue;
             };
@@ -236,12 +236,12 @@ impl<'m> Session<'m> {
             out.accepted += usize::from(hit);
             if let Some(d) = &mut self.drafter {
                 // A rejected draft's row and keys are dropped.
-                d.push_hidden(if hit { &h } else { &h[..hidden] });
+                d.state.push_hidden(if hit { &h } else { &h[..hidden] });
             }
             if !hit {
                 self.cache.truncate(self.tokens.len());
                 if let Some(d) = &mut self.drafter {
-                    d.record(step.elapsed().as_secs_f64(), 1);
+                    d.spec.record(step.elapsed().as_secs_f64(), 1);
                 }
                 next = second;
                 continue;
@@ -252,7 +252,7 @@ impl<'m> Session<'m> {
             }
             next = sampler.sample(&mut l2, &self.tokens)?;
             if let Some(d) = &mut self.drafter {
-                d.record(step.elapsed().as_secs_f64(), 2);
+                d.spec.record(step.elapsed().as_secs_f64(), 2);
             }
         }
         if out.finish_reason == FinishReason::Length {

@@ -26,7 +26,7 @@
 //! then.
 
 use crate::error::EngineError;
-use kvant_model::arch::decoder::DecoderModel;
+use kvant_model::arch::decoder::{DecoderModel, MtpStep};
 use kvant_model::kv::KvCache;
 
 /// When a decode step drafts with the MTP module.
@@ -80,20 +80,17 @@ impl Meter {
     }
 }
 
-pub(crate) struct MtpDrafter {
-    /// Module inputs stored: positions `0..slots` consumed.
-    slots: usize,
-    /// Hidden states `[rows, hidden]` of positions `slots..slots + rows`.
-    pending: Vec<f32>,
+/// Whether decode steps draft: the policy, and the adaptive policy's
+/// measurements. One per [`crate::session::Session`], one per serving
+/// engine (there it measures whole decode steps of the batch).
+pub(crate) struct Speculation {
     policy: Policy,
     meter: Meter,
 }
 
-impl MtpDrafter {
+impl Speculation {
     pub fn new(policy: Policy) -> Self {
-        MtpDrafter {
-            slots: 0,
-            pending: Vec::new(),
+        Speculation {
             policy,
             meter: Meter {
                 drafting: true,
@@ -117,7 +114,25 @@ impl MtpDrafter {
     }
 }
 
-impl MtpDrafter {
+/// One sequence's place in the MTP module's cache: inputs `0..slots` are
+/// stored; the main model's hidden states of positions `slots..` wait in
+/// `pending` (`[rows, hidden]`).
+#[derive(Default)]
+pub(crate) struct MtpState {
+    slots: usize,
+    pending: Vec<f32>,
+}
+
+impl MtpState {
+    /// A sequence whose module inputs below `slots` are already stored
+    /// (0 for a fresh one; a prefix-cache hit's first uncached position).
+    pub fn starting_at(slots: usize) -> Self {
+        MtpState {
+            slots,
+            pending: Vec::new(),
+        }
+    }
+
     /// Forgets everything from position `keep` on (the sequence was cut
     /// back to `keep` tokens). Returns the position the main model must
     /// recompute from so that every hidden state the module still needs
@@ -137,9 +152,71 @@ impl MtpDrafter {
         self.pending.extend_from_slice(rows);
     }
 
+    /// The module's step for drafting the token after `next`, which
+    /// follows `tokens`: every pending position, the last fed `next`. The
+    /// caller runs it, then calls [`Self::consumed`].
+    pub fn step<'a>(
+        &'a self,
+        tokens: &[u32],
+        next: u32,
+        table: &'a [u32],
+    ) -> (Vec<u32>, MtpInput<'a>) {
+        // Inputs slots..slots+rows take tokens slots+1.. and end with `next`.
+        let mut inputs: Vec<u32> = tokens.get(self.slots + 1..).unwrap_or(&[]).to_vec();
+        inputs.push(next);
+        (
+            inputs,
+            MtpInput {
+                hidden: &self.pending,
+                slot0: self.slots,
+                table,
+            },
+        )
+    }
+
+    /// The pending positions went through the module.
+    pub fn consumed(&mut self, hidden: usize) {
+        self.slots += self.pending.len() / hidden.max(1);
+        self.pending.clear();
+    }
+}
+
+/// An [`MtpState::step`] without its tokens (kept apart so that a batch of
+/// steps can borrow them): hidden rows, first slot, block table.
+pub(crate) struct MtpInput<'a> {
+    pub hidden: &'a [f32],
+    pub slot0: usize,
+    pub table: &'a [u32],
+}
+
+impl MtpInput<'_> {
+    pub fn with<'a>(&'a self, tokens: &'a [u32]) -> MtpStep<'a> {
+        MtpStep {
+            tokens,
+            hidden: self.hidden,
+            slot0: self.slot0,
+            table: self.table,
+        }
+    }
+}
+
+/// A [`crate::session::Session`]'s drafter: its sequence's module state
+/// and its speculation policy.
+pub(crate) struct MtpDrafter {
+    pub state: MtpState,
+    pub spec: Speculation,
+}
+
+impl MtpDrafter {
+    pub fn new(policy: Policy) -> Self {
+        MtpDrafter {
+            state: MtpState::default(),
+            spec: Speculation::new(policy),
+        }
+    }
+
     /// Drafts the token after `next`, which follows `tokens` (whose keys
-    /// are in `cache`): feeds the module every pending position, the last
-    /// with `next`, and returns its argmax.
+    /// are in `cache`), and returns the module's argmax.
     pub fn draft(
         &mut self,
         model: &DecoderModel,
@@ -147,19 +224,15 @@ impl MtpDrafter {
         tokens: &[u32],
         next: u32,
     ) -> Result<u32, EngineError> {
-        let rows = self.pending.len() / model.config().hidden;
-        // Inputs slots..slots+rows take tokens slots+1.. and end with `next`.
-        let mut inputs: Vec<u32> = tokens.get(self.slots + 1..).unwrap_or(&[]).to_vec();
-        inputs.push(next);
-        // A mismatch with `rows` is the model's typed `MtpHidden` error.
-        let logits = model.mtp_draft(&inputs, &self.pending, self.slots, cache)?;
-        self.slots += rows;
-        self.pending.clear();
+        let (inputs, input) = self.state.step(tokens, next, &[]);
+        // A mismatch of rows and tokens is the model's typed `MtpHidden` error.
+        let logits = model.mtp_draft(&inputs, input.hidden, input.slot0, cache)?;
+        self.state.consumed(model.config().hidden);
         Ok(argmax(&logits))
     }
 }
 
-fn argmax(v: &[f32]) -> u32 {
+pub(crate) fn argmax(v: &[f32]) -> u32 {
     let mut best = (0, f32::NEG_INFINITY);
     for (i, &x) in v.iter().enumerate() {
         if x > best.1 {

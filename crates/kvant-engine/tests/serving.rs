@@ -7,6 +7,7 @@
 use kvant_engine::serving::{
     EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, Shutdown, SubmitError, Usage,
 };
+use kvant_engine::speculative::Policy;
 use kvant_engine::{FinishReason, SamplingParams};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -28,10 +29,16 @@ fn start(cfg: EngineConfig) -> (EngineHandle, EngineThread) {
 }
 
 fn start_with(name: &str, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
+    start_loaded(name, false, cfg)
+}
+
+/// `mtp`: with the checkpoint's multi-token-prediction module.
+fn start_loaded(name: &str, mtp: bool, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
     // As `kvant serve` loads: latent attention always absorbed, so that
     // outputs cannot depend on the load.
     let opts = kvant_model::LoadOptions {
         mla_prefill: kvant_model::MlaPrefill::Absorbed,
+        mtp,
         ..kvant_model::LoadOptions::default()
     };
     let m = kvant_model::load_with(&fixture(name), opts).expect("fixture loads");
@@ -348,4 +355,88 @@ fn shutdown_abort_ends_streams() {
     };
     assert_eq!(reason, FinishReason::Abort);
     t.join().unwrap();
+}
+
+/// Self-speculative decoding in the engine: the DeepSeek-V3 fixture's MTP
+/// module drafting at every step, under 16 concurrent requests with
+/// chunked prompts and preemptions (recomputed, the module's state with
+/// them), gives every request exactly the tokens the engine gives without
+/// the module, greedy or sampled.
+#[test]
+fn mtp_drafting_changes_no_output() {
+    let ps = prompts(16, 3);
+    let run = |mtp: bool| {
+        let cfg = EngineConfig {
+            block_size: 4,
+            kv_blocks: 64,
+            max_batch_tokens: 40,
+            max_running: 12,
+            speculation: Policy::Always,
+            ..EngineConfig::default()
+        };
+        let (h, t) = start_loaded("deepseek-v3", mtp, cfg);
+        let rxs: Vec<Receiver<Event>> = ps
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let mut req = greedy(p.clone(), 24);
+                if i % 2 == 1 {
+                    req.sampling = SamplingParams {
+                        temperature: 0.9,
+                        seed: i as u64,
+                        ..SamplingParams::default()
+                    };
+                }
+                submit(&h, req)
+            })
+            .collect();
+        let outs: Vec<Vec<u32>> = rxs.iter().map(|rx| collect(rx).0).collect();
+        let m = h.metrics();
+        h.shutdown(Shutdown::Drain);
+        t.join().unwrap();
+        (outs, m)
+    };
+    let (plain, _) = run(false);
+    let (spec, m) = run(true);
+    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+        assert_eq!(a, b, "request {i}");
+    }
+    eprintln!(
+        "{} of {} drafts accepted, {} preemptions",
+        m.spec_accepted, m.spec_drafted, m.preemptions
+    );
+    assert!(m.spec_drafted > 16, "{m:?}");
+    assert!(m.preemptions > 0, "{m:?}");
+    assert_eq!(m.generation_tokens, 16 * 24);
+}
+
+/// `deepseek-v3-mtp-echo`'s module predicts its main model exactly
+/// (tools/reference/make_mtp_echo_fixture.py): in the engine too every
+/// verified draft is accepted, so requests advance two tokens per pass,
+/// with the tokens plain decoding gives.
+#[test]
+fn mtp_echo_drafts_are_all_accepted() {
+    let prompts = [vec![17u32, 4, 250, 9], vec![3, 99, 41, 8, 8, 120, 7]];
+    let run = |mtp: bool| {
+        let cfg = EngineConfig {
+            speculation: Policy::Always,
+            ..EngineConfig::default()
+        };
+        let (h, t) = start_loaded("deepseek-v3-mtp-echo", mtp, cfg);
+        let rxs: Vec<Receiver<Event>> = prompts
+            .iter()
+            .map(|p| submit(&h, greedy(p.clone(), 41)))
+            .collect();
+        let outs: Vec<Vec<u32>> = rxs.iter().map(|rx| collect(rx).0).collect();
+        let m = h.metrics();
+        h.shutdown(Shutdown::Drain);
+        t.join().unwrap();
+        (outs, m)
+    };
+    let (plain, _) = run(false);
+    let (spec, m) = run(true);
+    assert_eq!(plain, spec);
+    // 41 tokens: the first from the prompt's pass, then 20 verifying passes.
+    assert_eq!(m.spec_accepted, m.spec_drafted, "{m:?}");
+    assert!(m.spec_drafted >= 2 * 19, "{m:?}");
 }

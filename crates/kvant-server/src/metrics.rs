@@ -69,6 +69,18 @@ pub fn render(m: &MetricsSnapshot) -> String {
     );
     counter(
         w,
+        "kvant_spec_decode_num_draft_tokens_total",
+        "Tokens drafted by the MTP module and verified.",
+        m.spec_drafted,
+    );
+    counter(
+        w,
+        "kvant_spec_decode_num_accepted_tokens_total",
+        "Drafted tokens the main model accepted.",
+        m.spec_accepted,
+    );
+    counter(
+        w,
         "kvant_prompt_tokens_total",
         "Prompt tokens processed.",
         m.prompt_tokens,

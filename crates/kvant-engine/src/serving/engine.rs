@@ -1,6 +1,11 @@
 //! The engine's step: schedule, run one forward pass over the ragged
 //! batch, then sample, detokenize and report for every sequence that
-//! produced logits.
+//! produced logits. With an MTP module, the step ends with one batched
+//! pass of the module drafting the next token of every sequence that just
+//! sampled; the next pass verifies each draft alongside its sequence's
+//! sampled token (self-speculative decoding, lossless as in `Session`:
+//! the sampler sees only the main model's rows, which are the same
+//! whether one or two tokens run).
 
 use super::blocks::BlockManager;
 use super::handle::{EngineConfig, Shared};
@@ -10,8 +15,9 @@ use super::scheduler::{schedule, Limits};
 use super::sequence::Sequence;
 use crate::sampling::Sampler;
 use crate::session::FinishReason;
+use crate::speculative::{argmax, MtpState, Speculation};
 use crate::stop::StopMatcher;
-use kvant_model::arch::decoder::{DecoderModel, Logits, SeqStep};
+use kvant_model::arch::decoder::{DecoderModel, Logits, MtpStep, SeqStep};
 use kvant_model::kv::KvPool;
 use kvant_model::tokenizer::Tokenizer;
 use std::collections::VecDeque;
@@ -28,6 +34,8 @@ pub(super) struct Engine<'t> {
     waiting: VecDeque<Sequence<'t>>,
     running: Vec<Sequence<'t>>,
     shared: Arc<Shared>,
+    /// Whether decode steps draft (models with an MTP module).
+    spec: Option<Speculation>,
 }
 
 impl<'t> Engine<'t> {
@@ -39,6 +47,7 @@ impl<'t> Engine<'t> {
         shared: Arc<Shared>,
     ) -> Self {
         let blocks = BlockManager::new(pool.n_blocks(), pool.block_size(), cfg.prefix_caching);
+        let model_has_mtp = model.has_mtp();
         Engine {
             model,
             tokenizer,
@@ -51,6 +60,7 @@ impl<'t> Engine<'t> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             shared,
+            spec: model_has_mtp.then(|| Speculation::new(cfg.speculation)),
         }
     }
 
@@ -84,6 +94,8 @@ impl<'t> Engine<'t> {
             closed: false,
             arrived: Instant::now(),
             last_token: None,
+            mtp: self.spec.is_some().then(MtpState::default),
+            draft: None,
         });
     }
 
@@ -134,27 +146,58 @@ impl<'t> Engine<'t> {
             self.publish();
             return;
         }
-        let steps: Vec<SeqStep<'_>> = plan
+        let started = Instant::now();
+        let mtp = self.spec.is_some();
+        // A sequence with a draft and two tokens of budget verifies it.
+        let verify: Vec<Option<[u32; 2]>> = plan
             .iter()
             .map(|p| {
                 let s = &self.running[p.seq];
-                let end = s.computed + p.n;
-                SeqStep {
-                    tokens: &s.tokens[s.computed..end],
-                    pos0: s.computed,
-                    table: &s.blocks,
-                    logits: if end == s.tokens.len() {
-                        Logits::Last
-                    } else {
-                        Logits::None
-                    },
+                match s.draft {
+                    Some(d) if p.n == 2 && s.remaining() == 1 => Some([s.tokens[s.computed], d]),
+                    _ => None,
                 }
             })
             .collect();
-        let wants: Vec<bool> = steps.iter().map(|s| s.logits == Logits::Last).collect();
-        let result = self.model.forward_batch(&mut self.pool, &steps);
+        let steps: Vec<SeqStep<'_>> = plan
+            .iter()
+            .zip(&verify)
+            .map(|(p, v)| {
+                let s = &self.running[p.seq];
+                let end = s.computed + p.n;
+                let (tokens, logits) = match v {
+                    Some(pair) => (&pair[..], Logits::All),
+                    None => (
+                        &s.tokens[s.computed..end],
+                        match (end == s.tokens.len(), mtp) {
+                            (true, false) => Logits::Last,
+                            (true, true) => Logits::LastAndHidden,
+                            (false, false) => Logits::None,
+                            (false, true) => Logits::Hidden,
+                        },
+                    ),
+                };
+                SeqStep {
+                    tokens,
+                    pos0: s.computed,
+                    table: &s.blocks,
+                    logits,
+                }
+            })
+            .collect();
+        let logit_rows: Vec<usize> = steps
+            .iter()
+            .map(|s| match s.logits {
+                Logits::All => s.tokens.len(),
+                Logits::Last | Logits::LastAndHidden => 1,
+                Logits::None | Logits::Hidden => 0,
+            })
+            .collect();
+        // Only steps of nothing but decodes measure the speculation policy.
+        let decode_only = plan.iter().all(|p| self.running[p.seq].remaining() == 1);
+        let result = self.model.forward_batch_hidden(&mut self.pool, &steps);
         drop(steps);
-        let mut logits = match result {
+        let (mut logits, hidden) = match result {
             Ok(l) => l,
             Err(e) => {
                 // Not reachable with engine-made batches; never leave
@@ -173,19 +216,59 @@ impl<'t> Engine<'t> {
                 return;
             }
         };
-        let vocab = self.model.config().vocab;
+        let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
         let mut done = Vec::new();
-        let mut row = 0;
-        for (p, &want) in plan.iter().zip(&wants) {
+        let (mut row, mut hrow) = (0, 0);
+        let mut produced = 0;
+        for ((p, v), &rows) in plan.iter().zip(&verify).zip(&logit_rows) {
             let s = &mut self.running[p.seq];
-            s.computed += p.n;
-            s.register_full_blocks(&mut self.blocks);
-            if !want {
+            let hid = match mtp {
+                true => &hidden[hrow * h..(hrow + p.n) * h],
+                false => &[][..],
+            };
+            hrow += p.n * usize::from(mtp);
+            let l = &mut logits[row * vocab..(row + rows) * vocab];
+            row += rows;
+            s.draft = None;
+            let Some([_, draft]) = *v else {
+                s.computed += p.n;
+                if let Some(m) = &mut s.mtp {
+                    m.push_hidden(hid);
+                }
+                s.register_full_blocks(&mut self.blocks);
+                if rows == 0 {
+                    continue;
+                }
+                produced += 1;
+                if let Some(reason) = advance(s, l, self.tokenizer, &self.shared) {
+                    done.push((p.seq, reason));
+                }
                 continue;
+            };
+            // Verify: the sampled token's row decides; the draft's row
+            // counts only if the sample equals the draft.
+            let (l0, l1) = l.split_at_mut(vocab);
+            s.computed += 1;
+            if let Some(m) = &mut s.mtp {
+                m.push_hidden(&hid[..h]);
             }
-            let l = &mut logits[row * vocab..(row + 1) * vocab];
-            row += 1;
-            if let Some(reason) = advance(s, l, self.tokenizer, &self.shared) {
+            produced += 1;
+            let mut end = advance(s, l0, self.tokenizer, &self.shared);
+            let hit = s.tokens.last() == Some(&draft);
+            self.shared.metrics.update(|m| {
+                m.spec_drafted += 1;
+                m.spec_accepted += u64::from(hit);
+            });
+            if end.is_none() && hit {
+                s.computed += 1;
+                if let Some(m) = &mut s.mtp {
+                    m.push_hidden(&hid[h..]);
+                }
+                produced += 1;
+                end = advance(s, l1, self.tokenizer, &self.shared);
+            }
+            s.register_full_blocks(&mut self.blocks);
+            if let Some(reason) = end {
                 done.push((p.seq, reason));
             }
         }
@@ -194,7 +277,56 @@ impl<'t> Engine<'t> {
             let s = self.running.remove(i);
             self.finish(s, reason);
         }
+        self.draft();
+        if let Some(spec) = self.spec.as_mut().filter(|_| decode_only && produced > 0) {
+            spec.record(started.elapsed().as_secs_f64(), produced);
+        }
         self.publish();
+    }
+
+    /// One pass of the MTP module for every sequence that has just sampled
+    /// and may take two more tokens: each gets a draft for the next pass.
+    fn draft(&mut self) {
+        let Some(spec) = &self.spec else { return };
+        if !spec.wants_draft() {
+            return;
+        }
+        let who: Vec<usize> = (0..self.running.len())
+            .filter(|&i| {
+                let s = &self.running[i];
+                s.mtp.is_some()
+                    && s.draft.is_none()
+                    && s.remaining() == 1
+                    && s.computed > 0
+                    && s.generated() + 1 < s.req.max_tokens
+            })
+            .collect();
+        if who.is_empty() {
+            return;
+        }
+        let mut inputs = Vec::with_capacity(who.len());
+        for &i in &who {
+            let s = &self.running[i];
+            let (last, before) = s.tokens.split_last().map_or((0, &[][..]), |(l, b)| (*l, b));
+            if let Some(m) = &s.mtp {
+                inputs.push(m.step(before, last, &s.blocks));
+            }
+        }
+        let steps: Vec<MtpStep<'_>> = inputs.iter().map(|(t, i)| i.with(t)).collect();
+        let result = self.model.mtp_forward(&mut self.pool, &steps);
+        drop(steps);
+        drop(inputs);
+        // Drafts only ever cost speed: a failed pass (not reachable with
+        // engine-made steps) just drafts nothing.
+        let Ok(logits) = result else { return };
+        let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
+        for (&i, row) in who.iter().zip(logits.chunks_exact(vocab)) {
+            let s = &mut self.running[i];
+            if let Some(m) = &mut s.mtp {
+                m.consumed(h);
+            }
+            s.draft = Some(argmax(row));
+        }
     }
 
     /// Releases a sequence's blocks and sends its last event.

@@ -34,6 +34,9 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Reuse the KV blocks of earlier prompts that share a prefix.
     pub prefix_caching: bool,
+    /// When decode steps draft with the model's MTP module (models loaded
+    /// with one; see [`crate::speculative`]).
+    pub speculation: crate::speculative::Policy,
 }
 
 impl EngineConfig {
@@ -52,6 +55,7 @@ impl Default for EngineConfig {
             max_running: 64,
             max_waiting: 256,
             prefix_caching: true,
+            speculation: crate::speculative::Policy::Adaptive,
         }
     }
 }

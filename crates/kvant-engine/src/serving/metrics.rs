@@ -55,6 +55,10 @@ pub struct MetricsSnapshot {
     pub requests_finished: u64,
     pub requests_aborted: u64,
     pub preemptions: u64,
+    /// Tokens drafted by the MTP module and verified, and those accepted
+    /// (self-speculative decoding).
+    pub spec_drafted: u64,
+    pub spec_accepted: u64,
     pub time_to_first_token: Histogram,
     pub inter_token_latency: Histogram,
 }

@@ -2,7 +2,7 @@
 //! contributes: continuous batching under a token budget.
 //!
 //! Each step, running sequences go first, in admission order: those
-//! decoding take one token each, then those still in their prompt take
+//! decoding take one token each (two with a draft to verify), then those still in their prompt take
 //! chunks of what budget is left (chunked prefill), so a long prompt never
 //! stalls the streams already running. Then waiting requests are admitted
 //! first come, first served, each after a prefix-cache lookup, while budget,
@@ -59,7 +59,8 @@ pub(super) fn schedule<'t>(
         if preempted[i] || budget == 0 {
             continue;
         }
-        let n = running[i].remaining().min(budget);
+        // A draft rides along when the budget has room for it.
+        let n = running[i].wanted().min(budget);
         loop {
             let need =
                 blocks_for(bm, running[i].computed + n).saturating_sub(running[i].blocks.len());
@@ -132,7 +133,7 @@ pub(super) fn schedule<'t>(
         };
         s.blocks = hits.iter().map(|h| h.0).collect();
         s.cids = hits.iter().map(|h| h.1).collect();
-        s.computed = cached;
+        s.restart_at(cached);
         if s.cached_tokens.is_none() {
             s.cached_tokens = Some(cached);
             out.cache_queries += s.prompt_len;

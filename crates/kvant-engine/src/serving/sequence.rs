@@ -5,6 +5,7 @@
 use super::blocks::{BlockManager, ROOT};
 use super::request::{EngineRequest, EventSink, RequestId};
 use crate::sampling::Sampler;
+use crate::speculative::MtpState;
 use crate::stop::StopMatcher;
 use kvant_model::tokenizer::DecodeStream;
 use std::time::Instant;
@@ -31,6 +32,11 @@ pub(super) struct Sequence<'t> {
     pub closed: bool,
     pub arrived: Instant,
     pub last_token: Option<Instant>,
+    /// Its place in the MTP module's cache (models that carry one).
+    pub mtp: Option<MtpState>,
+    /// The module's guess at the token after the last sampled one, to be
+    /// verified in the next pass together with it.
+    pub draft: Option<u32>,
 }
 
 impl Sequence<'_> {
@@ -43,6 +49,24 @@ impl Sequence<'_> {
         self.tokens.len() - self.computed
     }
 
+    /// Tokens the next pass would take: with a draft, the sampled token
+    /// and the draft.
+    pub fn wanted(&self) -> usize {
+        self.remaining() + usize::from(self.draft.is_some())
+    }
+
+    /// Sets how many leading tokens have keys in the pool (0 after a
+    /// preemption, the prefix-cache hit at admission); the MTP module
+    /// takes over from there (module inputs of shared blocks come with
+    /// them).
+    pub fn restart_at(&mut self, computed: usize) {
+        self.computed = computed;
+        self.draft = None;
+        if let Some(m) = &mut self.mtp {
+            *m = MtpState::starting_at(computed);
+        }
+    }
+
     /// Drops every block reference (finish, abort or preemption); the
     /// sequence would start over from its tokens.
     pub fn release_blocks(&mut self, bm: &mut BlockManager) {
@@ -51,7 +75,7 @@ impl Sequence<'_> {
         }
         self.blocks.clear();
         self.cids.clear();
-        self.computed = 0;
+        self.restart_at(0);
     }
 
     /// Offers every newly filled block to the prefix cache.

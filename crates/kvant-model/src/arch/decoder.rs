@@ -42,6 +42,9 @@ pub enum Logits {
     /// The last token's, with every token's hidden state (the prefill of
     /// a sequence that an MTP module drafts for).
     LastAndHidden,
+    /// No logits, every token's hidden state (a prompt chunk that does not
+    /// end its prompt, of a sequence an MTP module drafts for).
+    Hidden,
 }
 
 /// How a model is prepared at load time.
@@ -372,10 +375,13 @@ impl DecoderModel {
         let hidden_rows = seqs.iter().zip(&attn_seqs).map(|(s, a)| match s.logits {
             Logits::None => a.rows.start..a.rows.start,
             Logits::Last => a.rows.end - 1..a.rows.end,
-            Logits::All | Logits::LastAndHidden => a.rows.clone(),
+            Logits::All | Logits::LastAndHidden | Logits::Hidden => a.rows.clone(),
         });
         let rows = gather(x, h, hidden_rows);
-        if !seqs.iter().any(|s| s.logits == Logits::LastAndHidden) {
+        if !seqs
+            .iter()
+            .any(|s| matches!(s.logits, Logits::LastAndHidden | Logits::Hidden))
+        {
             let logits = self.head(&rows, &self.final_norm, &self.output, s)?;
             return Ok((logits, s.rows_n[..rows.len()].to_vec()));
         }
@@ -387,16 +393,20 @@ impl DecoderModel {
             let len = match sq.logits {
                 Logits::None => 0,
                 Logits::Last => 1,
-                Logits::All | Logits::LastAndHidden => a.rows.len(),
+                Logits::All | Logits::LastAndHidden | Logits::Hidden => a.rows.len(),
             };
             logit_rows.push(match sq.logits {
                 Logits::LastAndHidden => at + len - 1..at + len,
+                Logits::Hidden => at..at,
                 _ => at..at + len,
             });
             at += len;
         }
         let normed = gather(&hidden, h, logit_rows.into_iter());
-        let logits = self.project(&normed, &self.output, s)?;
+        let logits = match normed.is_empty() {
+            true => Vec::new(),
+            false => self.project(&normed, &self.output, s)?,
+        };
         Ok((logits, hidden))
     }
 

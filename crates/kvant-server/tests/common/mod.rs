@@ -51,7 +51,7 @@ impl Setup {
                 max_batch_tokens: 256,
                 max_running: 16,
                 max_waiting: 64,
-                prefix_caching: true,
+                ..EngineConfig::default()
             },
             server: ServerConfig::new(name),
             chat_template: true,

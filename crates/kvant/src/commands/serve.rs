@@ -76,6 +76,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         max_running: a.max_running,
         max_waiting: a.max_waiting,
         prefix_caching: !a.no_prefix_caching,
+        speculation: a.model.speculation(),
     };
     let tokenizer = Arc::new(m.tokenizer);
     let (engine, thread) = EngineHandle::start(
