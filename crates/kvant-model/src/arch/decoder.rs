@@ -403,10 +403,7 @@ impl DecoderModel {
             at += len;
         }
         let normed = gather(&hidden, h, logit_rows.into_iter());
-        let logits = match normed.is_empty() {
-            true => Vec::new(),
-            false => self.project(&normed, &self.output, s)?,
-        };
+        let logits = self.project(&normed, &self.output, s)?;
         Ok((logits, hidden))
     }
 
