@@ -5,7 +5,8 @@
 //! and one with a gated shared expert (Qwen2-MoE).
 
 use kvant_engine::serving::{
-    EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, Shutdown, SubmitError, Usage,
+    EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, MetricsSnapshot, Shutdown,
+    SubmitError, Usage,
 };
 use kvant_engine::speculative::Policy;
 use kvant_engine::{FinishReason, SamplingParams};
@@ -357,6 +358,28 @@ fn shutdown_abort_ends_streams() {
     t.join().unwrap();
 }
 
+/// Runs `reqs` concurrently on fixture `name` (with its MTP module if
+/// `mtp`, drafting at every step); returns each request's tokens and the
+/// engine's counters.
+fn run_all(
+    name: &str,
+    mtp: bool,
+    cfg: EngineConfig,
+    reqs: &[EngineRequest],
+) -> (Vec<Vec<u32>>, MetricsSnapshot) {
+    let cfg = EngineConfig {
+        speculation: Policy::Always,
+        ..cfg
+    };
+    let (h, t) = start_loaded(name, mtp, cfg);
+    let rxs: Vec<Receiver<Event>> = reqs.iter().map(|r| submit(&h, r.clone())).collect();
+    let outs: Vec<Vec<u32>> = rxs.iter().map(|rx| collect(rx).0).collect();
+    let m = h.metrics();
+    h.shutdown(Shutdown::Drain);
+    t.join().unwrap();
+    (outs, m)
+}
+
 /// Self-speculative decoding in the engine: the DeepSeek-V3 fixture's MTP
 /// module drafting at every step, under 16 concurrent requests with
 /// chunked prompts and preemptions (recomputed, the module's state with
@@ -364,40 +387,30 @@ fn shutdown_abort_ends_streams() {
 /// the module, greedy or sampled.
 #[test]
 fn mtp_drafting_changes_no_output() {
-    let ps = prompts(16, 3);
-    let run = |mtp: bool| {
-        let cfg = EngineConfig {
-            block_size: 4,
-            kv_blocks: 64,
-            max_batch_tokens: 40,
-            max_running: 12,
-            speculation: Policy::Always,
-            ..EngineConfig::default()
-        };
-        let (h, t) = start_loaded("deepseek-v3", mtp, cfg);
-        let rxs: Vec<Receiver<Event>> = ps
-            .iter()
-            .enumerate()
-            .map(|(i, p)| {
-                let mut req = greedy(p.clone(), 24);
-                if i % 2 == 1 {
-                    req.sampling = SamplingParams {
-                        temperature: 0.9,
-                        seed: i as u64,
-                        ..SamplingParams::default()
-                    };
-                }
-                submit(&h, req)
-            })
-            .collect();
-        let outs: Vec<Vec<u32>> = rxs.iter().map(|rx| collect(rx).0).collect();
-        let m = h.metrics();
-        h.shutdown(Shutdown::Drain);
-        t.join().unwrap();
-        (outs, m)
+    let reqs: Vec<EngineRequest> = prompts(16, 3)
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let mut req = greedy(p, 24);
+            if i % 2 == 1 {
+                req.sampling = SamplingParams {
+                    temperature: 0.9,
+                    seed: i as u64,
+                    ..SamplingParams::default()
+                };
+            }
+            req
+        })
+        .collect();
+    let cfg = EngineConfig {
+        block_size: 4,
+        kv_blocks: 64,
+        max_batch_tokens: 40,
+        max_running: 12,
+        ..EngineConfig::default()
     };
-    let (plain, _) = run(false);
-    let (spec, m) = run(true);
+    let (plain, _) = run_all("deepseek-v3", false, cfg.clone(), &reqs);
+    let (spec, m) = run_all("deepseek-v3", true, cfg, &reqs);
     for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
         assert_eq!(a, b, "request {i}");
     }
@@ -416,27 +429,16 @@ fn mtp_drafting_changes_no_output() {
 /// with the tokens plain decoding gives.
 #[test]
 fn mtp_echo_drafts_are_all_accepted() {
-    let prompts = [vec![17u32, 4, 250, 9], vec![3, 99, 41, 8, 8, 120, 7]];
-    let run = |mtp: bool| {
-        let cfg = EngineConfig {
-            speculation: Policy::Always,
-            ..EngineConfig::default()
-        };
-        let (h, t) = start_loaded("deepseek-v3-mtp-echo", mtp, cfg);
-        let rxs: Vec<Receiver<Event>> = prompts
-            .iter()
-            .map(|p| submit(&h, greedy(p.clone(), 41)))
-            .collect();
-        let outs: Vec<Vec<u32>> = rxs.iter().map(|rx| collect(rx).0).collect();
-        let m = h.metrics();
-        h.shutdown(Shutdown::Drain);
-        t.join().unwrap();
-        (outs, m)
-    };
-    let (plain, _) = run(false);
-    let (spec, m) = run(true);
+    let reqs = [
+        greedy(vec![17, 4, 250, 9], 41),
+        greedy(vec![3, 99, 41, 8, 8, 120, 7], 41),
+    ];
+    let name = "deepseek-v3-mtp-echo";
+    let (plain, _) = run_all(name, false, EngineConfig::default(), &reqs);
+    let (spec, m) = run_all(name, true, EngineConfig::default(), &reqs);
     assert_eq!(plain, spec);
-    // 41 tokens: the first from the prompt's pass, then 20 verifying passes.
+    // 41 tokens each: the first from the prompt's pass, then 20 verifying
+    // passes (the last may stop at one token).
     assert_eq!(m.spec_accepted, m.spec_drafted, "{m:?}");
     assert!(m.spec_drafted >= 2 * 19, "{m:?}");
 }

@@ -147,21 +147,9 @@ pub fn store_rows<T: KvElem>(
     table: &[u32],
     pos: usize,
 ) {
-    let kv_dim = n_kv_heads * head_dim;
-    assert!(kv_dim > 0 && block_size > 0);
-    assert_eq!(src.len() % kv_dim, 0);
-    let per_block = kv_dim * block_size;
-    for (t, row) in src.chunks_exact(kv_dim).enumerate() {
-        let j = pos + t;
-        let b = table[j / block_size] as usize;
-        let slot = j % block_size;
-        for h in 0..n_kv_heads {
-            let at = b * per_block + (h * block_size + slot) * head_dim;
-            T::narrow(
-                &row[h * head_dim..(h + 1) * head_dim],
-                &mut dst[at..at + head_dim],
-            );
-        }
+    let at = head_rows((block_size, n_kv_heads, head_dim), table, pos, src.len());
+    for (at, row) in at.zip(src.chunks_exact(head_dim)) {
+        T::narrow(row, &mut dst[at..at + head_dim]);
     }
 }
 
@@ -182,20 +170,29 @@ pub fn load_rows<T: KvElem>(
     table: &[u32],
     pos: usize,
 ) {
+    let at = head_rows((block_size, n_kv_heads, head_dim), table, pos, dst.len());
+    for (at, row) in at.zip(dst.chunks_exact_mut(head_dim)) {
+        T::widen(&src[at..at + head_dim], row);
+    }
+}
+
+/// Where the `values` token-major values from position `pos` of a sequence
+/// whose blocks are `table` live in a block store laid out as
+/// [`KvBlocks`]: the offset of each token's each head's `head_dim` values,
+/// in that order.
+fn head_rows(
+    (block_size, n_kv_heads, head_dim): (usize, usize, usize),
+    table: &[u32],
+    pos: usize,
+    values: usize,
+) -> impl Iterator<Item = usize> + '_ {
     let kv_dim = n_kv_heads * head_dim;
     assert!(kv_dim > 0 && block_size > 0);
-    assert_eq!(dst.len() % kv_dim, 0);
+    assert_eq!(values % kv_dim, 0);
     let per_block = kv_dim * block_size;
-    for (t, row) in dst.chunks_exact_mut(kv_dim).enumerate() {
-        let j = pos + t;
+    (pos..pos + values / kv_dim).flat_map(move |j| {
         let b = table[j / block_size] as usize;
         let slot = j % block_size;
-        for h in 0..n_kv_heads {
-            let at = b * per_block + (h * block_size + slot) * head_dim;
-            T::widen(
-                &src[at..at + head_dim],
-                &mut row[h * head_dim..(h + 1) * head_dim],
-            );
-        }
-    }
+        (0..n_kv_heads).map(move |h| b * per_block + (h * block_size + slot) * head_dim)
+    })
 }
