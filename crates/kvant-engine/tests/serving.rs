@@ -79,6 +79,18 @@ fn collect(rx: &Receiver<Event>) -> (Vec<u32>, FinishReason, Usage) {
     }
 }
 
+/// A small pool and step budget: 16 requests of [`prompts`] get their
+/// prompts chunked and some of them preempted.
+fn crowded() -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        kv_blocks: 64,
+        max_batch_tokens: 40,
+        max_running: 12,
+        ..EngineConfig::default()
+    }
+}
+
 fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     (0..n)
@@ -109,14 +121,7 @@ fn outputs_do_not_depend_on_load_of(name: &str) {
     h.shutdown(Shutdown::Drain);
     t.join().unwrap();
 
-    let cfg = EngineConfig {
-        block_size: 4,
-        kv_blocks: 64,
-        max_batch_tokens: 40,
-        max_running: 12,
-        ..EngineConfig::default()
-    };
-    let (h, t) = start_with(name, cfg);
+    let (h, t) = start_with(name, crowded());
     let rxs: Vec<Receiver<Event>> = ps
         .iter()
         .map(|p| submit(&h, greedy(p.clone(), 24)))
@@ -402,15 +407,8 @@ fn mtp_drafting_changes_no_output() {
             req
         })
         .collect();
-    let cfg = EngineConfig {
-        block_size: 4,
-        kv_blocks: 64,
-        max_batch_tokens: 40,
-        max_running: 12,
-        ..EngineConfig::default()
-    };
-    let (plain, _) = run_all("deepseek-v3", false, cfg.clone(), &reqs);
-    let (spec, m) = run_all("deepseek-v3", true, cfg, &reqs);
+    let (plain, _) = run_all("deepseek-v3", false, crowded(), &reqs);
+    let (spec, m) = run_all("deepseek-v3", true, crowded(), &reqs);
     for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
         assert_eq!(a, b, "request {i}");
     }
