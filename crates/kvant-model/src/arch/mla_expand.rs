@@ -9,7 +9,8 @@
 //! context row where absorbing costs the same per query. So a fresh prompt
 //! is always cheaper expanded, and a short chunk after a long cached prefix
 //! never is: [`Expansion::cheaper`] weighs the two for each sequence's
-//! chunk. Decode (one token) always stays absorbed.
+//! chunk. Decode and MTP verification (one or two tokens) always stay
+//! absorbed.
 
 use super::loader::{to_f32, transpose, Loader};
 use super::sized;
@@ -130,14 +131,17 @@ impl Expansion {
     }
 
     /// Whether a chunk of `n` tokens after `cached` ones costs fewer
-    /// multiply-adds expanded (and its context fits the workspace).
+    /// multiply-adds expanded (and its context fits the workspace). Steps
+    /// of one or two tokens (decode, MTP verification) always stay
+    /// absorbed: a verified token's row must be bit for bit what plain
+    /// decoding computes, or self-speculation would change outputs.
     pub fn cheaper(m: &MlaConfig, heads: usize, n: usize, cached: usize) -> bool {
         let (rank, nope, v, qk) = (m.kv_lora_rank, m.nope_dim, m.v_dim, m.qk_dim());
         let len = cached + n;
         let pairs = n * cached + n * (n + 1) / 2;
         let absorbed = n * (nope + v) * rank + pairs * (m.latent_dim() + rank);
         let expanded = len * (nope + v) * rank + pairs * (qk + v);
-        n > 1 && expanded < absorbed && len * heads * (qk + v) <= MAX_EXPANDED
+        n > 2 && expanded < absorbed && len * heads * (qk + v) <= MAX_EXPANDED
     }
 
     /// Attention of one sequence's chunk in the expanded form. Its latent
