@@ -60,6 +60,21 @@ impl LinearWeight {
         }
     }
 
+    /// [`Self::prepare`] for each matrix of a stack `[n, rows, cols]`
+    /// (GGUF's experts, llama.cpp's per-head attention matrices).
+    ///
+    /// # Errors
+    /// [`kvant_core::CoreError::NotStacked`] unless `stack` is 3-D.
+    pub fn prepare_stack(stack: &Tensor, int8: bool) -> Result<Vec<Self>, KernelError> {
+        let &[n, _, _] = stack.shape() else {
+            let shape = stack.shape().to_vec();
+            return Err(kvant_core::CoreError::NotStacked { shape }.into());
+        };
+        (0..n)
+            .map(|i| Self::prepare(stack.matrix(i)?, int8))
+            .collect()
+    }
+
     /// Output features (rows).
     pub fn rows(&self) -> usize {
         match self {

@@ -175,18 +175,7 @@ impl Experts {
         down: &Tensor,
         int8: bool,
     ) -> Result<Self, KernelError> {
-        let prepare = |stack: &Tensor| -> Result<Vec<LinearWeight>, KernelError> {
-            let n = match stack.shape() {
-                &[n, _, _] => n,
-                shape => {
-                    let shape = shape.to_vec();
-                    return Err(kvant_core::CoreError::NotStacked { shape }.into());
-                }
-            };
-            (0..n)
-                .map(|i| LinearWeight::prepare(stack.matrix(i)?, int8))
-                .collect()
-        };
+        let prepare = |stack| LinearWeight::prepare_stack(stack, int8);
         Experts::new(prepare(gate)?, prepare(up)?, prepare(down)?)
     }
 

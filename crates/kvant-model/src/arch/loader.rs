@@ -106,7 +106,7 @@ impl Loader<'_> {
     ) -> Result<Vec<LinearWeight>, ModelError> {
         let t = self.tensor(name)?;
         check_shape(&t, name, &[n, rows, cols])?;
-        (0..n).map(|i| self.prepare(t.matrix(i)?)).collect()
+        Ok(LinearWeight::prepare_stack(&t, self.int8)?)
     }
 
     /// `{stem}.weight` and `{stem}.bias`.

@@ -291,9 +291,9 @@ impl MlaAttention {
                 self.absorbed(cfg, m, (ctx.pool, ctx.index), rows, q8, absorb, attn)?;
             }
             Some(e) => {
-                let chunks: Vec<SeqAttn<'_>> = expanded.iter().map(|&sq| sq.clone()).collect();
-                ctx.pool.store(ctx.index, &chunks, (latent, None));
                 for sq in expanded {
+                    ctx.pool
+                        .store(ctx.index, std::slice::from_ref(sq), (latent, None));
                     let c = Chunk {
                         pool: &*ctx.pool,
                         layer: ctx.index,
