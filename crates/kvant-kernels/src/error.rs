@@ -46,15 +46,15 @@ pub enum KernelError {
         min: usize,
         max: usize,
     },
-    #[error("expert {expert}'s {what} weight is {actual:?}, expected {expected:?}")]
-    ExpertShape {
+    #[error("{what} matrix {matrix} is {actual:?}, expected {expected:?}")]
+    MatrixShape {
         what: &'static str,
-        expert: usize,
+        matrix: usize,
         expected: [usize; 2],
         actual: [usize; 2],
     },
-    #[error("expert {expert}'s {what} weight is packed for another kernel than expert 0's (one stacked tensor should give one kind)")]
-    ExpertKind { what: &'static str, expert: usize },
+    #[error("{what} matrix {matrix} is packed for another kernel than matrix 0 (one stacked tensor should give one kind)")]
+    MatrixKind { what: &'static str, matrix: usize },
 }
 
 /// Checks one length argument.

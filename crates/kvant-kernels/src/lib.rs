@@ -7,6 +7,7 @@ pub mod cpu;
 pub mod dot;
 pub mod error;
 pub mod f16pack;
+pub mod group;
 pub mod int8;
 pub mod linear;
 pub mod matmul;

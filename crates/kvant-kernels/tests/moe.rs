@@ -535,23 +535,26 @@ fn experts_check_their_arguments() {
     wide[2] = q(&mut rng, 1, 64, 128, true).remove(0);
     assert!(matches!(
         Experts::new(g.clone(), wide, d.clone()),
-        Err(KernelError::ExpertShape {
-            what: "up",
-            expert: 2,
+        Err(KernelError::MatrixShape {
+            what: "expert up",
+            matrix: 2,
             ..
         })
     ));
     assert!(matches!(
         Experts::new(g.clone(), u.clone(), u.clone()),
-        Err(KernelError::ExpertShape { what: "down", .. })
+        Err(KernelError::MatrixShape {
+            what: "expert down",
+            ..
+        })
     ));
     let mut mixed = d.clone();
     mixed[1] = q(&mut rng, 1, 96, 64, false).remove(0);
     assert!(matches!(
         Experts::new(g, u, mixed),
-        Err(KernelError::ExpertKind {
-            what: "down",
-            expert: 1
+        Err(KernelError::MatrixKind {
+            what: "expert down",
+            matrix: 1
         })
     ));
 

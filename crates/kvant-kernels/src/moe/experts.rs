@@ -25,106 +25,19 @@ use super::plan::MoePlan;
 use crate::activation::{gated_with, Activation};
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul, KernelError};
-use crate::f16pack::{self, F16Matrix};
+use crate::group::MatrixGroup;
 use crate::int8::{self, PackedMatrix, Q8Activations, Segment};
 use crate::linear::LinearWeight;
-use crate::matmul::matmul_with;
 use crate::pool::{self, DisjointSlice};
 use kvant_core::Tensor;
-
-/// An expert weight whose kernel takes f32 activations.
-#[derive(Clone, Debug)]
-enum F32Weight {
-    F16(F16Matrix),
-    Float(Tensor),
-}
-
-/// One projection of every expert: all packed for the int8 kernels (run
-/// together by `gemm_grouped`), or none (one product per expert). One
-/// stacked checkpoint tensor always prepares to one of the two.
-#[derive(Clone, Debug)]
-enum Projection {
-    Int8(Vec<PackedMatrix>),
-    F32(Vec<F32Weight>),
-}
-
-impl Projection {
-    /// Sorts `ws` into one kind, checking every shape is `shape`.
-    fn new(
-        what: &'static str,
-        ws: Vec<LinearWeight>,
-        shape: [usize; 2],
-    ) -> Result<Self, KernelError> {
-        for (expert, w) in ws.iter().enumerate() {
-            let actual = [w.rows(), w.cols()];
-            if actual != shape {
-                return Err(KernelError::ExpertShape {
-                    what,
-                    expert,
-                    expected: shape,
-                    actual,
-                });
-            }
-        }
-        let int8 = |w: &LinearWeight| matches!(w, LinearWeight::Int8(_));
-        if let Some(first) = ws.first() {
-            if let Some(expert) = ws.iter().position(|w| int8(w) != int8(first)) {
-                return Err(KernelError::ExpertKind { what, expert });
-            }
-        }
-        let (mut packed, mut plain) = (Vec::new(), Vec::new());
-        for w in ws {
-            match w {
-                LinearWeight::Int8(p) => packed.push(p),
-                LinearWeight::F16(p) => plain.push(F32Weight::F16(p)),
-                LinearWeight::Float(t) => plain.push(F32Weight::Float(t)),
-            }
-        }
-        Ok(match plain.is_empty() {
-            true => Projection::Int8(packed),
-            false => Projection::F32(plain),
-        })
-    }
-
-    fn int8(&self) -> Option<&[PackedMatrix]> {
-        match self {
-            Projection::Int8(v) => Some(v),
-            Projection::F32(_) => None,
-        }
-    }
-
-    fn expert_bytes(&self, e: usize) -> usize {
-        match self {
-            Projection::Int8(v) => v[e].byte_len(),
-            Projection::F32(v) => match &v[e] {
-                F32Weight::F16(p) => p.byte_len(),
-                F32Weight::Float(t) => t.byte_len(),
-            },
-        }
-    }
-}
-
-/// `y = x · W_eᵀ` over `n` f32 rows.
-fn forward_f32(
-    tier: SimdTier,
-    w: &F32Weight,
-    x: &[f32],
-    n: usize,
-    y: &mut [f32],
-) -> Result<(), KernelError> {
-    match w {
-        F32Weight::F16(p) => f16pack::gemm_with(tier, p, x, n, y),
-        F32Weight::Float(t) => matmul_with(tier, t, x, n, y),
-    }
-}
 
 /// A layer's routed experts: per expert, gate `[ff, hidden]`, up
 /// `[ff, hidden]` and down `[hidden, ff]`.
 #[derive(Clone, Debug)]
 pub struct Experts {
-    gate: Projection,
-    up: Projection,
-    down: Projection,
+    gate: MatrixGroup,
+    up: MatrixGroup,
+    down: MatrixGroup,
     n_experts: usize,
     hidden: usize,
     ff: usize,
@@ -137,9 +50,9 @@ impl Experts {
     ///
     /// # Errors
     /// [`KernelError::LengthMismatch`] unless there is at least one expert
-    /// and as many gates, ups and downs; [`KernelError::ExpertShape`] when
+    /// and as many gates, ups and downs; [`KernelError::MatrixShape`] when
     /// an expert's shapes differ from expert 0's gate `[ff, hidden]`;
-    /// [`KernelError::ExpertKind`] when one projection's experts were
+    /// [`KernelError::MatrixKind`] when one projection's experts were
     /// prepared for different kernels.
     pub fn new(
         gate: Vec<LinearWeight>,
@@ -152,9 +65,9 @@ impl Experts {
         check_len("expert down weights", n_experts, down.len())?;
         let (ff, hidden) = (gate[0].rows(), gate[0].cols());
         Ok(Experts {
-            gate: Projection::new("gate", gate, [ff, hidden])?,
-            up: Projection::new("up", up, [ff, hidden])?,
-            down: Projection::new("down", down, [hidden, ff])?,
+            gate: MatrixGroup::new("expert gate", gate, [ff, hidden])?,
+            up: MatrixGroup::new("expert up", up, [ff, hidden])?,
+            down: MatrixGroup::new("expert down", down, [hidden, ff])?,
             n_experts,
             hidden,
             ff,
@@ -202,7 +115,7 @@ impl Experts {
     /// # Panics
     /// If `e >= n_experts()`.
     pub fn expert_bytes(&self, e: usize) -> usize {
-        self.gate.expert_bytes(e) + self.up.expert_bytes(e) + self.down.expert_bytes(e)
+        self.gate.matrix_bytes(e) + self.up.matrix_bytes(e) + self.down.matrix_bytes(e)
     }
 }
 
@@ -342,38 +255,17 @@ pub fn moe_ffn_with(
             s.gathered.extend_from_slice(&x[t * h..(t + 1) * h]);
         }
         for (proj, y) in [(&experts.gate, &mut s.gate), (&experts.up, &mut s.up)] {
-            if let Projection::F32(ws) = proj {
-                for (e, r) in s.plan.active() {
-                    let xr = &s.gathered[r.start * h..r.end * h];
-                    forward_f32(tier, &ws[e], xr, r.len(), &mut y[r.start * ff..r.end * ff])?;
-                }
+            if proj.int8().is_none() {
+                proj.forward_runs(tier, s.plan.active(), &s.gathered, &mut s.xq, y)?;
             }
         }
     }
     gated_with(tier, act, &mut s.gate, &s.up);
 
     // Down.
-    match &experts.down {
-        Projection::Int8(p) => {
-            s.inter_q8.quantize(tier, &s.gate, n_assign, ff)?;
-            s.segments.clear();
-            for (e, r) in s.plan.active() {
-                s.segments.push(Segment {
-                    set: 0,
-                    matrix: e,
-                    tokens: r,
-                });
-            }
-            int8::gemm_grouped_with(tier, &[p], &s.segments, &s.inter_q8, &mut [&mut s.down])?;
-        }
-        Projection::F32(ws) => {
-            for (e, r) in s.plan.active() {
-                let xr = &s.gate[r.start * ff..r.end * ff];
-                let y = &mut s.down[r.start * h..r.end * h];
-                forward_f32(tier, &ws[e], xr, r.len(), y)?;
-            }
-        }
-    }
+    experts
+        .down
+        .forward_runs(tier, s.plan.active(), &s.gate, &mut s.inter_q8, &mut s.down)?;
     combine(&s.plan, &s.down, weights, h, out);
     Ok(())
 }

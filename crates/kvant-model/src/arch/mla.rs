@@ -186,8 +186,8 @@ impl MlaAttention {
             q,
             kv_a: ld.linear(&names.kv_a, m.latent_dim(), h, Bias::IfPresent)?,
             kv_norm: ld.vector(&names.kv_a_norm, m.kv_lora_rank)?,
-            k_b: PerHead::new(k_b),
-            v_b: PerHead::new(v_b),
+            k_b: PerHead::new("attn_k_b head", k_b, [m.kv_lora_rank, m.nope_dim])?,
+            v_b: PerHead::new("attn_v_b head", v_b, [m.v_dim, m.kv_lora_rank])?,
             expansion,
             o: ld.linear(&names.o, h, nh * m.v_dim, Bias::IfPresent)?,
         })
