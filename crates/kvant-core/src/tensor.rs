@@ -141,6 +141,72 @@ impl Tensor {
         self.len
     }
 
+    /// Rows `rows` of a 2-D tensor, as a view of the same storage (no
+    /// copy): a rank's share of a column-parallel weight (its heads'
+    /// rows of q/k/v, its slice of the vocabulary).
+    ///
+    /// # Errors
+    /// [`CoreError::WrongShape`] unless the tensor is 2-D, and
+    /// [`CoreError::OutOfBounds`] for rows past its end.
+    pub fn row_range(&self, rows: std::ops::Range<usize>) -> Result<Tensor> {
+        let &[n, cols] = self.shape.as_slice() else {
+            return Err(CoreError::WrongShape {
+                expected: vec![rows.len(), self.row_len()],
+                actual: self.shape.clone(),
+            });
+        };
+        if rows.start > rows.end || rows.end > n {
+            return Err(CoreError::OutOfBounds {
+                start: rows.start,
+                end: rows.end,
+                len: n,
+            });
+        }
+        let per_row = self.dtype.bytes_for(cols)?;
+        Tensor::new(
+            self.dtype,
+            vec![rows.len(), cols],
+            self.storage.clone(),
+            self.offset + rows.start * per_row,
+        )
+    }
+
+    /// Columns `cols` of a 2-D tensor, copied into owned storage: a rank's
+    /// share of a row-parallel weight (the output projection's columns of
+    /// its heads). Quantized rows are cut between blocks, never inside one.
+    ///
+    /// # Errors
+    /// [`CoreError::WrongShape`] unless the tensor is 2-D,
+    /// [`CoreError::OutOfBounds`] for columns past its end, and
+    /// [`CoreError::PartialBlock`] when a bound falls inside a block.
+    pub fn col_range(&self, cols: std::ops::Range<usize>) -> Result<Tensor> {
+        let &[n, width] = self.shape.as_slice() else {
+            return Err(CoreError::WrongShape {
+                expected: vec![self.rows(), cols.len()],
+                actual: self.shape.clone(),
+            });
+        };
+        if cols.start > cols.end || cols.end > width {
+            return Err(CoreError::OutOfBounds {
+                start: cols.start,
+                end: cols.end,
+                len: width,
+            });
+        }
+        let start = self.dtype.bytes_for(cols.start)?;
+        let len = self.dtype.bytes_for(cols.len())?;
+        let mut bytes = Vec::with_capacity(n.saturating_mul(len));
+        for r in 0..n {
+            bytes.extend_from_slice(&self.row_bytes(r)[start..start + len]);
+        }
+        Tensor::new(
+            self.dtype,
+            vec![n, cols.len()],
+            Storage::Owned(bytes.into()),
+            0,
+        )
+    }
+
     pub fn ensure_shape(&self, expected: &[usize]) -> Result<()> {
         if self.shape != expected {
             return Err(CoreError::WrongShape {
@@ -210,6 +276,46 @@ mod tests {
         assert!(matches!(
             empty.matrix(0),
             Err(CoreError::MatrixOutOfRange { index: 0, count: 0 })
+        ));
+    }
+
+    #[test]
+    fn row_and_column_ranges() {
+        // [3, 64] Q4_0: 2 blocks of 18 bytes per row.
+        let bytes: Vec<u8> = (0..3 * 36).map(|i| (i % 251) as u8).collect();
+        let t = Tensor::new(
+            DType::Q4_0,
+            vec![3, 64],
+            Storage::Owned(bytes.clone().into()),
+            0,
+        )
+        .unwrap();
+        let rows = t.row_range(1..3).unwrap();
+        assert_eq!(rows.shape(), &[2, 64]);
+        assert_eq!(rows.bytes(), &bytes[36..]);
+        assert_eq!(rows.bytes().as_ptr(), t.bytes()[36..].as_ptr());
+        assert_eq!(t.row_range(3..3).unwrap().shape(), &[0, 64]);
+        assert!(t.row_range(2..4).is_err());
+        let cols = t.col_range(32..64).unwrap();
+        assert_eq!(cols.shape(), &[3, 32]);
+        for r in 0..3 {
+            assert_eq!(cols.row_bytes(r), &bytes[r * 36 + 18..r * 36 + 36]);
+        }
+        assert!(matches!(
+            t.col_range(16..64),
+            Err(CoreError::PartialBlock { .. })
+        ));
+        assert!(t.col_range(0..96).is_err());
+        let f = Tensor::from_f32(vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap();
+        let c = f.col_range(1..3).unwrap();
+        assert_eq!(
+            c.bytes(),
+            &[2f32, 3., 5., 6.].map(f32::to_le_bytes).concat()[..]
+        );
+        let stack = Tensor::new(DType::F32, vec![1, 2, 3], f.storage.clone(), 0).unwrap();
+        assert!(matches!(
+            stack.col_range(0..1),
+            Err(CoreError::WrongShape { .. })
         ));
     }
 

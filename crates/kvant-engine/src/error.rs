@@ -20,6 +20,10 @@ pub enum EngineError {
     EngineStopped,
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] kvant_model::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Dist(#[from] kvant_dist::DistError),
+    #[error(transparent)]
+    Wire(#[from] crate::cluster::WireError),
 }
 
 impl From<kvant_model::ModelError> for EngineError {

@@ -2,6 +2,7 @@
 //! loop, and the serving engine (paged KV blocks with prefix caching, a
 //! continuous-batching scheduler, and its thread and handle).
 
+pub mod cluster;
 pub mod error;
 pub mod sampling;
 pub mod serving;

@@ -65,6 +65,16 @@ impl SamplingParams {
         }
     }
 
+    /// Whether sampling is the argmax of the raw logits: temperature 0
+    /// and no penalty that would change a logit first. Such a request
+    /// needs no whole logits row, only its argmax.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0
+            && self.repeat_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+    }
+
     pub fn validate(&self) -> Result<(), SamplingError> {
         let check = |name, ok: bool, rule, value| {
             if ok {

@@ -2,11 +2,12 @@
 //! holds, so a follow-up prompt that extends the previous one (a chat turn)
 //! only computes the new tokens.
 
+use crate::cluster::{forward_seq, Cluster, Row, Want};
 use crate::error::EngineError;
-use crate::sampling::{Sampler, SamplingParams};
+use crate::sampling::{Sampler, SamplingError, SamplingParams};
 use crate::speculative::{MtpDrafter, Policy};
 use crate::stop::StopMatcher;
-use kvant_model::arch::decoder::{DecoderModel, Logits};
+use kvant_model::arch::decoder::{DecoderModel, Hidden, Logits};
 use kvant_model::kv::KvCache;
 use kvant_model::tokenizer::Tokenizer;
 use std::time::Instant;
@@ -64,6 +65,8 @@ pub struct GenerateOutput {
 
 pub struct Session<'m> {
     model: &'m DecoderModel,
+    /// Rank 0's handle when the model runs over several ranks.
+    cluster: Option<&'m Cluster>,
     tokenizer: &'m Tokenizer,
     cache: KvCache,
     /// Tokens whose keys and values `cache` holds.
@@ -85,9 +88,50 @@ impl<'m> Session<'m> {
             cache: model.new_cache(capacity)?,
             drafter: model.has_mtp().then(|| MtpDrafter::new(Policy::default())),
             model,
+            cluster: None,
             tokenizer,
             tokens: Vec::new(),
         })
+    }
+
+    /// A session whose forward passes run over the ranks of `cluster`
+    /// (this is rank 0; the others run [`crate::cluster::run_worker`]).
+    pub fn on_cluster(
+        cluster: &'m Cluster,
+        tokenizer: &'m Tokenizer,
+        capacity: usize,
+    ) -> Result<Self, EngineError> {
+        Ok(Session {
+            cache: cluster.cache(capacity)?,
+            drafter: None,
+            model: cluster.model(),
+            cluster: Some(cluster),
+            tokenizer,
+            tokens: Vec::new(),
+        })
+    }
+
+    /// One pass over `tokens` (appended to the cache): the last row's
+    /// logits (on a cluster, only its argmax when `greedy`) and, with a
+    /// drafter, every token's hidden state.
+    fn pass(&mut self, tokens: &[u32], greedy: bool) -> Result<(Row, Hidden), EngineError> {
+        if let Some(c) = self.cluster {
+            let want = match greedy {
+                true => Want::LastArgmax,
+                false => Want::Last,
+            };
+            let mut rows = forward_seq(self.model, Some(c), &mut self.cache, tokens, want)?;
+            let row = rows
+                .pop()
+                .ok_or(EngineError::Config("no logits row came back".into()))?;
+            return Ok((row, Vec::new()));
+        }
+        let want = match self.drafter {
+            Some(_) => Logits::LastAndHidden,
+            None => Logits::Last,
+        };
+        let (l, h) = self.model.forward_hidden(tokens, &mut self.cache, want)?;
+        Ok((Row::Logits(l), h))
     }
 
     pub fn capacity(&self) -> usize {
@@ -138,13 +182,10 @@ impl<'m> Session<'m> {
         self.tokens.truncate(common);
 
         let t0 = Instant::now();
-        let mut logits = Vec::new();
-        let want = match self.drafter {
-            Some(_) => Logits::LastAndHidden,
-            None => Logits::Last,
-        };
+        let greedy = req.sampling.is_plain_greedy();
+        let mut logits = Row::Logits(Vec::new());
         for chunk in prompt[common..].chunks(PREFILL_CHUNK) {
-            let (l, h) = self.model.forward_hidden(chunk, &mut self.cache, want)?;
+            let (l, h) = self.pass(chunk, greedy)?;
             logits = l;
             if let Some(d) = &mut self.drafter {
                 d.state.push_hidden(&h);
@@ -192,7 +233,7 @@ impl<'m> Session<'m> {
             }
             Ok(out.token_ids.len() < req.max_tokens)
         };
-        let mut next = sampler.sample(&mut logits, &self.tokens)?;
+        let mut next = sample(&mut sampler, logits, &self.tokens)?;
         while take(next, &mut out)? {
             let room = self.cache.capacity() - self.tokens.len();
             if room < 2 {
@@ -208,16 +249,12 @@ impl<'m> Session<'m> {
                 _ => None,
             };
             let Some(draft) = draft else {
-                let want = match self.drafter {
-                    Some(_) => Logits::LastAndHidden,
-                    None => Logits::Last,
-                };
-                let (mut l, h) = self.model.forward_hidden(&[next], &mut self.cache, want)?;
+                let (l, h) = self.pass(&[next], greedy)?;
                 if let Some(d) = &mut self.drafter {
                     d.state.push_hidden(&h);
                 }
                 self.tokens.push(next);
-                next = sampler.sample(&mut l, &self.tokens)?;
+                next = sample(&mut sampler, l, &self.tokens)?;
                 if let Some(d) = &mut self.drafter {
                     d.spec.record(step.elapsed().as_secs_f64(), 1);
                 }
@@ -264,5 +301,14 @@ impl<'m> Session<'m> {
         }
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)
+    }
+}
+
+/// The next token from a logits row, or the argmax a cluster already took
+/// (only for plain greedy sampling, which is the argmax).
+fn sample(sampler: &mut Sampler, row: Row, history: &[u32]) -> Result<u32, EngineError> {
+    match row {
+        Row::Logits(mut l) => Ok(sampler.sample(&mut l, history)?),
+        Row::Argmax(t) => Ok(t.ok_or(SamplingError::NoFiniteLogit)?),
     }
 }

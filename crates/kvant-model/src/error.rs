@@ -40,6 +40,17 @@ pub enum ModelError {
     KvShape,
     #[error("block table entry {block} is outside the pool of {n_blocks} blocks")]
     BadBlock { block: u32, n_blocks: usize },
+    #[error(transparent)]
+    Dist(#[from] kvant_dist::DistError),
+    #[error("cannot split tensor `{name}` at columns {at:?} across ranks: its {dtype} blocks hold {block} values each")]
+    Split {
+        name: String,
+        at: std::ops::Range<usize>,
+        dtype: &'static str,
+        block: usize,
+    },
+    #[error("{0} is not supported with more than one rank yet")]
+    NotParallel(&'static str),
     #[error("the model has no multi-token-prediction module loaded")]
     NoMtp,
     #[error(

@@ -309,6 +309,18 @@ impl KvCache {
         self.len += n;
     }
 
+    /// The pool, the block table and the length, for a forward pass that
+    /// runs through something other than [`crate::arch::decoder::DecoderModel::forward`]
+    /// (rank 0 of a parallel run); [`KvCache::commit`] its tokens after it.
+    pub fn parts(&mut self) -> (&mut KvPool, &'static [u32], usize) {
+        (&mut self.pool, &SINGLE_TABLE, self.len)
+    }
+
+    /// Commits `n` tokens a forward pass over [`KvCache::parts`] stored.
+    pub fn commit(&mut self, n: usize) {
+        self.len = (self.len + n).min(self.capacity());
+    }
+
     /// Forgets everything after the first `len` tokens (e.g. a new window).
     pub fn truncate(&mut self, len: usize) {
         self.len = self.len.min(len);

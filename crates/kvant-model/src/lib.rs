@@ -12,5 +12,6 @@ pub mod load;
 pub mod tokenizer;
 
 pub use arch::decoder::{LoadOptions, MlaPrefill};
+pub use arch::parallel::Parallel;
 pub use error::ModelError;
-pub use load::{load, load_with, LoadedModel, ModelInfo};
+pub use load::{load, load_parallel, load_with, LoadedModel, ModelInfo};

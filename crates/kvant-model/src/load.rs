@@ -2,6 +2,7 @@
 //! tokenizer and chat template from one path.
 
 use crate::arch::decoder::{DecoderModel, LoadOptions};
+use crate::arch::parallel::Parallel;
 use crate::chat::ChatTemplate;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
@@ -12,6 +13,7 @@ use crate::ModelError;
 use kvant_core::DType;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 pub struct LoadedModel {
     pub model: DecoderModel,
@@ -61,6 +63,16 @@ pub fn load(path: &Path) -> Result<LoadedModel, ModelError> {
 }
 
 pub fn load_with(path: &Path, opts: LoadOptions) -> Result<LoadedModel, ModelError> {
+    load_parallel(path, opts, None)
+}
+
+/// [`load_with`], or with `par` this rank's share of the model (see
+/// [`DecoderModel::load`]).
+pub fn load_parallel(
+    path: &Path,
+    opts: LoadOptions,
+    par: Option<Arc<Parallel>>,
+) -> Result<LoadedModel, ModelError> {
     let ckpt = Checkpoint::open(path)?;
     let (cfg, tokenizer, template, dtypes) = match &ckpt {
         Checkpoint::Gguf(g) => {
@@ -84,7 +96,7 @@ pub fn load_with(path: &Path, opts: LoadOptions) -> Result<LoadedModel, ModelErr
             (cfg, tokenizer, template, count(dtypes))
         }
     };
-    let model = DecoderModel::load(&ckpt, cfg, opts)?;
+    let model = DecoderModel::load(&ckpt, cfg, opts, par)?;
     let c = model.config();
     let info = ModelInfo {
         format: match ckpt {

@@ -22,7 +22,7 @@ fn fixtures() -> PathBuf {
 fn open(path: &Path, opts: LoadOptions) -> DecoderModel {
     let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     let cfg = ckpt.config().expect("config");
-    DecoderModel::load(&ckpt, cfg, opts).expect("load")
+    DecoderModel::load(&ckpt, cfg, opts, None).expect("load")
 }
 
 const BLOCK: usize = 4;

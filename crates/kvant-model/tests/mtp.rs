@@ -30,7 +30,7 @@ fn open_with(name: &str, mtp: bool, mla_prefill: MlaPrefill) -> DecoderModel {
         mla_prefill,
         ..LoadOptions::F32
     };
-    DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts).expect("load")
+    DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts, None).expect("load")
 }
 
 fn ids(v: &Value) -> Vec<u32> {

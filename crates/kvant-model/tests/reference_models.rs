@@ -91,7 +91,7 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
 fn open(path: &Path, opts: LoadOptions) -> DecoderModel {
     let load = || -> Result<DecoderModel, Box<ModelError>> {
         let ckpt = Checkpoint::open(path)?;
-        Ok(DecoderModel::load(&ckpt, ckpt.config()?, opts)?)
+        Ok(DecoderModel::load(&ckpt, ckpt.config()?, opts, None)?)
     };
     load().unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }

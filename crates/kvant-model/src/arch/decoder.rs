@@ -11,24 +11,29 @@
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
 use super::ffn::DenseFfn;
-use super::layer::{Attention, Ffn, Layer, LayerCtx, LayerScratch};
+use super::layer::{Attention, Ffn, Layer, LayerScratch, Place};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 pub use super::mla_expand::MlaPrefill;
-use super::moe::MoeFfn;
+use super::moe::{ExpertLayout, MoeFfn};
 use super::mtp::MtpModule;
+use super::parallel::{drive, Net, Order, Parallel, Task};
+use super::shard::Shard;
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv::{KvCache, KvDType, KvPool, KvShape, SINGLE_TABLE};
 use crate::ModelError;
 use kvant_core::Tensor;
+use kvant_dist::layout::{ModelShape, Placement};
 use kvant_kernels::attention::SeqAttn;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm;
 use kvant_kernels::quant::dequantize_row;
-use std::sync::Mutex;
+use std::cell::RefCell;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
 
 /// Which positions' logits a forward pass returns for a sequence.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -107,9 +112,16 @@ pub struct SeqStep<'a> {
 
 pub struct DecoderModel {
     cfg: ModelConfig,
+    /// This rank's rows of the embedding (all of them in one process).
     embed: Tensor,
-    /// `lm_head`, or the embedding again when tied.
+    /// `lm_head`, or the embedding again when tied: this rank's rows.
     output: LinearWeight,
+    /// The vocabulary rows of `embed` and `output`.
+    vocab: Range<usize>,
+    /// KV heads this rank caches per layer.
+    kv_heads: usize,
+    /// This rank's place in a parallel run (`None`: one process).
+    par: Option<Arc<Parallel>>,
     final_norm: Vec<f32>,
     layers: Vec<Layer>,
     /// DeepSeek-V3's multi-token-prediction module, when loaded; its KV
@@ -130,6 +142,8 @@ struct Scratch {
     /// The MTP module's input `[enorm(e); hnorm(h)]`.
     eh: Vec<f32>,
     layer: LayerScratch,
+    /// The second micro-batch's, with two-batch overlap.
+    second: LayerScratch,
 }
 
 /// The final hidden states (after the final norm: what the output head
@@ -149,11 +163,40 @@ pub struct MtpStep<'a> {
 }
 
 impl DecoderModel {
+    /// Loads the model, or with `par` this rank's share of it (see
+    /// [`Parallel`]): its heads, columns and vocabulary rows under tensor
+    /// parallelism, its experts under expert parallelism.
+    ///
+    /// # Errors
+    /// A [`ModelError`] for a bad checkpoint, and
+    /// [`kvant_dist::DistError::Layout`] when the layout does not fit the
+    /// model (more tensor-parallel ranks than heads, expert parallelism
+    /// without experts).
     pub fn load(
         ckpt: &Checkpoint,
         cfg: ModelConfig,
         opts: LoadOptions,
+        par: Option<Arc<Parallel>>,
     ) -> Result<Self, ModelError> {
+        let shard = match &par {
+            Some(p) => {
+                p.layout
+                    .check_model(&ModelShape {
+                        heads: cfg.n_heads,
+                        kv_heads: cfg.mla.is_none().then_some(cfg.n_kv_heads),
+                        experts: cfg.experts.as_ref().map(|e| e.router.n_experts),
+                    })
+                    .map_err(kvant_dist::DistError::from)?;
+                if opts.mtp && cfg.mtp_layers > 0 {
+                    return Err(ModelError::NotParallel("multi-token prediction (--mtp)"));
+                }
+                Shard {
+                    tp: p.layout.tp,
+                    t: p.coords.tp,
+                }
+            }
+            None => Shard::FULL,
+        };
         let g = ckpt.global_names();
         let ld = Loader {
             ckpt,
@@ -165,15 +208,32 @@ impl DecoderModel {
             } else {
                 0.0
             },
+            shard,
         };
         let h = cfg.hidden;
-        let embed = ld.matrix(g.embed, cfg.vocab, h)?;
+        let vocab = shard.vocab(cfg.vocab);
+        let embed = ld.matrix(g.embed, cfg.vocab, h)?.row_range(vocab.clone())?;
         let output = if ld.has(g.output) {
-            ld.weight(g.output, cfg.vocab, h)?
+            ld.weight_rows(g.output, [cfg.vocab, h], vocab.clone())?
         } else if cfg.tied_embeddings || matches!(ckpt, Checkpoint::Gguf(_)) {
             ld.prepare(embed.clone())?
         } else {
             return Err(ModelError::MissingTensor(g.output.into()));
+        };
+        // Expert parallelism: experts over every rank, as evenly as they go.
+        let placement = match (&par, &cfg.experts) {
+            (Some(p), Some(e)) if p.layout.expert_parallel() => Some(
+                Placement::contiguous(e.router.n_experts, p.layout.world)
+                    .map_err(kvant_dist::DistError::from)?,
+            ),
+            _ => None,
+        };
+        let expert_layout = match (&placement, &par) {
+            (Some(placement), Some(p)) => ExpertLayout::Spread {
+                placement,
+                rank: p.rank(),
+            },
+            _ => ExpertLayout::Shared(shard),
         };
         let freq_factors = match g.rope_freqs {
             Some(name) if ld.has(name) => Some(ld.raw_vector(name, cfg.rope.dim / 2)?),
@@ -197,14 +257,19 @@ impl DecoderModel {
                 None => Attention::Mha(MhaAttention::load(&ld, &cfg, &n)?),
             };
             let ffn = match &cfg.experts {
-                Some(e) if e.is_moe(i) => {
-                    Ffn::Moe(Box::new(MoeFfn::load(&ld, &cfg, e, &n.prefix)?))
-                }
+                Some(e) if e.is_moe(i) => Ffn::Moe(Box::new(MoeFfn::load(
+                    &ld,
+                    &cfg,
+                    e,
+                    &n.prefix,
+                    expert_layout,
+                )?)),
                 _ => Ffn::Dense(DenseFfn::load(
                     &ld,
                     [&n.gate, &n.up, &n.down],
                     h,
                     cfg.intermediate,
+                    shard,
                 )?),
             };
             layers.push(Layer {
@@ -226,16 +291,75 @@ impl DecoderModel {
             true => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,
             false => None,
         };
+        let kv_heads = match (&cfg.mla, layers.first().map(|l| &l.attn)) {
+            (None, Some(Attention::Mha(a))) => a.kv_heads(),
+            (None, _) => cfg.n_kv_heads,
+            (Some(_), _) => 1,
+        };
         Ok(DecoderModel {
             final_norm: ld.vector(g.final_norm, h)?,
             embed,
             output,
+            vocab,
+            kv_heads,
+            par,
             layers,
             mtp,
             cfg,
             scratch: Mutex::new(Scratch::default()),
             kv_dtype: opts.kv_dtype,
         })
+    }
+
+    /// The vocabulary rows whose logits this rank computes (all of them in
+    /// one process): a forward pass returns `[rows, vocab_range().len()]`.
+    pub fn vocab_range(&self) -> Range<usize> {
+        self.vocab.clone()
+    }
+
+    /// Re-places every MoE layer's experts from the loads every rank
+    /// routed since the last re-placement (summed over the ranks), with
+    /// `redundant` extra replicas of the hottest experts per layer
+    /// (EPLB). Collective under expert parallelism (every rank calls it
+    /// at the same point); outputs do not change. Without expert
+    /// parallelism there is nothing to place and it does nothing.
+    ///
+    /// # Errors
+    /// A communication error, or a placement the ranks cannot hold.
+    pub fn rebalance_experts(&self, redundant: usize) -> Result<(), ModelError> {
+        let Some(par) = self.par.as_deref().filter(|p| p.layout.expert_parallel()) else {
+            return Ok(());
+        };
+        for l in &self.layers {
+            let Some(ep) = l.ffn.expert_parallel() else {
+                continue;
+            };
+            // f32 sums are exact up to 2^24 assignments per expert and
+            // proportional beyond: all a balance needs. Every rank gets
+            // the same sums, so every rank computes the same placement.
+            let mut loads: Vec<f32> = ep.take_loads().into_iter().map(|x| x as f32).collect();
+            kvant_dist::CommExt::all_reduce_sum(&*par.world, &mut loads)?;
+            let loads: Vec<u64> = loads.iter().map(|&x| x as u64).collect();
+            let placement = Placement::balanced(&loads, par.layout.world, redundant)
+                .map_err(kvant_dist::DistError::from)?;
+            ep.replace(placement)?;
+        }
+        Ok(())
+    }
+
+    /// Each MoE layer's expert placement under expert parallelism (empty
+    /// otherwise).
+    pub fn expert_placements(&self) -> Vec<Placement> {
+        self.layers
+            .iter()
+            .filter_map(|l| l.ffn.expert_parallel())
+            .map(|ep| ep.placement())
+            .collect()
+    }
+
+    /// This rank's place in a parallel run, if it is part of one.
+    pub fn parallel(&self) -> Option<&Arc<Parallel>> {
+        self.par.as_ref()
     }
 
     pub fn config(&self) -> &ModelConfig {
@@ -246,7 +370,7 @@ impl DecoderModel {
     pub fn kv_shape(&self) -> KvShape {
         let (n_kv_heads, head_dim, latent) = match &self.cfg.mla {
             Some(m) => (1, m.latent_dim(), true),
-            None => (self.cfg.n_kv_heads, self.cfg.head_dim, false),
+            None => (self.kv_heads, self.cfg.head_dim, false),
         };
         KvShape {
             n_layers: self.cfg.n_layers + usize::from(self.mtp.is_some()),
@@ -362,16 +486,8 @@ impl DecoderModel {
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let s = &mut *guard;
         let x = sized(&mut s.x, n * h);
-        self.embed_rows(seqs.iter().flat_map(|s| s.tokens.iter()), x)?;
-        for (li, l) in self.layers.iter().enumerate() {
-            let ctx = LayerCtx {
-                pool: &mut *pool,
-                index: li,
-                seqs: &attn_seqs,
-                rope_offset: 0,
-            };
-            l.forward(c, ctx, x, n, &mut s.layer)?;
-        }
+        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        self.run_layers(pool, &attn_seqs, &tokens, x, [&mut s.layer, &mut s.second])?;
         let hidden_rows = seqs.iter().zip(&attn_seqs).map(|(s, a)| match s.logits {
             Logits::None => a.rows.start..a.rows.start,
             Logits::Last => a.rows.end - 1..a.rows.end,
@@ -473,13 +589,21 @@ impl DecoderModel {
         let q8 = &mut s.layer.q8;
         mtp.eh_proj
             .forward(&LinearInput::new(eh, n, q8, &[&mtp.eh_proj])?, x)?;
-        let ctx = LayerCtx {
-            pool,
+        let pool = RefCell::new(pool);
+        let at = Place {
+            pool: &pool,
             index: c.n_layers,
             seqs: &attn_seqs,
             rope_offset: 1,
         };
-        mtp.layer.forward(c, ctx, x, n, &mut s.layer)?;
+        drive(vec![Box::pin(mtp.layer.forward(
+            c,
+            at,
+            x,
+            n,
+            &mut s.layer,
+            &Net::LOCAL,
+        ))])?;
         let last = attn_seqs.iter().map(|a| a.rows.end - 1..a.rows.end);
         let rows = gather(x, h, last);
         let head = mtp.head.as_ref().unwrap_or(&self.output);
@@ -494,7 +618,10 @@ impl DecoderModel {
         parts: &[(&[u32], usize, &'t [u32])],
     ) -> Result<Vec<SeqAttn<'t>>, ModelError> {
         let vocab = self.cfg.vocab;
-        if parts.is_empty() || parts.iter().any(|p| p.0.is_empty()) {
+        // A rank of a parallel run may have nothing to compute (a
+        // data-parallel group without requests): it still joins the
+        // collectives of every layer.
+        if (parts.is_empty() && self.par.is_none()) || parts.iter().any(|p| p.0.is_empty()) {
             return Err(ModelError::EmptyInput);
         }
         if pool.shape() != self.kv_shape() {
@@ -517,7 +644,9 @@ impl DecoderModel {
         Ok(out)
     }
 
-    /// The embeddings of `tokens` (checked in range), one row each.
+    /// The embeddings of `tokens` (checked in range), one row each: under
+    /// tensor parallelism, the rows of this rank's vocabulary (others zero;
+    /// the group's sum is the embedding).
     fn embed_rows<'t>(
         &self,
         tokens: impl Iterator<Item = &'t u32>,
@@ -525,11 +654,93 @@ impl DecoderModel {
     ) -> Result<(), ModelError> {
         let h = self.cfg.hidden;
         for (row, &t) in x.chunks_exact_mut(h).zip(tokens) {
-            dequantize_row(self.embed.dtype(), self.embed.row_bytes(t as usize), row)?;
+            let t = t as usize;
+            if !self.vocab.contains(&t) {
+                row.fill(0.0);
+                continue;
+            }
+            let bytes = self.embed.row_bytes(t - self.vocab.start);
+            dequantize_row(self.embed.dtype(), bytes, row)?;
             if self.cfg.gemma {
                 let s = (h as f32).sqrt();
                 row.iter_mut().for_each(|v| *v *= s);
             }
+        }
+        Ok(())
+    }
+
+    /// Embeds `tokens` into the rows of `x` and runs every layer over them:
+    /// one micro-batch, or with two-batch overlap the first and second
+    /// halves of the rows as two, each communicating while the other
+    /// computes (a sequence cut in two attends with its first part's keys,
+    /// which the first micro-batch always stores first).
+    fn run_layers(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqAttn<'_>],
+        tokens: &[u32],
+        x: &mut [f32],
+        [first, second]: [&mut LayerScratch; 2],
+    ) -> Result<(), ModelError> {
+        let h = self.cfg.hidden;
+        let par = self.par.as_deref();
+        let overlap = par.is_some_and(|p| p.two_batch_overlap);
+        let cut = match overlap {
+            true => tokens.len().div_ceil(2),
+            false => tokens.len(),
+        };
+        let (seqs_a, seqs_b) = split_seqs(seqs, cut);
+        let (xa, xb) = x.split_at_mut(cut * h);
+        let pool = RefCell::new(pool);
+        let order = Order::default();
+        let net = |i: usize| Net {
+            par: par.map(|p| (p, p.streams(i))),
+            order: overlap.then_some((i, &order)),
+        };
+        let (net_a, net_b) = (net(0), net(1));
+        let mut tasks: Vec<Task<'_>> = vec![Box::pin(self.micro_batch(
+            &pool,
+            &seqs_a,
+            &tokens[..cut],
+            xa,
+            first,
+            &net_a,
+        ))];
+        if overlap {
+            tasks.push(Box::pin(self.micro_batch(
+                &pool,
+                &seqs_b,
+                &tokens[cut..],
+                xb,
+                second,
+                &net_b,
+            )));
+        }
+        drive(tasks)
+    }
+
+    /// One micro-batch's pass through the embedding and the layers.
+    async fn micro_batch(
+        &self,
+        pool: &RefCell<&mut KvPool>,
+        seqs: &[SeqAttn<'_>],
+        tokens: &[u32],
+        x: &mut [f32],
+        s: &mut LayerScratch,
+        net: &Net<'_>,
+    ) -> Result<(), ModelError> {
+        self.embed_rows(tokens.iter(), x)?;
+        if self.vocab.len() < self.cfg.vocab {
+            net.tp_sum(x).await?;
+        }
+        for (index, l) in self.layers.iter().enumerate() {
+            let at = Place {
+                pool,
+                index,
+                seqs,
+                rope_offset: 0,
+            };
+            l.forward(&self.cfg, at, x, tokens.len(), s, net).await?;
         }
         Ok(())
     }
@@ -568,11 +779,36 @@ impl DecoderModel {
         if m == 0 {
             return Ok(Vec::new());
         }
-        let mut logits = vec![0f32; m * self.cfg.vocab];
+        // This rank's vocabulary rows (all of them in one process).
+        let mut logits = vec![0f32; m * head.rows()];
         let input = LinearInput::new(rows, m, &mut s.layer.q8, &[head])?;
         head.forward(&input, &mut logits)?;
         Ok(logits)
     }
+}
+
+/// `seqs` (rows of one batch) cut at row `cut` into two batches whose rows
+/// each start at 0; a sequence that spans the cut continues in the second
+/// at the position after its first part.
+fn split_seqs<'t>(seqs: &[SeqAttn<'t>], cut: usize) -> (Vec<SeqAttn<'t>>, Vec<SeqAttn<'t>>) {
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for sq in seqs {
+        if sq.rows.start < cut {
+            a.push(SeqAttn {
+                rows: sq.rows.start..sq.rows.end.min(cut),
+                ..sq.clone()
+            });
+        }
+        if sq.rows.end > cut {
+            let start = sq.rows.start.max(cut);
+            b.push(SeqAttn {
+                rows: start - cut..sq.rows.end - cut,
+                pos0: sq.pos0 + (start - sq.rows.start),
+                table: sq.table,
+            });
+        }
+    }
+    (a, b)
 }
 
 /// The rows `ranges` of `x` (`[_, h]`), concatenated.

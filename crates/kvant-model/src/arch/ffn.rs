@@ -2,15 +2,16 @@
 //! layer's FFN, and the shared experts of a mixture-of-experts layer.
 
 use super::loader::Loader;
+use super::shard::Shard;
 use crate::ModelError;
 use kvant_kernels::activation::{gated, Activation};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 
 pub(crate) struct DenseFfn {
-    gate: LinearWeight,
-    up: LinearWeight,
-    down: LinearWeight,
+    /// Gate, up and down; `None` for a rank whose share of the
+    /// intermediate is empty (it adds nothing to the sum).
+    w: Option<[LinearWeight; 3]>,
 }
 
 /// Intermediate activations of one FFN call.
@@ -22,22 +23,33 @@ pub(crate) struct FfnScratch {
 
 impl DenseFfn {
     /// Loads `gate`, `up` (`[ff, hidden]`) and `down` (`[hidden, ff]`) by
-    /// their full tensor names.
+    /// their full tensor names: `shard`'s columns of the intermediate
+    /// (gate and up rows, down columns; all of them for [`Shard::FULL`]),
+    /// cut between `down`'s quantization blocks.
     pub fn load(
         ld: &Loader<'_>,
         [gate, up, down]: [&str; 3],
         hidden: usize,
         ff: usize,
+        shard: Shard,
     ) -> Result<Self, ModelError> {
+        let block = ld.tensor(down)?.dtype().block_size();
+        let cols = shard.cols(ff, block);
+        if cols.is_empty() {
+            return Ok(DenseFfn { w: None });
+        }
         Ok(DenseFfn {
-            gate: ld.weight(gate, ff, hidden)?,
-            up: ld.weight(up, ff, hidden)?,
-            down: ld.weight(down, hidden, ff)?,
+            w: Some([
+                ld.weight_rows(gate, [ff, hidden], cols.clone())?,
+                ld.weight_rows(up, [ff, hidden], cols.clone())?,
+                ld.weight_cols(down, [hidden, ff], cols)?,
+            ]),
         })
     }
 
-    pub fn weights(&self) -> [&LinearWeight; 3] {
-        [&self.gate, &self.up, &self.down]
+    /// Bytes of the weights (each read once per pass).
+    pub fn byte_len(&self) -> usize {
+        self.w.iter().flatten().map(LinearWeight::byte_len).sum()
     }
 
     /// `out = FFN(xn)` for `n` tokens (`out` is `[n, hidden]`, overwritten).
@@ -50,15 +62,18 @@ impl DenseFfn {
         s: &mut FfnScratch,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let ff = self.gate.rows();
+        let Some([gate, up, down]) = &self.w else {
+            out.fill(0.0);
+            return Ok(());
+        };
+        let ff = gate.rows();
         s.gate.resize(n * ff, 0.0);
         s.up.resize(n * ff, 0.0);
         let (g, u) = (&mut s.gate[..n * ff], &mut s.up[..n * ff]);
-        let input = LinearInput::new(xn, n, q8, &[&self.gate, &self.up])?;
-        forward_batch(&input, &mut [(&self.gate, &mut *g), (&self.up, &mut *u)])?;
+        let input = LinearInput::new(xn, n, q8, &[gate, up])?;
+        forward_batch(&input, &mut [(gate, &mut *g), (up, &mut *u)])?;
         gated(act, g, u);
-        self.down
-            .forward(&LinearInput::new(g, n, q8, &[&self.down])?, out)?;
+        down.forward(&LinearInput::new(g, n, q8, &[down])?, out)?;
         Ok(())
     }
 }

@@ -5,6 +5,7 @@ use super::ffn::{DenseFfn, FfnScratch};
 use super::mha::{MhaAttention, MhaScratch};
 use super::mla::{MlaAttention, MlaScratch};
 use super::moe::{MoeFfn, MoeLayerScratch};
+use super::parallel::Net;
 use super::sized;
 use crate::config::ModelConfig;
 use crate::kv::KvPool;
@@ -12,6 +13,7 @@ use crate::ModelError;
 use kvant_kernels::attention::SeqAttn;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::norm::{rms_norm, rms_norm_inplace};
+use std::cell::RefCell;
 
 pub(crate) enum Attention {
     Mha(MhaAttention),
@@ -21,6 +23,16 @@ pub(crate) enum Attention {
 pub(crate) enum Ffn {
     Dense(DenseFfn),
     Moe(Box<MoeFfn>),
+}
+
+impl Ffn {
+    /// The experts' placement, for a MoE layer under expert parallelism.
+    pub fn expert_parallel(&self) -> Option<&super::moe_ep::ExpertParallel> {
+        match self {
+            Ffn::Moe(m) => m.ep.as_ref(),
+            Ffn::Dense(_) => None,
+        }
+    }
 }
 
 pub(crate) struct Layer {
@@ -40,6 +52,15 @@ pub(crate) struct Layer {
 /// position (1 for the MTP module, 0 otherwise).
 pub(crate) struct LayerCtx<'a, 'b> {
     pub pool: &'a mut KvPool,
+    pub index: usize,
+    pub seqs: &'a [SeqAttn<'b>],
+    pub rope_offset: usize,
+}
+
+/// A [`LayerCtx`] whose pool is shared by the micro-batches of a pass
+/// (each borrows it for its attention only).
+pub(crate) struct Place<'a, 'p, 'b> {
+    pub pool: &'a RefCell<&'p mut KvPool>,
     pub index: usize,
     pub seqs: &'a [SeqAttn<'b>],
     pub rope_offset: usize,
@@ -66,23 +87,24 @@ impl Layer {
             Attention::Mla(a) => a.byte_len(),
         };
         let (all, read) = match &self.ffn {
-            Ffn::Dense(f) => {
-                let b: usize = f.weights().iter().map(|w| w.byte_len()).sum();
-                (b, b)
-            }
+            Ffn::Dense(f) => (f.byte_len(), f.byte_len()),
             Ffn::Moe(m) => m.bytes(),
         };
         (attn + all, attn + read)
     }
 
     /// Runs the layer on the residual stream `x` (`[n, hidden]`) in place.
-    pub fn forward(
+    /// Under tensor parallelism the attention's and the feed-forward's
+    /// outputs are this rank's shares, summed over the group before the
+    /// residual add (and Gemma's post-norms, which need the whole sum).
+    pub async fn forward(
         &self,
         c: &ModelConfig,
-        ctx: LayerCtx<'_, '_>,
+        at: Place<'_, '_, '_>,
         x: &mut [f32],
         n: usize,
         s: &mut LayerScratch,
+        net: &Net<'_>,
     ) -> Result<(), ModelError> {
         let h = c.hidden;
         let LayerScratch {
@@ -97,24 +119,41 @@ impl Layer {
         let xn = sized(xn, n * h);
         let proj = sized(proj, n * h);
         rms_norm(x, &self.attn_norm, c.rms_eps, xn);
-        match &self.attn {
-            Attention::Mha(a) => {
-                let rope = (self.inv_freq.as_slice(), self.window);
-                a.forward(c, rope, ctx, xn, n, q8, mha, proj)?
-            }
-            Attention::Mla(a) => {
-                let m = c.mla.as_ref().ok_or(ModelError::KvShape)?;
-                a.forward(c, m, &self.inv_freq, ctx, xn, n, q8, mla, proj)?
+        net.before_attention(at.index).await;
+        if n > 0 {
+            let mut pool = at.pool.borrow_mut();
+            let ctx = LayerCtx {
+                pool: &mut pool,
+                index: at.index,
+                seqs: at.seqs,
+                rope_offset: at.rope_offset,
+            };
+            match &self.attn {
+                Attention::Mha(a) => {
+                    let rope = (self.inv_freq.as_slice(), self.window);
+                    a.forward(c, rope, ctx, xn, n, q8, mha, proj)?
+                }
+                Attention::Mla(a) => {
+                    let m = c.mla.as_ref().ok_or(ModelError::KvShape)?;
+                    a.forward(c, m, &self.inv_freq, ctx, xn, n, q8, mla, proj)?
+                }
             }
         }
+        net.after_attention(at.index);
+        net.tp_sum(proj).await?;
         if let Some(w) = &self.post_attn_norm {
             rms_norm_inplace(proj, w, c.rms_eps);
         }
         add_assign(x, proj);
         rms_norm(x, &self.ffn_norm, c.rms_eps, xn);
         match &self.ffn {
-            Ffn::Dense(f) => f.forward(c.activation, xn, n, q8, ffn, proj)?,
-            Ffn::Moe(m) => m.forward(c.activation, xn, n, q8, moe, proj)?,
+            Ffn::Dense(f) => {
+                if n > 0 {
+                    f.forward(c.activation, xn, n, q8, ffn, proj)?;
+                }
+                net.tp_sum(proj).await?;
+            }
+            Ffn::Moe(m) => m.forward(c.activation, xn, n, q8, moe, proj, net).await?,
         }
         if let Some(w) = &self.post_ffn_norm {
             rms_norm_inplace(proj, w, c.rms_eps);

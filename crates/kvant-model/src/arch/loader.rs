@@ -1,11 +1,13 @@
 //! Reading a layer's tensors from a checkpoint into the forms the forward
 //! pass wants, with the shape checks every architecture component needs.
 
+use super::shard::Shard;
 use crate::checkpoint::Checkpoint;
 use crate::ModelError;
-use kvant_core::Tensor;
+use kvant_core::{CoreError, Tensor};
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 use kvant_kernels::quant::dequantize_row;
+use std::ops::Range;
 
 /// A projection: a weight `[out, in]` prepared for its kernel and an optional bias.
 pub(crate) struct Linear {
@@ -42,6 +44,8 @@ pub(crate) struct Loader<'a> {
     pub int8: bool,
     /// Added to norm weights (Hugging Face Gemma stores `w - 1`).
     pub norm_offset: f32,
+    /// This rank's tensor-parallel share.
+    pub shard: Shard,
 }
 
 impl Loader<'_> {
@@ -109,6 +113,78 @@ impl Loader<'_> {
         Ok(LinearWeight::prepare_stack(&t, self.int8)?)
     }
 
+    /// Rows `range` of the `[rows, cols]` matrix `name` (a column-parallel
+    /// share: a rank's heads or FFN columns), prepared.
+    pub fn weight_rows(
+        &self,
+        name: &str,
+        [rows, cols]: [usize; 2],
+        range: Range<usize>,
+    ) -> Result<LinearWeight, ModelError> {
+        let t = self.matrix(name, rows, cols)?;
+        if range == (0..rows) {
+            return self.prepare(t);
+        }
+        self.prepare(t.row_range(range)?)
+    }
+
+    /// Columns `range` of the `[rows, cols]` matrix `name` (a row-parallel
+    /// share), prepared.
+    pub fn weight_cols(
+        &self,
+        name: &str,
+        [rows, cols]: [usize; 2],
+        range: Range<usize>,
+    ) -> Result<LinearWeight, ModelError> {
+        let t = self.matrix(name, rows, cols)?;
+        if range == (0..cols) {
+            return self.prepare(t);
+        }
+        self.prepare(cut_cols(&t, name, range)?)
+    }
+
+    /// Rows `range` of `{stem}.weight` and its bias (a column-parallel
+    /// projection's share).
+    pub fn linear_rows(
+        &self,
+        stem: &str,
+        [rows, cols]: [usize; 2],
+        range: Range<usize>,
+        bias: Bias,
+    ) -> Result<Linear, ModelError> {
+        let b = self.bias(stem, rows, bias)?;
+        Ok(Linear {
+            weight: self.weight_rows(&format!("{stem}.weight"), [rows, cols], range.clone())?,
+            bias: b.map(|b| b[range].to_vec()),
+        })
+    }
+
+    /// Columns `range` of `{stem}.weight` (a row-parallel projection's
+    /// share); the bias, which belongs to the sum, only on the first
+    /// tensor-parallel rank.
+    pub fn linear_cols(
+        &self,
+        stem: &str,
+        [rows, cols]: [usize; 2],
+        range: Range<usize>,
+        bias: Bias,
+    ) -> Result<Linear, ModelError> {
+        let b = self.bias(stem, rows, bias)?;
+        Ok(Linear {
+            weight: self.weight_cols(&format!("{stem}.weight"), [rows, cols], range)?,
+            bias: b.filter(|_| self.shard.t == 0),
+        })
+    }
+
+    /// `{stem}.bias` when present, an error when required and absent.
+    fn bias(&self, stem: &str, rows: usize, bias: Bias) -> Result<Option<Vec<f32>>, ModelError> {
+        match (self.has(&format!("{stem}.bias")), bias) {
+            (true, _) => Ok(Some(self.raw_vector(&format!("{stem}.bias"), rows)?)),
+            (false, Bias::Required) => Err(ModelError::MissingTensor(format!("{stem}.bias"))),
+            (false, Bias::IfPresent) => Ok(None),
+        }
+    }
+
     /// `{stem}.weight` and `{stem}.bias`.
     pub fn linear(
         &self,
@@ -117,18 +193,22 @@ impl Loader<'_> {
         cols: usize,
         bias: Bias,
     ) -> Result<Linear, ModelError> {
-        let b = match (self.has(&format!("{stem}.bias")), bias) {
-            (true, _) => Some(self.raw_vector(&format!("{stem}.bias"), rows)?),
-            (false, Bias::Required) => {
-                return Err(ModelError::MissingTensor(format!("{stem}.bias")))
-            }
-            (false, Bias::IfPresent) => None,
-        };
-        Ok(Linear {
-            weight: self.weight(&format!("{stem}.weight"), rows, cols)?,
-            bias: b,
-        })
+        self.linear_rows(stem, [rows, cols], 0..rows, bias)
     }
+}
+
+/// Columns `range` of `t`, or an error naming the tensor when a bound
+/// falls inside a quantization block.
+pub(crate) fn cut_cols(t: &Tensor, name: &str, range: Range<usize>) -> Result<Tensor, ModelError> {
+    t.col_range(range.clone()).map_err(|e| match e {
+        CoreError::PartialBlock { dtype, block, .. } => ModelError::Split {
+            name: name.into(),
+            at: range,
+            dtype: dtype.name(),
+            block,
+        },
+        e => e.into(),
+    })
 }
 
 pub(crate) fn check_shape(t: &Tensor, name: &str, expected: &[usize]) -> Result<(), ModelError> {

@@ -15,6 +15,9 @@ use kvant_kernels::norm::rms_norm_inplace;
 use kvant_kernels::rope::rope_inplace;
 
 pub(crate) struct MhaAttention {
+    /// This rank's query and KV heads (all of them in one process).
+    heads: usize,
+    kv_heads: usize,
     q: Linear,
     k: Linear,
     v: Linear,
@@ -34,7 +37,12 @@ pub(crate) struct MhaScratch {
 
 impl MhaAttention {
     pub fn load(ld: &Loader<'_>, cfg: &ModelConfig, n: &LayerNames) -> Result<Self, ModelError> {
-        let (h, qd, kvd) = (cfg.hidden, cfg.q_dim(), cfg.kv_dim());
+        let (h, hd) = (cfg.hidden, cfg.head_dim);
+        let share = ld.shard.heads(cfg.n_heads, cfg.n_kv_heads);
+        let (qr, kvr) = (
+            share.q.start * hd..share.q.end * hd,
+            share.kv.start * hd..share.kv.end * hd,
+        );
         // Biases load when present; a config that promises them must have them.
         let bias = match cfg.qkv_bias {
             true => Bias::Required,
@@ -46,12 +54,15 @@ impl MhaAttention {
                 false => Ok(None),
             }
         };
+        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
         Ok(MhaAttention {
-            q: ld.linear(&n.q, qd, h, bias)?,
-            k: ld.linear(&n.k, kvd, h, bias)?,
-            v: ld.linear(&n.v, kvd, h, bias)?,
+            heads: share.q.len(),
+            kv_heads: share.kv.len(),
+            q: ld.linear_rows(&n.q, [qd, h], qr.clone(), bias)?,
+            k: ld.linear_rows(&n.k, [kvd, h], kvr.clone(), bias)?,
+            v: ld.linear_rows(&n.v, [kvd, h], kvr, bias)?,
             o: Linear {
-                weight: ld.weight(&format!("{}.weight", n.o), h, qd)?,
+                weight: ld.weight_cols(&format!("{}.weight", n.o), [h, qd], qr)?,
                 bias: None,
             },
             q_norm: req_norm(&n.q_norm)?,
@@ -68,9 +79,15 @@ impl MhaAttention {
         ]
     }
 
+    /// KV heads this rank caches.
+    pub fn kv_heads(&self) -> usize {
+        self.kv_heads
+    }
+
     /// Attention of the batch's `n` tokens (normed input `xn`), storing
     /// their keys and values in layer `layer` of `pool`; the output
-    /// projection goes to `out` (`[n, hidden]`).
+    /// projection goes to `out` (`[n, hidden]`): under tensor parallelism,
+    /// this rank's heads' share of it, which the layer sums over the ranks.
     #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
     pub fn forward(
         &self,
@@ -83,7 +100,7 @@ impl MhaAttention {
         s: &mut MhaScratch,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        let (qd, kvd) = (self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim);
         let q = sized(&mut s.q, n * qd);
         let k = sized(&mut s.k, n * kvd);
         let v = sized(&mut s.v, n * kvd);
@@ -119,8 +136,8 @@ impl MhaAttention {
             }
         }
         let params = AttnParams {
-            n_heads: cfg.n_heads,
-            n_kv_heads: cfg.n_kv_heads,
+            n_heads: self.heads,
+            n_kv_heads: self.kv_heads,
             head_dim: cfg.head_dim,
             v_dim: cfg.head_dim,
             scale: cfg.attn_scale,

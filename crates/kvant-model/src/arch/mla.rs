@@ -43,6 +43,9 @@ enum QProj {
 }
 
 pub(crate) struct MlaAttention {
+    /// This rank's heads (all of them in one process); the latent row is
+    /// every head's, computed and cached on every rank.
+    heads: usize,
     q: QProj,
     /// `hidden → kv_lora_rank + rope`: the latent and the rotary key.
     kv_a: Linear,
@@ -152,44 +155,63 @@ impl MlaAttention {
         prefill: MlaPrefill,
     ) -> Result<Self, ModelError> {
         let names = Names::new(ld.ckpt, prefix);
-        let (h, nh) = (cfg.hidden, cfg.n_heads);
-        let q_out = nh * m.qk_dim();
+        let (h, all) = (cfg.hidden, cfg.n_heads);
+        let mine = ld.shard.mla_heads(all);
+        let nh = mine.len();
+        let (q_out, q_rows) = (
+            all * m.qk_dim(),
+            mine.start * m.qk_dim()..mine.end * m.qk_dim(),
+        );
         let q = match m.q_lora_rank {
-            None => QProj::Plain(ld.linear(&names.q, q_out, h, Bias::IfPresent)?),
+            None => QProj::Plain(ld.linear_rows(&names.q, [q_out, h], q_rows, Bias::IfPresent)?),
             Some(r) => QProj::LowRank {
                 a: ld.linear(&names.q_a, r, h, Bias::IfPresent)?,
                 norm: ld.vector(&names.q_a_norm, r)?,
-                b: ld.linear(&names.q_b, q_out, r, Bias::IfPresent)?,
+                b: ld.linear_rows(&names.q_b, [q_out, r], q_rows, Bias::IfPresent)?,
             },
         };
         let expanded = prefill == MlaPrefill::Auto;
         let split = names.split.as_ref().filter(|(k_b, _)| ld.has(k_b));
         let (k_b, v_b, expansion) = match split {
-            Some((k_b, v_b)) => (
-                ld.stacked(k_b, nh, m.kv_lora_rank, m.nope_dim)?,
-                ld.stacked(v_b, nh, m.v_dim, m.kv_lora_rank)?,
-                expanded
-                    .then(|| Expansion::from_split(ld, (k_b, v_b), nh, m).map(Box::new))
-                    .transpose()?,
-            ),
+            Some((k_b, v_b)) => {
+                let heads =
+                    |v: Vec<LinearWeight>| v.into_iter().skip(mine.start).take(nh).collect();
+                (
+                    heads(ld.stacked(k_b, all, m.kv_lora_rank, m.nope_dim)?),
+                    heads(ld.stacked(v_b, all, m.v_dim, m.kv_lora_rank)?),
+                    expanded
+                        .then(|| {
+                            Expansion::from_split(ld, (k_b, v_b), (all, mine.clone()), m)
+                                .map(Box::new)
+                        })
+                        .transpose()?,
+                )
+            }
             None => {
-                let rows = nh * (m.nope_dim + m.v_dim);
-                let w = to_f32(&ld.matrix(&names.kv_b, rows, m.kv_lora_rank)?)?;
-                let (k_b, v_b) = split_kv_b(&w, nh, m)?;
+                let per_head = (m.nope_dim + m.v_dim) * m.kv_lora_rank;
+                let w = to_f32(&ld.matrix(
+                    &names.kv_b,
+                    all * (m.nope_dim + m.v_dim),
+                    m.kv_lora_rank,
+                )?)?;
+                let w = &w[mine.start * per_head..mine.end * per_head];
+                let (k_b, v_b) = split_kv_b(w, nh, m)?;
                 let e = expanded
-                    .then(|| Expansion::from_kv_b(&w, nh, m).map(Box::new))
+                    .then(|| Expansion::from_kv_b(w, nh, m).map(Box::new))
                     .transpose()?;
                 (k_b, v_b, e)
             }
         };
+        let o_cols = mine.start * m.v_dim..mine.end * m.v_dim;
         Ok(MlaAttention {
+            heads: nh,
             q,
             kv_a: ld.linear(&names.kv_a, m.latent_dim(), h, Bias::IfPresent)?,
             kv_norm: ld.vector(&names.kv_a_norm, m.kv_lora_rank)?,
             k_b: PerHead::new("attn_k_b head", k_b, [m.kv_lora_rank, m.nope_dim])?,
             v_b: PerHead::new("attn_v_b head", v_b, [m.v_dim, m.kv_lora_rank])?,
             expansion,
-            o: ld.linear(&names.o, h, nh * m.v_dim, Bias::IfPresent)?,
+            o: ld.linear_cols(&names.o, [h, all * m.v_dim], o_cols, Bias::IfPresent)?,
         })
     }
 
@@ -222,7 +244,7 @@ impl MlaAttention {
         s: &mut MlaScratch,
         out: &mut [f32],
     ) -> Result<(), ModelError> {
-        let nh = cfg.n_heads;
+        let nh = self.heads;
         let (qk, lat, rank, rope) = (m.qk_dim(), m.latent_dim(), m.kv_lora_rank, m.rope_dim);
         let MlaScratch {
             qa,
@@ -357,7 +379,7 @@ impl MlaAttention {
     ) -> Result<(), ModelError> {
         // Absorb: every head's query into latent space (head-major rows
         // through the per-head matrices), then its rotary part.
-        let (nh, n) = (cfg.n_heads, r.n);
+        let (nh, n) = (self.heads, r.n);
         let (qk, lat, rank, rope, nope) = (
             m.qk_dim(),
             m.latent_dim(),

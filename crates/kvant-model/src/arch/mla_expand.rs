@@ -74,22 +74,25 @@ pub(crate) struct Chunk<'a, 'b> {
 }
 
 impl Expansion {
-    /// From llama.cpp's split tensors: `attn_k_b` `[heads, kv_lora_rank,
+    /// From llama.cpp's split tensors: `attn_k_b` `[all, kv_lora_rank,
     /// nope]` (transposed here; re-quantized to Q8_0 when it was
-    /// quantized, so it runs on the int8 kernels) and `attn_v_b` `[heads,
-    /// v, kv_lora_rank]` (used as stored).
+    /// quantized, so it runs on the int8 kernels) and `attn_v_b` `[all,
+    /// v, kv_lora_rank]` (used as stored), heads `mine` of them.
     pub fn from_split(
         ld: &Loader<'_>,
         (k_b, v_b): (&str, &str),
-        heads: usize,
+        (all, mine): (usize, std::ops::Range<usize>),
         m: &MlaConfig,
     ) -> Result<Self, ModelError> {
         let (rank, nope) = (m.kv_lora_rank, m.nope_dim);
+        let heads = mine.len();
         let kt = ld.tensor(k_b)?;
-        super::loader::check_shape(&kt, k_b, &[heads, rank, nope])?;
+        super::loader::check_shape(&kt, k_b, &[all, rank, nope])?;
         let absorbed = to_f32(&kt)?;
         let k: Vec<f32> = absorbed
             .chunks_exact(rank * nope)
+            .skip(mine.start)
+            .take(heads)
             .flat_map(|head| transpose(head, rank, nope))
             .collect();
         let k = match kt.dtype().is_quantized() && ld.int8 && rank % 32 == 0 {
@@ -97,15 +100,17 @@ impl Expansion {
             false => Tensor::from_f32(vec![heads * nope, rank], &k)?,
         };
         let vt = ld.tensor(v_b)?;
-        super::loader::check_shape(&vt, v_b, &[heads, m.v_dim, rank])?;
+        super::loader::check_shape(&vt, v_b, &[all, m.v_dim, rank])?;
+        let v_rows = mine.start * m.v_dim..mine.end * m.v_dim;
         Ok(Expansion {
             k: ld.prepare(k)?,
-            v: ld.prepare(vt.stacked_rows()?)?,
+            v: ld.prepare(vt.stacked_rows()?.row_range(v_rows)?)?,
         })
     }
 
     /// From Hugging Face's `kv_b_proj` as f32 (`[heads · (nope + v),
-    /// kv_lora_rank]`, each head's key rows then value rows).
+    /// kv_lora_rank]`, each head's key rows then value rows; the rows of
+    /// this rank's heads).
     pub fn from_kv_b(w: &[f32], heads: usize, m: &MlaConfig) -> Result<Self, ModelError> {
         let (nope, v, rank) = (m.nope_dim, m.v_dim, m.kv_lora_rank);
         let (mut k, mut vv) = (Vec::new(), Vec::new());

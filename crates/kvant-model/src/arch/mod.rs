@@ -14,7 +14,10 @@ mod mha;
 mod mla;
 mod mla_expand;
 mod moe;
+mod moe_ep;
 mod mtp;
+pub mod parallel;
+mod shard;
 
 /// `buf` resized to `len` (contents unspecified: every user overwrites it).
 fn sized(buf: &mut Vec<f32>, len: usize) -> &mut [f32] {

@@ -17,7 +17,7 @@ use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 use super::mla_expand::MlaPrefill;
-use super::moe::MoeFfn;
+use super::moe::{ExpertLayout, MoeFfn};
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::ModelError;
@@ -63,12 +63,19 @@ impl MtpModule {
             None => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
         };
         let ffn = match &cfg.experts {
-            Some(e) if ld.has(&router) => Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &p)?)),
+            Some(e) if ld.has(&router) => Ffn::Moe(Box::new(MoeFfn::load(
+                ld,
+                cfg,
+                e,
+                &p,
+                ExpertLayout::Shared(ld.shard),
+            )?)),
             _ => Ffn::Dense(DenseFfn::load(
                 ld,
                 [&n.gate, &n.up, &n.down],
                 h,
                 cfg.intermediate,
+                ld.shard,
             )?),
         };
         let head = own("shared_head.head", "shared_head_head");

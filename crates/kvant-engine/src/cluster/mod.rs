@@ -1,0 +1,369 @@
+//! One model over several ranks (processes under MPI, or threads): rank 0
+//! runs the scheduler (or the single-stream loop) and, each step,
+//! broadcasts the plan ([`wire::Msg`]); every rank runs its share of the
+//! forward pass, the data-parallel group of each sequence computing it;
+//! the ranks holding the output head's vocabulary slices send rank 0
+//! what it samples from: whole logits rows, or, for a greedy request, one
+//! (value, id) pair per slice, so no logits row crosses the ranks.
+//!
+//! A rank that does not answer within the communicator's timeout (it
+//! hangs, or died without the launcher noticing) fails the step on the
+//! others, which then end the job with that error. Rank 0 sends a
+//! heartbeat, joined by every rank, while it is idle, so that idle ranks
+//! also notice a lost peer.
+
+mod wire;
+
+pub use wire::{encode_step, Msg, SeqPlan, Want, WireError};
+
+use crate::error::EngineError;
+use kvant_dist::layout::split_even;
+use kvant_dist::{Buffer, Collective, CommExt, Layout};
+use kvant_model::arch::decoder::{DecoderModel, SeqStep};
+use kvant_model::kv::{KvCache, KvPool};
+use kvant_model::Parallel;
+use std::sync::Arc;
+
+/// One logits row as rank 0 gets it back.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Row {
+    /// The whole row.
+    Logits(Vec<f32>),
+    /// Only its argmax ([`Want::LastArgmax`]); `None` when no logit is finite.
+    Argmax(Option<u32>),
+}
+
+/// Rank 0's side of a parallel run.
+pub struct Cluster {
+    model: Arc<DecoderModel>,
+    par: Arc<Parallel>,
+}
+
+impl Cluster {
+    /// Rank 0's handle over `model`, loaded with a [`Parallel`] of rank 0.
+    ///
+    /// # Errors
+    /// [`EngineError::Config`] for a model loaded without one, or on
+    /// another rank.
+    pub fn new(model: Arc<DecoderModel>) -> Result<Cluster, EngineError> {
+        match model.parallel().cloned() {
+            Some(par) if par.rank() == 0 => Ok(Cluster { model, par }),
+            Some(_) => Err(EngineError::Config(
+                "only rank 0 drives a parallel run".into(),
+            )),
+            None => Err(EngineError::Config(
+                "the model was loaded without ranks".into(),
+            )),
+        }
+    }
+
+    pub fn model(&self) -> &Arc<DecoderModel> {
+        &self.model
+    }
+
+    fn par(&self) -> &Parallel {
+        &self.par
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.par().layout
+    }
+
+    fn send(&self, msg: &Msg) -> Result<(), EngineError> {
+        let words = msg.encode()?;
+        self.par().world.broadcast_words(Some(words), 0)?;
+        Ok(())
+    }
+
+    /// A KV pool of `n_blocks` blocks of `block_size` tokens on every rank
+    /// (each sized for its shard); rank 0's is returned.
+    ///
+    /// # Errors
+    /// A communication or model error.
+    pub fn pool(&self, block_size: usize, n_blocks: usize) -> Result<KvPool, EngineError> {
+        self.send(&Msg::Pool {
+            block_size,
+            n_blocks,
+        })?;
+        Ok(self.model.new_pool(block_size, n_blocks)?)
+    }
+
+    /// A one-sequence cache of `capacity` tokens on every rank.
+    ///
+    /// # Errors
+    /// As [`Cluster::pool`].
+    pub fn cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
+        let capacity = capacity.min(self.model.config().max_context).max(1);
+        self.send(&Msg::Pool {
+            block_size: capacity,
+            n_blocks: 1,
+        })?;
+        Ok(self.model.new_cache(capacity)?)
+    }
+
+    /// One forward pass: `groups[d]` are data-parallel group `d`'s
+    /// sequences (group 0's run on `pool`, rank 0's; the others' on their
+    /// ranks' pools). Returns each group's logits rows in order.
+    ///
+    /// # Errors
+    /// A communication error (a lost rank), or the model's.
+    pub fn step(
+        &self,
+        pool: &mut KvPool,
+        groups: &[Vec<(SeqStep<'_>, Want)>],
+    ) -> Result<Vec<Vec<Row>>, EngineError> {
+        let layout = self.layout();
+        if groups.len() != layout.dp {
+            return Err(EngineError::Config(format!(
+                "a step for {} data-parallel groups on {}",
+                groups.len(),
+                layout.dp
+            )));
+        }
+        self.par()
+            .world
+            .broadcast_words(Some(encode_step(groups)?), 0)?;
+        let mine: Vec<SeqStep<'_>> = groups[0].iter().map(|(s, _)| *s).collect();
+        let wants: Vec<Vec<(Want, usize)>> = groups
+            .iter()
+            .map(|g| g.iter().map(|(s, w)| (*w, s.tokens.len())).collect())
+            .collect();
+        let (logits, _) = self.model.forward_batch_hidden(pool, &mine)?;
+        exchange_rows(&self.model, &wants, &logits)?
+            .ok_or_else(|| EngineError::Config("rank 0 received no logits".into()))
+    }
+
+    /// Proves every rank alive while rank 0 is idle (a broadcast, then a
+    /// barrier: a hung rank fails it within the timeout).
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn heartbeat(&self) -> Result<(), EngineError> {
+        self.send(&Msg::Heartbeat)?;
+        self.par().world.barrier()?;
+        Ok(())
+    }
+
+    /// Re-places every MoE layer's experts on every rank from the loads
+    /// seen since the last re-placement, with `redundant` extra replicas
+    /// per layer (EPLB). Outputs do not change.
+    ///
+    /// # Errors
+    /// A communication or model error.
+    pub fn rebalance(&self, redundant: usize) -> Result<(), EngineError> {
+        self.send(&Msg::Rebalance { redundant })?;
+        Ok(self.model.rebalance_experts(redundant)?)
+    }
+
+    /// Tells the other ranks to stop.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn shutdown(&self) -> Result<(), EngineError> {
+        self.send(&Msg::Shutdown)
+    }
+
+    /// Ends every rank after an unrecoverable error (MPI aborts the job).
+    pub fn abort(&self) {
+        self.par().world.abort(1);
+    }
+}
+
+/// The loop of every rank but 0: run what rank 0 broadcasts until it says
+/// stop. Returns an error (after which the caller should abort the job)
+/// when a collective fails.
+///
+/// # Errors
+/// A communication error (a lost or hung rank), a malformed message, or
+/// the model's.
+pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
+    let Some(par) = model.parallel() else {
+        return Err(EngineError::Config(
+            "the model was loaded without ranks".into(),
+        ));
+    };
+    let dp = par.coords.dp;
+    let mut pool: Option<KvPool> = None;
+    loop {
+        let words = par.world.broadcast_words(None, 0)?;
+        match Msg::decode(&words)? {
+            Msg::Shutdown => return Ok(()),
+            Msg::Heartbeat => par.world.barrier()?,
+            Msg::Pool {
+                block_size,
+                n_blocks,
+            } => {
+                // The old pool goes before the new one is allocated.
+                drop(pool.take());
+                pool = Some(model.new_pool(block_size, n_blocks)?);
+            }
+            Msg::Rebalance { redundant } => model.rebalance_experts(redundant)?,
+            Msg::Step(groups) => {
+                let pool = pool
+                    .as_mut()
+                    .ok_or_else(|| EngineError::Config("a step before any KV pool".into()))?;
+                let wants: Vec<Vec<(Want, usize)>> = groups
+                    .iter()
+                    .map(|g| g.iter().map(|s| (s.want, s.tokens.len())).collect())
+                    .collect();
+                let mine: Vec<SeqStep<'_>> = groups
+                    .get(dp)
+                    .map(|g| g.iter().map(SeqPlan::step).collect())
+                    .unwrap_or_default();
+                let (logits, _) = model.forward_batch_hidden(pool, &mine)?;
+                exchange_rows(model, &wants, &logits)?;
+            }
+        }
+    }
+}
+
+/// Sends rank 0 this rank's share of the step's logits rows, and on rank 0
+/// assembles every group's: the tensor-parallel ranks of a group hold
+/// vocabulary slices in order; replicas stay silent. `local` is this
+/// rank's `[rows, slice]` from the forward pass.
+fn exchange_rows(
+    model: &DecoderModel,
+    wants: &[Vec<(Want, usize)>],
+    local: &[f32],
+) -> Result<Option<Vec<Vec<Row>>>, EngineError> {
+    let Some(par) = model.parallel() else {
+        return Err(EngineError::Config(
+            "the model was loaded without ranks".into(),
+        ));
+    };
+    let layout = par.layout;
+    let vocab = model.config().vocab;
+    let slice = |rank: usize| split_even(vocab, layout.tp, layout.coords(rank).tp);
+    // Words rank `q` sends: per row, its slice or one (value, id) pair.
+    let words_of = |q: usize| -> usize {
+        if !layout.reports_logits(q) {
+            return 0;
+        }
+        let d = layout.coords(q).dp;
+        wants[d]
+            .iter()
+            .map(|&(w, n)| match w {
+                Want::LastArgmax => 2,
+                w => w.rows(n) * slice(q).len(),
+            })
+            .sum()
+    };
+    let rank = par.rank();
+    let mut send = Vec::with_capacity(words_of(rank));
+    if layout.reports_logits(rank) {
+        let width = slice(rank).len();
+        let base = slice(rank).start as u32;
+        let mut rows = local.chunks_exact(width.max(1));
+        for &(w, n) in &wants[par.coords.dp] {
+            for _ in 0..w.rows(n) {
+                let row = rows.next().ok_or_else(|| {
+                    EngineError::Config("the forward pass returned too few rows".into())
+                })?;
+                match w {
+                    Want::LastArgmax => match crate::sampling::argmax(row) {
+                        Some(i) => send.extend([row[i as usize].to_bits(), base + i]),
+                        None => send.extend([f32::NAN.to_bits(), u32::MAX]),
+                    },
+                    _ => send.extend(row.iter().map(|v| v.to_bits())),
+                }
+            }
+        }
+    }
+    let w = layout.world;
+    let mut send_counts = vec![0; w];
+    send_counts[0] = send.len();
+    let recv_counts: Vec<usize> = (0..w)
+        .map(|q| if rank == 0 { words_of(q) } else { 0 })
+        .collect();
+    let got = par
+        .world
+        .run(Collective::AllToAllV {
+            send: Buffer::U32(send),
+            send_counts,
+            recv_counts: recv_counts.clone(),
+        })?
+        .into_u32()?;
+    if rank != 0 {
+        return Ok(None);
+    }
+    // Each rank's words, then each group's rows from its slices.
+    let mut from = Vec::with_capacity(w);
+    let mut at = 0;
+    for &c in &recv_counts {
+        from.push(&got[at..at + c]);
+        at += c;
+    }
+    let mut out = Vec::with_capacity(layout.dp);
+    for (d, seqs) in wants.iter().enumerate() {
+        let reporters: Vec<usize> = (0..layout.tp).map(|t| layout.group_leader(d) + t).collect();
+        let mut cursor = vec![0usize; reporters.len()];
+        let mut rows = Vec::new();
+        for &(want, n) in seqs {
+            for _ in 0..want.rows(n) {
+                if want == Want::LastArgmax {
+                    // The best over the slices; ties to the lower id, as
+                    // `argmax` over the whole row.
+                    let mut best: Option<(f32, u32)> = None;
+                    for (i, &q) in reporters.iter().enumerate() {
+                        let pair = &from[q][cursor[i]..cursor[i] + 2];
+                        cursor[i] += 2;
+                        let (v, id) = (f32::from_bits(pair[0]), pair[1]);
+                        if id != u32::MAX && best.is_none_or(|(b, _)| v > b) {
+                            best = Some((v, id));
+                        }
+                    }
+                    rows.push(Row::Argmax(best.map(|b| b.1)));
+                } else {
+                    let mut row = Vec::with_capacity(vocab);
+                    for (i, &q) in reporters.iter().enumerate() {
+                        let width = slice(q).len();
+                        let part = &from[q][cursor[i]..cursor[i] + width];
+                        cursor[i] += width;
+                        row.extend(part.iter().map(|&b| f32::from_bits(b)));
+                    }
+                    rows.push(Row::Logits(row));
+                }
+            }
+        }
+        out.push(rows);
+    }
+    Ok(Some(out))
+}
+
+/// One forward pass of the sequence in `cache` over `tokens` (appended to
+/// it), on this process or across `cluster`: the rows `want` asks for.
+///
+/// # Errors
+/// The model's, or a communication error.
+pub fn forward_seq(
+    model: &DecoderModel,
+    cluster: Option<&Cluster>,
+    cache: &mut KvCache,
+    tokens: &[u32],
+    want: Want,
+) -> Result<Vec<Row>, EngineError> {
+    let Some(cluster) = cluster else {
+        let logits = model.forward(tokens, cache, want.logits())?;
+        let vocab = model.config().vocab;
+        return Ok(logits
+            .chunks_exact(vocab)
+            .map(|l| match want {
+                Want::LastArgmax => Row::Argmax(crate::sampling::argmax(l)),
+                _ => Row::Logits(l.to_vec()),
+            })
+            .collect());
+    };
+    let layout = cluster.layout();
+    let (pool, table, pos0) = cache.parts();
+    let step = SeqStep {
+        tokens,
+        pos0,
+        table,
+        logits: want.logits(),
+    };
+    let mut groups = vec![Vec::new(); layout.dp];
+    groups[0].push((step, want));
+    let mut rows = cluster.step(pool, &groups)?;
+    cache.commit(tokens.len());
+    Ok(rows.swap_remove(0))
+}

@@ -1,0 +1,362 @@
+//! Expert parallelism: a MoE layer whose routed experts are spread over
+//! the ranks (DeepSeek's and DeepEP's dispatch and combine).
+//!
+//! Every rank of a data-parallel group holds the group's tokens; each
+//! takes an even share of them ([`token_share`]), routes it, and:
+//! 1. **dispatch**: exchanges with every rank how many rows and expert
+//!    assignments it will send (one all-to-all of counts), then sends each
+//!    token row once per destination rank, with the slots of that rank's
+//!    experts it wants (a second all-to-all, rows and slot lists);
+//! 2. computes its own experts over the rows it received, one assignment
+//!    per row and expert, with the fused kernel (`top_k = 1`, weight 1:
+//!    each output is the expert's unweighted result);
+//! 3. **combine**: sends each result back to the token's rank (a third
+//!    all-to-all), which adds them with the router's weights in slot order
+//!    and adds the shared experts, as one process does;
+//! 4. gathers the shares of its group again (all-gather).
+//!
+//! Every expert output is computed by the same kernel arithmetic on the
+//! same row as in one process (the kernels are batch invariant), and the
+//! combine adds in the same order, so the layer's output is the same bits
+//! whatever the placement. The shared experts run while the counts are in
+//! flight.
+//!
+//! A rank that routes no tokens (no requests, or a share of zero rows) and
+//! a rank that receives none for an expert are ordinary cases: it still
+//! posts every collective, with empty parts.
+
+use super::moe::{add_gated, ExpertTensors, MoeFfn, MoeLayerScratch};
+use super::parallel::{collective, posted, Net};
+use crate::ModelError;
+use kvant_dist::layout::{token_share, Placement};
+use kvant_dist::{Buffer, Collective, DistError};
+use kvant_kernels::activation::Activation;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::moe::{moe_ffn, Experts, MoeScratch};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+/// A layer's placement and its slots' prepared weights.
+struct Placed {
+    placement: Placement,
+    experts: Experts,
+}
+
+pub(crate) struct ExpertParallel {
+    rank: usize,
+    /// Swapped whole by a re-placement; a pass holds its own `Arc`.
+    placed: RwLock<Arc<Placed>>,
+    /// Every expert's weights, to prepare other slots when re-placed.
+    tensors: ExpertTensors,
+    /// Assignments this rank routed to each logical expert since the
+    /// last [`ExpertParallel::take_loads`].
+    loads: Vec<AtomicU64>,
+}
+
+/// The buffers of one dispatch and combine, reused across passes.
+#[derive(Default)]
+pub(crate) struct EpScratch {
+    /// Per destination rank: rows and assignments sent.
+    rows_to: Vec<usize>,
+    assigns_to: Vec<usize>,
+    /// Per (token, slot) of the share: its destination rank, and its
+    /// place among that rank's assignments.
+    dest: Vec<usize>,
+    place: Vec<usize>,
+    meta: Vec<u32>,
+    x_dup: Vec<f32>,
+    ids: Vec<u32>,
+    ones: Vec<f32>,
+    y: Vec<f32>,
+    kernel: MoeScratch,
+}
+
+/// The slot list entry of a slot this rank does not take.
+const NONE: u32 = u32::MAX;
+
+impl ExpertParallel {
+    pub fn new(
+        placement: Placement,
+        rank: usize,
+        tensors: ExpertTensors,
+        experts: Experts,
+    ) -> Self {
+        let n = placement.experts();
+        ExpertParallel {
+            rank,
+            placed: RwLock::new(Arc::new(Placed { placement, experts })),
+            tensors,
+            loads: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    fn placed(&self) -> Arc<Placed> {
+        Arc::clone(&self.placed.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Bytes of this rank's slots' weights, and their number.
+    pub fn slot_bytes(&self) -> (usize, usize) {
+        let p = self.placed();
+        (p.experts.byte_len(), p.experts.n_experts())
+    }
+
+    /// The assignments this rank routed to each expert since the last
+    /// call, and resets them.
+    pub fn take_loads(&self) -> Vec<u64> {
+        self.loads
+            .iter()
+            .map(|l| l.swap(0, Ordering::Relaxed))
+            .collect()
+    }
+
+    /// The current placement.
+    pub fn placement(&self) -> Placement {
+        self.placed().placement.clone()
+    }
+
+    /// Moves to `placement`: prepares this rank's new slots from the
+    /// checkpoint's weights (outputs do not change: any replica of an
+    /// expert computes the same bits).
+    pub fn replace(&self, placement: Placement) -> Result<(), ModelError> {
+        if placement.experts() != self.loads.len() {
+            return Err(DistError::Mismatch(format!(
+                "a placement of {} experts for a layer of {}",
+                placement.experts(),
+                self.loads.len()
+            ))
+            .into());
+        }
+        let experts = self.tensors.prepare(placement.on_rank(self.rank))?;
+        *self.placed.write().unwrap_or_else(|e| e.into_inner()) =
+            Arc::new(Placed { placement, experts });
+        Ok(())
+    }
+
+    /// The layer's output for the group's `n` tokens (see the module docs).
+    #[allow(clippy::too_many_arguments)] // the layer's step, unpacked
+    pub async fn forward(
+        &self,
+        moe: &MoeFfn,
+        act: Activation,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut MoeLayerScratch,
+        out: &mut [f32],
+        net: &Net<'_>,
+    ) -> Result<(), ModelError> {
+        let Some((_, streams)) = net.par else {
+            return Err(ModelError::NotParallel("expert parallelism without ranks"));
+        };
+        let (world, group) = (&*streams.world, &*streams.group);
+        let (w, h, k) = (world.size(), moe.router.cols(), moe.params.top_k);
+        let share = token_share(n, group.size(), group.rank());
+        let m = share.len();
+        let xs = &xn[share.start * h..share.end * h];
+        if m > 0 {
+            moe.route_tokens(xs, m, q8, s)?;
+        }
+        let placed = self.placed();
+        let e = &mut s.ep;
+        self.plan(&placed.placement, &s.ids[..m * k], k, share.start, w, e);
+
+        // Dispatch, 1: how many rows and assignments go where.
+        let counts: Vec<u32> = (0..w)
+            .flat_map(|d| [e.rows_to[d] as u32, e.assigns_to[d] as u32])
+            .collect();
+        let counts = posted(
+            world,
+            Collective::AllToAllV {
+                send: Buffer::U32(counts),
+                send_counts: vec![2; w],
+                recv_counts: vec![2; w],
+            },
+        )?;
+        // The shared experts while the counts travel.
+        if let Some(sh) = moe.shared.as_ref().filter(|_| m > 0) {
+            s.shared.resize(m * h, 0.0);
+            sh.ffn
+                .forward(act, xs, m, q8, &mut s.ffn, &mut s.shared[..m * h])?;
+        }
+        let got = counts.await?.into_u32()?;
+        let rows_from: Vec<usize> = got.chunks_exact(2).map(|c| c[0] as usize).collect();
+        let assigns_from: Vec<usize> = got.chunks_exact(2).map(|c| c[1] as usize).collect();
+        if rows_from.len() != w {
+            return Err(DistError::Mismatch(format!(
+                "{} count pairs from {w} ranks",
+                rows_from.len()
+            ))
+            .into());
+        }
+
+        // Dispatch, 2: each token row once per destination, with its slots there.
+        let mut rows = Vec::with_capacity(e.rows_to.iter().sum::<usize>() * h);
+        for d in 0..w {
+            for t in 0..m {
+                if (0..k).any(|j| e.dest[t * k + j] == d) {
+                    rows.extend_from_slice(&xs[t * h..(t + 1) * h]);
+                }
+            }
+        }
+        let meta = posted(
+            world,
+            Collective::AllToAllV {
+                send: Buffer::U32(std::mem::take(&mut e.meta)),
+                send_counts: e.rows_to.iter().map(|r| r * k).collect(),
+                recv_counts: rows_from.iter().map(|r| r * k).collect(),
+            },
+        )?;
+        let payload = posted(
+            world,
+            Collective::AllToAllV {
+                send: Buffer::F32(rows),
+                send_counts: e.rows_to.iter().map(|r| r * h).collect(),
+                recv_counts: rows_from.iter().map(|r| r * h).collect(),
+            },
+        )?;
+        let slots = meta.await?.into_u32()?;
+        let got_rows = payload.await?.into_f32()?;
+
+        // This rank's experts, one assignment per (row, slot).
+        let total: usize = assigns_from.iter().sum();
+        e.x_dup.clear();
+        e.ids.clear();
+        for (r, row) in got_rows.chunks_exact(h).enumerate() {
+            for &slot in slots[r * k..(r + 1) * k].iter().filter(|&&x| x != NONE) {
+                e.x_dup.extend_from_slice(row);
+                e.ids.push(slot);
+            }
+        }
+        if e.ids.len() != total {
+            return Err(DistError::Mismatch(format!(
+                "{} assignments arrived, the counts said {total}",
+                e.ids.len()
+            ))
+            .into());
+        }
+        e.ones.clear();
+        e.ones.resize(total, 1.0);
+        e.y.resize(total * h, 0.0);
+        if total > 0 {
+            let ids = std::mem::take(&mut e.ids);
+            moe_ffn(
+                &placed.experts,
+                act,
+                &e.x_dup,
+                total,
+                &ids,
+                &e.ones,
+                1,
+                &mut e.kernel,
+                &mut e.y[..total * h],
+            )?;
+            e.ids = ids;
+        }
+        drop(placed);
+
+        // Combine: every result back to its token's rank.
+        let back = collective(
+            world,
+            Collective::AllToAllV {
+                send: Buffer::F32(e.y[..total * h].to_vec()),
+                send_counts: assigns_from.iter().map(|a| a * h).collect(),
+                recv_counts: e.assigns_to.iter().map(|a| a * h).collect(),
+            },
+        )
+        .await?
+        .into_f32()?;
+        let mut base = vec![0usize; w];
+        for d in 1..w {
+            base[d] = base[d - 1] + e.assigns_to[d - 1];
+        }
+        let mine = &mut out[share.start * h..share.end * h];
+        let weights = &s.weights[..m * k];
+        for (t, o) in mine.chunks_exact_mut(h).enumerate() {
+            for j in 0..k {
+                let a = t * k + j;
+                let at = (base[e.dest[a]] + e.place[a]) * h;
+                let (wt, y) = (weights[a], &back[at..at + h]);
+                if j == 0 {
+                    o.iter_mut().zip(y).for_each(|(o, &v)| *o = wt * v);
+                } else {
+                    o.iter_mut().zip(y).for_each(|(o, &v)| *o += wt * v);
+                }
+            }
+        }
+        if let Some(sh) = moe.shared.as_ref().filter(|_| m > 0) {
+            add_gated(sh, h, xs, &s.shared[..m * h], mine);
+        }
+
+        // The group's shares, whole again.
+        if group.size() > 1 {
+            let counts = (0..group.size())
+                .map(|g| token_share(n, group.size(), g).len() * h)
+                .collect();
+            let op = Collective::AllGather {
+                send: Buffer::F32(mine.to_vec()),
+                counts,
+            };
+            let all = collective(group, op).await?.into_f32()?;
+            if all.len() != out.len() {
+                return Err(DistError::Mismatch(format!(
+                    "the group's MoE outputs: {} values for {}",
+                    all.len(),
+                    out.len()
+                ))
+                .into());
+            }
+            out.copy_from_slice(&all);
+        }
+        Ok(())
+    }
+
+    /// Where each of the share's assignments goes, the slot lists each
+    /// destination gets (one per row sent), and the loads.
+    fn plan(
+        &self,
+        p: &Placement,
+        ids: &[u32],
+        k: usize,
+        first: usize,
+        w: usize,
+        e: &mut EpScratch,
+    ) {
+        let m = ids.len() / k.max(1);
+        e.rows_to.clear();
+        e.rows_to.resize(w, 0);
+        e.assigns_to.clear();
+        e.assigns_to.resize(w, 0);
+        e.dest.clear();
+        e.place.clear();
+        for (a, &x) in ids.iter().enumerate() {
+            let (d, _) = p.route(x as usize, self.rank, first + a / k);
+            e.dest.push(d);
+            if let Some(l) = self.loads.get(x as usize) {
+                l.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // Rows in destination order, tokens ascending, slots in order.
+        e.place.resize(ids.len(), 0);
+        e.meta.clear();
+        for d in 0..w {
+            for t in 0..m {
+                let mine = (0..k).filter(|&j| e.dest[t * k + j] == d);
+                if mine.clone().next().is_none() {
+                    continue;
+                }
+                e.rows_to[d] += 1;
+                for j in 0..k {
+                    let a = t * k + j;
+                    if e.dest[a] == d {
+                        let (_, slot) = p.route(ids[a] as usize, self.rank, first + t);
+                        e.meta.push(slot as u32);
+                        e.place[a] = e.assigns_to[d];
+                        e.assigns_to[d] += 1;
+                    } else {
+                        e.meta.push(NONE);
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,284 @@
+//! A rank's place in a parallel run and the communication of its forward
+//! pass: tensor-parallel sums, the gathers of a data-parallel group, and
+//! the all-to-alls of expert parallelism.
+//!
+//! The forward pass is written as `async` code whose only suspension
+//! points are collectives: `post` the collective, `await` it. With one
+//! micro-batch the awaits complete as they come (post, then wait). With
+//! two (two-batch overlap), [`drive`] polls both in turn, so while one
+//! waits for its all-reduce or its experts' tokens, the other computes;
+//! the async functions are the coroutines SGLang's two-batch overlap
+//! builds from its yield points. Polling is also what drives MPI's
+//! progress (Open MPI has no progress thread): every poll of a pending
+//! collective tests it, between one micro-batch's operations and the
+//! next. Each micro-batch posts on its own communicators ([`Streams`]),
+//! so the two may post in any interleaving on different ranks without
+//! breaking MPI's rule that a communicator's collectives are posted in
+//! the same order everywhere.
+
+use crate::ModelError;
+use kvant_dist::layout::Coords;
+use kvant_dist::{Buffer, Collective, Comm, DistError, Layout, ReduceOp, Request};
+use std::cell::Cell;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
+use std::time::Instant;
+
+/// One micro-batch's communicators.
+pub struct Streams {
+    /// The tensor-parallel group (attention heads, FFN columns, vocabulary).
+    pub tp: Arc<dyn Comm>,
+    /// The data-parallel group: every rank holding the same tokens.
+    pub group: Arc<dyn Comm>,
+    /// Every rank: expert-parallel dispatch and combine.
+    pub world: Arc<dyn Comm>,
+}
+
+/// A rank's layout and communicators.
+pub struct Parallel {
+    pub layout: Layout,
+    pub coords: Coords,
+    /// The world, for what runs outside the forward pass (the step plan,
+    /// the logits).
+    pub world: Arc<dyn Comm>,
+    /// Per micro-batch.
+    streams: [Streams; 2],
+    /// Split each rank's batch into two micro-batches whose communication
+    /// overlaps the other's compute.
+    pub two_batch_overlap: bool,
+}
+
+impl Parallel {
+    /// Splits `world` into the groups `layout` needs, twice (one set per
+    /// micro-batch). Collective: every rank calls it with the same layout.
+    ///
+    /// # Errors
+    /// [`DistError::Mismatch`] when `world`'s size is not the layout's,
+    /// else what the splits return.
+    pub fn new(
+        world: Arc<dyn Comm>,
+        layout: Layout,
+        two_batch_overlap: bool,
+    ) -> Result<Parallel, DistError> {
+        if world.size() != layout.world {
+            return Err(DistError::Mismatch(format!(
+                "a layout for {} ranks on a communicator of {}",
+                layout.world,
+                world.size()
+            )));
+        }
+        let rank = world.rank();
+        let coords = layout.coords(rank);
+        let streams = |_| -> Result<Streams, DistError> {
+            Ok(Streams {
+                tp: world.split(rank / layout.tp, rank)?,
+                group: world.split(coords.dp, rank)?,
+                world: world.split(0, rank)?,
+            })
+        };
+        let streams = [streams(0)?, streams(1)?];
+        Ok(Parallel {
+            layout,
+            coords,
+            world,
+            streams,
+            two_batch_overlap,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.coords.rank
+    }
+
+    pub(crate) fn streams(&self, micro_batch: usize) -> &Streams {
+        &self.streams[micro_batch.min(1)]
+    }
+}
+
+/// A posted collective as a future: each poll tests it.
+struct Pending(Option<Box<dyn Request>>);
+
+thread_local! {
+    /// The earliest `ready_at` of the collectives polled in the current
+    /// round of [`drive`], and whether one pending collective had none.
+    static NEXT_READY: Cell<(Option<Instant>, bool)> = const { Cell::new((None, false)) };
+}
+
+impl Future for Pending {
+    type Output = Result<Buffer, DistError>;
+
+    fn poll(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(req) = self.0.as_mut() else {
+            return Poll::Ready(Err(DistError::Mismatch(
+                "a collective awaited twice".into(),
+            )));
+        };
+        match req.test() {
+            Err(e) => Poll::Ready(Err(e)),
+            Ok(true) => match self.0.take() {
+                Some(r) => Poll::Ready(r.wait()),
+                None => Poll::Ready(Err(DistError::Mismatch(
+                    "a collective awaited twice".into(),
+                ))),
+            },
+            Ok(false) => {
+                let hint = req.ready_at();
+                NEXT_READY.with(|c| {
+                    let (at, blind) = c.get();
+                    c.set(match hint {
+                        Some(t) => (Some(at.map_or(t, |a| a.min(t))), blind),
+                        None => (at, true),
+                    })
+                });
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// Posts `op` on `comm` now; the returned future completes it (what the
+/// caller computes before awaiting overlaps the transfer).
+pub(crate) fn posted(
+    comm: &dyn Comm,
+    op: Collective,
+) -> Result<impl Future<Output = Result<Buffer, DistError>>, ModelError> {
+    Ok(Pending(Some(comm.post(op)?)))
+}
+
+/// Posts `op` on `comm` and waits for it, suspending the micro-batch
+/// meanwhile.
+pub(crate) async fn collective(comm: &dyn Comm, op: Collective) -> Result<Buffer, ModelError> {
+    let req = comm.post(op)?;
+    Ok(Pending(Some(req)).await?)
+}
+
+/// The order of two micro-batches' attention: the second may run a
+/// layer's attention only after the first has (its tokens may continue
+/// the first's sequence, whose keys it reads from the cache).
+#[derive(Default)]
+pub(crate) struct Order {
+    /// Layers whose attention the first micro-batch has run.
+    first_done: Cell<usize>,
+}
+
+impl Order {
+    /// Marks the first micro-batch's attention of layer `index` done.
+    pub fn done(&self, index: usize) {
+        self.first_done.set(self.first_done.get().max(index + 1));
+    }
+
+    /// Ready once the first micro-batch has run layer `index`'s attention.
+    pub fn after_first(&self, index: usize) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(move |_| match self.first_done.get() > index {
+            true => Poll::Ready(()),
+            false => Poll::Pending,
+        })
+    }
+}
+
+/// What one micro-batch's layers communicate through.
+pub(crate) struct Net<'a> {
+    /// `None` in a single process: nothing is communicated.
+    pub par: Option<(&'a Parallel, &'a Streams)>,
+    /// Two micro-batches: this one's place and their shared order.
+    pub order: Option<(usize, &'a Order)>,
+}
+
+impl<'a> Net<'a> {
+    /// The single-process net: every collective is a no-op.
+    pub const LOCAL: Net<'static> = Net {
+        par: None,
+        order: None,
+    };
+
+    /// Sums `x` over the tensor-parallel group, in place.
+    pub async fn tp_sum(&self, x: &mut [f32]) -> Result<(), ModelError> {
+        let Some((_, s)) = self.par.filter(|(p, _)| p.layout.tp > 1) else {
+            return Ok(());
+        };
+        let op = Collective::AllReduce {
+            buf: Buffer::F32(x.to_vec()),
+            op: ReduceOp::Sum,
+        };
+        let sum = collective(&*s.tp, op).await?.into_f32()?;
+        if sum.len() != x.len() {
+            return Err(DistError::Mismatch(format!(
+                "all-reduce of {} values returned {}",
+                x.len(),
+                sum.len()
+            ))
+            .into());
+        }
+        x.copy_from_slice(&sum);
+        Ok(())
+    }
+
+    /// Waits, if this is the second of two micro-batches, until the first
+    /// has run layer `index`'s attention.
+    pub async fn before_attention(&self, index: usize) {
+        if let Some((1, order)) = self.order {
+            order.after_first(index).await;
+        }
+    }
+
+    /// Marks, if this is the first of two micro-batches, layer `index`'s
+    /// attention done.
+    pub fn after_attention(&self, index: usize) {
+        if let Some((0, order)) = self.order {
+            order.done(index);
+        }
+    }
+}
+
+/// A micro-batch's forward pass, boxed so that two of any shape can be
+/// driven together.
+pub(crate) type Task<'a> = Pin<Box<dyn Future<Output = Result<(), ModelError>> + 'a>>;
+
+/// Runs `tasks` to completion, polling each in turn (see the module
+/// docs); returns the first error. When every task waits on a collective
+/// whose completion time is known (a modelled network), sleeps until the
+/// earliest instead of spinning.
+pub(crate) fn drive(mut tasks: Vec<Task<'_>>) -> Result<(), ModelError> {
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut done = vec![false; tasks.len()];
+    let mut spins = 0u32;
+    loop {
+        NEXT_READY.with(|c| c.set((None, false)));
+        let mut progressed = false;
+        for (t, d) in tasks.iter_mut().zip(done.iter_mut()) {
+            if *d {
+                continue;
+            }
+            if let Poll::Ready(r) = t.as_mut().poll(&mut cx) {
+                r?;
+                *d = true;
+                progressed = true;
+            }
+        }
+        if done.iter().all(|&d| d) {
+            return Ok(());
+        }
+        if progressed {
+            spins = 0;
+            continue;
+        }
+        // Nothing could run: every task waits on the network.
+        let (ready, blind) = NEXT_READY.with(Cell::get);
+        match ready {
+            Some(at) if !blind => {
+                let now = Instant::now();
+                if at > now {
+                    std::thread::sleep(at - now);
+                }
+            }
+            _ => {
+                spins += 1;
+                if spins > 64 {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+}
