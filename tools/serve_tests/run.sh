@@ -6,6 +6,9 @@
 # MODEL: a .gguf or Hugging Face directory (default: the tiny fixture model,
 # tests/fixtures/models/llama-gqa). The server binary is $KVANT_BIN, default
 # target/debug/kvant (built here with `cargo build --profile test` if absent).
+# KVANT_SERVE_RANKS=N runs the server as N MPI ranks under mpirun (a binary
+# built with `--features mpi`), with the layout flags in $KVANT_SERVE_LAYOUT
+# (e.g. "--tp 2"); the graceful shutdown then goes to rank 0's process.
 # The venv (openai, pytest) lives in $KVANT_SERVE_VENV, default
 # target/serve-tests-venv, and is reused. The server listens on a free
 # loopback port with an API key; after the tests it gets SIGTERM and must
@@ -28,9 +31,29 @@ if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai" 2>/dev
 fi
 
 log="$(mktemp)"
-"$bin" serve --model "$model" --host 127.0.0.1 --port 0 --kv-cache-memory 256MiB \
-  --served-model-name "$name" --api-key "$key" --shutdown-grace 5 >"$log" 2>&1 &
+ranks="${KVANT_SERVE_RANKS:-1}"
+launch=()
+if [ "$ranks" -gt 1 ]; then
+  launch=(env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+    OMPI_MCA_btl_vader_single_copy_mechanism=none KVANT_THREADS=1 KVANT_SERVE_JOB=$$
+    mpirun --oversubscribe -np "$ranks")
+fi
+# shellcheck disable=SC2086 # the layout is a list of flags
+"${launch[@]}" "$bin" serve --model "$model" --host 127.0.0.1 --port 0 --kv-cache-memory 256MiB \
+  --served-model-name "$name" --api-key "$key" --shutdown-grace 5 ${KVANT_SERVE_LAYOUT:-} >"$log" 2>&1 &
 pid=$!
+# The process that shuts the server down gracefully: the server itself, or
+# under mpirun its rank 0 (mpirun's own SIGTERM kills the whole job).
+rank0() {
+  if [ "$ranks" -le 1 ]; then echo "$pid"; return; fi
+  for env in /proc/[0-9]*/environ; do
+    vars="$({ tr '\0' '\n' <"$env"; } 2>/dev/null || true)"
+    if grep -qx "KVANT_SERVE_JOB=$$" <<<"$vars" && grep -qx "OMPI_COMM_WORLD_RANK=0" <<<"$vars"; then
+      basename "$(dirname "$env")"
+      return
+    fi
+  done
+}
 cleanup() {
   if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid" 2>/dev/null || true; fi
   rm -f "$log"
@@ -59,7 +82,7 @@ status=0
 KVANT_BASE_URL="$url/v1" KVANT_API_KEY="$key" KVANT_SERVED_MODEL="$name" \
   "$venv/bin/python" -m pytest -q -p no:cacheprovider tools/serve_tests/test_openai_client.py || status=$?
 
-kill -TERM "$pid"
+kill -TERM "$(rank0)"
 server_status=0
 wait "$pid" || server_status=$?
 if [ "$server_status" -ne 0 ]; then

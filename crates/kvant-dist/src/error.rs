@@ -21,3 +21,12 @@ pub enum DistError {
     #[error(transparent)]
     Layout(#[from] crate::layout::LayoutError),
 }
+
+impl DistError {
+    /// Whether the ranks can no longer work together (one is gone, hangs,
+    /// or they disagree), as opposed to flags that do not fit, which every
+    /// rank finds at start-up on its own.
+    pub fn is_communication(&self) -> bool {
+        !matches!(self, DistError::Layout(_))
+    }
+}

@@ -37,6 +37,9 @@ pub struct KindStats {
     pub inflight_secs: f64,
     /// Seconds callers spent in [`Request::wait`], summed.
     pub blocked_secs: f64,
+    /// Seconds the network model charged (α + bytes/β per collective),
+    /// summed; 0 without a model.
+    pub modelled_secs: f64,
 }
 
 #[derive(Default)]
@@ -46,6 +49,7 @@ struct Counters {
     bytes_received: AtomicU64,
     inflight_ns: AtomicU64,
     blocked_ns: AtomicU64,
+    modelled_ns: AtomicU64,
 }
 
 /// The totals of a metered communicator and its splits; thread-safe.
@@ -91,6 +95,7 @@ impl Stats {
             bytes_received: c.bytes_received.load(Ordering::Relaxed),
             inflight_secs: secs(&c.inflight_ns),
             blocked_secs: secs(&c.blocked_ns),
+            modelled_secs: secs(&c.modelled_ns),
         }
     }
 
@@ -104,15 +109,19 @@ impl Stats {
                 &c.bytes_received,
                 &c.inflight_ns,
                 &c.blocked_ns,
+                &c.modelled_ns,
             ] {
                 a.store(0, Ordering::Relaxed);
             }
         }
     }
 
-    fn posted(&self, kind: Kind, sent: usize, received: usize) {
+    fn posted(&self, kind: Kind, sent: usize, received: usize, cost: Option<Duration>) {
         let c = &self.kinds[index(kind)];
         c.count.fetch_add(1, Ordering::Relaxed);
+        if let Some(d) = cost {
+            c.modelled_ns.fetch_add(nanos(d), Ordering::Relaxed);
+        }
         c.bytes_sent.fetch_add(sent as u64, Ordering::Relaxed);
         c.bytes_received
             .fetch_add(received as u64, Ordering::Relaxed);
@@ -174,7 +183,7 @@ impl Comm for Metered {
         let cost = self.net.map(|n| n.cost(&op, rank, size));
         let posted = Instant::now();
         let inner = self.inner.post(op)?;
-        self.stats.posted(kind, sent, received);
+        self.stats.posted(kind, sent, received, cost);
         Ok(Box::new(MeteredRequest {
             inner: Some(inner),
             kind,
@@ -330,6 +339,7 @@ mod tests {
                     bytes_received: 0,
                     inflight_secs: 0.0,
                     blocked_secs: 0.0,
+                    modelled_secs: 0.0,
                 }
             );
             let snap = s.snapshot();
@@ -347,7 +357,7 @@ mod tests {
     fn the_model_delays_completion() {
         let net = NetModel::new(Duration::from_millis(2), f64::INFINITY).unwrap();
         // Barrier on 2 ranks: one latency, 2 ms.
-        let (waits, _) = on_ranks(2, Some(net), |c| {
+        let (waits, stats) = on_ranks(2, Some(net), |c| {
             let t = Instant::now();
             let r = c.post(Collective::Barrier).unwrap();
             let ready = r.ready_at().unwrap();
@@ -357,6 +367,9 @@ mod tests {
         });
         for w in waits {
             assert!(w >= Duration::from_millis(2), "{w:?}");
+        }
+        for s in stats {
+            assert_eq!(s.get(Kind::Barrier).modelled_secs, 0.002);
         }
     }
 

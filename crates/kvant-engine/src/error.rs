@@ -31,3 +31,15 @@ impl From<kvant_model::ModelError> for EngineError {
         EngineError::Model(Box::new(e))
     }
 }
+
+impl EngineError {
+    /// Whether this comes from the communication of a parallel run (a rank
+    /// that died, hangs or aborted): the run cannot go on.
+    pub fn is_communication(&self) -> bool {
+        match self {
+            EngineError::Dist(e) => e.is_communication(),
+            EngineError::Model(m) => m.is_communication(),
+            _ => false,
+        }
+    }
+}

@@ -11,11 +11,15 @@
 use kvant_dist::Layout;
 use kvant_engine::cluster::{forward_seq, run_worker, Cluster, Row, Want};
 use kvant_engine::sampling::argmax;
+use kvant_engine::serving::{EngineConfig, EngineHandle, EngineRequest, Event, Shutdown};
+use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::{DecoderModel, SeqStep};
+use kvant_model::tokenizer::Tokenizer;
 use kvant_model::{load_parallel, load_with, LoadOptions, MlaPrefill, Parallel};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -95,6 +99,16 @@ fn int8_opts() -> LoadOptions {
 /// Runs `f` on rank 0 of `p` over `name`, the other ranks serving steps
 /// on their threads.
 fn with_cluster<R>(name: &str, opts: LoadOptions, p: Par, f: impl FnOnce(&Cluster) -> R) -> R {
+    with_rank0(name, opts, p, |c, _| f(c))
+}
+
+/// [`with_cluster`], with the cluster shared and the tokenizer.
+fn with_rank0<R>(
+    name: &str,
+    opts: LoadOptions,
+    p: Par,
+    f: impl FnOnce(&Arc<Cluster>, Arc<Tokenizer>) -> R,
+) -> R {
     let world = (p.tp * p.dp).max(p.ep);
     let layout = Layout::new(world, p.tp, p.dp, p.ep).expect("layout");
     let path = fixture(name);
@@ -112,8 +126,8 @@ fn with_cluster<R>(name: &str, opts: LoadOptions, p: Par, f: impl FnOnce(&Cluste
         }
         let par = Arc::new(Parallel::new(first, layout, p.overlap).expect("splits"));
         let m = load_parallel(&path, opts, Some(par)).expect("rank 0 loads");
-        let cluster = Cluster::new(Arc::new(m.model)).expect("cluster");
-        let out = f(&cluster);
+        let cluster = Arc::new(Cluster::new(Arc::new(m.model)).expect("cluster"));
+        let out = f(&cluster, Arc::new(m.tokenizer));
         cluster.shutdown().expect("shutdown");
         out
     })
@@ -443,5 +457,118 @@ fn layouts_that_do_not_fit_the_model_are_errors() {
         for e in errs {
             assert!(e.contains(msg), "{name} {p:?}: {e}");
         }
+    }
+}
+
+fn submit(h: &EngineHandle, req: EngineRequest) -> Receiver<Event> {
+    let (tx, rx) = channel();
+    h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
+        .expect("accepted");
+    rx
+}
+
+/// A request's tokens, once it finished.
+fn tokens_of(rx: &Receiver<Event>) -> Vec<u32> {
+    let mut ids = Vec::new();
+    loop {
+        match rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("an event in time")
+        {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Finished { .. } => return ids,
+            Event::Failed(e) => panic!("request failed: {e}"),
+        }
+    }
+}
+
+/// 16 requests, every other one sampled at temperature 0.8 with its own
+/// seed (whole logits rows cross the ranks), the others plain greedy
+/// (only the argmax does).
+fn requests(vocab: usize) -> Vec<EngineRequest> {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    (0..16)
+        .map(|i| {
+            let len = rng.random_range(3..40);
+            let sampling = match i % 2 {
+                0 => SamplingParams::greedy(),
+                _ => SamplingParams {
+                    temperature: 0.8,
+                    seed: i,
+                    ..SamplingParams::default()
+                },
+            };
+            EngineRequest {
+                prompt_ids: (0..len)
+                    .map(|_| rng.random_range(3..vocab as u32))
+                    .collect(),
+                max_tokens: 12,
+                sampling,
+                stop: Vec::new(),
+                ignore_eos: true,
+                logprobs: None,
+            }
+        })
+        .collect()
+}
+
+/// A pool and step budget small enough to chunk prompts and preempt.
+fn crowded() -> EngineConfig {
+    EngineConfig {
+        block_size: 4,
+        kv_blocks: 48,
+        max_batch_tokens: 32,
+        max_running: 8,
+        ..EngineConfig::default()
+    }
+}
+
+/// The serving engine over ranks: 16 concurrent requests (greedy and
+/// sampled), chunked and preempted, each producing what it produces alone
+/// in one process; with data parallelism the requests spread over the
+/// groups.
+#[test]
+fn serving_over_ranks_matches_one_process() {
+    for (name, opts, p) in [
+        ("gguf/llama-gqa.Q4_0.gguf", int8_opts(), par(1, 2, 1, false)),
+        ("deepseek-v3", f32_opts(), par(1, 2, 2, true)),
+        (
+            "gguf/qwen2-moe-sparse.Q8_0.gguf",
+            int8_opts(),
+            par(1, 1, 2, false),
+        ),
+        ("gguf/llama-gqa.Q8_0.gguf", int8_opts(), par(2, 1, 1, false)),
+    ] {
+        let m = load_with(&fixture(name), opts).expect("loads");
+        let vocab = m.model.config().vocab;
+        let reqs = requests(vocab);
+        let (h, t) = EngineHandle::start(
+            Arc::new(m.model),
+            Arc::new(m.tokenizer),
+            EngineConfig::default(),
+        )
+        .expect("engine");
+        let alone: Vec<Vec<u32>> = reqs
+            .iter()
+            .map(|r| tokens_of(&submit(&h, r.clone())))
+            .collect();
+        h.shutdown(Shutdown::Drain);
+        t.join().expect("engine stops");
+
+        with_rank0(name, opts, p, |c, tok| {
+            let (h, t) =
+                EngineHandle::start_on_cluster(Arc::clone(c), tok, crowded()).expect("engine");
+            let rxs: Vec<_> = reqs.iter().map(|r| submit(&h, r.clone())).collect();
+            for (i, rx) in rxs.iter().enumerate() {
+                assert_eq!(tokens_of(rx), alone[i], "{name} {p:?}: request {i}");
+            }
+            let m = h.metrics();
+            assert_eq!(m.kv_blocks_total, 48 * p.dp);
+            assert_eq!((m.kv_blocks_used, m.running, m.waiting), (0, 0, 0));
+            assert_eq!(m.requests_finished, 16);
+            assert!(m.preemptions > 0, "{name}: the small pools should preempt");
+            h.shutdown(Shutdown::Drain);
+            t.join().expect("engine stops");
+        });
     }
 }

@@ -62,3 +62,11 @@ pub enum ModelError {
         values: usize,
     },
 }
+
+impl ModelError {
+    /// Whether this comes from ranks of a parallel run that can no longer
+    /// work together (see [`kvant_dist::DistError::is_communication`]).
+    pub fn is_communication(&self) -> bool {
+        matches!(self, ModelError::Dist(e) if e.is_communication())
+    }
+}

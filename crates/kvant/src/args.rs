@@ -21,11 +21,19 @@ pub struct Cli {
 
 impl Cli {
     /// The one place the process's thread count comes from: `--threads`,
-    /// else every core the OS lets this process use.
+    /// else every core the OS lets this process use, shared evenly with
+    /// the other ranks mpirun started on this node.
     pub fn threads(&self) -> usize {
-        self.threads
-            .or_else(|| std::thread::available_parallelism().ok())
-            .map_or(1, NonZeroUsize::get)
+        if let Some(n) = self.threads {
+            return n.get();
+        }
+        let cores = std::thread::available_parallelism().map_or(1, NonZeroUsize::get);
+        let local = ["OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"]
+            .iter()
+            .find_map(|v| std::env::var(v).ok()?.trim().parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or(1);
+        (cores / local).max(1)
     }
 }
 
@@ -81,7 +89,7 @@ pub enum Command {
     /// Measure prefill and decode speed against the memory-bandwidth roofline.
     Bench(BenchArgs),
     /// Serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).
-    Serve(crate::commands::ServeArgs),
+    Serve(ServeArgs),
 }
 
 #[derive(Args)]
@@ -163,6 +171,80 @@ impl ModelArg {
     }
 }
 
+/// How a run is laid out over ranks: processes started by `mpirun`, or,
+/// without it, threads of this process.
+#[derive(Args, Clone, Debug)]
+pub struct ParallelArgs {
+    /// Tensor-parallel ranks: attention heads, feed-forward columns and
+    /// the vocabulary split among them.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, help_heading = "Parallelism")]
+    pub tp: usize,
+    /// Data-parallel groups, each with its own requests and KV cache.
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, help_heading = "Parallelism")]
+    pub dp: usize,
+    /// Ranks the routed experts of a mixture of experts are spread over
+    /// (1, or every rank).
+    #[arg(long, default_value_t = 1, value_parser = at_least_one, help_heading = "Parallelism")]
+    pub ep: usize,
+    /// Split each step's batch into two micro-batches, one communicating
+    /// while the other computes.
+    #[arg(long, help_heading = "Parallelism")]
+    pub two_batch_overlap: bool,
+    /// Seconds a rank waits for the others in a collective before it
+    /// declares one lost and ends the job.
+    #[arg(long, default_value_t = 120, value_parser = at_least_one, value_name = "SECS", help_heading = "Parallelism")]
+    pub dist_timeout: usize,
+    /// Model a network for studying overlap on one machine: every
+    /// collective completes no sooner than this latency (e.g. 20us, 1ms)
+    /// plus its bytes over --net-bandwidth after it is posted.
+    #[arg(long, value_name = "TIME", value_parser = duration, requires = "net_bandwidth", help_heading = "Parallelism")]
+    pub net_latency: Option<std::time::Duration>,
+    /// The modelled network's bandwidth in GB/s (with --net-latency).
+    #[arg(long, value_name = "GB/s", value_parser = positive, requires = "net_latency", help_heading = "Parallelism")]
+    pub net_bandwidth: Option<f64>,
+}
+
+impl ParallelArgs {
+    /// Whether the flags ask for more than one rank.
+    pub fn is_parallel(&self) -> bool {
+        self.tp > 1 || self.dp > 1 || self.ep > 1
+    }
+
+    /// The modelled network, if one was asked for.
+    pub fn net_model(&self) -> Option<kvant_dist::NetModel> {
+        let (latency, gb_s) = (self.net_latency?, self.net_bandwidth?);
+        kvant_dist::NetModel::new(latency, gb_s * 1e9)
+    }
+}
+
+/// `20us`, `1.5ms`, `2s`, `300ns`.
+fn duration(s: &str) -> Result<std::time::Duration, String> {
+    let split = s
+        .find(|c: char| c.is_ascii_alphabetic())
+        .ok_or_else(|| format!("`{s}` needs a unit: ns, us, ms or s"))?;
+    let (num, unit) = s.split_at(split);
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|e| format!("`{num}` is not a number ({e})"))?;
+    let secs = match unit {
+        "ns" => v * 1e-9,
+        "us" | "µs" => v * 1e-6,
+        "ms" => v * 1e-3,
+        "s" => v,
+        _ => return Err(format!("unknown unit `{unit}`: use ns, us, ms or s")),
+    };
+    std::time::Duration::try_from_secs_f64(secs).map_err(|e| e.to_string())
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Ok(_) => Err("must be a positive number".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 #[derive(Args, Clone)]
 pub struct SamplingArgs {
     /// 0 is greedy.
@@ -221,6 +303,8 @@ fn random_seed() -> u64 {
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// The prompt text.
     #[arg(
         long,
@@ -249,6 +333,8 @@ pub struct GenerateArgs {
 pub struct ChatArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// A system message to start the conversation with.
     #[arg(long)]
     pub system: Option<String>,
@@ -260,6 +346,8 @@ pub struct ChatArgs {
 pub struct PerplexityArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// The UTF-8 text file to score.
     #[arg(long, short)]
     pub file: PathBuf,
@@ -274,6 +362,8 @@ pub struct PerplexityArgs {
 pub struct BenchArgs {
     #[command(flatten)]
     pub model: ModelArg,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
     /// Prompt length of the prefill test (random token ids, as llama-bench uses).
     #[arg(long, default_value_t = 512, value_parser = at_least_one)]
     pub prompt_tokens: usize,
@@ -286,4 +376,45 @@ pub struct BenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+#[derive(Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub model: ModelArg,
+    #[command(flatten)]
+    pub parallel: ParallelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on; 0 picks a free one (the ready line shows it).
+    #[arg(long, default_value_t = 8000)]
+    pub port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1/* [default: no key]
+    #[arg(long)]
+    pub api_key: Option<String>,
+    /// Memory for the KV cache: a size (2GiB, 512MB) or a fraction of the memory available now (0.2).
+    #[arg(long, default_value = "1GiB")]
+    pub kv_cache_memory: kvant_server::memory::MemoryBudget,
+    /// Tokens one forward pass may carry (prefill chunks plus decodes).
+    #[arg(long, default_value_t = 512)]
+    pub max_batch_tokens: usize,
+    /// Sequences generated at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_running: usize,
+    /// Requests that may wait for a slot; beyond that the server answers 429.
+    #[arg(long, default_value_t = 256)]
+    pub max_waiting: usize,
+    /// Tokens per KV cache block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Do not reuse the KV cache of earlier prompts that share a prefix.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// The model name clients use [default: the checkpoint's file or directory name]
+    #[arg(long)]
+    pub served_model_name: Option<String>,
+    /// Seconds a shutdown (SIGINT, SIGTERM) lets requests in flight finish before aborting them.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace: u64,
 }

@@ -3,6 +3,7 @@
 mod args;
 mod commands;
 mod fetch;
+mod ranks;
 
 use clap::Parser;
 

@@ -131,3 +131,61 @@ fn bench_rejects_requests_it_cannot_run() {
         assert!(stderr.contains("must be at least 1"), "{args:?}: {stderr}");
     }
 }
+
+/// With ranks, the report names the layout and counts rank 0's
+/// collectives per run: tensor parallelism's all-reduces (two per layer
+/// and one for the embedding, per micro-batch) and the logits' way back.
+#[test]
+fn bench_reports_the_layout_and_its_collectives() {
+    let model = tiny_gguf();
+    let out = json(&kvant_ok(&[
+        "bench",
+        "--model",
+        &model,
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--repetitions",
+        "2",
+        "--json",
+        "--tp",
+        "2",
+        "--net-latency",
+        "50us",
+        "--net-bandwidth",
+        "10",
+    ]));
+    let p = &out["parallel"];
+    assert_eq!((p["ranks"].as_u64(), p["tp"].as_u64()), (Some(2), Some(2)));
+    assert_eq!(p["net_latency_s"].as_f64(), Some(50e-6));
+    let layers = 2; // the fixture's
+    let prefill = &p["prefill"]["collectives"];
+    assert_eq!(
+        prefill["all_reduce"]["count"].as_f64(),
+        Some((2 * layers + 1) as f64)
+    );
+    assert_eq!(p["decode"]["steps"].as_u64(), Some(4));
+    let decode = &p["decode"]["collectives"]["all_reduce"];
+    assert_eq!(
+        decode["count"].as_f64(),
+        Some((4 * (2 * layers + 1)) as f64)
+    );
+    // 50 µs per all-reduce on 2 ranks (2(p-1)·α), at least.
+    assert!(decode["modelled_secs"].as_f64().unwrap() >= 4.0 * 5.0 * 100e-6);
+    assert!(p["decode"]["exposed_comm_secs"].as_f64().unwrap() > 0.0);
+    // An idle layout has no rows to bench through.
+    let plain = json(&kvant_ok(&[
+        "bench",
+        "--model",
+        &model,
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "2",
+        "--repetitions",
+        "1",
+        "--json",
+    ]));
+    assert!(plain["parallel"].is_null());
+}

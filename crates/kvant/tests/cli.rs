@@ -261,3 +261,80 @@ fn stop_strings_cut_the_text_and_finish_with_stop() {
     assert_eq!(cut["finish_reason"], "stop", "{cut}");
     assert_eq!(cut["text"].as_str().unwrap(), &text[..first]);
 }
+
+/// Without mpirun, `--tp`, `--dp` and `--ep` run ranks as threads of one
+/// process, over the same communicator interface MPI ranks use: greedy
+/// tokens as one process gives them (f32 numerics for tensor
+/// parallelism; expert and data parallelism are bit-identical anyway).
+#[test]
+fn ranks_as_threads_generate_what_one_process_does() {
+    for (name, flags) in [
+        ("llama-gqa", &["--tp", "2"][..]),
+        ("gemma3-text", &["--tp", "2", "--two-batch-overlap"]),
+        ("deepseek-v3", &["--ep", "2", "--dp", "2"]),
+        ("qwen2-moe", &["--ep", "2"]),
+    ] {
+        let m = tiny(name);
+        let base = [
+            "generate",
+            "--model",
+            &m,
+            "--prompt",
+            "Once upon a time",
+            "--temperature",
+            "0",
+            "--max-tokens",
+            "12",
+            "--ignore-eos",
+            "--json",
+            "--mla-prefill",
+            "absorbed",
+        ];
+        let base = [&base[..], EXACT].concat();
+        let one = json(&kvant_ok(&base));
+        let many = json(&kvant_ok(&[&base[..], flags].concat()));
+        assert_eq!(
+            ids(&many["token_ids"]),
+            ids(&one["token_ids"]),
+            "{name} {flags:?}"
+        );
+    }
+}
+
+#[test]
+fn layouts_that_do_not_fit_are_clear_errors() {
+    let m = tiny("llama-gqa");
+    for (flags, msg) in [
+        (&["--ep", "2"][..], "needs a mixture-of-experts model"),
+        (&["--tp", "8"], "larger than the model's 4 attention heads"),
+        (&["--tp", "2", "--ep", "3"], "does not divide the 3 ranks"),
+        (&["--net-latency", "20us"], "--net-bandwidth"),
+        (&["--tp", "0"], "at least 1"),
+    ] {
+        let args = [&["generate", "--model", &m, "--prompt", "hi"][..], flags].concat();
+        let out = kvant(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flags:?}");
+        assert!(err.contains(msg), "{flags:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}
+
+/// A kvant built without MPI that mpirun starts as one of several ranks
+/// says so instead of running the whole model once per rank.
+#[cfg(not(feature = "mpi"))]
+#[test]
+fn a_build_without_mpi_refuses_to_be_one_of_several_ranks() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvant"))
+        .args(["generate", "--model", &tiny("llama-gqa"), "--prompt", "hi"])
+        .env("OMPI_COMM_WORLD_RANK", "0")
+        .env("OMPI_COMM_WORLD_SIZE", "2")
+        .output()
+        .expect("kvant");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("built without MPI") && err.contains("--features mpi"),
+        "{err}"
+    );
+}

@@ -69,6 +69,11 @@ impl Cluster {
         self.par().layout
     }
 
+    /// How long a collective may wait for a rank before it counts as lost.
+    pub fn timeout(&self) -> std::time::Duration {
+        kvant_dist::Comm::timeout(&*self.par().world)
+    }
+
     fn send(&self, msg: &Msg) -> Result<(), EngineError> {
         let words = msg.encode()?;
         self.par().world.broadcast_words(Some(words), 0)?;

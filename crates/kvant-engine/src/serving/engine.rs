@@ -6,14 +6,23 @@
 //! sampled token (self-speculative decoding, lossless as in `Session`:
 //! the sampler sees only the main model's rows, which are the same
 //! whether one or two tokens run).
+//!
+//! Over several ranks (a [`Cluster`]) the engine runs on rank 0 and keeps
+//! one [`Group`] per data-parallel group: its own block manager (the
+//! group's ranks hold its pool) and running sequences, scheduled under
+//! the same limits as a single engine. Waiting requests go to the least
+//! busy group. One step is one forward pass of every group together
+//! (a group with nothing to run still joins it).
 
 use super::blocks::BlockManager;
 use super::handle::{EngineConfig, Shared};
 use super::logprobs::token_logprob;
 use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
-use super::scheduler::{schedule, Limits};
+use super::scheduler::{schedule, Limits, Outcome, Scheduled};
 use super::sequence::Sequence;
-use crate::sampling::Sampler;
+use crate::cluster::{Cluster, Row, Want};
+use crate::error::EngineError;
+use crate::sampling::{Sampler, SamplingError};
 use crate::session::FinishReason;
 use crate::speculative::{argmax, MtpState, Speculation};
 use crate::stop::StopMatcher;
@@ -25,47 +34,118 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// One data-parallel group's share of the engine.
+struct Group<'t> {
+    blocks: BlockManager,
+    running: Vec<Sequence<'t>>,
+}
+
 pub(super) struct Engine<'t> {
     model: Arc<DecoderModel>,
+    /// The other ranks, when the model runs over several.
+    cluster: Option<Arc<Cluster>>,
     tokenizer: &'t Tokenizer,
+    /// Group 0's pool (this rank's); the other groups' live on their ranks.
     pool: KvPool,
-    blocks: BlockManager,
+    groups: Vec<Group<'t>>,
     limits: Limits,
     waiting: VecDeque<Sequence<'t>>,
-    running: Vec<Sequence<'t>>,
     shared: Arc<Shared>,
     /// Whether decode steps draft (models with an MTP module).
     spec: Option<Speculation>,
 }
 
+/// A step's logits: one process's `[rows, vocab]`, or what each group's
+/// ranks sent rank 0.
+enum Rows {
+    Local(Vec<f32>),
+    Groups(Vec<Vec<Row>>),
+}
+
+/// One row of [`Rows`].
+enum RowRef<'a> {
+    Logits(&'a mut [f32]),
+    Argmax(Option<u32>),
+}
+
+impl Rows {
+    /// Group `g`'s row `i`.
+    fn get(&mut self, g: usize, i: usize, vocab: usize) -> Option<RowRef<'_>> {
+        match self {
+            Rows::Local(l) => l.get_mut(i * vocab..(i + 1) * vocab).map(RowRef::Logits),
+            Rows::Groups(gs) => match gs.get_mut(g)?.get_mut(i)? {
+                Row::Logits(l) => Some(RowRef::Logits(l)),
+                Row::Argmax(t) => Some(RowRef::Argmax(*t)),
+            },
+        }
+    }
+}
+
 impl<'t> Engine<'t> {
     pub fn new(
         model: Arc<DecoderModel>,
+        cluster: Option<Arc<Cluster>>,
         tokenizer: &'t Tokenizer,
         pool: KvPool,
         cfg: &EngineConfig,
         shared: Arc<Shared>,
     ) -> Self {
-        let blocks = BlockManager::new(pool.n_blocks(), pool.block_size(), cfg.prefix_caching);
+        let n_groups = cluster.as_ref().map_or(1, |c| c.layout().dp);
+        let groups = (0..n_groups)
+            .map(|_| Group {
+                blocks: BlockManager::new(pool.n_blocks(), pool.block_size(), cfg.prefix_caching),
+                running: Vec::new(),
+            })
+            .collect();
         let model_has_mtp = model.has_mtp();
         Engine {
             model,
+            cluster,
             tokenizer,
             pool,
-            blocks,
+            groups,
             limits: Limits {
                 max_batch_tokens: cfg.max_batch_tokens,
                 max_running: cfg.max_running,
             },
             waiting: VecDeque::new(),
-            running: Vec::new(),
             shared,
             spec: model_has_mtp.then(|| Speculation::new(cfg.speculation)),
         }
     }
 
+    /// The cluster, to prove the ranks alive while idle.
+    pub fn cluster(&self) -> Option<&Cluster> {
+        self.cluster.as_deref()
+    }
+
+    /// Stops after `e` (ranks that lost one another): every request fails
+    /// with it, and no new one is accepted. Returns `e`.
+    pub fn fail(&mut self, e: EngineError) -> EngineError {
+        self.shared.closed.store(true, Ordering::Release);
+        let msg = e.to_string();
+        while let Some(s) = self.waiting.pop_front() {
+            self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+            let mut s = s;
+            if !s.closed {
+                (s.sink)(Event::Failed(msg.clone()));
+                s.closed = true;
+            }
+        }
+        for g in 0..self.groups.len() {
+            for mut s in std::mem::take(&mut self.groups[g].running) {
+                s.release_blocks(&mut self.groups[g].blocks);
+                if !s.closed {
+                    (s.sink)(Event::Failed(msg.clone()));
+                }
+            }
+        }
+        self.publish();
+        e
+    }
+
     pub fn has_work(&self) -> bool {
-        !self.waiting.is_empty() || !self.running.is_empty()
+        !self.waiting.is_empty() || self.groups.iter().any(|g| !g.running.is_empty())
     }
 
     /// Queues a validated request.
@@ -104,11 +184,16 @@ impl<'t> Engine<'t> {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             if let Some(s) = self.waiting.remove(i) {
                 self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-                self.finish(s, FinishReason::Abort);
+                self.finish(0, s, FinishReason::Abort);
             }
-        } else if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let s = self.running.remove(i);
-            self.finish(s, FinishReason::Abort);
+        } else {
+            for g in 0..self.groups.len() {
+                if let Some(i) = self.groups[g].running.iter().position(|s| s.id == id) {
+                    let s = self.groups[g].running.remove(i);
+                    self.finish(g, s, FinishReason::Abort);
+                    break;
+                }
+            }
         }
         self.publish();
     }
@@ -117,7 +202,7 @@ impl<'t> Engine<'t> {
         let ids: Vec<RequestId> = self
             .waiting
             .iter()
-            .chain(&self.running)
+            .chain(self.groups.iter().flat_map(|g| &g.running))
             .map(|s| s.id)
             .collect();
         for id in ids {
@@ -125,14 +210,35 @@ impl<'t> Engine<'t> {
         }
     }
 
-    /// One scheduling decision and one forward pass.
-    pub fn step(&mut self) {
-        let (plan, outcome) = schedule(
-            &mut self.running,
-            &mut self.waiting,
-            &mut self.blocks,
-            &self.limits,
-        );
+    /// Every group's scheduling decision, least busy group first (so that
+    /// it admits the head of the queue).
+    fn schedule_all(&mut self) -> (Vec<Vec<Scheduled>>, Outcome) {
+        let mut order: Vec<usize> = (0..self.groups.len()).collect();
+        order.sort_by_key(|&g| self.groups[g].running.len());
+        let mut plans = vec![Vec::new(); self.groups.len()];
+        let mut total = Outcome::default();
+        for g in order {
+            let group = &mut self.groups[g];
+            let (plan, o) = schedule(
+                &mut group.running,
+                &mut self.waiting,
+                &mut group.blocks,
+                &self.limits,
+            );
+            plans[g] = plan;
+            total.preempted += o.preempted;
+            total.admitted += o.admitted;
+            total.cache_queries += o.cache_queries;
+            total.cache_hits += o.cache_hits;
+        }
+        (plans, total)
+    }
+
+    /// One scheduling decision and one forward pass. An error means the
+    /// ranks of a parallel run can no longer work together: the engine
+    /// must stop.
+    pub fn step(&mut self) -> Result<(), EngineError> {
+        let (plans, outcome) = self.schedule_all();
         let w = &self.shared.waiting;
         w.fetch_sub(outcome.admitted, Ordering::AcqRel);
         w.fetch_add(outcome.preempted, Ordering::AcqRel);
@@ -142,146 +248,204 @@ impl<'t> Engine<'t> {
             m.prefix_cache_hits += outcome.cache_hits as u64;
             m.prompt_tokens += outcome.cache_queries as u64;
         });
-        if plan.is_empty() {
+        if plans.iter().all(Vec::is_empty) {
             self.publish();
-            return;
+            return Ok(());
         }
         let started = Instant::now();
         let mtp = self.spec.is_some();
-        // A sequence with a draft and two tokens of budget verifies it.
-        let verify: Vec<Option<[u32; 2]>> = plan
+        // A sequence with a draft and two tokens of budget verifies it
+        // (one process only: the MTP module does not run over ranks).
+        let verify: Vec<Vec<Option<[u32; 2]>>> = plans
             .iter()
-            .map(|p| {
-                let s = &self.running[p.seq];
-                match s.draft {
-                    Some(d) if p.n == 2 && s.remaining() == 1 => Some([s.tokens[s.computed], d]),
-                    _ => None,
-                }
+            .zip(&self.groups)
+            .map(|(plan, g)| {
+                plan.iter()
+                    .map(|p| {
+                        let s = &g.running[p.seq];
+                        match s.draft {
+                            Some(d) if p.n == 2 && s.remaining() == 1 => {
+                                Some([s.tokens[s.computed], d])
+                            }
+                            _ => None,
+                        }
+                    })
+                    .collect()
             })
             .collect();
-        let steps: Vec<SeqStep<'_>> = plan
+        let on_cluster = self.cluster.is_some();
+        let steps: Vec<Vec<(SeqStep<'_>, Want)>> = plans
             .iter()
             .zip(&verify)
-            .map(|(p, v)| {
-                let s = &self.running[p.seq];
-                let end = s.computed + p.n;
-                let (tokens, logits) = match v {
-                    Some(pair) => (&pair[..], Logits::All),
-                    None => (
-                        &s.tokens[s.computed..end],
-                        match (end == s.tokens.len(), mtp) {
-                            (true, false) => Logits::Last,
-                            (true, true) => Logits::LastAndHidden,
-                            (false, false) => Logits::None,
-                            (false, true) => Logits::Hidden,
-                        },
-                    ),
-                };
-                SeqStep {
-                    tokens,
-                    pos0: s.computed,
-                    table: &s.blocks,
-                    logits,
-                }
+            .zip(&self.groups)
+            .map(|((plan, verify), g)| {
+                plan.iter()
+                    .zip(verify)
+                    .map(|(p, v)| {
+                        let s = &g.running[p.seq];
+                        let end = s.computed + p.n;
+                        let last = end == s.tokens.len();
+                        let (tokens, logits) = match v {
+                            Some(pair) => (&pair[..], Logits::All),
+                            None => (
+                                &s.tokens[s.computed..end],
+                                match (last, mtp) {
+                                    (true, false) => Logits::Last,
+                                    (true, true) => Logits::LastAndHidden,
+                                    (false, false) => Logits::None,
+                                    (false, true) => Logits::Hidden,
+                                },
+                            ),
+                        };
+                        // Over ranks, a plain greedy request needs only
+                        // its argmax: no logits row crosses the ranks.
+                        let argmax_only = on_cluster
+                            && s.req.logprobs.is_none()
+                            && s.req.sampling.is_plain_greedy();
+                        let want = match (last, argmax_only) {
+                            (false, _) => Want::None,
+                            (true, true) => Want::LastArgmax,
+                            (true, false) => Want::Last,
+                        };
+                        let step = SeqStep {
+                            tokens,
+                            pos0: s.computed,
+                            table: &s.blocks,
+                            logits,
+                        };
+                        (step, want)
+                    })
+                    .collect()
             })
             .collect();
-        let logit_rows: Vec<usize> = steps
+        let logit_rows: Vec<Vec<usize>> = steps
             .iter()
-            .map(|s| match s.logits {
-                Logits::All => s.tokens.len(),
-                Logits::Last | Logits::LastAndHidden => 1,
-                Logits::None | Logits::Hidden => 0,
+            .map(|g| {
+                g.iter()
+                    .map(|(s, _)| match s.logits {
+                        Logits::All => s.tokens.len(),
+                        Logits::Last | Logits::LastAndHidden => 1,
+                        Logits::None | Logits::Hidden => 0,
+                    })
+                    .collect()
             })
             .collect();
         // Only steps of nothing but decodes measure the speculation policy.
-        let decode_only = plan.iter().all(|p| self.running[p.seq].remaining() == 1);
-        let result = self.model.forward_batch_hidden(&mut self.pool, &steps);
+        let decode_only = plans
+            .iter()
+            .zip(&self.groups)
+            .all(|(plan, g)| plan.iter().all(|p| g.running[p.seq].remaining() == 1));
+        let result = match &self.cluster {
+            Some(c) => c
+                .step(&mut self.pool, &steps)
+                .map(|r| (Rows::Groups(r), Vec::new())),
+            None => {
+                let mine: Vec<SeqStep<'_>> = steps[0].iter().map(|(s, _)| *s).collect();
+                self.model
+                    .forward_batch_hidden(&mut self.pool, &mine)
+                    .map(|(l, h)| (Rows::Local(l), h))
+                    .map_err(EngineError::from)
+            }
+        };
         drop(steps);
         let (mut logits, hidden) = match result {
             Ok(l) => l,
             Err(e) => {
-                // Not reachable with engine-made batches; never leave
-                // clients waiting if it happens.
+                // Not reachable with engine-made batches in one process;
+                // never leave clients waiting if it happens. Over ranks a
+                // failed collective ends the engine.
                 let msg = e.to_string();
-                let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
-                idx.sort_unstable_by(|a, b| b.cmp(a));
-                for i in idx {
-                    let mut s = self.running.remove(i);
-                    s.release_blocks(&mut self.blocks);
-                    if !s.closed {
-                        (s.sink)(Event::Failed(msg.clone()));
+                for (g, plan) in plans.iter().enumerate() {
+                    let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
+                    idx.sort_unstable_by(|a, b| b.cmp(a));
+                    for i in idx {
+                        let group = &mut self.groups[g];
+                        let mut s = group.running.remove(i);
+                        s.release_blocks(&mut group.blocks);
+                        if !s.closed {
+                            (s.sink)(Event::Failed(msg.clone()));
+                        }
                     }
                 }
                 self.publish();
-                return;
+                return match e.is_communication() {
+                    true => Err(e),
+                    false => Ok(()),
+                };
             }
         };
         let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
-        let mut done = Vec::new();
-        let (mut row, mut hrow) = (0, 0);
         let mut produced = 0;
-        for ((p, v), &rows) in plan.iter().zip(&verify).zip(&logit_rows) {
-            let s = &mut self.running[p.seq];
-            let hid = match mtp {
-                true => &hidden[hrow * h..(hrow + p.n) * h],
-                false => &[][..],
-            };
-            hrow += p.n * usize::from(mtp);
-            let l = &mut logits[row * vocab..(row + rows) * vocab];
-            row += rows;
-            s.draft = None;
-            let Some([_, draft]) = *v else {
-                s.computed += p.n;
-                if let Some(m) = &mut s.mtp {
-                    m.push_hidden(hid);
-                }
-                s.register_full_blocks(&mut self.blocks);
-                if rows == 0 {
+        let mut hrow = 0;
+        for (g, (plan, verify)) in plans.iter().zip(&verify).enumerate() {
+            let mut done = Vec::new();
+            let mut row = 0;
+            for ((p, v), &rows) in plan.iter().zip(verify).zip(&logit_rows[g]) {
+                let group = &mut self.groups[g];
+                let s = &mut group.running[p.seq];
+                let hid = match mtp {
+                    true => &hidden[hrow * h..(hrow + p.n) * h],
+                    false => &[][..],
+                };
+                hrow += p.n * usize::from(mtp);
+                let first = row;
+                row += rows;
+                s.draft = None;
+                let Some([_, draft]) = *v else {
+                    s.computed += p.n;
+                    if let Some(m) = &mut s.mtp {
+                        m.push_hidden(hid);
+                    }
+                    s.register_full_blocks(&mut group.blocks);
+                    if rows == 0 {
+                        continue;
+                    }
+                    produced += 1;
+                    let r = logits.get(g, first, vocab);
+                    if let Some(reason) = advance(s, r, self.tokenizer, &self.shared) {
+                        done.push((p.seq, reason));
+                    }
                     continue;
-                }
-                produced += 1;
-                if let Some(reason) = advance(s, l, self.tokenizer, &self.shared) {
-                    done.push((p.seq, reason));
-                }
-                continue;
-            };
-            // Verify: the sampled token's row decides; the draft's row
-            // counts only if the sample equals the draft.
-            let (l0, l1) = l.split_at_mut(vocab);
-            s.computed += 1;
-            if let Some(m) = &mut s.mtp {
-                m.push_hidden(&hid[..h]);
-            }
-            produced += 1;
-            let mut end = advance(s, l0, self.tokenizer, &self.shared);
-            let hit = s.tokens.last() == Some(&draft);
-            self.shared.metrics.update(|m| {
-                m.spec_drafted += 1;
-                m.spec_accepted += u64::from(hit);
-            });
-            if end.is_none() && hit {
+                };
+                // Verify: the sampled token's row decides; the draft's row
+                // counts only if the sample equals the draft.
                 s.computed += 1;
                 if let Some(m) = &mut s.mtp {
-                    m.push_hidden(&hid[h..]);
+                    m.push_hidden(&hid[..h]);
                 }
                 produced += 1;
-                end = advance(s, l1, self.tokenizer, &self.shared);
+                let mut end = advance(s, logits.get(g, first, vocab), self.tokenizer, &self.shared);
+                let hit = s.tokens.last() == Some(&draft);
+                self.shared.metrics.update(|m| {
+                    m.spec_drafted += 1;
+                    m.spec_accepted += u64::from(hit);
+                });
+                if end.is_none() && hit {
+                    s.computed += 1;
+                    if let Some(m) = &mut s.mtp {
+                        m.push_hidden(&hid[h..]);
+                    }
+                    produced += 1;
+                    let r = logits.get(g, first + 1, vocab);
+                    end = advance(s, r, self.tokenizer, &self.shared);
+                }
+                s.register_full_blocks(&mut group.blocks);
+                if let Some(reason) = end {
+                    done.push((p.seq, reason));
+                }
             }
-            s.register_full_blocks(&mut self.blocks);
-            if let Some(reason) = end {
-                done.push((p.seq, reason));
+            done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
+            for (i, reason) in done {
+                let s = self.groups[g].running.remove(i);
+                self.finish(g, s, reason);
             }
-        }
-        done.sort_unstable_by_key(|d| std::cmp::Reverse(d.0));
-        for (i, reason) in done {
-            let s = self.running.remove(i);
-            self.finish(s, reason);
         }
         self.draft();
         if let Some(spec) = self.spec.as_mut().filter(|_| decode_only && produced > 0) {
             spec.record(started.elapsed().as_secs_f64(), produced);
         }
         self.publish();
+        Ok(())
     }
 
     /// One pass of the MTP module for every sequence that has just sampled
@@ -291,9 +455,10 @@ impl<'t> Engine<'t> {
         if !spec.wants_draft() {
             return;
         }
-        let who: Vec<usize> = (0..self.running.len())
+        let running = &self.groups[0].running;
+        let who: Vec<usize> = (0..running.len())
             .filter(|&i| {
-                let s = &self.running[i];
+                let s = &running[i];
                 s.mtp.is_some()
                     && s.draft.is_none()
                     && s.remaining() == 1
@@ -306,7 +471,7 @@ impl<'t> Engine<'t> {
         }
         let mut inputs = Vec::with_capacity(who.len());
         for &i in &who {
-            let s = &self.running[i];
+            let s = &self.groups[0].running[i];
             let (last, before) = s.tokens.split_last().map_or((0, &[][..]), |(l, b)| (*l, b));
             if let Some(m) = &s.mtp {
                 inputs.push(m.step(before, last, &s.blocks));
@@ -321,7 +486,7 @@ impl<'t> Engine<'t> {
         let Ok(logits) = result else { return };
         let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
         for (&i, row) in who.iter().zip(logits.chunks_exact(vocab)) {
-            let s = &mut self.running[i];
+            let s = &mut self.groups[0].running[i];
             if let Some(m) = &mut s.mtp {
                 m.consumed(h);
             }
@@ -329,9 +494,10 @@ impl<'t> Engine<'t> {
         }
     }
 
-    /// Releases a sequence's blocks and sends its last event.
-    fn finish(&mut self, mut s: Sequence<'t>, mut reason: FinishReason) {
-        s.release_blocks(&mut self.blocks);
+    /// Releases a sequence's blocks (in group `g`; a waiting one has
+    /// none) and sends its last event.
+    fn finish(&mut self, g: usize, mut s: Sequence<'t>, mut reason: FinishReason) {
+        s.release_blocks(&mut self.groups[g].blocks);
         let mut text = String::new();
         if reason == FinishReason::Length {
             // A stop string the flushed tail completes ends the request as
@@ -366,7 +532,12 @@ impl<'t> Engine<'t> {
     }
 
     fn publish(&self) {
-        let (running, used) = (self.running.len(), self.blocks.total() - self.blocks.free());
+        let running = self.groups.iter().map(|g| g.running.len()).sum();
+        let used = self
+            .groups
+            .iter()
+            .map(|g| g.blocks.total() - g.blocks.free())
+            .sum();
         self.shared.metrics.update(|m| {
             m.running = running;
             m.kv_blocks_used = used;
@@ -378,13 +549,21 @@ impl<'t> Engine<'t> {
 /// sequence ends, if it does.
 fn advance(
     s: &mut Sequence<'_>,
-    logits: &mut [f32],
+    row: Option<RowRef<'_>>,
     tokenizer: &Tokenizer,
     shared: &Shared,
 ) -> Option<FinishReason> {
-    let raw = s.req.logprobs.map(|_| logits.to_vec());
-    let history = &s.tokens[s.prompt_len..];
-    let next = match s.sampler.sample(logits, history) {
+    let (raw, sampled) = match row {
+        Some(RowRef::Logits(logits)) => {
+            let raw = s.req.logprobs.map(|_| logits.to_vec());
+            let history = &s.tokens[s.prompt_len..];
+            (raw, s.sampler.sample(logits, history))
+        }
+        // Plain greedy over ranks: the argmax is the sample.
+        Some(RowRef::Argmax(t)) => (None, t.ok_or(SamplingError::NoFiniteLogit)),
+        None => (None, Err(SamplingError::NoFiniteLogit)),
+    };
+    let next = match sampled {
         Ok(t) => t,
         Err(e) => {
             (s.sink)(Event::Failed(e.to_string()));

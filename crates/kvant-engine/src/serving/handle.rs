@@ -9,6 +9,7 @@
 use super::engine::Engine;
 use super::metrics::{Metrics, MetricsSnapshot};
 use super::request::{EngineRequest, EventSink, RequestId, MAX_TOP_LOGPROBS};
+use crate::cluster::Cluster;
 use crate::error::EngineError;
 use crate::sampling::SamplingError;
 use kvant_model::arch::decoder::DecoderModel;
@@ -125,12 +126,19 @@ pub(super) struct Shared {
 }
 
 /// The engine thread; [`EngineThread::join`] waits for it after a shutdown.
-pub struct EngineThread(JoinHandle<()>);
+pub struct EngineThread(JoinHandle<Result<(), EngineError>>);
 
 impl EngineThread {
-    /// Waits for the engine to stop; `Err` if it panicked (a bug).
+    /// Waits for the engine to stop; `Err` if it panicked (a bug) or the
+    /// ranks of a parallel run lost one another.
     pub fn join(self) -> Result<(), EngineError> {
-        self.0.join().map_err(|_| EngineError::EngineStopped)
+        self.0.join().map_err(|_| EngineError::EngineStopped)?
+    }
+
+    /// Whether the engine thread has stopped (after a shutdown, or on its
+    /// own after a lost rank).
+    pub fn is_finished(&self) -> bool {
+        self.0.is_finished()
     }
 }
 
@@ -139,6 +147,29 @@ impl EngineHandle {
     /// `cfg.kv_blocks` blocks allocated now.
     pub fn start(
         model: Arc<DecoderModel>,
+        tokenizer: Arc<Tokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<(EngineHandle, EngineThread), EngineError> {
+        Self::start_with(model, None, tokenizer, cfg)
+    }
+
+    /// Starts the engine thread on rank 0 of `cluster` (the other ranks
+    /// run [`crate::cluster::run_worker`]): every data-parallel group gets
+    /// a pool of `cfg.kv_blocks` blocks on its ranks, and `cfg`'s limits
+    /// apply to each group. While idle, the engine proves the ranks alive
+    /// every quarter of the communication timeout.
+    pub fn start_on_cluster(
+        cluster: Arc<Cluster>,
+        tokenizer: Arc<Tokenizer>,
+        cfg: EngineConfig,
+    ) -> Result<(EngineHandle, EngineThread), EngineError> {
+        let model = Arc::clone(cluster.model());
+        Self::start_with(model, Some(cluster), tokenizer, cfg)
+    }
+
+    fn start_with(
+        model: Arc<DecoderModel>,
+        cluster: Option<Arc<Cluster>>,
         tokenizer: Arc<Tokenizer>,
         cfg: EngineConfig,
     ) -> Result<(EngineHandle, EngineThread), EngineError> {
@@ -162,14 +193,20 @@ impl EngineHandle {
             cache_tokens: cfg.kv_blocks * cfg.block_size,
             max_waiting: cfg.max_waiting,
         });
-        let pool = model.new_pool(cfg.block_size, cfg.kv_blocks)?;
-        shared.metrics.update(|m| m.kv_blocks_total = cfg.kv_blocks);
+        let pool = match &cluster {
+            Some(c) => c.pool(cfg.block_size, cfg.kv_blocks)?,
+            None => model.new_pool(cfg.block_size, cfg.kv_blocks)?,
+        };
+        let groups = cluster.as_ref().map_or(1, |c| c.layout().dp);
+        shared
+            .metrics
+            .update(|m| m.kv_blocks_total = cfg.kv_blocks * groups);
         let (tx, rx) = mpsc::channel();
         let engine_shared = Arc::clone(&shared);
         let thread = std::thread::Builder::new()
             .name("kvant-engine".into())
             .spawn(move || {
-                let mut engine = Engine::new(model, &tokenizer, pool, &cfg, engine_shared);
+                let mut engine = Engine::new(model, cluster, &tokenizer, pool, &cfg, engine_shared);
                 run(&mut engine, &rx)
             })
             .map_err(|e| EngineError::Config(format!("cannot start the engine thread: {e}")))?;
@@ -256,6 +293,12 @@ impl EngineHandle {
         m
     }
 
+    /// Whether the engine accepts no more requests: it is shutting down,
+    /// or stopped on its own (ranks of a parallel run lost one another).
+    pub fn is_closed(&self) -> bool {
+        self.shared.closed.load(Ordering::Acquire)
+    }
+
     /// The model's context length: prompt plus output tokens per request.
     pub fn context_length(&self) -> usize {
         self.shared.context
@@ -263,8 +306,13 @@ impl EngineHandle {
 }
 
 /// The engine thread's loop: apply commands, step while there is work,
-/// block on the channel when idle.
-fn run(engine: &mut Engine<'_>, rx: &Receiver<Command>) {
+/// block on the channel when idle (over ranks, waking to send a heartbeat
+/// every quarter of the communication timeout). A failed step or heartbeat
+/// over ranks ends the engine: every request is failed, new ones refused.
+fn run(engine: &mut Engine<'_>, rx: &Receiver<Command>) -> Result<(), EngineError> {
+    let idle_wait = engine
+        .cluster()
+        .map_or(Duration::from_secs(3600), |c| c.timeout() / 4);
     let mut draining = false;
     loop {
         let cmd = if engine.has_work() {
@@ -274,12 +322,19 @@ fn run(engine: &mut Engine<'_>, rx: &Receiver<Command>) {
                 Err(mpsc::TryRecvError::Disconnected) => Some(Command::Shutdown(Shutdown::Drain)),
             }
         } else if draining {
-            return;
+            return Ok(());
         } else {
-            match rx.recv_timeout(Duration::from_secs(3600)) {
+            match rx.recv_timeout(idle_wait) {
                 Ok(c) => Some(c),
-                Err(RecvTimeoutError::Timeout) => None,
-                Err(RecvTimeoutError::Disconnected) => return,
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Some(c) = engine.cluster() {
+                        if let Err(e) = c.heartbeat() {
+                            return Err(engine.fail(e));
+                        }
+                    }
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return Ok(()),
             }
         };
         match cmd {
@@ -291,7 +346,11 @@ fn run(engine: &mut Engine<'_>, rx: &Receiver<Command>) {
                     engine.abort_all();
                 }
             }
-            None => engine.step(),
+            None => {
+                if let Err(e) = engine.step() {
+                    return Err(engine.fail(e));
+                }
+            }
         }
     }
 }

@@ -596,14 +596,17 @@ impl DecoderModel {
             seqs: &attn_seqs,
             rope_offset: 1,
         };
-        drive(vec![Box::pin(mtp.layer.forward(
-            c,
-            at,
-            x,
-            n,
-            &mut s.layer,
-            &Net::LOCAL,
-        ))])?;
+        drive(
+            vec![Box::pin(mtp.layer.forward(
+                c,
+                at,
+                x,
+                n,
+                &mut s.layer,
+                &Net::LOCAL,
+            ))],
+            None,
+        )?;
         let last = attn_seqs.iter().map(|a| a.rows.end - 1..a.rows.end);
         let rows = gather(x, h, last);
         let head = mtp.head.as_ref().unwrap_or(&self.output);
@@ -716,7 +719,7 @@ impl DecoderModel {
                 &net_b,
             )));
         }
-        drive(tasks)
+        drive(tasks, par.map(Parallel::exposed_counter))
     }
 
     /// One micro-batch's pass through the embedding and the layers.

@@ -22,9 +22,10 @@ use kvant_dist::{Buffer, Collective, Comm, DistError, Layout, ReduceOp, Request}
 use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// One micro-batch's communicators.
 pub struct Streams {
@@ -48,9 +49,16 @@ pub struct Parallel {
     /// Split each rank's batch into two micro-batches whose communication
     /// overlaps the other's compute.
     pub two_batch_overlap: bool,
+    /// Nanoseconds forward passes spent with every micro-batch waiting on
+    /// a collective: the communication no compute hid.
+    exposed_ns: AtomicU64,
 }
 
 impl Parallel {
+    pub(crate) fn exposed_counter(&self) -> &AtomicU64 {
+        &self.exposed_ns
+    }
+
     /// Splits `world` into the groups `layout` needs, twice (one set per
     /// micro-batch). Collective: every rank calls it with the same layout.
     ///
@@ -85,7 +93,14 @@ impl Parallel {
             world,
             streams,
             two_batch_overlap,
+            exposed_ns: AtomicU64::new(0),
         })
+    }
+
+    /// The time forward passes spent waiting on collectives with nothing
+    /// to compute (communication not hidden), since the last call.
+    pub fn take_exposed(&self) -> Duration {
+        Duration::from_nanos(self.exposed_ns.swap(0, Ordering::Relaxed))
     }
 
     pub fn rank(&self) -> usize {
@@ -239,11 +254,16 @@ pub(crate) type Task<'a> = Pin<Box<dyn Future<Output = Result<(), ModelError>> +
 /// Runs `tasks` to completion, polling each in turn (see the module
 /// docs); returns the first error. When every task waits on a collective
 /// whose completion time is known (a modelled network), sleeps until the
-/// earliest instead of spinning.
-pub(crate) fn drive(mut tasks: Vec<Task<'_>>) -> Result<(), ModelError> {
+/// earliest instead of spinning. The time every task waited is added to
+/// `exposed`.
+pub(crate) fn drive(
+    mut tasks: Vec<Task<'_>>,
+    exposed: Option<&AtomicU64>,
+) -> Result<(), ModelError> {
     let mut cx = Context::from_waker(Waker::noop());
     let mut done = vec![false; tasks.len()];
     let mut spins = 0u32;
+    let mut blocked_since: Option<Instant> = None;
     loop {
         NEXT_READY.with(|c| c.set((None, false)));
         let mut progressed = false;
@@ -258,12 +278,21 @@ pub(crate) fn drive(mut tasks: Vec<Task<'_>>) -> Result<(), ModelError> {
             }
         }
         if done.iter().all(|&d| d) {
+            if let (Some(t), Some(e)) = (blocked_since, exposed) {
+                let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                e.fetch_add(ns, Ordering::Relaxed);
+            }
             return Ok(());
         }
         if progressed {
             spins = 0;
+            if let (Some(t), Some(e)) = (blocked_since.take(), exposed) {
+                let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                e.fetch_add(ns, Ordering::Relaxed);
+            }
             continue;
         }
+        blocked_since.get_or_insert_with(Instant::now);
         // Nothing could run: every task waits on the network.
         let (ready, blind) = NEXT_READY.with(Cell::get);
         match ready {

@@ -18,11 +18,11 @@
 //! count before the model loads.
 
 use crate::args::BenchArgs;
-use crate::fetch;
+use crate::ranks::{self, Run};
 use anyhow::{bail, Context, Result};
-use kvant_engine::sampling::argmax;
+use kvant_dist::KindStats;
+use kvant_engine::cluster::{Row, Want};
 use kvant_kernels::bandwidth::measure_read_bandwidth;
-use kvant_model::arch::decoder::{DecoderModel, Logits};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::path::Path;
@@ -36,15 +36,27 @@ const PROBE_REPEATS: usize = 5;
 const PROMPT_SEED: u64 = 0x6b76_616e_7462;
 
 pub fn run(a: BenchArgs, threads: usize) -> Result<()> {
-    let path = fetch::resolve_model(a.model.model.as_deref())?;
-    let model_bytes = checkpoint_bytes(&path)?;
-    // Probe before the model loads: its buffer is freed before any timed
-    // run, and resetting the high-water mark keeps it out of the peak RSS.
+    // Probe before the model loads (on every rank of a parallel run, each
+    // with its own threads): its buffer is freed before any timed run, and
+    // resetting the high-water mark keeps it out of the peak RSS.
     let bandwidth = measure_read_bandwidth(PROBE_BYTES, threads, PROBE_REPEATS);
     let rss_reset = reset_peak_rss();
-    let m = kvant_model::load_with(&path, a.model.load_options())
-        .with_context(|| format!("loading {}", path.display()))?;
-    let model = &m.model;
+    let Some(run) = ranks::start(&a.model, &a.parallel, a.model.load_options())? else {
+        return Ok(());
+    };
+    let result = bench(&a, &run, threads, bandwidth, rss_reset);
+    run.finish(result)
+}
+
+fn bench(
+    a: &BenchArgs,
+    run: &Run,
+    threads: usize,
+    bandwidth: f64,
+    rss_reset: Result<(), String>,
+) -> Result<()> {
+    let model_bytes = checkpoint_bytes(&run.path)?;
+    let model = &run.model;
     let max_context = model.config().max_context;
     let fits = a
         .prompt_tokens
@@ -59,14 +71,18 @@ pub fn run(a: BenchArgs, threads: usize) -> Result<()> {
     }
     let prompt = random_prompt(model.config().vocab, a.prompt_tokens)?;
 
-    let warm_up = run_once(model, &prompt, a.gen_tokens)?;
+    let warm_up = run_once(run, &prompt, a.gen_tokens)?;
     let mut prefill_runs = Vec::new();
     let mut decode_runs = Vec::new();
+    let mut comm = [PhaseComm::default(), PhaseComm::default()];
     for _ in 0..a.repetitions {
-        let t = run_once(model, &prompt, a.gen_tokens)?;
+        let t = run_once(run, &prompt, a.gen_tokens)?;
         prefill_runs.push(per_s(a.prompt_tokens, t.prefill_secs));
         if a.gen_tokens > 0 {
             decode_runs.push(per_s(a.gen_tokens, t.decode_secs));
+        }
+        for (total, phase) in comm.iter_mut().zip(t.comm) {
+            total.add(&phase);
         }
     }
     let weight_bytes = model.weight_bytes();
@@ -74,7 +90,7 @@ pub fn run(a: BenchArgs, threads: usize) -> Result<()> {
     let bytes_per_token =
         weight_bytes as f64 + warm_up.kv_bytes_per_position as f64 * mean_position;
     let report = Report {
-        path: &path,
+        path: &run.path,
         model_bytes,
         weight_bytes,
         threads,
@@ -87,11 +103,16 @@ pub fn run(a: BenchArgs, threads: usize) -> Result<()> {
         kv_bytes_per_position: warm_up.kv_bytes_per_position,
         bytes_per_token,
         roofline: bandwidth / bytes_per_token,
+        parallel: run.cluster.as_ref().map(|_| Parallel {
+            args: a.parallel.clone(),
+            world: run.model.parallel().map_or(1, |p| p.layout.world),
+            comm,
+        }),
     };
     if a.json {
-        println!("{}", report.json(&a));
+        println!("{}", report.json(a));
     } else {
-        report.print_table(&a);
+        report.print_table(a);
     }
     Ok(())
 }
@@ -103,22 +124,69 @@ struct Timing {
     /// Bytes one cached position takes over all layers, keys and values, in
     /// whatever element type the cache stores.
     kv_bytes_per_position: usize,
+    /// Rank 0's collectives during prefill and decode.
+    comm: [PhaseComm; 2],
 }
 
-fn run_once(model: &DecoderModel, prompt: &[u32], gen: usize) -> Result<Timing> {
-    let mut cache = model.new_cache(prompt.len() + gen)?;
+/// Rank 0's collectives over a phase: per kind, and the time its forward
+/// passes waited with nothing to compute.
+#[derive(Clone, Default)]
+struct PhaseComm {
+    kinds: Vec<KindStats>,
+    exposed_secs: f64,
+}
+
+impl PhaseComm {
+    fn add(&mut self, other: &PhaseComm) {
+        if self.kinds.is_empty() {
+            self.kinds = other.kinds.clone();
+        } else {
+            for (a, b) in self.kinds.iter_mut().zip(&other.kinds) {
+                a.count += b.count;
+                a.bytes_sent += b.bytes_sent;
+                a.bytes_received += b.bytes_received;
+                a.inflight_secs += b.inflight_secs;
+                a.blocked_secs += b.blocked_secs;
+                a.modelled_secs += b.modelled_secs;
+            }
+        }
+        self.exposed_secs += other.exposed_secs;
+    }
+}
+
+/// What rank 0's collectives did since the last call (then zeroed).
+fn take_comm(run: &Run) -> PhaseComm {
+    let (Some(stats), Some(par)) = (&run.stats, run.model.parallel()) else {
+        return PhaseComm::default();
+    };
+    let out = PhaseComm {
+        kinds: stats.snapshot(),
+        exposed_secs: par.take_exposed().as_secs_f64(),
+    };
+    stats.reset();
+    out
+}
+
+fn run_once(run: &Run, prompt: &[u32], gen: usize) -> Result<Timing> {
+    let mut cache = run.cache(prompt.len() + gen)?;
+    let argmax = |rows: Vec<Row>| match rows.into_iter().next() {
+        Some(Row::Argmax(Some(t))) => Ok(t),
+        _ => bail!("the model returned no finite logits"),
+    };
+    take_comm(run);
     let t0 = Instant::now();
-    let mut logits = model.forward(prompt, &mut cache, Logits::Last)?;
+    let mut next = argmax(run.forward(&mut cache, prompt, Want::LastArgmax)?)?;
     let prefill_secs = t0.elapsed().as_secs_f64();
+    let prefill_comm = take_comm(run);
     let t1 = Instant::now();
     for _ in 0..gen {
-        let next = argmax(&logits).context("the model returned no finite logits")?;
-        logits = model.forward(&[next], &mut cache, Logits::Last)?;
+        next = argmax(run.forward(&mut cache, &[next], Want::LastArgmax)?)?;
     }
     Ok(Timing {
         prefill_secs,
         decode_secs: t1.elapsed().as_secs_f64(),
         kv_bytes_per_position: cache.bytes().checked_div(cache.capacity()).unwrap_or(0),
+        comm: [prefill_comm, take_comm(run)],
     })
 }
 
@@ -212,6 +280,91 @@ struct Report<'a> {
     kv_bytes_per_position: usize,
     bytes_per_token: f64,
     roofline: f64,
+    /// The layout and rank 0's collectives, for a parallel run.
+    parallel: Option<Parallel>,
+}
+
+struct Parallel {
+    args: crate::args::ParallelArgs,
+    world: usize,
+    /// Prefill and decode, summed over the timed repetitions.
+    comm: [PhaseComm; 2],
+}
+
+impl Parallel {
+    fn json(&self, a: &BenchArgs) -> serde_json::Value {
+        let p = &self.args;
+        let reps = a.repetitions as f64;
+        let phase = |c: &PhaseComm, steps: usize| {
+            let kinds: serde_json::Map<String, serde_json::Value> = c
+                .kinds
+                .iter()
+                .filter(|k| k.count > 0)
+                .map(|k| {
+                    (
+                        k.kind.name().to_string(),
+                        serde_json::json!({
+                            "count": k.count as f64 / reps,
+                            "bytes_sent": k.bytes_sent as f64 / reps,
+                            "bytes_received": k.bytes_received as f64 / reps,
+                            "inflight_secs": k.inflight_secs / reps,
+                            "modelled_secs": k.modelled_secs / reps,
+                        }),
+                    )
+                })
+                .collect();
+            let modelled: f64 = c.kinds.iter().map(|k| k.modelled_secs).sum();
+            serde_json::json!({
+                "steps": steps,
+                "collectives": kinds,
+                "modelled_comm_secs": modelled / reps,
+                "exposed_comm_secs": c.exposed_secs / reps,
+            })
+        };
+        serde_json::json!({
+            "ranks": self.world,
+            "tp": p.tp,
+            "dp": p.dp,
+            "ep": p.ep,
+            "two_batch_overlap": p.two_batch_overlap,
+            "net_latency_s": p.net_latency.map(|d| d.as_secs_f64()),
+            "net_bandwidth_bytes_per_s": p.net_bandwidth.map(|g| g * 1e9),
+            "prefill": phase(&self.comm[0], 1),
+            "decode": phase(&self.comm[1], a.gen_tokens),
+        })
+    }
+
+    fn print(&self, a: &BenchArgs) {
+        let p = &self.args;
+        let reps = a.repetitions as f64;
+        println!(
+            "ranks      {} (--tp {} --dp {} --ep {}{})",
+            self.world,
+            p.tp,
+            p.dp,
+            p.ep,
+            if p.two_batch_overlap {
+                " --two-batch-overlap"
+            } else {
+                ""
+            }
+        );
+        for (name, c) in [("prefill", &self.comm[0]), ("decode", &self.comm[1])] {
+            for k in c.kinds.iter().filter(|k| k.count > 0) {
+                println!(
+                    "{name:<10} {:<14} {:>8.0}×  {:>10.3} MB out  {:>9.3} ms in flight  (rank 0, per run)",
+                    k.kind.name(),
+                    k.count as f64 / reps,
+                    k.bytes_sent as f64 / reps / 1e6,
+                    k.inflight_secs / reps * 1e3,
+                );
+            }
+            println!(
+                "{name:<10} waiting on collectives with nothing to compute: {:.3} ms per run",
+                c.exposed_secs / reps * 1e3
+            );
+        }
+    }
 }
 
 impl Report<'_> {
@@ -243,6 +396,7 @@ impl Report<'_> {
             "roofline_decode_tokens_per_s": self.roofline,
             "decode_roofline_fraction": d.map(|s| s.median / self.roofline),
             "simd_tier": kvant_kernels::cpu::tier().name(),
+            "parallel": self.parallel.as_ref().map(|p| p.json(a)),
         });
         if let (Err(why), Some(map)) = (&self.peak_rss, obj.as_object_mut()) {
             map.insert("peak_rss_error".into(), why.as_str().into());
@@ -292,6 +446,9 @@ impl Report<'_> {
                 "decode     {:.1}% of the roofline",
                 100.0 * d.median / self.roofline
             );
+        }
+        if let Some(p) = &self.parallel {
+            p.print(a);
         }
     }
 }

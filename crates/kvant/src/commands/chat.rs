@@ -2,20 +2,27 @@
 //! conversation with the chat template; the session's KV cache keeps the
 //! shared prefix, so only the new turn is computed.
 
-use super::load_model;
 use crate::args::ChatArgs;
+use crate::ranks::{self, Run};
 use anyhow::{Context, Result};
-use kvant_engine::{GenerateRequest, Session};
+use kvant_engine::GenerateRequest;
 use kvant_model::chat::ChatMessage;
 use std::io::{BufRead, Write};
 
 pub fn run(a: ChatArgs) -> Result<()> {
-    let m = load_model(&a.model)?;
+    let Some(run) = ranks::start(&a.model, &a.parallel, a.model.load_options())? else {
+        return Ok(());
+    };
+    let result = chat(&a, &run);
+    run.finish(result)
+}
+
+fn chat(a: &ChatArgs, m: &Run) -> Result<()> {
     let template = m
         .chat_template
         .as_ref()
         .context("this checkpoint has no chat template, so it cannot chat; use `kvant generate`")?;
-    let mut session = Session::new(&m.model, &m.tokenizer, m.model.config().max_context)?;
+    let mut session = m.session(m.model.config().max_context)?;
     session.set_speculation(a.model.speculation());
     let mut messages: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
@@ -61,6 +68,8 @@ pub fn run(a: ChatArgs) -> Result<()> {
             let _ = stdout.flush();
         }) {
             Ok(out) => out,
+            // A lost rank ends the run; anything else ends only the turn.
+            Err(e) if e.is_communication() => return Err(e.into()),
             Err(e) => {
                 messages.pop();
                 eprintln!("kvant: {e}");

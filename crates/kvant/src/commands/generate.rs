@@ -1,9 +1,10 @@
 //! `kvant generate`.
 
-use super::{load_model, read_utf8};
+use super::read_utf8;
 use crate::args::GenerateArgs;
+use crate::ranks::{self, Run};
 use anyhow::{Context, Result};
-use kvant_engine::{GenerateRequest, Session};
+use kvant_engine::GenerateRequest;
 use kvant_model::chat::ChatMessage;
 use std::io::Write;
 
@@ -13,7 +14,14 @@ pub fn run(a: GenerateArgs) -> Result<()> {
         (None, Some(f)) => read_utf8(f)?,
         (None, None) => anyhow::bail!("give --prompt or --prompt-file"),
     };
-    let m = load_model(&a.model)?;
+    let Some(run) = ranks::start(&a.model, &a.parallel, a.model.load_options())? else {
+        return Ok(());
+    };
+    let result = generate(&a, &run, prompt);
+    run.finish(result)
+}
+
+fn generate(a: &GenerateArgs, m: &Run, prompt: String) -> Result<()> {
     let (text, add_special) = if a.chat {
         let t = m
             .chat_template
@@ -36,7 +44,7 @@ pub fn run(a: GenerateArgs) -> Result<()> {
     // Room for the prompt and the output (at least one token, so `--max-tokens 0`
     // is not mistaken for an overlong prompt).
     let capacity = req.prompt_ids.len() + req.max_tokens.max(1);
-    let mut session = Session::new(&m.model, &m.tokenizer, capacity)?;
+    let mut session = m.session(capacity)?;
     session.set_speculation(a.model.speculation());
     let stdout = std::io::stdout();
     let mut on_text = |s: &str| {

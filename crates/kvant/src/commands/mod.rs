@@ -8,8 +8,6 @@ mod perplexity;
 mod serve;
 mod tokenize;
 
-pub use serve::ServeArgs;
-
 use crate::args::{Cli, Command, ModelArg};
 use crate::fetch;
 use anyhow::{Context, Result};

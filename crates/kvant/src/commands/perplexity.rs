@@ -4,11 +4,12 @@
 //! after its first is predicted from its prefix within the window, and
 //! PPL = exp(mean negative log-likelihood over all predicted tokens).
 
-use super::{load_model, read_utf8};
+use super::read_utf8;
 use crate::args::PerplexityArgs;
+use crate::ranks::{self, Run};
 use anyhow::{bail, Result};
+use kvant_engine::cluster::{Row, Want};
 use kvant_kernels::softmax::log_sum_exp;
-use kvant_model::arch::decoder::Logits;
 use std::time::Instant;
 
 /// Tokens per forward pass inside a window: bounds the `[n, vocab]` logits.
@@ -16,16 +17,23 @@ const CHUNK: usize = 128;
 
 pub fn run(a: PerplexityArgs) -> Result<()> {
     let text = read_utf8(&a.file)?;
-    let m = load_model(&a.model)?;
+    let Some(run) = ranks::start(&a.model, &a.parallel, a.model.load_options())? else {
+        return Ok(());
+    };
+    let result = perplexity(&a, &run, &text);
+    run.finish(result)
+}
+
+fn perplexity(a: &PerplexityArgs, m: &Run, text: &str) -> Result<()> {
     if a.ctx < 2 || a.ctx > m.model.config().max_context {
         bail!(
             "--ctx must be between 2 and the model's context length {}",
             m.model.config().max_context
         );
     }
-    let ids = m.tokenizer.encode(&text, true)?;
+    let ids = m.tokenizer.encode(text, true)?;
     let vocab = m.model.config().vocab;
-    let mut cache = m.model.new_cache(a.ctx)?;
+    let mut cache = m.cache(a.ctx)?;
     let (mut nll, mut scored, mut windows) = (0f64, 0usize, 0usize);
     let t0 = Instant::now();
     for window in ids.chunks(a.ctx).filter(|w| w.len() >= 2) {
@@ -33,10 +41,13 @@ pub fn run(a: PerplexityArgs) -> Result<()> {
         windows += 1;
         let mut pos = 0;
         for chunk in window.chunks(CHUNK) {
-            let logits = m.model.forward(chunk, &mut cache, Logits::All)?;
-            for (i, row) in logits.chunks_exact(vocab).enumerate() {
+            let rows = m.forward(&mut cache, chunk, Want::All)?;
+            for (i, row) in rows.iter().enumerate() {
                 let Some(&target) = window.get(pos + i + 1) else {
                     break;
+                };
+                let Row::Logits(row) = row else {
+                    bail!("the forward pass returned no logits row");
                 };
                 let Some(&logit) = row.get(target as usize) else {
                     bail!("token id {target} is outside the model's vocabulary of {vocab}");

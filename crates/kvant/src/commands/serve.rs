@@ -1,68 +1,31 @@
 //! `kvant serve`: the OpenAI-compatible HTTP server.
 
-use crate::args::ModelArg;
-use crate::fetch;
+use crate::args::ServeArgs;
+use crate::ranks::{self, Run};
 use anyhow::{bail, Context, Result};
-use clap::Args;
 use kvant_engine::serving::{EngineConfig, EngineHandle};
-use kvant_server::memory::MemoryBudget;
 use kvant_server::{AppState, ServerConfig};
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-#[derive(Args)]
-pub struct ServeArgs {
-    #[command(flatten)]
-    pub model: ModelArg,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-    /// Port to listen on; 0 picks a free one (the ready line shows it).
-    #[arg(long, default_value_t = 8000)]
-    pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* [default: no key]
-    #[arg(long)]
-    pub api_key: Option<String>,
-    /// Memory for the KV cache: a size (2GiB, 512MB) or a fraction of the memory available now (0.2).
-    #[arg(long, default_value = "1GiB")]
-    pub kv_cache_memory: MemoryBudget,
-    /// Tokens one forward pass may carry (prefill chunks plus decodes).
-    #[arg(long, default_value_t = 512)]
-    pub max_batch_tokens: usize,
-    /// Sequences generated at once.
-    #[arg(long, default_value_t = 64)]
-    pub max_running: usize,
-    /// Requests that may wait for a slot; beyond that the server answers 429.
-    #[arg(long, default_value_t = 256)]
-    pub max_waiting: usize,
-    /// Tokens per KV cache block.
-    #[arg(long, default_value_t = 16)]
-    pub block_size: usize,
-    /// Do not reuse the KV cache of earlier prompts that share a prefix.
-    #[arg(long)]
-    pub no_prefix_caching: bool,
-    /// The model name clients use [default: the checkpoint's file or directory name]
-    #[arg(long)]
-    pub served_model_name: Option<String>,
-    /// Seconds a shutdown (SIGINT, SIGTERM) lets requests in flight finish before aborting them.
-    #[arg(long, default_value_t = 10)]
-    pub shutdown_grace: u64,
+pub fn run(a: ServeArgs) -> Result<()> {
+    // Batch invariance is the server's promise (see `--mla-prefill`).
+    let opts = a.model.load_options_or(kvant_model::MlaPrefill::Absorbed);
+    let Some(run) = ranks::start(&a.model, &a.parallel, opts)? else {
+        return Ok(());
+    };
+    let result = serve(a, &run);
+    run.finish(result)
 }
 
-pub fn run(a: ServeArgs) -> Result<()> {
-    let path = fetch::resolve_model(a.model.model.as_deref())?;
-    let m = kvant_model::load_with(
-        &path,
-        // Batch invariance is the server's promise (see `--mla-prefill`).
-        a.model.load_options_or(kvant_model::MlaPrefill::Absorbed),
-    )
-    .with_context(|| format!("loading {}", path.display()))?;
+fn serve(a: ServeArgs, run: &Run) -> Result<()> {
     let kv_bytes = a.kv_cache_memory.bytes()?;
     let block_size = a.block_size;
+    // Per rank: each holds its share of the KV heads (rank 0 the largest).
     let kv_blocks = EngineConfig::blocks_for_bytes(
-        &m.model,
+        &run.model,
         block_size,
         usize::try_from(kv_bytes).unwrap_or(usize::MAX),
     );
@@ -78,14 +41,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
         prefix_caching: !a.no_prefix_caching,
         speculation: a.model.speculation(),
     };
-    let tokenizer = Arc::new(m.tokenizer);
-    let (engine, thread) = EngineHandle::start(
-        Arc::new(m.model),
-        Arc::clone(&tokenizer),
-        engine_config.clone(),
-    )?;
+    let tokenizer = Arc::clone(&run.tokenizer);
+    let (engine, thread) = match &run.cluster {
+        Some(c) => EngineHandle::start_on_cluster(
+            Arc::clone(c),
+            Arc::clone(&tokenizer),
+            engine_config.clone(),
+        )?,
+        None => EngineHandle::start(
+            Arc::clone(&run.model),
+            Arc::clone(&tokenizer),
+            engine_config.clone(),
+        )?,
+    };
     let config = ServerConfig {
-        model_name: a.served_model_name.unwrap_or_else(|| served_name(&path)),
+        model_name: a
+            .served_model_name
+            .unwrap_or_else(|| served_name(&run.path)),
         api_key: a.api_key.filter(|k| !k.is_empty()),
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
     };
@@ -94,7 +66,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
         engine.clone(),
         &engine_config,
         tokenizer,
-        m.chat_template.map(Arc::new),
+        run.chat_template.clone(),
         config,
     );
     // The kernels have their own pool; the HTTP side needs few threads.
@@ -103,16 +75,39 @@ pub fn run(a: ServeArgs) -> Result<()> {
         .enable_all()
         .build()
         .context("starting the async runtime")?;
+    let watched = engine.clone();
     let served = runtime.block_on(async {
         let listener = tokio::net::TcpListener::bind((a.host.as_str(), a.port))
             .await
             .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
         let addr = listener.local_addr()?;
+        let ranks = match &run.cluster {
+            Some(c) => {
+                let l = c.layout();
+                format!(
+                    ", {} ranks: --tp {} --dp {} --ep {}",
+                    l.world, l.tp, l.dp, l.ep
+                )
+            }
+            None => String::new(),
+        };
         println!(
-            "kvant serve: {model_name} on http://{addr} ({kv_blocks} KV blocks of {block_size} tokens)"
+            "kvant serve: {model_name} on http://{addr} ({kv_blocks} KV blocks of {block_size} tokens{ranks})"
         );
         std::io::stdout().flush()?;
-        kvant_server::serve(listener, state, kvant_server::shutdown_signal())
+        // A signal ends the server, and so does an engine that stopped on
+        // its own (ranks that lost one another).
+        let stop = async move {
+            tokio::select! {
+                () = kvant_server::shutdown_signal() => {}
+                () = async {
+                    while !watched.is_closed() {
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                    }
+                } => {}
+            }
+        };
+        kvant_server::serve(listener, state, stop)
             .await
             .context("serving")
     });
