@@ -11,7 +11,9 @@
 use kvant_dist::Layout;
 use kvant_engine::cluster::{forward_seq, run_worker, Cluster, Row, Want};
 use kvant_engine::sampling::argmax;
-use kvant_engine::serving::{EngineConfig, EngineHandle, EngineRequest, Event, Shutdown};
+use kvant_engine::serving::{
+    EngineConfig, EngineHandle, EngineRequest, Event, Rebalance, Shutdown,
+};
 use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::{DecoderModel, SeqStep};
 use kvant_model::tokenizer::Tokenizer;
@@ -529,15 +531,37 @@ fn crowded() -> EngineConfig {
 /// groups.
 #[test]
 fn serving_over_ranks_matches_one_process() {
-    for (name, opts, p) in [
-        ("gguf/llama-gqa.Q4_0.gguf", int8_opts(), par(1, 2, 1, false)),
-        ("deepseek-v3", f32_opts(), par(1, 2, 2, true)),
+    // Every 3 steps, the experts re-placed with 2 redundant replicas.
+    let eplb = Some(Rebalance {
+        every: 3,
+        redundant: 2,
+    });
+    for (name, opts, p, rebalance) in [
+        (
+            "gguf/llama-gqa.Q4_0.gguf",
+            int8_opts(),
+            par(1, 2, 1, false),
+            None,
+        ),
+        ("deepseek-v3", f32_opts(), par(1, 2, 2, true), None),
         (
             "gguf/qwen2-moe-sparse.Q8_0.gguf",
             int8_opts(),
             par(1, 1, 2, false),
+            eplb,
         ),
-        ("gguf/llama-gqa.Q8_0.gguf", int8_opts(), par(2, 1, 1, false)),
+        (
+            "gguf/deepseek-v3.Q8_0.gguf",
+            int8_opts(),
+            par(1, 2, 2, false),
+            eplb,
+        ),
+        (
+            "gguf/llama-gqa.Q8_0.gguf",
+            int8_opts(),
+            par(2, 1, 1, false),
+            None,
+        ),
     ] {
         let m = load_with(&fixture(name), opts).expect("loads");
         let vocab = m.model.config().vocab;
@@ -556,8 +580,11 @@ fn serving_over_ranks_matches_one_process() {
         t.join().expect("engine stops");
 
         with_rank0(name, opts, p, |c, tok| {
-            let (h, t) =
-                EngineHandle::start_on_cluster(Arc::clone(c), tok, crowded()).expect("engine");
+            let cfg = EngineConfig {
+                rebalance,
+                ..crowded()
+            };
+            let (h, t) = EngineHandle::start_on_cluster(Arc::clone(c), tok, cfg).expect("engine");
             let rxs: Vec<_> = reqs.iter().map(|r| submit(&h, r.clone())).collect();
             for (i, rx) in rxs.iter().enumerate() {
                 assert_eq!(tokens_of(rx), alone[i], "{name} {p:?}: request {i}");
@@ -567,6 +594,7 @@ fn serving_over_ranks_matches_one_process() {
             assert_eq!((m.kv_blocks_used, m.running, m.waiting), (0, 0, 0));
             assert_eq!(m.requests_finished, 16);
             assert!(m.preemptions > 0, "{name}: the small pools should preempt");
+            assert_eq!(m.expert_rebalances > 0, rebalance.is_some(), "{name}");
             h.shutdown(Shutdown::Drain);
             t.join().expect("engine stops");
         });

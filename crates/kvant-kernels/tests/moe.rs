@@ -20,8 +20,8 @@ use kvant_kernels::int8::{
 use kvant_kernels::linear::LinearWeight;
 use kvant_kernels::matmul::matmul_with;
 use kvant_kernels::moe::{
-    activation_f64, moe_ffn, moe_ffn_ref, moe_ffn_with, route, route_ref, Experts, GroupScore,
-    MoeScratch, RouterParams, Scoring,
+    activation_f64, moe_ffn, moe_ffn_quantized, moe_ffn_ref, moe_ffn_with, route, route_ref,
+    Experts, GroupScore, MoeScratch, RouterParams, Scoring,
 };
 use kvant_kernels::quant::dequantize_row_ref;
 use kvant_kernels::{pool, KernelError};
@@ -489,6 +489,39 @@ fn a_token_gives_the_same_bits_alone_and_in_any_batch() {
                 bits(&reversed[r * h..(r + 1) * h]),
                 "{c:?} token {t} reversed"
             );
+        }
+    }
+}
+
+/// Quantized input (what expert parallelism sends) gives the bits of the
+/// f32 rows it came from, for every case with int8 gate and up; the
+/// others refuse it.
+#[test]
+fn quantized_input_gives_the_bits_of_its_f32_rows() {
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    let n = 13;
+    for c in cases() {
+        let l = layer(&mut rng, &c);
+        let h = c.hidden;
+        let x = random_vec(&mut rng, n * h, 2.0);
+        let (ids, w) = routed(&mut rng, n, c.n_experts, c.top_k);
+        let mut s = MoeScratch::default();
+        let mut want = vec![f32::NAN; n * h];
+        moe_ffn(
+            &l.experts, c.act, &x, n, &ids, &w, c.top_k, &mut s, &mut want,
+        )
+        .unwrap();
+        let mut xq = Q8Activations::default();
+        xq.quantize(cpu::tier(), &x, n, h).unwrap();
+        let mut got = vec![f32::NAN; n * h];
+        let r = moe_ffn_quantized(&l.experts, c.act, &xq, &ids, &w, c.top_k, &mut s, &mut got);
+        assert_eq!(l.experts.takes_quantized(), l.q8_in, "{c:?}");
+        match l.q8_in {
+            true => {
+                r.unwrap();
+                assert_eq!(bits(&got), bits(&want), "{c:?}");
+            }
+            false => assert!(r.is_err(), "{c:?}"),
         }
     }
 }

@@ -99,6 +99,12 @@ pub fn render(m: &MetricsSnapshot) -> String {
     );
     counter(
         w,
+        "kvant_expert_rebalances_total",
+        "Expert re-placements from observed loads (EPLB, --eplb-interval).",
+        m.expert_rebalances,
+    );
+    counter(
+        w,
         "kvant_request_success_total",
         "Requests that finished (stop or length).",
         m.requests_finished,

@@ -414,6 +414,20 @@ pub struct ServeArgs {
     /// The model name clients use [default: the checkpoint's file or directory name]
     #[arg(long)]
     pub served_model_name: Option<String>,
+    /// With --ep: every STEPS engine steps, re-place each MoE layer's
+    /// experts from the loads routed since the last time (EPLB). Outputs
+    /// do not change.
+    #[arg(long, value_name = "STEPS", value_parser = at_least_one)]
+    pub eplb_interval: Option<usize>,
+    /// With --eplb-interval: extra replicas of the hottest experts per
+    /// layer (each rank holds at most ⌈(experts + N) / ranks⌉).
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 0,
+        requires = "eplb_interval"
+    )]
+    pub eplb_redundant: usize,
     /// Seconds a shutdown (SIGINT, SIGTERM) lets requests in flight finish before aborting them.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace: u64,

@@ -318,6 +318,20 @@ fn layouts_that_do_not_fit_are_clear_errors() {
         assert!(err.contains(msg), "{flags:?}: {err}");
         assert!(!err.contains("panicked"), "{err}");
     }
+    // Expert re-placement without experts spread over ranks.
+    let err = kvant_err(&[
+        "serve",
+        "--model",
+        &m,
+        "--port",
+        "0",
+        "--eplb-interval",
+        "4",
+    ]);
+    assert!(
+        err.contains("needs experts spread over ranks (--ep)"),
+        "{err}"
+    );
 }
 
 /// A kvant built without MPI that mpirun starts as one of several ranks

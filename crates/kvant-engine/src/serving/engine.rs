@@ -15,7 +15,7 @@
 //! (a group with nothing to run still joins it).
 
 use super::blocks::BlockManager;
-use super::handle::{EngineConfig, Shared};
+use super::handle::{EngineConfig, Rebalance, Shared};
 use super::logprobs::token_logprob;
 use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
@@ -53,6 +53,9 @@ pub(super) struct Engine<'t> {
     shared: Arc<Shared>,
     /// Whether decode steps draft (models with an MTP module).
     spec: Option<Speculation>,
+    rebalance: Option<Rebalance>,
+    /// Steps that ran a forward pass.
+    steps: usize,
 }
 
 /// A step's logits: one process's `[rows, vocab]`, or what each group's
@@ -111,6 +114,8 @@ impl<'t> Engine<'t> {
             waiting: VecDeque::new(),
             shared,
             spec: model_has_mtp.then(|| Speculation::new(cfg.speculation)),
+            rebalance: cfg.rebalance,
+            steps: 0,
         }
     }
 
@@ -445,6 +450,13 @@ impl<'t> Engine<'t> {
             spec.record(started.elapsed().as_secs_f64(), produced);
         }
         self.publish();
+        self.steps += 1;
+        if let (Some(r), Some(c)) = (self.rebalance, &self.cluster) {
+            if self.steps.is_multiple_of(r.every) {
+                c.rebalance(r.redundant)?;
+                self.shared.metrics.update(|m| m.expert_rebalances += 1);
+            }
+        }
         Ok(())
     }
 

@@ -38,6 +38,18 @@ pub struct EngineConfig {
     /// When decode steps draft with the model's MTP module (models loaded
     /// with one; see [`crate::speculative`]).
     pub speculation: crate::speculative::Policy,
+    /// Over ranks with expert parallelism: re-place the experts from the
+    /// loads seen, every so many steps (EPLB).
+    pub rebalance: Option<Rebalance>,
+}
+
+/// Periodic expert re-placement (see [`Cluster::rebalance`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rebalance {
+    /// Engine steps between re-placements.
+    pub every: usize,
+    /// Extra replicas of the hottest experts per layer.
+    pub redundant: usize,
 }
 
 impl EngineConfig {
@@ -57,6 +69,7 @@ impl Default for EngineConfig {
             max_waiting: 256,
             prefix_caching: true,
             speculation: crate::speculative::Policy::Adaptive,
+            rebalance: None,
         }
     }
 }
@@ -182,6 +195,22 @@ impl EngineHandle {
             return Err(EngineError::Config(
                 "max running sequences must be positive".into(),
             ));
+        }
+        let spread = cluster
+            .as_ref()
+            .is_some_and(|c| c.layout().expert_parallel());
+        match cfg.rebalance {
+            Some(r) if r.every == 0 => {
+                return Err(EngineError::Config(
+                    "expert re-placement needs a positive step interval".into(),
+                ))
+            }
+            Some(_) if !spread => {
+                return Err(EngineError::Config(
+                    "expert re-placement needs experts spread over ranks (--ep)".into(),
+                ))
+            }
+            _ => {}
         }
         let shared = Arc::new(Shared {
             metrics: Metrics::default(),

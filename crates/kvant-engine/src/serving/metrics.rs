@@ -55,6 +55,8 @@ pub struct MetricsSnapshot {
     pub requests_finished: u64,
     pub requests_aborted: u64,
     pub preemptions: u64,
+    /// Expert re-placements (EPLB) over ranks.
+    pub expert_rebalances: u64,
     /// Tokens drafted by the MTP module and verified, and those accepted
     /// (self-speculative decoding).
     pub spec_drafted: u64,

@@ -10,7 +10,7 @@ mod request;
 mod scheduler;
 mod sequence;
 
-pub use handle::{EngineConfig, EngineHandle, EngineThread, Shutdown, SubmitError};
+pub use handle::{EngineConfig, EngineHandle, EngineThread, Rebalance, Shutdown, SubmitError};
 pub use metrics::{Histogram, MetricsSnapshot, LATENCY_BUCKETS};
 pub use request::{
     EngineRequest, Event, EventSink, RequestId, TokenLogprob, Usage, MAX_TOP_LOGPROBS,

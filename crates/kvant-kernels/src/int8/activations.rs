@@ -92,6 +92,60 @@ impl Q8Activations {
         )
     }
 
+    /// Bytes of one row of `k` values in the form [`Self::write_row`]
+    /// writes: the values, then each block's scale and scaled sum (f32,
+    /// little-endian): a quarter of the row's f32 bytes plus 8 per block.
+    pub fn row_bytes(k: usize) -> usize {
+        k + 8 * (k / BLOCK)
+    }
+
+    /// Appends token `t`'s quantized row to `out` (to send it to another
+    /// rank, which gets exactly these activations back with
+    /// [`Self::read_rows`]).
+    ///
+    /// # Panics
+    /// If `t` is not a token of the buffer.
+    pub fn write_row(&self, t: usize, out: &mut Vec<u8>) {
+        let (qs, d, s) = self.token(t);
+        out.extend(qs.iter().map(|&q| q as u8));
+        for (d, s) in d.iter().zip(s) {
+            out.extend_from_slice(&d.to_le_bytes());
+            out.extend_from_slice(&s.to_le_bytes());
+        }
+    }
+
+    /// Replaces the buffer with the rows of `k` values in `bytes` (whole
+    /// rows as [`Self::write_row`] writes them).
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`] unless `k` is whole blocks and
+    /// `bytes` whole rows.
+    pub fn read_rows(&mut self, k: usize, bytes: &[u8]) -> Result<(), KernelError> {
+        check_len("q8 activation row (whole blocks)", k / BLOCK * BLOCK, k)?;
+        let row = Self::row_bytes(k).max(1);
+        check_len(
+            "q8 activation rows (whole rows)",
+            bytes.len() / row * row,
+            bytes.len(),
+        )?;
+        let n = bytes.len() / row;
+        self.qs.clear();
+        self.d.clear();
+        self.s.clear();
+        let f32_at = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        for r in bytes.chunks_exact(row) {
+            let (qs, scales) = r.split_at(k);
+            self.qs.extend(qs.iter().map(|&q| q as i8));
+            for pair in scales.chunks_exact(8) {
+                self.d.push(f32_at(&pair[..4]));
+                self.s.push(f32_at(&pair[4..]));
+            }
+        }
+        self.n_tokens = n;
+        self.k = k;
+        Ok(())
+    }
+
     /// The dequantized values `d · q` (for tests' error bounds).
     pub fn dequantize(&self) -> Vec<f32> {
         self.qs
@@ -206,6 +260,30 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn rows_travel_exactly() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+        let (n, k) = (5, 96);
+        let x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-4.0..4.0)).collect();
+        let mut a = Q8Activations::default();
+        a.quantize(SimdTier::Scalar, &x, n, k).unwrap();
+        let mut wire = Vec::new();
+        for t in [3, 0, 3] {
+            a.write_row(t, &mut wire);
+        }
+        assert_eq!(wire.len(), 3 * Q8Activations::row_bytes(k));
+        let mut b = Q8Activations::default();
+        b.read_rows(k, &wire).unwrap();
+        assert_eq!((b.n_tokens(), b.k()), (3, k));
+        for (i, t) in [3, 0, 3].into_iter().enumerate() {
+            assert_eq!(b.token(i), a.token(t));
+        }
+        assert!(b.read_rows(k, &wire[1..]).is_err());
+        assert!(b.read_rows(40, &[]).is_err());
+        b.read_rows(k, &[]).unwrap();
+        assert_eq!(b.n_tokens(), 0);
     }
 
     #[test]

@@ -200,13 +200,99 @@ pub fn moe_ffn_with(
     scratch: &mut MoeScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let (h, ff) = (experts.hidden, experts.ff);
+    let h = experts.hidden;
     check_len(
         "moe input [n_tokens, hidden]",
         checked_mul("moe", n_tokens, h)?,
         x.len(),
     )?;
-    check_len("moe output [n_tokens, hidden]", x.len(), out.len())?;
+    let io = (ids, weights, top_k);
+    run(
+        tier,
+        experts,
+        act,
+        Input::F32(x),
+        n_tokens,
+        io,
+        scratch,
+        out,
+    )
+}
+
+impl Experts {
+    /// Whether gate and up run on the int8 kernels, so that the layer's
+    /// input can come already quantized ([`moe_ffn_quantized`]).
+    pub fn takes_quantized(&self) -> bool {
+        self.gate.int8().is_some() && self.up.int8().is_some()
+    }
+}
+
+/// [`moe_ffn`] over tokens that arrive already quantized (expert
+/// parallelism sends 8-bit rows, a third of the f32 bytes): the same
+/// bits as [`moe_ffn`] on the f32 rows they were quantized from, since
+/// that quantizes them the same way.
+///
+/// # Errors
+/// As [`moe_ffn`]; [`KernelError::LengthMismatch`] when `x` is not
+/// `[n_tokens, hidden]` or the experts' gate and up are not int8 (see
+/// [`Experts::takes_quantized`]).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_ffn_quantized(
+    experts: &Experts,
+    act: Activation,
+    x: &Q8Activations,
+    ids: &[u32],
+    weights: &[f32],
+    top_k: usize,
+    scratch: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("quantized moe input columns", experts.hidden, x.k())?;
+    if !experts.takes_quantized() {
+        return Err(KernelError::LengthMismatch {
+            what: "int8 gate and up weights for quantized moe input",
+            expected: 2,
+            actual: usize::from(experts.gate.int8().is_some())
+                + usize::from(experts.up.int8().is_some()),
+        });
+    }
+    let io = (ids, weights, top_k);
+    run(
+        cpu::tier(),
+        experts,
+        act,
+        Input::Q8(x),
+        x.n_tokens(),
+        io,
+        scratch,
+        out,
+    )
+}
+
+/// The tokens a MoE call runs.
+enum Input<'a> {
+    F32(&'a [f32]),
+    /// Already quantized (int8 gate and up only).
+    Q8(&'a Q8Activations),
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    tier: SimdTier,
+    experts: &Experts,
+    act: Activation,
+    x: Input<'_>,
+    n_tokens: usize,
+    (ids, weights, top_k): (&[u32], &[f32], usize),
+    scratch: &mut MoeScratch,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let (h, ff) = (experts.hidden, experts.ff);
+    check_len(
+        "moe output [n_tokens, hidden]",
+        checked_mul("moe", n_tokens, h)?,
+        out.len(),
+    )?;
     let n_assign = checked_mul("moe", n_tokens, top_k)?;
     check_len("moe ids [n_tokens, top_k]", n_assign, ids.len())?;
     check_len("moe weights [n_tokens, top_k]", n_assign, weights.len())?;
@@ -225,8 +311,14 @@ pub fn moe_ffn_with(
     // Gate and up: the int8 projections as one grouped job.
     let (gate_q8, up_q8) = (experts.gate.int8(), experts.up.int8());
     if gate_q8.is_some() || up_q8.is_some() {
-        s.xq.quantize(tier, x, n_tokens, h)?;
-        s.gathered_q8.gather(&s.xq, s.plan.tokens())?;
+        let xq = match x {
+            Input::F32(x) => {
+                s.xq.quantize(tier, x, n_tokens, h)?;
+                &s.xq
+            }
+            Input::Q8(q) => q,
+        };
+        s.gathered_q8.gather(xq, s.plan.tokens())?;
         s.segments.clear();
         let mut sets: [&[PackedMatrix]; 2] = [&[], &[]];
         let mut ys: [&mut [f32]; 2] = [&mut [], &mut []];
@@ -250,6 +342,14 @@ pub fn moe_ffn_with(
         int8::gemm_grouped_with(tier, &sets[..m], &s.segments, &s.gathered_q8, &mut ys[..m])?;
     }
     if gate_q8.is_none() || up_q8.is_none() {
+        // Checked in `moe_ffn_quantized`: quantized input has int8 gate and up.
+        let Input::F32(x) = x else {
+            return Err(KernelError::LengthMismatch {
+                what: "f32 input for float expert weights",
+                expected: n_tokens * h,
+                actual: 0,
+            });
+        };
         s.gathered.clear();
         for &t in s.plan.tokens() {
             s.gathered.extend_from_slice(&x[t * h..(t + 1) * h]);

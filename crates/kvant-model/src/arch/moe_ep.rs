@@ -6,7 +6,11 @@
 //! 1. **dispatch**: exchanges with every rank how many rows and expert
 //!    assignments it will send (one all-to-all of counts), then sends each
 //!    token row once per destination rank, with the slots of that rank's
-//!    experts it wants (a second all-to-all, rows and slot lists);
+//!    experts it wants (all-to-alls of the slot lists and the rows). When
+//!    the experts run on the int8 kernels the rows travel as the 8-bit
+//!    blocks those kernels quantize them to anyway (32 values and two
+//!    floats per block: 1.25 bytes a value instead of 4), so the experts
+//!    see exactly the activations one process gives them;
 //! 2. computes its own experts over the rows it received, one assignment
 //!    per row and expert, with the fused kernel (`top_k = 1`, weight 1:
 //!    each output is the expert's unweighted result);
@@ -32,7 +36,7 @@ use kvant_dist::layout::{token_share, Placement};
 use kvant_dist::{Buffer, Collective, DistError};
 use kvant_kernels::activation::Activation;
 use kvant_kernels::int8::Q8Activations;
-use kvant_kernels::moe::{moe_ffn, Experts, MoeScratch};
+use kvant_kernels::moe::{moe_ffn, moe_ffn_quantized, Experts, MoeScratch};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -65,6 +69,12 @@ pub(crate) struct EpScratch {
     place: Vec<usize>,
     meta: Vec<u32>,
     x_dup: Vec<f32>,
+    /// 8-bit dispatch: the share quantized, the rows received, and one
+    /// row per assignment.
+    xq: Q8Activations,
+    got_q8: Q8Activations,
+    dup_q8: Q8Activations,
+    rows_at: Vec<usize>,
     ids: Vec<u32>,
     ones: Vec<f32>,
     y: Vec<f32>,
@@ -189,15 +199,33 @@ impl ExpertParallel {
             .into());
         }
 
-        // Dispatch, 2: each token row once per destination, with its slots there.
-        let mut rows = Vec::with_capacity(e.rows_to.iter().sum::<usize>() * h);
+        // Dispatch, 2: each token row once per destination, with its slots
+        // there: in 8 bits when the experts quantize their input anyway
+        // (the same bits arrive as they would compute), else in f32.
+        let quantized = placed.experts.takes_quantized();
+        let row_len = match quantized {
+            true => Q8Activations::row_bytes(h),
+            false => h,
+        };
+        let mut rows_f32 = Vec::new();
+        let mut rows_q8 = Vec::new();
+        if quantized && m > 0 {
+            e.xq.quantize(kvant_kernels::cpu::tier(), xs, m, h)?;
+        }
         for d in 0..w {
             for t in 0..m {
                 if (0..k).any(|j| e.dest[t * k + j] == d) {
-                    rows.extend_from_slice(&xs[t * h..(t + 1) * h]);
+                    match quantized {
+                        true => e.xq.write_row(t, &mut rows_q8),
+                        false => rows_f32.extend_from_slice(&xs[t * h..(t + 1) * h]),
+                    }
                 }
             }
         }
+        let rows = match quantized {
+            true => Buffer::U8(rows_q8),
+            false => Buffer::F32(rows_f32),
+        };
         let meta = posted(
             world,
             Collective::AllToAllV {
@@ -209,21 +237,28 @@ impl ExpertParallel {
         let payload = posted(
             world,
             Collective::AllToAllV {
-                send: Buffer::F32(rows),
-                send_counts: e.rows_to.iter().map(|r| r * h).collect(),
-                recv_counts: rows_from.iter().map(|r| r * h).collect(),
+                send: rows,
+                send_counts: e.rows_to.iter().map(|r| r * row_len).collect(),
+                recv_counts: rows_from.iter().map(|r| r * row_len).collect(),
             },
         )?;
         let slots = meta.await?.into_u32()?;
-        let got_rows = payload.await?.into_f32()?;
+        let got = payload.await?;
 
         // This rank's experts, one assignment per (row, slot).
         let total: usize = assigns_from.iter().sum();
-        e.x_dup.clear();
         e.ids.clear();
-        for (r, row) in got_rows.chunks_exact(h).enumerate() {
-            for &slot in slots[r * k..(r + 1) * k].iter().filter(|&&x| x != NONE) {
-                e.x_dup.extend_from_slice(row);
+        e.rows_at.clear();
+        let n_rows = rows_from.iter().sum::<usize>();
+        for r in 0..n_rows {
+            let mine = slots.get(r * k..(r + 1) * k).ok_or_else(|| {
+                DistError::Mismatch(format!(
+                    "{} slot lists for {n_rows} rows",
+                    slots.len() / k.max(1)
+                ))
+            })?;
+            for &slot in mine.iter().filter(|&&x| x != NONE) {
+                e.rows_at.push(r);
                 e.ids.push(slot);
             }
         }
@@ -238,19 +273,35 @@ impl ExpertParallel {
         e.ones.resize(total, 1.0);
         e.y.resize(total * h, 0.0);
         if total > 0 {
-            let ids = std::mem::take(&mut e.ids);
-            moe_ffn(
-                &placed.experts,
-                act,
-                &e.x_dup,
-                total,
-                &ids,
-                &e.ones,
-                1,
-                &mut e.kernel,
-                &mut e.y[..total * h],
-            )?;
-            e.ids = ids;
+            let y = &mut e.y[..total * h];
+            match got {
+                Buffer::U8(bytes) => {
+                    e.got_q8.read_rows(h, &bytes)?;
+                    e.dup_q8.gather(&e.got_q8, &e.rows_at)?;
+                    let (ids, ones) = (&e.ids, &e.ones);
+                    let x = &e.dup_q8;
+                    moe_ffn_quantized(&placed.experts, act, x, ids, ones, 1, &mut e.kernel, y)?;
+                }
+                got => {
+                    let rows = got.into_f32()?;
+                    e.x_dup.clear();
+                    for &r in &e.rows_at {
+                        e.x_dup.extend_from_slice(&rows[r * h..(r + 1) * h]);
+                    }
+                    let (ids, ones) = (&e.ids, &e.ones);
+                    moe_ffn(
+                        &placed.experts,
+                        act,
+                        &e.x_dup,
+                        total,
+                        ids,
+                        ones,
+                        1,
+                        &mut e.kernel,
+                        y,
+                    )?;
+                }
+            }
         }
         drop(placed);
 

@@ -3,7 +3,7 @@
 use crate::args::ServeArgs;
 use crate::ranks::{self, Run};
 use anyhow::{bail, Context, Result};
-use kvant_engine::serving::{EngineConfig, EngineHandle};
+use kvant_engine::serving::{EngineConfig, EngineHandle, Rebalance};
 use kvant_server::{AppState, ServerConfig};
 use std::io::Write;
 use std::path::Path;
@@ -40,6 +40,10 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
         max_waiting: a.max_waiting,
         prefix_caching: !a.no_prefix_caching,
         speculation: a.model.speculation(),
+        rebalance: a.eplb_interval.map(|every| Rebalance {
+            every,
+            redundant: a.eplb_redundant,
+        }),
     };
     let tokenizer = Arc::clone(&run.tokenizer);
     let (engine, thread) = match &run.cluster {
