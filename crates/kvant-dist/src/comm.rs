@@ -16,7 +16,7 @@
 
 use crate::error::DistError;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The element type of a [`Buffer`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -381,13 +381,6 @@ pub trait Request: Send {
     /// [`DistError::Timeout`] when a rank does not join in time,
     /// [`DistError::RankLost`] when one is known to have gone.
     fn wait(self: Box<Self>) -> Result<Buffer, DistError>;
-
-    /// The earliest time the request can complete, where the backend knows
-    /// one (a modelled network): a caller with nothing else to do may sleep
-    /// until then instead of testing.
-    fn ready_at(&self) -> Option<Instant> {
-        None
-    }
 }
 
 /// A group of ranks that run collectives together.

@@ -52,22 +52,38 @@ impl NetModel {
     /// The modelled time of `op` as seen by `rank` of `size` ranks (see
     /// the module documentation for the formulas).
     pub fn cost(&self, op: &Collective, rank: usize, size: usize) -> Duration {
+        let (latency, transfer) = self.cost_parts(op, rank, size);
+        latency.saturating_add(transfer)
+    }
+
+    /// [`NetModel::cost`] in its two terms: the latencies (`α` times the
+    /// messages on the critical path) and the transfer (bytes over `β`),
+    /// the part that occupies the rank's link.
+    pub fn cost_parts(&self, op: &Collective, rank: usize, size: usize) -> (Duration, Duration) {
         let p = size;
         if p <= 1 {
-            return Duration::ZERO;
+            return (Duration::ZERO, Duration::ZERO);
         }
         let (sent, received) = op.bytes(rank, size);
-        match op {
-            Collective::Barrier => self.time(Kind::Barrier, p, 0),
-            Collective::Broadcast { buf, .. } => self.time(Kind::Broadcast, p, buf.byte_len()),
-            Collective::AllReduce { buf, .. } => self.time(Kind::AllReduce, p, buf.byte_len()),
+        let pf = p as f64;
+        let alpha = self.latency.as_secs_f64();
+        let (messages, bytes) = match op {
+            Collective::Barrier => (log2_ceil(p), 0.0),
+            Collective::Broadcast { buf, .. } => {
+                (log2_ceil(p), log2_ceil(p) * buf.byte_len() as f64)
+            }
+            Collective::AllReduce { buf, .. } => (
+                2.0 * (pf - 1.0),
+                2.0 * (pf - 1.0) / pf * buf.byte_len() as f64,
+            ),
             // The ring forwards the other ranks' shares: this rank
             // receives them all in an all-gather, and sends partial sums
             // of them all in a reduce-scatter.
-            Collective::AllGather { .. } => self.ring(p, received as f64),
-            Collective::ReduceScatter { .. } => self.ring(p, sent as f64),
-            Collective::AllToAllV { .. } => self.time(Kind::AllToAllV, p, sent.max(received)),
-        }
+            Collective::AllGather { .. } => (pf - 1.0, received as f64),
+            Collective::ReduceScatter { .. } => (pf - 1.0, sent as f64),
+            Collective::AllToAllV { .. } => (pf - 1.0, sent.max(received) as f64),
+        };
+        (seconds(messages * alpha), seconds(self.transfer(bytes)))
     }
 
     /// The modelled time of a collective of `kind` on `ranks` ranks, where

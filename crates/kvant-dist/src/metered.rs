@@ -7,10 +7,13 @@
 //! seconds the caller spent blocked in [`Request::wait`] (what it did
 //! not hide).
 //!
-//! With a [`NetModel`], a request does not complete before `post +
-//! cost(op)`: the model is a NIC that moves the data while the cores
-//! compute, so the delay runs from the post and compute between post and
-//! wait hides it. The model *adds to* the real transport's time and never
+//! With a [`NetModel`], a request does not complete before its modelled
+//! cost has passed: the model is a NIC that moves the data while the
+//! cores compute, so the delay runs from the post and compute between
+//! post and wait hides it. The rank has one link: collectives in flight
+//! together share it, each one's transfer (`bytes/β`) starting when the
+//! previous one's ends, while their latencies (`α` terms) overlap. A
+//! collective posted at `t` on an idle link completes at `t + cost`. The model *adds to* the real transport's time and never
 //! replaces it: a request completes when both the inner request has
 //! completed and the modelled time has passed, so a real transport slower
 //! than the model is seen as it is. Over the in-process backend (whose
@@ -22,7 +25,7 @@ use crate::cost::NetModel;
 use crate::error::DistError;
 use crate::Buffer;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// One kind's totals.
@@ -145,6 +148,9 @@ pub struct Metered {
     inner: Arc<dyn Comm>,
     stats: Arc<Stats>,
     net: Option<NetModel>,
+    /// When the modelled link is free again: shared by the splits of one
+    /// metered communicator (one rank's collectives).
+    link: Arc<Mutex<Instant>>,
 }
 
 impl Metered {
@@ -161,7 +167,13 @@ impl Metered {
         net: Option<NetModel>,
         stats: Arc<Stats>,
     ) -> Arc<dyn Comm> {
-        Arc::new(Metered { inner, stats, net })
+        let link = Arc::new(Mutex::new(Instant::now()));
+        Arc::new(Metered {
+            inner,
+            stats,
+            net,
+            link,
+        })
     }
 }
 
@@ -180,15 +192,22 @@ impl Comm for Metered {
         op.validate(rank, size)?;
         let kind = op.kind();
         let (sent, received) = op.bytes(rank, size);
-        let cost = self.net.map(|n| n.cost(&op, rank, size));
+        let parts = self.net.map(|n| n.cost_parts(&op, rank, size));
         let posted = Instant::now();
         let inner = self.inner.post(op)?;
+        let deadline = parts.map(|(latency, transfer)| {
+            let mut link = self.link.lock().unwrap_or_else(|e| e.into_inner());
+            let start = (*link).max(posted);
+            *link = start.checked_add(transfer).unwrap_or(start);
+            link.checked_add(latency).unwrap_or(*link)
+        });
+        let cost = parts.map(|(l, t)| l.saturating_add(t));
         self.stats.posted(kind, sent, received, cost);
         Ok(Box::new(MeteredRequest {
             inner: Some(inner),
             kind,
             posted,
-            deadline: cost.and_then(|c| posted.checked_add(c)),
+            deadline,
             completed: false,
             stats: Arc::clone(&self.stats),
         }))
@@ -196,11 +215,12 @@ impl Comm for Metered {
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Comm>, DistError> {
         let child = self.inner.split(color, key)?;
-        Ok(Metered::with_stats(
-            child,
-            self.net,
-            Arc::clone(&self.stats),
-        ))
+        Ok(Arc::new(Metered {
+            inner: child,
+            stats: Arc::clone(&self.stats),
+            net: self.net,
+            link: Arc::clone(&self.link),
+        }))
     }
 
     fn timeout(&self) -> Duration {
@@ -265,14 +285,6 @@ impl Request for MeteredRequest {
         }
         self.stats.blocked(self.kind, start.elapsed());
         result
-    }
-
-    fn ready_at(&self) -> Option<Instant> {
-        let inner = self.inner.as_ref().and_then(|r| r.ready_at());
-        match (self.deadline, inner) {
-            (Some(a), Some(b)) => Some(a.max(b)),
-            (a, b) => a.or(b),
-        }
     }
 }
 
@@ -360,8 +372,6 @@ mod tests {
         let (waits, stats) = on_ranks(2, Some(net), |c| {
             let t = Instant::now();
             let r = c.post(Collective::Barrier).unwrap();
-            let ready = r.ready_at().unwrap();
-            assert!(ready >= t + Duration::from_millis(2));
             r.wait().unwrap();
             t.elapsed()
         });
@@ -370,6 +380,42 @@ mod tests {
         }
         for s in stats {
             assert_eq!(s.get(Kind::Barrier).modelled_secs, 0.002);
+        }
+    }
+
+    #[test]
+    fn collectives_in_flight_share_the_link() {
+        // 1000 f32 all-reduced on 2 ranks move 4000 bytes: 20 ms at 200 kB/s.
+        let net = NetModel::new(Duration::from_millis(1), 200e3).unwrap();
+        let (gaps, stats) = on_ranks(2, Some(net), |c| {
+            let child = c.split(0, c.rank()).unwrap();
+            let op = || Collective::AllReduce {
+                buf: Buffer::F32(vec![1.0; 1000]),
+                op: crate::ReduceOp::Sum,
+            };
+            let t = Instant::now();
+            let a = c.post(op()).unwrap();
+            let b = child.post(op()).unwrap();
+            // The second transfer starts when the first one's ends; their
+            // latencies overlap: 22 ms, then 42 ms (not 44).
+            a.wait().unwrap();
+            let ta = t.elapsed();
+            b.wait().unwrap();
+            (ta, t.elapsed())
+        });
+        for (ta, tb) in gaps {
+            assert!(ta >= Duration::from_millis(22), "{ta:?}");
+            assert!(tb >= Duration::from_millis(42), "{tb:?}");
+            assert!(tb - ta >= Duration::from_millis(20), "{:?}", tb - ta);
+        }
+        for s in stats {
+            let ar = s.get(Kind::AllReduce);
+            // Each one's own cost: 2 latencies and 20 ms.
+            assert!(
+                (ar.modelled_secs - 2.0 * 0.022).abs() < 1e-9,
+                "{}",
+                ar.modelled_secs
+            );
         }
     }
 
@@ -384,8 +430,6 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(1));
             }
             let waited = t.elapsed();
-            let ready = r.ready_at().unwrap();
-            assert!(Instant::now() >= ready);
             assert!(waited >= Duration::from_millis(45), "{waited:?}");
             r.wait().unwrap();
         });

@@ -116,9 +116,14 @@ impl Parallel {
 struct Pending(Option<Box<dyn Request>>);
 
 thread_local! {
-    /// The earliest `ready_at` of the collectives polled in the current
-    /// round of [`drive`], and whether one pending collective had none.
-    static NEXT_READY: Cell<(Option<Instant>, bool)> = const { Cell::new((None, false)) };
+    /// Whether a task got past a collective (or its turn) in the current
+    /// round of [`drive`], and so computed.
+    static PROGRESS: Cell<bool> = const { Cell::new(false) };
+}
+
+/// A suspension point is over: the task computes again.
+fn progressed() {
+    PROGRESS.with(|p| p.set(true));
 }
 
 impl Future for Pending {
@@ -133,22 +138,15 @@ impl Future for Pending {
         match req.test() {
             Err(e) => Poll::Ready(Err(e)),
             Ok(true) => match self.0.take() {
-                Some(r) => Poll::Ready(r.wait()),
+                Some(r) => {
+                    progressed();
+                    Poll::Ready(r.wait())
+                }
                 None => Poll::Ready(Err(DistError::Mismatch(
                     "a collective awaited twice".into(),
                 ))),
             },
-            Ok(false) => {
-                let hint = req.ready_at();
-                NEXT_READY.with(|c| {
-                    let (at, blind) = c.get();
-                    c.set(match hint {
-                        Some(t) => (Some(at.map_or(t, |a| a.min(t))), blind),
-                        None => (at, true),
-                    })
-                });
-                Poll::Pending
-            }
+            Ok(false) => Poll::Pending,
         }
     }
 }
@@ -187,7 +185,10 @@ impl Order {
     /// Ready once the first micro-batch has run layer `index`'s attention.
     pub fn after_first(&self, index: usize) -> impl Future<Output = ()> + '_ {
         std::future::poll_fn(move |_| match self.first_done.get() > index {
-            true => Poll::Ready(()),
+            true => {
+                progressed();
+                Poll::Ready(())
+            }
             false => Poll::Pending,
         })
     }
@@ -252,10 +253,12 @@ impl<'a> Net<'a> {
 pub(crate) type Task<'a> = Pin<Box<dyn Future<Output = Result<(), ModelError>> + 'a>>;
 
 /// Runs `tasks` to completion, polling each in turn (see the module
-/// docs); returns the first error. When every task waits on a collective
-/// whose completion time is known (a modelled network), sleeps until the
-/// earliest instead of spinning. The time every task waited is added to
-/// `exposed`.
+/// docs); returns the first error. The time every task waited on a
+/// collective is added to `exposed`. While every task waits, it keeps
+/// testing (the real transport underneath, MPI, moves data only when
+/// tested) and yields the core now and then: a rank per core waits by
+/// polling, as MPI does (sleeping instead made the next compute slower
+/// here, by up to a third on a VM whose idle cores are descheduled).
 pub(crate) fn drive(
     mut tasks: Vec<Task<'_>>,
     exposed: Option<&AtomicU64>,
@@ -264,9 +267,12 @@ pub(crate) fn drive(
     let mut done = vec![false; tasks.len()];
     let mut spins = 0u32;
     let mut blocked_since: Option<Instant> = None;
+    // A task's first poll computes up to its first collective.
+    let mut first = true;
     loop {
-        NEXT_READY.with(|c| c.set((None, false)));
-        let mut progressed = false;
+        let round = Instant::now();
+        PROGRESS.with(|p| p.set(first));
+        first = false;
         for (t, d) in tasks.iter_mut().zip(done.iter_mut()) {
             if *d {
                 continue;
@@ -274,40 +280,28 @@ pub(crate) fn drive(
             if let Poll::Ready(r) = t.as_mut().poll(&mut cx) {
                 r?;
                 *d = true;
-                progressed = true;
             }
+        }
+        let computed = PROGRESS.with(Cell::get);
+        if let (true, Some(since), Some(e)) = (computed, blocked_since, exposed) {
+            let ns = u64::try_from(round.saturating_duration_since(since).as_nanos());
+            e.fetch_add(ns.unwrap_or(u64::MAX), Ordering::Relaxed);
         }
         if done.iter().all(|&d| d) {
-            if let (Some(t), Some(e)) = (blocked_since, exposed) {
-                let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                e.fetch_add(ns, Ordering::Relaxed);
-            }
             return Ok(());
         }
-        if progressed {
+        if computed {
+            blocked_since = None;
             spins = 0;
-            if let (Some(t), Some(e)) = (blocked_since.take(), exposed) {
-                let ns = u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX);
-                e.fetch_add(ns, Ordering::Relaxed);
-            }
             continue;
         }
-        blocked_since.get_or_insert_with(Instant::now);
-        // Nothing could run: every task waits on the network.
-        let (ready, blind) = NEXT_READY.with(Cell::get);
-        match ready {
-            Some(at) if !blind => {
-                let now = Instant::now();
-                if at > now {
-                    std::thread::sleep(at - now);
-                }
-            }
-            _ => {
-                spins += 1;
-                if spins > 64 {
-                    std::thread::yield_now();
-                }
-            }
+        blocked_since.get_or_insert(round);
+        spins += 1;
+        if spins > SPINS_BEFORE_YIELD {
+            std::thread::yield_now();
         }
     }
 }
+
+/// Tests [`drive`] makes before it starts yielding the core between them.
+const SPINS_BEFORE_YIELD: u32 = 64;
