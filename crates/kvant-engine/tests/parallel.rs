@@ -8,28 +8,20 @@
 //!   parallelism give the same bits as one process, including for a
 //!   data-parallel group with no requests.
 
+mod common;
+use common::{collect, fixture, submit};
 use kvant_dist::Layout;
 use kvant_engine::cluster::{forward_seq, run_worker, Cluster, Row, Want};
 use kvant_engine::sampling::argmax;
-use kvant_engine::serving::{
-    EngineConfig, EngineHandle, EngineRequest, Event, Rebalance, Shutdown,
-};
+use kvant_engine::serving::{EngineConfig, EngineHandle, EngineRequest, Rebalance, Shutdown};
 use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::{DecoderModel, SeqStep};
 use kvant_model::tokenizer::Tokenizer;
 use kvant_model::{load_parallel, load_with, LoadOptions, MlaPrefill, Parallel};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::path::{Path, PathBuf};
-use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::Duration;
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/models")
-        .join(name)
-}
 
 const DENSE: [&str; 8] = [
     "llama-gqa",
@@ -244,42 +236,26 @@ const TP_F32_TOL: f32 = 1e-5;
 /// 1e-2 bounds it.
 const TP_INT8_TOL: f32 = 1e-2;
 
-#[test]
-fn tensor_parallel_matches_one_process_dense() {
-    for name in DENSE {
-        let want = single(name, f32_opts());
-        let got = parallel(name, f32_opts(), par(2, 1, 1, false));
-        compare(&format!("{name} tp2"), &want, &got, TP_F32_TOL);
-    }
-    for name in GGUF_DENSE {
-        let opts = int8_opts();
+/// Tensor parallelism on 2 ranks against one process: the f32 fixtures
+/// in f32 numerics, the quantized ones with 8-bit activations.
+fn tensor_parallel_matches_one_process(hf: &[&str], gguf: &[&str]) {
+    let cases = hf.iter().map(|n| (n, f32_opts(), TP_F32_TOL));
+    let cases = cases.chain(gguf.iter().map(|n| (n, int8_opts(), TP_INT8_TOL)));
+    for (name, opts, tol) in cases {
         let want = single(name, opts);
-        compare(
-            &format!("{name} tp2"),
-            &want,
-            &parallel(name, opts, par(2, 1, 1, false)),
-            TP_INT8_TOL,
-        );
+        let got = parallel(name, opts, par(2, 1, 1, false));
+        compare(&format!("{name} tp2"), &want, &got, tol);
     }
 }
 
 #[test]
+fn tensor_parallel_matches_one_process_dense() {
+    tensor_parallel_matches_one_process(&DENSE, &GGUF_DENSE);
+}
+
+#[test]
 fn tensor_parallel_matches_one_process_moe_and_latent_attention() {
-    for name in MOE {
-        let want = single(name, f32_opts());
-        let got = parallel(name, f32_opts(), par(2, 1, 1, false));
-        compare(&format!("{name} tp2"), &want, &got, TP_F32_TOL);
-    }
-    for name in GGUF_MOE {
-        let opts = int8_opts();
-        let want = single(name, opts);
-        compare(
-            &format!("{name} tp2"),
-            &want,
-            &parallel(name, opts, par(2, 1, 1, false)),
-            TP_INT8_TOL,
-        );
-    }
+    tensor_parallel_matches_one_process(&MOE, &GGUF_MOE);
 }
 
 #[test]
@@ -462,28 +438,6 @@ fn layouts_that_do_not_fit_the_model_are_errors() {
     }
 }
 
-fn submit(h: &EngineHandle, req: EngineRequest) -> Receiver<Event> {
-    let (tx, rx) = channel();
-    h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
-        .expect("accepted");
-    rx
-}
-
-/// A request's tokens, once it finished.
-fn tokens_of(rx: &Receiver<Event>) -> Vec<u32> {
-    let mut ids = Vec::new();
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("an event in time")
-        {
-            Event::Token { id, .. } => ids.push(id),
-            Event::Finished { .. } => return ids,
-            Event::Failed(e) => panic!("request failed: {e}"),
-        }
-    }
-}
-
 /// 16 requests, every other one sampled at temperature 0.8 with its own
 /// seed (whole logits rows cross the ranks), the others plain greedy
 /// (only the argmax does).
@@ -574,7 +528,7 @@ fn serving_over_ranks_matches_one_process() {
         .expect("engine");
         let alone: Vec<Vec<u32>> = reqs
             .iter()
-            .map(|r| tokens_of(&submit(&h, r.clone())))
+            .map(|r| collect(&submit(&h, r.clone())).0)
             .collect();
         h.shutdown(Shutdown::Drain);
         t.join().expect("engine stops");
@@ -587,7 +541,7 @@ fn serving_over_ranks_matches_one_process() {
             let (h, t) = EngineHandle::start_on_cluster(Arc::clone(c), tok, cfg).expect("engine");
             let rxs: Vec<_> = reqs.iter().map(|r| submit(&h, r.clone())).collect();
             for (i, rx) in rxs.iter().enumerate() {
-                assert_eq!(tokens_of(rx), alone[i], "{name} {p:?}: request {i}");
+                assert_eq!(collect(rx).0, alone[i], "{name} {p:?}: request {i}");
             }
             let m = h.metrics();
             assert_eq!(m.kv_blocks_total, 48 * p.dp);

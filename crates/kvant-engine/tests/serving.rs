@@ -4,26 +4,21 @@
 //! test also on a mixture of experts with latent attention (DeepSeek-V3)
 //! and one with a gated shared expert (Qwen2-MoE).
 
+mod common;
+use common::{collect, fixture, submit};
 use kvant_engine::serving::{
     EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, MetricsSnapshot, Shutdown,
-    SubmitError, Usage,
+    SubmitError,
 };
 use kvant_engine::speculative::Policy;
 use kvant_engine::{FinishReason, SamplingParams};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::path::Path;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::Duration;
 
 const DENSE: &str = "gguf/llama-gqa.Q4_0.gguf";
-
-fn fixture(name: &str) -> std::path::PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/models")
-        .join(name)
-}
 
 fn start(cfg: EngineConfig) -> (EngineHandle, EngineThread) {
     start_with(DENSE, cfg)
@@ -54,28 +49,6 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
-    }
-}
-
-fn submit(h: &EngineHandle, req: EngineRequest) -> Receiver<Event> {
-    let (tx, rx) = channel();
-    h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
-        .expect("accepted");
-    rx
-}
-
-/// Waits for a request's events; returns its tokens, finish reason and usage.
-fn collect(rx: &Receiver<Event>) -> (Vec<u32>, FinishReason, Usage) {
-    let mut ids = Vec::new();
-    loop {
-        match rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("an event in time")
-        {
-            Event::Token { id, .. } => ids.push(id),
-            Event::Finished { reason, usage, .. } => return (ids, reason, usage),
-            Event::Failed(e) => panic!("request failed: {e}"),
-        }
     }
 }
 

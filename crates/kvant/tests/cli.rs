@@ -275,24 +275,10 @@ fn ranks_as_threads_generate_what_one_process_does() {
         ("qwen2-moe", &["--ep", "2"]),
     ] {
         let m = tiny(name);
-        let base = [
-            "generate",
-            "--model",
-            &m,
-            "--prompt",
-            "Once upon a time",
-            "--temperature",
-            "0",
-            "--max-tokens",
-            "12",
-            "--ignore-eos",
-            "--json",
-            "--mla-prefill",
-            "absorbed",
-        ];
-        let base = [&base[..], EXACT].concat();
-        let one = json(&kvant_ok(&base));
-        let many = json(&kvant_ok(&[&base[..], flags].concat()));
+        let exact = [EXACT, &["--mla-prefill", "absorbed"]].concat();
+        let base = greedy_args(&m, "Once upon a time", 12, &exact);
+        let one = json(&kvant_ok(&strs(&base)));
+        let many = json(&kvant_ok(&[&strs(&base)[..], flags].concat()));
         assert_eq!(
             ids(&many["token_ids"]),
             ids(&one["token_ids"]),

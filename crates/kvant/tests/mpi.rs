@@ -64,30 +64,6 @@ fn tiny(name: &str) -> String {
         .to_string()
 }
 
-/// `generate` arguments for `n` greedy tokens as JSON.
-fn greedy(model: &str, prompt: &str, n: usize, extra: &[&str]) -> Vec<String> {
-    let n = n.to_string();
-    let mut a = vec![
-        "generate",
-        "--model",
-        model,
-        "--prompt",
-        prompt,
-        "--temperature",
-        "0",
-        "--max-tokens",
-        &n,
-        "--ignore-eos",
-        "--json",
-    ];
-    a.extend_from_slice(extra);
-    a.into_iter().map(String::from).collect()
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
-}
-
 /// Greedy tokens under `--tp 2` (two processes) equal one process's, in
 /// f32 numerics (f32 activations and cache: the reordered sums of the
 /// row-parallel products stay within rounding, see the engine's parallel
@@ -108,14 +84,14 @@ fn tensor_parallel_generate_matches_one_process() {
         "deepseek-v3",
     ] {
         let m = tiny(name);
-        let args = greedy(&m, prompt, 16, &[EXACT, &["--tp", "2"]].concat());
+        let args = greedy_args(&m, prompt, 16, &[EXACT, &["--tp", "2"]].concat());
         let (one, two) = (strs(&args[..args.len() - 2]), strs(&args));
         let (one, two) = (json(&kvant_ok(&one)), json(&mpirun_ok(2, &two)));
         assert_eq!(ids(&two["token_ids"]), ids(&one["token_ids"]), "{name}");
     }
     let Some(model) = real_model() else { return };
     for prompt in ["The capital of France is a city that", "def fibonacci(n):"] {
-        let args = greedy(&model, prompt, 32, &[EXACT, &["--tp", "2"]].concat());
+        let args = greedy_args(&model, prompt, 32, &[EXACT, &["--tp", "2"]].concat());
         let (one, two) = (strs(&args[..args.len() - 2]), strs(&args));
         let (one, two) = (json(&kvant_ok(&one)), json(&mpirun_ok(2, &two)));
         assert_eq!(
@@ -212,7 +188,7 @@ fn layouts_that_do_not_fit_fail_on_every_rank() {
         (&["--tp", "2", "--dp", "2"], "does not divide the 2 ranks"),
         (&[], "needs a layout"),
     ] {
-        let args = greedy(&m, "hi", 2, flags);
+        let args = greedy_args(&m, "hi", 2, flags);
         let out = mpirun(2, &strs(&args));
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{flags:?} succeeded");
@@ -223,7 +199,7 @@ fn layouts_that_do_not_fit_fail_on_every_rank() {
         );
         assert!(!err.contains("panicked"), "{err}");
     }
-    let args = greedy(
+    let args = greedy_args(
         &tiny("mixtral-moe"),
         "hi",
         2,
@@ -235,7 +211,7 @@ fn layouts_that_do_not_fit_fail_on_every_rank() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let args = greedy(&tiny("qwen3-qknorm"), "hi", 2, &["--tp", "2"]);
+    let args = greedy_args(&tiny("qwen3-qknorm"), "hi", 2, &["--tp", "2"]);
     let out = mpirun(1, &strs(&args));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("does not divide the 1 ranks"), "{err}");

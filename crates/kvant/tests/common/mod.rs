@@ -85,9 +85,11 @@ pub fn comparable_steps(p: &serde_json::Value, min: f64) -> usize {
         .unwrap_or(margins.len())
 }
 
-/// `kvant generate` of `text`: greedy, 32 tokens, EOS ignored, JSON, plus `extra` flags.
-pub fn greedy_32(model: &str, text: &str, extra: &[&str]) -> serde_json::Value {
-    let mut args = vec![
+/// `kvant generate` arguments for `n` greedy tokens of `text` as JSON, EOS
+/// ignored, plus `extra` flags.
+pub fn greedy_args(model: &str, text: &str, n: usize, extra: &[&str]) -> Vec<String> {
+    let n = n.to_string();
+    let base = [
         "generate",
         "--model",
         model,
@@ -96,10 +98,19 @@ pub fn greedy_32(model: &str, text: &str, extra: &[&str]) -> serde_json::Value {
         "--temperature",
         "0",
         "--max-tokens",
-        "32",
+        &n,
         "--ignore-eos",
         "--json",
     ];
-    args.extend_from_slice(extra);
-    json(&kvant_ok(&args))
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// Borrowed views of owned arguments.
+pub fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// `kvant generate` of `text`: greedy, 32 tokens, EOS ignored, JSON, plus `extra` flags.
+pub fn greedy_32(model: &str, text: &str, extra: &[&str]) -> serde_json::Value {
+    json(&kvant_ok(&strs(&greedy_args(model, text, 32, extra))))
 }
