@@ -24,6 +24,10 @@ use kvant_model::kv::{KvCache, KvPool};
 use kvant_model::Parallel;
 use std::sync::Arc;
 
+/// Rows every data-parallel group needs in a step for it to run as two
+/// micro-batches (with `--two-batch-overlap`).
+const MIN_OVERLAP_ROWS: usize = 2;
+
 /// One logits row as rank 0 gets it back.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Row {
@@ -125,15 +129,22 @@ impl Cluster {
                 layout.dp
             )));
         }
+        // Two micro-batches only where every group has rows for both: a
+        // micro-batch without rows would double the step's collectives
+        // and hide nothing (a batch of one decoded token).
+        let rows =
+            |g: &Vec<(SeqStep<'_>, Want)>| g.iter().map(|(s, _)| s.tokens.len()).sum::<usize>();
+        let overlap =
+            self.par().two_batch_overlap && groups.iter().all(|g| rows(g) >= MIN_OVERLAP_ROWS);
         self.par()
             .world
-            .broadcast_words(Some(encode_step(groups)?), 0)?;
+            .broadcast_words(Some(encode_step(overlap, groups)?), 0)?;
         let mine: Vec<SeqStep<'_>> = groups[0].iter().map(|(s, _)| *s).collect();
         let wants: Vec<Vec<(Want, usize)>> = groups
             .iter()
             .map(|g| g.iter().map(|(s, w)| (*w, s.tokens.len())).collect())
             .collect();
-        let (logits, _) = self.model.forward_batch_hidden(pool, &mine)?;
+        let (logits, _) = self.model.forward_step(pool, &mine, Some(overlap))?;
         exchange_rows(&self.model, &wants, &logits)?
             .ok_or_else(|| EngineError::Config("rank 0 received no logits".into()))
     }
@@ -203,7 +214,7 @@ pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
                 pool = Some(model.new_pool(block_size, n_blocks)?);
             }
             Msg::Rebalance { redundant } => model.rebalance_experts(redundant)?,
-            Msg::Step(groups) => {
+            Msg::Step { overlap, groups } => {
                 let pool = pool
                     .as_mut()
                     .ok_or_else(|| EngineError::Config("a step before any KV pool".into()))?;
@@ -215,7 +226,7 @@ pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
                     .get(dp)
                     .map(|g| g.iter().map(SeqPlan::step).collect())
                     .unwrap_or_default();
-                let (logits, _) = model.forward_batch_hidden(pool, &mine)?;
+                let (logits, _) = model.forward_step(pool, &mine, Some(overlap))?;
                 exchange_rows(model, &wants, &logits)?;
             }
         }

@@ -83,8 +83,12 @@ pub enum Msg {
     /// Make a new KV pool of `n_blocks` blocks of `block_size` tokens
     /// (replacing any earlier one).
     Pool { block_size: usize, n_blocks: usize },
-    /// One forward pass: per data-parallel group, its sequences.
-    Step(Vec<Vec<SeqPlan>>),
+    /// One forward pass: per data-parallel group, its sequences; with
+    /// two-batch overlap or not.
+    Step {
+        overlap: bool,
+        groups: Vec<Vec<SeqPlan>>,
+    },
     /// Re-place every MoE layer's experts from the loads observed so far,
     /// with `redundant` extra replicas per layer.
     Rebalance { redundant: usize },
@@ -102,9 +106,12 @@ const STEP: u32 = 3;
 const REBALANCE: u32 = 4;
 
 /// Encodes a step without copying it into [`SeqPlan`]s first.
-pub fn encode_step(groups: &[Vec<(SeqStep<'_>, Want)>]) -> Result<Vec<u32>, WireError> {
+pub fn encode_step(
+    overlap: bool,
+    groups: &[Vec<(SeqStep<'_>, Want)>],
+) -> Result<Vec<u32>, WireError> {
     let word = |n: usize| u32::try_from(n).map_err(|_| WireError("a count beyond u32"));
-    let mut w = vec![STEP, word(groups.len())?];
+    let mut w = vec![STEP, u32::from(overlap), word(groups.len())?];
     for g in groups {
         w.push(word(g.len())?);
         for (s, want) in g {
@@ -128,12 +135,12 @@ impl Msg {
                 n_blocks,
             } => vec![POOL, word(*block_size)?, word(*n_blocks)?],
             Msg::Rebalance { redundant } => vec![REBALANCE, word(*redundant)?],
-            Msg::Step(groups) => {
+            Msg::Step { overlap, groups } => {
                 let steps: Vec<Vec<(SeqStep<'_>, Want)>> = groups
                     .iter()
                     .map(|g| g.iter().map(|s| (s.step(), s.want)).collect())
                     .collect();
-                encode_step(&steps)?
+                encode_step(*overlap, &steps)?
             }
         })
     }
@@ -151,6 +158,11 @@ impl Msg {
                 redundant: r.next()? as usize,
             },
             STEP => {
+                let overlap = match r.next()? {
+                    0 => false,
+                    1 => true,
+                    _ => return Err(WireError("an overlap flag that is not 0 or 1")),
+                };
                 let n_groups = r.next()? as usize;
                 let mut groups = Vec::with_capacity(n_groups.min(words.len()));
                 for _ in 0..n_groups {
@@ -173,7 +185,7 @@ impl Msg {
                     }
                     groups.push(seqs);
                 }
-                Msg::Step(groups)
+                Msg::Step { overlap, groups }
             }
             _ => return Err(WireError("an unknown message kind")),
         };
@@ -210,23 +222,26 @@ mod tests {
 
     #[test]
     fn messages_round_trip() {
-        let step = Msg::Step(vec![
-            vec![
-                SeqPlan {
-                    tokens: vec![5, 6, 7],
-                    pos0: 0,
-                    table: vec![3, 4],
-                    want: Want::Last,
-                },
-                SeqPlan {
-                    tokens: vec![9],
-                    pos0: 40,
-                    table: vec![0, 1, 2],
-                    want: Want::LastArgmax,
-                },
+        let step = Msg::Step {
+            overlap: true,
+            groups: vec![
+                vec![
+                    SeqPlan {
+                        tokens: vec![5, 6, 7],
+                        pos0: 0,
+                        table: vec![3, 4],
+                        want: Want::Last,
+                    },
+                    SeqPlan {
+                        tokens: vec![9],
+                        pos0: 40,
+                        table: vec![0, 1, 2],
+                        want: Want::LastArgmax,
+                    },
+                ],
+                vec![],
             ],
-            vec![],
-        ]);
+        };
         for m in [
             Msg::Heartbeat,
             Msg::Shutdown,
@@ -247,8 +262,9 @@ mod tests {
         assert!(Msg::decode(&[99]).is_err());
         assert!(Msg::decode(&[POOL, 16]).is_err());
         assert!(Msg::decode(&[HEARTBEAT, 0]).is_err());
-        assert!(Msg::decode(&[STEP, 1, 1, 1, 0, u32::MAX]).is_err());
-        assert!(Msg::decode(&[STEP, 1, 1, 9, 0, 0, 0]).is_err());
-        assert!(Msg::decode(&[STEP, u32::MAX]).is_err());
+        assert!(Msg::decode(&[STEP, 0, 1, 1, 1, 0, u32::MAX]).is_err());
+        assert!(Msg::decode(&[STEP, 0, 1, 1, 9, 0, 0, 0]).is_err());
+        assert!(Msg::decode(&[STEP, 0, u32::MAX]).is_err());
+        assert!(Msg::decode(&[STEP, 2, 0]).is_err());
     }
 }

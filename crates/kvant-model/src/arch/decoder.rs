@@ -477,6 +477,19 @@ impl DecoderModel {
         pool: &mut KvPool,
         seqs: &[SeqStep<'_>],
     ) -> Result<(Vec<f32>, Hidden), ModelError> {
+        self.forward_step(pool, seqs, None)
+    }
+
+    /// [`Self::forward_batch_hidden`] for a step of a parallel run, with or
+    /// without two-batch overlap as the step's plan says (every rank must
+    /// agree: each micro-batch posts its own collectives). `None` follows
+    /// the run's setting.
+    pub fn forward_step(
+        &self,
+        pool: &mut KvPool,
+        seqs: &[SeqStep<'_>],
+        overlap: Option<bool>,
+    ) -> Result<(Vec<f32>, Hidden), ModelError> {
         let c = &self.cfg;
         let parts: Vec<(&[u32], usize, &[u32])> =
             seqs.iter().map(|s| (s.tokens, s.pos0, s.table)).collect();
@@ -487,7 +500,16 @@ impl DecoderModel {
         let s = &mut *guard;
         let x = sized(&mut s.x, n * h);
         let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        self.run_layers(pool, &attn_seqs, &tokens, x, [&mut s.layer, &mut s.second])?;
+        let overlap =
+            overlap.unwrap_or_else(|| self.par.as_ref().is_some_and(|p| p.two_batch_overlap));
+        self.run_layers(
+            pool,
+            &attn_seqs,
+            &tokens,
+            x,
+            [&mut s.layer, &mut s.second],
+            overlap,
+        )?;
         let hidden_rows = seqs.iter().zip(&attn_seqs).map(|(s, a)| match s.logits {
             Logits::None => a.rows.start..a.rows.start,
             Logits::Last => a.rows.end - 1..a.rows.end,
@@ -684,10 +706,11 @@ impl DecoderModel {
         tokens: &[u32],
         x: &mut [f32],
         [first, second]: [&mut LayerScratch; 2],
+        overlap: bool,
     ) -> Result<(), ModelError> {
         let h = self.cfg.hidden;
         let par = self.par.as_deref();
-        let overlap = par.is_some_and(|p| p.two_batch_overlap);
+        let overlap = overlap && par.is_some();
         let cut = match overlap {
             true => tokens.len().div_ceil(2),
             false => tokens.len(),
