@@ -4,7 +4,8 @@
 //! Every rank of a data-parallel group holds the group's tokens; each
 //! takes an even share of them ([`token_share`]), routes it, and:
 //! 1. **dispatch**: exchanges with every rank how many rows and expert
-//!    assignments it will send (one all-to-all of counts), then sends each
+//!    assignments it will send, and how many to each of that rank's
+//!    expert slots (one all-to-all of counts), then sends each
 //!    token row once per destination rank, with the slots of that rank's
 //!    experts it wants (all-to-alls of the slot lists and the rows). When
 //!    the experts run on the int8 kernels the rows travel as the 8-bit
@@ -60,9 +61,13 @@ pub(crate) struct ExpertParallel {
 /// The buffers of one dispatch and combine, reused across passes.
 #[derive(Default)]
 pub(crate) struct EpScratch {
-    /// Per destination rank: rows and assignments sent.
+    /// Per destination rank: rows and assignments sent, and assignments
+    /// per expert slot there.
     rows_to: Vec<usize>,
     assigns_to: Vec<usize>,
+    slot_counts: Vec<Vec<u32>>,
+    /// Assignments per slot of this rank, as the counts announce them.
+    slot_expected: Vec<usize>,
     /// Per (token, slot) of the share: its destination rank, and its
     /// place among that rank's assignments.
     dest: Vec<usize>,
@@ -170,16 +175,21 @@ impl ExpertParallel {
         let e = &mut s.ep;
         self.plan(&placed.placement, &s.ids[..m * k], k, share.start, w, e);
 
-        // Dispatch, 1: how many rows and assignments go where.
-        let counts: Vec<u32> = (0..w)
-            .flat_map(|d| [e.rows_to[d] as u32, e.assigns_to[d] as u32])
-            .collect();
+        // Dispatch, 1: how many rows and assignments go where, and how many
+        // to each expert slot there.
+        let slots_of = |r: usize| placed.placement.on_rank(r).len();
+        let mut counts = Vec::with_capacity(2 * w + placed.placement.physical());
+        for d in 0..w {
+            counts.extend([e.rows_to[d] as u32, e.assigns_to[d] as u32]);
+            counts.extend_from_slice(&e.slot_counts[d]);
+        }
+        let mine = slots_of(self.rank);
         let counts = posted(
             world,
             Collective::AllToAllV {
                 send: Buffer::U32(counts),
-                send_counts: vec![2; w],
-                recv_counts: vec![2; w],
+                send_counts: (0..w).map(|d| 2 + slots_of(d)).collect(),
+                recv_counts: vec![2 + mine; w],
             },
         )?;
         // The shared experts while the counts travel.
@@ -189,14 +199,21 @@ impl ExpertParallel {
                 .forward(act, xs, m, q8, &mut s.ffn, &mut s.shared[..m * h])?;
         }
         let got = counts.await?.into_u32()?;
-        let rows_from: Vec<usize> = got.chunks_exact(2).map(|c| c[0] as usize).collect();
-        let assigns_from: Vec<usize> = got.chunks_exact(2).map(|c| c[1] as usize).collect();
-        if rows_from.len() != w {
-            return Err(DistError::Mismatch(format!(
-                "{} count pairs from {w} ranks",
-                rows_from.len()
-            ))
-            .into());
+        if got.len() != w * (2 + mine) {
+            let n = got.len();
+            return Err(DistError::Mismatch(format!("{n} counts from {w} ranks")).into());
+        }
+        let from = got.chunks_exact(2 + mine);
+        let rows_from: Vec<usize> = from.clone().map(|c| c[0] as usize).collect();
+        let assigns_from: Vec<usize> = from.clone().map(|c| c[1] as usize).collect();
+        // What each of this rank's slots is to receive, checked below
+        // against the slot lists that arrive.
+        e.slot_expected.clear();
+        e.slot_expected.resize(mine, 0);
+        for c in from {
+            for (x, &n) in e.slot_expected.iter_mut().zip(&c[2..]) {
+                *x += n as usize;
+            }
         }
 
         // Dispatch, 2: each token row once per destination, with its slots
@@ -262,10 +279,21 @@ impl ExpertParallel {
                 e.ids.push(slot);
             }
         }
-        if e.ids.len() != total {
+        let mut per_slot = vec![0usize; mine];
+        for &slot in &e.ids {
+            match per_slot.get_mut(slot as usize) {
+                Some(n) => *n += 1,
+                None => {
+                    let msg = format!("slot {slot} of a rank with {mine}");
+                    return Err(DistError::Mismatch(msg).into());
+                }
+            }
+        }
+        if e.ids.len() != total || per_slot != e.slot_expected {
             return Err(DistError::Mismatch(format!(
-                "{} assignments arrived, the counts said {total}",
-                e.ids.len()
+                "{} assignments arrived (per slot {per_slot:?}), the counts said {total} ({:?})",
+                e.ids.len(),
+                e.slot_expected
             ))
             .into());
         }
@@ -377,6 +405,11 @@ impl ExpertParallel {
         e.rows_to.resize(w, 0);
         e.assigns_to.clear();
         e.assigns_to.resize(w, 0);
+        e.slot_counts.resize(w, Vec::new());
+        for (d, c) in e.slot_counts.iter_mut().enumerate() {
+            c.clear();
+            c.resize(p.on_rank(d).len(), 0);
+        }
         e.dest.clear();
         e.place.clear();
         for (a, &x) in ids.iter().enumerate() {
@@ -401,6 +434,7 @@ impl ExpertParallel {
                     if e.dest[a] == d {
                         let (_, slot) = p.route(ids[a] as usize, self.rank, first + t);
                         e.meta.push(slot as u32);
+                        e.slot_counts[d][slot] += 1;
                         e.place[a] = e.assigns_to[d];
                         e.assigns_to[d] += 1;
                     } else {
