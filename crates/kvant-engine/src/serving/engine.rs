@@ -15,11 +15,12 @@
 //! (a group with nothing to run still joins it).
 
 use super::blocks::BlockManager;
-use super::handle::{EngineConfig, Rebalance, Shared};
+use super::config::{EngineConfig, Rebalance};
 use super::logprobs::token_logprob;
 use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
 use super::sequence::Sequence;
+use super::shared::Shared;
 use crate::cluster::{Cluster, Row, Want};
 use crate::error::EngineError;
 use crate::sampling::{Sampler, SamplingError};

@@ -2,6 +2,7 @@
 //! prefix reuse and chunked prefill, run on its own thread.
 
 mod blocks;
+mod config;
 mod engine;
 mod handle;
 mod logprobs;
@@ -9,8 +10,10 @@ mod metrics;
 mod request;
 mod scheduler;
 mod sequence;
+mod shared;
 
-pub use handle::{EngineConfig, EngineHandle, EngineThread, Rebalance, Shutdown, SubmitError};
+pub use config::{EngineConfig, Rebalance};
+pub use handle::{EngineHandle, EngineThread, Shutdown, SubmitError};
 pub use metrics::{Histogram, MetricsSnapshot, LATENCY_BUCKETS};
 pub use request::{
     EngineRequest, Event, EventSink, RequestId, TokenLogprob, Usage, MAX_TOP_LOGPROBS,
