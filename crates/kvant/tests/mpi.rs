@@ -103,21 +103,10 @@ fn tensor_parallel_generate_matches_one_process() {
 }
 
 fn ppl(model: &str, extra: &[&str], np: usize) -> f64 {
-    let file = fixture("text/ppl.txt");
-    let mut args = vec![
-        "perplexity",
-        "--model",
-        model,
-        "--file",
-        file.to_str().expect("path"),
-        "--ctx",
-        "64",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
+    let args = perplexity_args(model, 64, extra);
     let out = match np {
-        1 => kvant_ok(&args),
-        _ => mpirun_ok(np, &args),
+        1 => kvant_ok(&strs(&args)),
+        _ => mpirun_ok(np, &strs(&args)),
     };
     json(&out)["ppl"].as_f64().expect("ppl")
 }

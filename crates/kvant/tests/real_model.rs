@@ -32,19 +32,11 @@ fn greedy_continuations_match_transformers() {
 }
 
 fn perplexity(model: &str, extra: &[&str]) -> (serde_json::Value, serde_json::Value) {
-    let file = fixture("text/ppl.txt");
-    let mut args = vec![
-        "perplexity",
-        "--model",
-        model,
-        "--file",
-        file.to_str().unwrap(),
-        "--ctx",
-        "512",
-        "--json",
-    ];
-    args.extend_from_slice(extra);
-    (json(&kvant_ok(&args)), reference()["perplexity"].clone())
+    let args = perplexity_args(model, 512, extra);
+    (
+        json(&kvant_ok(&strs(&args))),
+        reference()["perplexity"].clone(),
+    )
 }
 
 #[test]

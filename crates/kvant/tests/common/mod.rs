@@ -105,6 +105,25 @@ pub fn greedy_args(model: &str, text: &str, n: usize, extra: &[&str]) -> Vec<Str
     base.iter().chain(extra).map(|s| s.to_string()).collect()
 }
 
+/// `kvant perplexity` arguments for the fixture text in windows of `ctx`
+/// tokens, as JSON, plus `extra` flags.
+pub fn perplexity_args(model: &str, ctx: usize, extra: &[&str]) -> Vec<String> {
+    let file = fixture("text/ppl.txt");
+    let file = file.to_str().expect("utf-8 fixture path");
+    let ctx = ctx.to_string();
+    let base = [
+        "perplexity",
+        "--model",
+        model,
+        "--file",
+        file,
+        "--ctx",
+        &ctx,
+        "--json",
+    ];
+    base.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
 /// Borrowed views of owned arguments.
 pub fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
