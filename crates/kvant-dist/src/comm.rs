@@ -127,6 +127,25 @@ impl Buffer {
         }
     }
 
+    /// Copies the values, which must be f32 and exactly `dst.len()` of
+    /// them, into `dst` (a collective's result back into the caller's
+    /// slice).
+    ///
+    /// # Errors
+    /// [`DistError::Mismatch`] for another element type or length.
+    pub fn copy_to_f32(self, dst: &mut [f32]) -> Result<(), DistError> {
+        let src = self.into_f32()?;
+        if dst.len() != src.len() {
+            return Err(DistError::Mismatch(format!(
+                "expected {} values back, got {}",
+                dst.len(),
+                src.len()
+            )));
+        }
+        dst.copy_from_slice(&src);
+        Ok(())
+    }
+
     /// The values, if they are u32.
     ///
     /// # Errors
@@ -440,13 +459,11 @@ pub trait CommExt: Comm {
         if self.size() == 1 {
             return Ok(());
         }
-        let out = self
-            .run(Collective::AllReduce {
-                buf: Buffer::F32(x.to_vec()),
-                op: ReduceOp::Sum,
-            })?
-            .into_f32()?;
-        copy_exact(x, &out)
+        self.run(Collective::AllReduce {
+            buf: Buffer::F32(x.to_vec()),
+            op: ReduceOp::Sum,
+        })?
+        .copy_to_f32(x)
     }
 
     /// Every rank's `x` in rank order; `counts[r]` elements from rank `r`.
@@ -511,17 +528,3 @@ pub trait CommExt: Comm {
 }
 
 impl<C: Comm + ?Sized> CommExt for C {}
-
-/// `dst.copy_from_slice(src)`, as an error when a backend returned the
-/// wrong length.
-pub(crate) fn copy_exact(dst: &mut [f32], src: &[f32]) -> Result<(), DistError> {
-    if dst.len() != src.len() {
-        return Err(DistError::Mismatch(format!(
-            "expected {} values back, got {}",
-            dst.len(),
-            src.len()
-        )));
-    }
-    dst.copy_from_slice(src);
-    Ok(())
-}

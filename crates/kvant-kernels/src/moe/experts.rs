@@ -366,21 +366,54 @@ fn run(
     experts
         .down
         .forward_runs(tier, s.plan.active(), &s.gate, &mut s.inter_q8, &mut s.down)?;
-    combine(&s.plan, &s.down, weights, h, out);
-    Ok(())
+    combine(&s.down, s.plan.positions(), weights, top_k, h, out)
 }
 
-/// `out[t] = Σ_slot w[t, slot] · y[position(t, slot)]`, slots in order
-/// (the first written, the others added): a fixed sequence of roundings
-/// per token whichever thread runs it.
-fn combine(plan: &MoePlan, y: &[f32], weights: &[f32], h: usize, out: &mut [f32]) {
-    let k = plan.top_k();
+/// `out[t] = Σ_slot w[t, slot] · y[positions[t, slot]]` over rows of
+/// `h` values, slots in order (the first written, the others added): a
+/// fixed sequence of roundings per token whichever thread runs it, and
+/// whichever rank computed the rows of `y` (expert parallelism combines
+/// with it too, which is what makes its output the bits of one process).
+///
+/// # Errors
+/// [`KernelError::LengthMismatch`] unless `positions` and `weights` hold
+/// `top_k` entries per row of `out`, [`KernelError::IndexOutOfRange`] for
+/// a position past `y`'s rows; `out` is then untouched.
+pub fn combine(
+    y: &[f32],
+    positions: &[usize],
+    weights: &[f32],
+    top_k: usize,
+    h: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let k = top_k;
     let n_tokens = out.len() / h.max(1);
+    check_len(
+        "combined rows [n_tokens, h]",
+        checked_mul("combine", n_tokens, h)?,
+        out.len(),
+    )?;
+    let n_assign = checked_mul("combine", n_tokens, k)?;
+    check_len(
+        "combine positions [n_tokens, top_k]",
+        n_assign,
+        positions.len(),
+    )?;
+    check_len("combine weights [n_tokens, top_k]", n_assign, weights.len())?;
+    let rows = y.len() / h.max(1);
+    if let Some(&p) = positions.iter().find(|&&p| p >= rows) {
+        return Err(KernelError::IndexOutOfRange {
+            what: "combined row",
+            index: p,
+            len: rows,
+        });
+    }
     let token = |t: usize, o: &mut [f32]| {
         for slot in 0..k {
             let a = t * k + slot;
             let w = weights[a];
-            let p = plan.positions()[a];
+            let p = positions[a];
             let yr = &y[p * h..(p + 1) * h];
             if slot == 0 {
                 for (o, &v) in o.iter_mut().zip(yr) {
@@ -401,7 +434,7 @@ fn combine(plan: &MoePlan, y: &[f32], weights: &[f32], h: usize, out: &mut [f32]
         for (t, o) in out.chunks_exact_mut(h.max(1)).enumerate() {
             token(t, o);
         }
-        return;
+        return Ok(());
     }
     let dst = DisjointSlice::new(out);
     p.run(pool::chunks(n_tokens, tasks, 1), &|i| {
@@ -411,4 +444,5 @@ fn combine(plan: &MoePlan, y: &[f32], weights: &[f32], h: usize, out: &mut [f32]
             token(t, unsafe { dst.range(t * h..(t + 1) * h) });
         }
     });
+    Ok(())
 }

@@ -11,7 +11,7 @@ mod plan;
 mod reference;
 mod route;
 
-pub use experts::{moe_ffn, moe_ffn_quantized, moe_ffn_with, Experts, MoeScratch};
+pub use experts::{combine, moe_ffn, moe_ffn_quantized, moe_ffn_with, Experts, MoeScratch};
 pub use plan::MoePlan;
 pub use reference::{activation_f64, moe_ffn_ref, route_ref};
 pub use route::{route, GroupScore, RouterParams, Scoring};

@@ -25,10 +25,10 @@ use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 use kvant_kernels::moe::{moe_ffn, route, Experts, MoeScratch, RouterParams};
 
-pub(crate) struct Shared {
-    pub ffn: DenseFfn,
+struct Shared {
+    ffn: DenseFfn,
     /// Qwen2-MoE: the shared output is scaled by `sigmoid(x · gate)`.
-    pub gate: Option<Vec<f32>>,
+    gate: Option<Vec<f32>>,
 }
 
 pub(crate) struct MoeFfn {
@@ -43,7 +43,7 @@ pub(crate) struct MoeFfn {
     /// its slots of the placement (expert parallelism). `None` when the
     /// share is empty.
     pub experts: Option<Experts>,
-    pub shared: Option<Shared>,
+    shared: Option<Shared>,
     /// Expert parallelism: the placement, and what re-placing needs.
     pub ep: Option<ExpertParallel>,
 }
@@ -214,9 +214,7 @@ impl MoeFfn {
                         .map(|i| ld.matrix(&pattern.replace("{e}", &i.to_string()), rows, cols))
                         .collect()
                 } else {
-                    let t = ld.tensor(pattern)?;
-                    super::loader::check_shape(&t, pattern, &[ne, rows, cols])?;
-                    Ok((0..ne).map(|i| t.matrix(i)).collect::<Result<_, _>>()?)
+                    ld.stacked(pattern, ne, rows, cols)
                 }
             };
         let all = ExpertTensors {
@@ -326,7 +324,8 @@ impl MoeFfn {
                 )?,
                 None => out.fill(0.0),
             }
-            self.add_shared(act, xn, n, q8, s, out)?;
+            self.run_shared(act, xn, n, q8, s)?;
+            self.add_shared(xn, n, s, out);
         }
         net.tp_sum(out).await
     }
@@ -352,45 +351,49 @@ impl MoeFfn {
         Ok(())
     }
 
-    /// Adds the shared experts' output (gated, for Qwen2-MoE) of `n`
-    /// tokens to `out`.
-    pub fn add_shared(
+    /// The shared experts' output of `n` tokens, into `s.shared` (nothing
+    /// without shared experts).
+    pub fn run_shared(
         &self,
         act: Activation,
         xn: &[f32],
         n: usize,
         q8: &mut Q8Activations,
         s: &mut MoeLayerScratch,
-        out: &mut [f32],
     ) -> Result<(), ModelError> {
         let Some(sh) = self.shared.as_ref().filter(|_| n > 0) else {
             return Ok(());
         };
-        let h = xn.len() / n;
-        s.shared.resize(n * h, 0.0);
-        let y = &mut s.shared[..n * h];
-        sh.ffn.forward(act, xn, n, q8, &mut s.ffn, y)?;
-        add_gated(sh, h, xn, y, out);
+        let len = xn.len();
+        s.shared.resize(len, 0.0);
+        sh.ffn
+            .forward(act, xn, n, q8, &mut s.ffn, &mut s.shared[..len])?;
         Ok(())
     }
-}
 
-/// `out += g · y` row by row (rows of `h`), `g = sigmoid(x · gate)` for
-/// Qwen2-MoE's gated shared expert, else 1.
-pub(crate) fn add_gated(sh: &Shared, h: usize, xn: &[f32], y: &[f32], out: &mut [f32]) {
-    for ((o, y), x) in out
-        .chunks_exact_mut(h)
-        .zip(y.chunks_exact(h))
-        .zip(xn.chunks_exact(h))
-    {
-        let g = match &sh.gate {
-            Some(w) => {
-                let z: f32 = x.iter().zip(w).map(|(a, b)| a * b).sum();
-                1.0 / (1.0 + (-z).exp())
-            }
-            None => 1.0,
+    /// Adds [`Self::run_shared`]'s output for the rows `xn` to `out`, row
+    /// by row, scaled by `sigmoid(x · gate)` for Qwen2-MoE's gated shared
+    /// expert.
+    pub fn add_shared(&self, xn: &[f32], n: usize, s: &MoeLayerScratch, out: &mut [f32]) {
+        let Some(sh) = self.shared.as_ref().filter(|_| n > 0) else {
+            return;
         };
-        o.iter_mut().zip(y).for_each(|(o, y)| *o += g * y);
+        let h = xn.len() / n;
+        let y = &s.shared[..xn.len()];
+        for ((o, y), x) in out
+            .chunks_exact_mut(h)
+            .zip(y.chunks_exact(h))
+            .zip(xn.chunks_exact(h))
+        {
+            let g = match &sh.gate {
+                Some(w) => {
+                    let z: f32 = x.iter().zip(w).map(|(a, b)| a * b).sum();
+                    1.0 / (1.0 + (-z).exp())
+                }
+                None => 1.0,
+            };
+            o.iter_mut().zip(y).for_each(|(o, y)| *o += g * y);
+        }
     }
 }
 

@@ -30,14 +30,14 @@
 //! a rank that receives none for an expert are ordinary cases: it still
 //! posts every collective, with empty parts.
 
-use super::moe::{add_gated, ExpertTensors, MoeFfn, MoeLayerScratch};
+use super::moe::{ExpertTensors, MoeFfn, MoeLayerScratch};
 use super::parallel::{collective, posted, Net};
 use crate::ModelError;
 use kvant_dist::layout::{token_share, Placement};
 use kvant_dist::{Buffer, Collective, DistError};
 use kvant_kernels::activation::Activation;
 use kvant_kernels::int8::Q8Activations;
-use kvant_kernels::moe::{moe_ffn, moe_ffn_quantized, Experts, MoeScratch};
+use kvant_kernels::moe::{combine, moe_ffn, moe_ffn_quantized, Experts, MoeScratch};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
@@ -72,6 +72,8 @@ pub(crate) struct EpScratch {
     /// place among that rank's assignments.
     dest: Vec<usize>,
     place: Vec<usize>,
+    /// Per (token, slot): its result's row among those that came back.
+    positions: Vec<usize>,
     meta: Vec<u32>,
     x_dup: Vec<f32>,
     /// 8-bit dispatch: the share quantized, the rows received, and one
@@ -193,11 +195,8 @@ impl ExpertParallel {
             },
         )?;
         // The shared experts while the counts travel.
-        if let Some(sh) = moe.shared.as_ref().filter(|_| m > 0) {
-            s.shared.resize(m * h, 0.0);
-            sh.ffn
-                .forward(act, xs, m, q8, &mut s.ffn, &mut s.shared[..m * h])?;
-        }
+        moe.run_shared(act, xs, m, q8, s)?;
+        let e = &mut s.ep;
         let got = counts.await?.into_u32()?;
         if got.len() != w * (2 + mine) {
             let n = got.len();
@@ -344,27 +343,18 @@ impl ExpertParallel {
         )
         .await?
         .into_f32()?;
+        // Each assignment's row of `back`: its destination's block, then
+        // its place there. The sum is the kernel's, in slot order.
         let mut base = vec![0usize; w];
         for d in 1..w {
             base[d] = base[d - 1] + e.assigns_to[d - 1];
         }
+        e.positions.clear();
+        e.positions
+            .extend(e.dest.iter().zip(&e.place).map(|(&d, &p)| base[d] + p));
         let mine = &mut out[share.start * h..share.end * h];
-        let weights = &s.weights[..m * k];
-        for (t, o) in mine.chunks_exact_mut(h).enumerate() {
-            for j in 0..k {
-                let a = t * k + j;
-                let at = (base[e.dest[a]] + e.place[a]) * h;
-                let (wt, y) = (weights[a], &back[at..at + h]);
-                if j == 0 {
-                    o.iter_mut().zip(y).for_each(|(o, &v)| *o = wt * v);
-                } else {
-                    o.iter_mut().zip(y).for_each(|(o, &v)| *o += wt * v);
-                }
-            }
-        }
-        if let Some(sh) = moe.shared.as_ref().filter(|_| m > 0) {
-            add_gated(sh, h, xs, &s.shared[..m * h], mine);
-        }
+        combine(&back, &e.positions, &s.weights[..m * k], k, h, mine)?;
+        moe.add_shared(xs, m, s, mine);
 
         // The group's shares, whole again.
         if group.size() > 1 {
@@ -375,16 +365,7 @@ impl ExpertParallel {
                 send: Buffer::F32(mine.to_vec()),
                 counts,
             };
-            let all = collective(group, op).await?.into_f32()?;
-            if all.len() != out.len() {
-                return Err(DistError::Mismatch(format!(
-                    "the group's MoE outputs: {} values for {}",
-                    all.len(),
-                    out.len()
-                ))
-                .into());
-            }
-            out.copy_from_slice(&all);
+            collective(group, op).await?.copy_to_f32(out)?;
         }
         Ok(())
     }

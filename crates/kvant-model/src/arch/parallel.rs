@@ -130,23 +130,20 @@ impl Future for Pending {
     type Output = Result<Buffer, DistError>;
 
     fn poll(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(req) = self.0.as_mut() else {
-            return Poll::Ready(Err(DistError::Mismatch(
-                "a collective awaited twice".into(),
-            )));
+        let Some(mut req) = self.0.take() else {
+            let twice = DistError::Mismatch("a collective awaited twice".into());
+            return Poll::Ready(Err(twice));
         };
         match req.test() {
             Err(e) => Poll::Ready(Err(e)),
-            Ok(true) => match self.0.take() {
-                Some(r) => {
-                    progressed();
-                    Poll::Ready(r.wait())
-                }
-                None => Poll::Ready(Err(DistError::Mismatch(
-                    "a collective awaited twice".into(),
-                ))),
-            },
-            Ok(false) => Poll::Pending,
+            Ok(true) => {
+                progressed();
+                Poll::Ready(req.wait())
+            }
+            Ok(false) => {
+                self.0 = Some(req);
+                Poll::Pending
+            }
         }
     }
 }
@@ -163,8 +160,7 @@ pub(crate) fn posted(
 /// Posts `op` on `comm` and waits for it, suspending the micro-batch
 /// meanwhile.
 pub(crate) async fn collective(comm: &dyn Comm, op: Collective) -> Result<Buffer, ModelError> {
-    let req = comm.post(op)?;
-    Ok(Pending(Some(req)).await?)
+    Ok(posted(comm, op)?.await?)
 }
 
 /// The order of two micro-batches' attention: the second may run a
@@ -218,17 +214,7 @@ impl<'a> Net<'a> {
             buf: Buffer::F32(x.to_vec()),
             op: ReduceOp::Sum,
         };
-        let sum = collective(&*s.tp, op).await?.into_f32()?;
-        if sum.len() != x.len() {
-            return Err(DistError::Mismatch(format!(
-                "all-reduce of {} values returned {}",
-                x.len(),
-                sum.len()
-            ))
-            .into());
-        }
-        x.copy_from_slice(&sum);
-        Ok(())
+        Ok(collective(&*s.tp, op).await?.copy_to_f32(x)?)
     }
 
     /// Waits, if this is the second of two micro-batches, until the first
