@@ -100,17 +100,18 @@ impl Loader<'_> {
     }
 
     /// The `n` matrices `[rows, cols]` of a stacked tensor `[n, rows, cols]`
-    /// (GGUF's experts, llama.cpp's per-head `attn_k_b` / `attn_v_b`).
+    /// (GGUF's experts, llama.cpp's per-head `attn_k_b` / `attn_v_b`), as
+    /// views: a rank prepares only those it holds.
     pub fn stacked(
         &self,
         name: &str,
         n: usize,
         rows: usize,
         cols: usize,
-    ) -> Result<Vec<LinearWeight>, ModelError> {
+    ) -> Result<Vec<Tensor>, ModelError> {
         let t = self.tensor(name)?;
         check_shape(&t, name, &[n, rows, cols])?;
-        Ok(LinearWeight::prepare_stack(&t, self.int8)?)
+        Ok((0..n).map(|i| t.matrix(i)).collect::<Result<_, _>>()?)
     }
 
     /// Rows `range` of the `[rows, cols]` matrix `name` (a column-parallel

@@ -174,11 +174,16 @@ impl MlaAttention {
         let split = names.split.as_ref().filter(|(k_b, _)| ld.has(k_b));
         let (k_b, v_b, expansion) = match split {
             Some((k_b, v_b)) => {
-                let heads =
-                    |v: Vec<LinearWeight>| v.into_iter().skip(mine.start).take(nh).collect();
+                // This rank's heads only.
+                let heads = |v: Vec<Tensor>| -> Result<Vec<LinearWeight>, ModelError> {
+                    v[mine.clone()]
+                        .iter()
+                        .map(|t| ld.prepare(t.clone()))
+                        .collect()
+                };
                 (
-                    heads(ld.stacked(k_b, all, m.kv_lora_rank, m.nope_dim)?),
-                    heads(ld.stacked(v_b, all, m.v_dim, m.kv_lora_rank)?),
+                    heads(ld.stacked(k_b, all, m.kv_lora_rank, m.nope_dim)?)?,
+                    heads(ld.stacked(v_b, all, m.v_dim, m.kv_lora_rank)?)?,
                     expanded
                         .then(|| {
                             Expansion::from_split(ld, (k_b, v_b), (all, mine.clone()), m)

@@ -88,13 +88,10 @@ impl Expansion {
         let heads = mine.len();
         let kt = ld.tensor(k_b)?;
         super::loader::check_shape(&kt, k_b, &[all, rank, nope])?;
-        let absorbed = to_f32(&kt)?;
-        let k: Vec<f32> = absorbed
-            .chunks_exact(rank * nope)
-            .skip(mine.start)
-            .take(heads)
-            .flat_map(|head| transpose(head, rank, nope))
-            .collect();
+        let mut k = Vec::with_capacity(heads * rank * nope);
+        for i in mine.clone() {
+            k.extend(transpose(&to_f32(&kt.matrix(i)?)?, rank, nope));
+        }
         let k = match kt.dtype().is_quantized() && ld.int8 && rank % 32 == 0 {
             true => q8_0_matrix(&k, heads * nope, rank)?,
             false => Tensor::from_f32(vec![heads * nope, rank], &k)?,
