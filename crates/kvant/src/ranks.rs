@@ -113,10 +113,12 @@ fn start_mpi(
     )?);
     let m = load(&path, opts, Arc::clone(&par))?;
     if rank != 0 {
-        // mpirun forwards SIGINT and SIGTERM to every rank; rank 0 shuts
-        // the run down (a server lets requests finish) and then tells the
-        // others to stop, so they must outlive the signal. A rank 0 that
-        // dies instead is noticed by mpirun, or by the heartbeat timeout.
+        // A signal ends a run through rank 0, which shuts it down (a server
+        // lets requests finish) and then tells the others to stop: mpirun
+        // forwards SIGINT and SIGTERM to every rank (and kills the job a
+        // few seconds later), so a worker must not die of them first. A
+        // rank 0 that dies is noticed by mpirun, or by the heartbeat
+        // timeout.
         let _signals = outlive_signals()?;
         if let Err(e) = run_worker(&m.model) {
             eprintln!("kvant: error: rank {rank}: {e}");

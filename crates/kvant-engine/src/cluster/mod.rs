@@ -65,22 +65,18 @@ impl Cluster {
         &self.model
     }
 
-    fn par(&self) -> &Parallel {
-        &self.par
-    }
-
     pub fn layout(&self) -> Layout {
-        self.par().layout
+        self.par.layout
     }
 
     /// How long a collective may wait for a rank before it counts as lost.
     pub fn timeout(&self) -> std::time::Duration {
-        kvant_dist::Comm::timeout(&*self.par().world)
+        kvant_dist::Comm::timeout(&*self.par.world)
     }
 
     fn send(&self, msg: &Msg) -> Result<(), EngineError> {
         let words = msg.encode()?;
-        self.par().world.broadcast_words(Some(words), 0)?;
+        self.par.world.broadcast_words(Some(words), 0)?;
         Ok(())
     }
 
@@ -135,8 +131,8 @@ impl Cluster {
         let rows =
             |g: &Vec<(SeqStep<'_>, Want)>| g.iter().map(|(s, _)| s.tokens.len()).sum::<usize>();
         let overlap =
-            self.par().two_batch_overlap && groups.iter().all(|g| rows(g) >= MIN_OVERLAP_ROWS);
-        self.par()
+            self.par.two_batch_overlap && groups.iter().all(|g| rows(g) >= MIN_OVERLAP_ROWS);
+        self.par
             .world
             .broadcast_words(Some(encode_step(overlap, groups)?), 0)?;
         let mine: Vec<SeqStep<'_>> = groups[0].iter().map(|(s, _)| *s).collect();
@@ -156,7 +152,7 @@ impl Cluster {
     /// A communication error.
     pub fn heartbeat(&self) -> Result<(), EngineError> {
         self.send(&Msg::Heartbeat)?;
-        self.par().world.barrier()?;
+        self.par.world.barrier()?;
         Ok(())
     }
 
@@ -181,7 +177,7 @@ impl Cluster {
 
     /// Ends every rank after an unrecoverable error (MPI aborts the job).
     pub fn abort(&self) {
-        self.par().world.abort(1);
+        self.par.world.abort(1);
     }
 }
 

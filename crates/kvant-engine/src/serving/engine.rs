@@ -130,20 +130,14 @@ impl<'t> Engine<'t> {
     pub fn fail(&mut self, e: EngineError) -> EngineError {
         self.shared.closed.store(true, Ordering::Release);
         let msg = e.to_string();
-        while let Some(s) = self.waiting.pop_front() {
+        while let Some(mut s) = self.waiting.pop_front() {
             self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-            let mut s = s;
-            if !s.closed {
-                (s.sink)(Event::Failed(msg.clone()));
-                s.closed = true;
-            }
+            s.fail(&msg);
         }
-        for g in 0..self.groups.len() {
-            for mut s in std::mem::take(&mut self.groups[g].running) {
-                s.release_blocks(&mut self.groups[g].blocks);
-                if !s.closed {
-                    (s.sink)(Event::Failed(msg.clone()));
-                }
+        for g in &mut self.groups {
+            for mut s in std::mem::take(&mut g.running) {
+                s.release_blocks(&mut g.blocks);
+                s.fail(&msg);
             }
         }
         self.publish();
@@ -356,10 +350,12 @@ impl<'t> Engine<'t> {
         drop(steps);
         let (mut logits, hidden) = match result {
             Ok(l) => l,
+            // Over ranks a failed collective ends the engine: the caller
+            // fails every request (`Engine::fail`).
+            Err(e) if e.is_communication() => return Err(e),
             Err(e) => {
                 // Not reachable with engine-made batches in one process;
-                // never leave clients waiting if it happens. Over ranks a
-                // failed collective ends the engine.
+                // never leave clients waiting if it happens.
                 let msg = e.to_string();
                 for (g, plan) in plans.iter().enumerate() {
                     let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
@@ -368,16 +364,11 @@ impl<'t> Engine<'t> {
                         let group = &mut self.groups[g];
                         let mut s = group.running.remove(i);
                         s.release_blocks(&mut group.blocks);
-                        if !s.closed {
-                            (s.sink)(Event::Failed(msg.clone()));
-                        }
+                        s.fail(&msg);
                     }
                 }
                 self.publish();
-                return match e.is_communication() {
-                    true => Err(e),
-                    false => Ok(()),
-                };
+                return Ok(());
             }
         };
         let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
@@ -579,8 +570,7 @@ fn advance(
     let next = match sampled {
         Ok(t) => t,
         Err(e) => {
-            (s.sink)(Event::Failed(e.to_string()));
-            s.closed = true;
+            s.fail(&e.to_string());
             return Some(FinishReason::Abort);
         }
     };
@@ -605,8 +595,7 @@ fn advance(
             Ok(Some(piece)) => s.stops.push(&piece),
             Ok(None) => (String::new(), false),
             Err(e) => {
-                (s.sink)(Event::Failed(e.to_string()));
-                s.closed = true;
+                s.fail(&e.to_string());
                 return Some(FinishReason::Abort);
             }
         }

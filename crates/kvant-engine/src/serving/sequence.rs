@@ -3,7 +3,7 @@
 //! state of sampling and detokenization.
 
 use super::blocks::{BlockManager, ROOT};
-use super::request::{EngineRequest, EventSink, RequestId};
+use super::request::{EngineRequest, Event, EventSink, RequestId};
 use crate::sampling::Sampler;
 use crate::speculative::MtpState;
 use crate::stop::StopMatcher;
@@ -76,6 +76,15 @@ impl Sequence<'_> {
         self.blocks.clear();
         self.cids.clear();
         self.restart_at(0);
+    }
+
+    /// Sends the request's last event, a failure with `msg` (unless its
+    /// client is gone or it already had its last event).
+    pub fn fail(&mut self, msg: &str) {
+        if !self.closed {
+            (self.sink)(Event::Failed(msg.to_string()));
+            self.closed = true;
+        }
     }
 
     /// Offers every newly filled block to the prefix cache.
