@@ -1,4 +1,5 @@
-//! RMSNorm, the normalisation of the Llama family.
+//! RMSNorm, the normalisation of the Llama family, and LayerNorm (with
+//! bias), which DeepSeek-V3.2's indexer applies to its keys.
 //!
 //! Computed in f32 with the mean of squares accumulated in f32, matching
 //! PyTorch's `hidden.pow(2).mean(-1)` in float32 (transformers upcasts to f32).
@@ -33,6 +34,40 @@ pub fn rms_norm_inplace(x: &mut [f32], weight: &[f32], eps: f32) {
 fn inv_rms(x: &[f32], eps: f32) -> f32 {
     let sum_sq: f32 = x.iter().map(|v| v * v).sum();
     1.0 / (sum_sq / x.len() as f32 + eps).sqrt()
+}
+
+/// LayerNorm of every `weight.len()`-sized row of `x`, in place:
+/// `(x - mean) / sqrt(var + eps) * weight + bias`, the biased variance as
+/// PyTorch's `nn.LayerNorm` computes it (mean first, then the mean of
+/// squared deviations, in f32).
+pub fn layer_norm_inplace(x: &mut [f32], weight: &[f32], bias: &[f32], eps: f32) {
+    let dim = weight.len();
+    debug_assert_eq!(bias.len(), dim);
+    for xr in x.chunks_exact_mut(dim) {
+        let mean = xr.iter().sum::<f32>() / dim as f32;
+        let var = xr.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / dim as f32;
+        let scale = 1.0 / (var + eps).sqrt();
+        for ((v, &w), &b) in xr.iter_mut().zip(weight).zip(bias) {
+            *v = (*v - mean) * scale * w + b;
+        }
+    }
+}
+
+/// f64 reference of [`layer_norm_inplace`].
+pub fn layer_norm_ref(x: &[f32], weight: &[f32], bias: &[f32], eps: f32) -> Vec<f32> {
+    let dim = weight.len();
+    x.chunks_exact(dim)
+        .flat_map(|r| {
+            let mean = r.iter().map(|&v| v as f64).sum::<f64>() / dim as f64;
+            let var = r.iter().map(|&v| (v as f64 - mean).powi(2)).sum::<f64>() / dim as f64;
+            let s = 1.0 / (var + eps as f64).sqrt();
+            r.iter()
+                .zip(weight)
+                .zip(bias)
+                .map(move |((&v, &w), &b)| ((v as f64 - mean) * s * w as f64 + b as f64) as f32)
+                .collect::<Vec<_>>()
+        })
+        .collect()
 }
 
 /// f64 reference for tests.
@@ -79,6 +114,25 @@ mod tests {
             let mut y = x.clone();
             rms_norm_inplace(&mut y, &w, 1e-5);
             assert_eq!(y, out);
+        }
+    }
+
+    #[test]
+    fn layer_norm_matches_reference_on_odd_sizes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        for dim in [1usize, 3, 17, 128, 577] {
+            // An offset mean, as the indexer's projected keys have.
+            let x: Vec<f32> = (0..dim * 3).map(|_| rng.random_range(2.0..5.0)).collect();
+            let w: Vec<f32> = (0..dim).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let b: Vec<f32> = (0..dim).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let mut y = x.clone();
+            layer_norm_inplace(&mut y, &w, &b, 1e-6);
+            for (a, r) in y.iter().zip(layer_norm_ref(&x, &w, &b, 1e-6)) {
+                assert!(
+                    (a - r).abs() <= 1e-4 * (1.0 + r.abs()),
+                    "dim {dim}: {a} vs {r}"
+                );
+            }
         }
     }
 }

@@ -131,6 +131,41 @@ impl<T: KvElem> KvBlocks<'_, T> {
     }
 }
 
+impl<T: KvElem> KvBlocks<'_, T> {
+    /// Widens the rows of KV head `h` at `positions` (any order) into the
+    /// first `positions.len() * head_dim` values of `kt` and (stored values
+    /// only) `positions.len() * v_dim` of `vt`: the gathered tile of a
+    /// sparse attention kernel.
+    #[allow(clippy::too_many_arguments)] // a gathered tile's address, unpacked
+    pub(super) fn widen_rows(
+        &self,
+        table: &[u32],
+        n_kv_heads: usize,
+        (hd, vd): (usize, usize),
+        h: usize,
+        positions: &[u32],
+        kt: &mut [f32],
+        vt: &mut [f32],
+    ) {
+        let bs = self.block_size;
+        let (k_block, v_block) = (
+            self.block_elems(n_kv_heads, hd),
+            self.block_elems(n_kv_heads, vd),
+        );
+        for (i, &j) in positions.iter().enumerate() {
+            let j = j as usize;
+            let row = h * bs + j % bs;
+            let b = table[j / bs] as usize;
+            let src = b * k_block + row * hd;
+            T::widen(&self.k[src..src + hd], &mut kt[i * hd..(i + 1) * hd]);
+            if let Some(v) = self.v {
+                let src = b * v_block + row * vd;
+                T::widen(&v[src..src + vd], &mut vt[i * vd..(i + 1) * vd]);
+            }
+        }
+    }
+}
+
 /// Writes `n` tokens' keys or values (`src`, token-major `[n, n_kv_heads *
 /// head_dim]`) at positions `pos..pos + n` of a sequence whose blocks are
 /// `table`, in a block store `dst` laid out as [`KvBlocks`].

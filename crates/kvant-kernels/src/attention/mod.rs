@@ -12,12 +12,18 @@
 //! are folded afterwards, as FlashDecoding does on a GPU. How the work is
 //! split never changes a result (see `rows`' batch invariance).
 
+pub mod indexer;
 mod kv;
 mod reference;
 mod rows;
+mod sparse;
+#[cfg(test)]
+mod testing;
 
+pub use indexer::{select_topk, IndexerParams, TopK};
 pub use kv::{load_rows, store_rows, KvBlocks, KvElem};
 pub use reference::attention_ref;
+pub use sparse::{sparse_attention, sparse_attention_with};
 
 use crate::cpu::{self, SimdTier};
 use crate::pool::{self, DisjointSlice};
@@ -65,7 +71,7 @@ pub struct SeqAttn<'a> {
 /// Query rows per work item: a GQA group's heads times a few tokens, as
 /// many as share each loaded (widened) key tile while the scores and
 /// accumulators stay in L1.
-const MAX_ROWS: usize = 24;
+pub(super) const MAX_ROWS: usize = 24;
 
 /// Work items wanted per pool thread, for balance (late rows see more keys).
 const ITEMS_PER_THREAD: usize = 4;
@@ -311,84 +317,10 @@ fn items(p: &AttnParams, n: usize) -> impl Iterator<Item = Item> {
 
 #[cfg(test)]
 mod tests {
+    use super::testing::{rand_vec, Store};
     use super::*;
-    use rand::seq::SliceRandom;
-    use rand::{Rng, SeedableRng};
+    use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
-
-    /// A block store holding several sequences' keys and values (token-major
-    /// `[len, n_kv * hd]` and `[len, n_kv * vd]` each) in shuffled blocks,
-    /// their tables, and the values the store holds after rounding to `T`
-    /// (what the reference sees). `latent`: no values are stored; they are
-    /// the keys' first `vd` elements (the given values are ignored).
-    struct Store<T> {
-        k: Vec<T>,
-        v: Option<Vec<T>>,
-        block_size: usize,
-        tables: Vec<Vec<u32>>,
-        rounded: Vec<(Vec<f32>, Vec<f32>)>,
-    }
-
-    impl<T: KvElem + Default> Store<T> {
-        fn new(
-            rng: &mut ChaCha8Rng,
-            seqs: &[(Vec<f32>, Vec<f32>)],
-            n_kv: usize,
-            (hd, vd): (usize, usize),
-            block_size: usize,
-            latent: bool,
-        ) -> Self {
-            let lens: Vec<usize> = seqs.iter().map(|(k, _)| k.len() / (n_kv * hd)).collect();
-            let n_blocks: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 2;
-            let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
-            ids.shuffle(rng);
-            let mut k = vec![T::default(); n_blocks * n_kv * block_size * hd];
-            let mut v = (!latent).then(|| vec![T::default(); n_blocks * n_kv * block_size * vd]);
-            let mut tables = Vec::new();
-            let mut next = ids.into_iter();
-            for ((ks, vs), &len) in seqs.iter().zip(&lens) {
-                let table: Vec<u32> = next.by_ref().take(len.div_ceil(block_size)).collect();
-                store_rows(ks, &mut k, block_size, n_kv, hd, &table, 0);
-                if let Some(v) = &mut v {
-                    store_rows(vs, v, block_size, n_kv, vd, &table, 0);
-                }
-                tables.push(table);
-            }
-            let round = |x: &[f32]| {
-                let mut t = vec![T::default(); x.len()];
-                T::narrow(x, &mut t);
-                let mut back = vec![0f32; x.len()];
-                T::widen(&t, &mut back);
-                back
-            };
-            let rounded = seqs
-                .iter()
-                .map(|(k, v)| {
-                    let k = round(k);
-                    let v = match latent {
-                        true => k.chunks_exact(hd).flat_map(|r| &r[..vd]).copied().collect(),
-                        false => round(v),
-                    };
-                    (k, v)
-                })
-                .collect();
-            Store {
-                k,
-                v,
-                block_size,
-                tables,
-                rounded,
-            }
-        }
-
-        fn blocks(&self) -> KvBlocks<'_, T> {
-            KvBlocks {
-                k: &self.k,
-                v: self.v.as_deref(),
-                block_size: self.block_size,
-            }
-        }
-    }
 
     /// `load_rows` reads back exactly what `store_rows` wrote (after the
     /// element type's rounding), from any position through shuffled blocks.
@@ -412,10 +344,6 @@ mod tests {
 
     /// Online softmax in f32 over ≤ 1000 keys: errors ~1e-6; 1e-5 leaves margin.
     const TOL: f32 = 1e-5;
-
-    fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
-        (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
-    }
 
     /// One case: heads, KV heads, (key, value) head sizes, latent
     /// (values inside the keys), window, and per sequence (query tokens,

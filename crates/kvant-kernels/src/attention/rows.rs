@@ -112,11 +112,11 @@ impl Partial {
 pub(super) struct State {
     pub part: Partial,
     /// Scores of the current tile, `rows × KEY_TILE`.
-    s: Vec<f32>,
+    pub s: Vec<f32>,
     /// The tile's keys and (stored) values widened to f32, `KEY_TILE ×
     /// head_dim` and `KEY_TILE × v_dim`.
-    kt: Vec<f32>,
-    vt: Vec<f32>,
+    pub kt: Vec<f32>,
+    pub vt: Vec<f32>,
 }
 
 /// Runs `it`'s rows over the keys of partition `part` (intersected with
@@ -187,27 +187,44 @@ pub(super) fn run_partition<T: KvElem>(
                 }
                 m
             };
-            let pt = &mut st.part;
-            let acc = &mut pt.acc[r * vd..(r + 1) * vd];
-            let m_old = pt.m[r];
-            let m_new = m_old.max(tile_max);
-            if m_new > m_old && m_old != f32::NEG_INFINITY {
-                // Rescale what was accumulated under the old maximum.
-                let c = (m_old - m_new).exp();
-                pt.l[r] *= c;
-                vecops::scale(tier, c, acc);
-            }
-            pt.m[r] = m_new;
-            pt.l[r] += vecops::exp_shifted(tier, s, m_new);
             // Latent attention reads its values from the key rows.
-            let (values, stride) = match seq.kv.v {
-                Some(_) => (&st.vt, vd),
-                None => (&st.kt, hd),
+            let values = match seq.kv.v {
+                Some(_) => (&st.vt[..], vd),
+                None => (&st.kt[..], hd),
             };
-            vecops::weighted_rows(tier, s, values, 0, stride, acc);
+            absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
         }
         j0 += tk;
     }
+}
+
+/// Folds one tile into row `r` of `part`: `s` holds the row's scaled
+/// scores of the tile's first `s.len()` keys (`-inf` where masked), whose
+/// largest is `tile_max`, and `values` the tile's value rows (`stride`
+/// apart, the first `vd` of each). Rescales what was accumulated when the
+/// running maximum moves, then adds the tile's exponentials and weighted
+/// values: the one update every attention kernel here shares.
+pub(super) fn absorb_tile(
+    tier: SimdTier,
+    s: &mut [f32],
+    tile_max: f32,
+    (values, stride): (&[f32], usize),
+    part: &mut Partial,
+    r: usize,
+    vd: usize,
+) {
+    let acc = &mut part.acc[r * vd..(r + 1) * vd];
+    let m_old = part.m[r];
+    let m_new = m_old.max(tile_max);
+    if m_new > m_old && m_old != f32::NEG_INFINITY {
+        // Rescale what was accumulated under the old maximum.
+        let c = (m_old - m_new).exp();
+        part.l[r] *= c;
+        vecops::scale(tier, c, acc);
+    }
+    part.m[r] = m_new;
+    part.l[r] += vecops::exp_shifted(tier, s, m_new);
+    vecops::weighted_rows(tier, s, values, 0, stride, acc);
 }
 
 /// Folds partition state `b` (one row: max, denominator, sums) into the
@@ -245,7 +262,7 @@ pub(super) fn fold(
 /// the row and key counts: a short last group repeats its last key, odd
 /// rows use a narrower tile. That makes each score independent of its
 /// neighbours (batch invariance).
-fn scores<'a, 'b>(
+pub(super) fn scores<'a, 'b>(
     tier: SimdTier,
     n_rows: usize,
     qrow: &impl Fn(usize) -> &'a [f32],

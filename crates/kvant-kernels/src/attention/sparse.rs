@@ -1,0 +1,305 @@
+//! Attention over selected key positions: each query token of DeepSeek
+//! sparse attention attends only to the `topk` positions its indexer chose
+//! ([`super::indexer`]), gathered from the paged cache tile by tile.
+//!
+//! The arithmetic is the dense kernel's: the same 4-key dot tile per
+//! (row, key) pair, the same online-softmax tile update
+//! ([`super::rows::absorb_tile`]), over the selected positions in ascending
+//! order in tiles of [`KEY_TILE`]. A token's result therefore depends only
+//! on its query and its selected rows (batch invariance), and the work of
+//! a token is `O(topk)` whatever the context.
+
+use super::indexer::TopK;
+use super::kv::{KvBlocks, KvElem};
+use super::rows::{absorb_tile, scores, State, KEY_TILE};
+use super::{AttnParams, SeqAttn, MAX_ROWS};
+use crate::cpu::{self, SimdTier};
+use crate::pool::{self, DisjointSlice};
+use crate::vecops;
+use std::cell::RefCell;
+
+/// A work item: (sequence, token row, KV head, first head, heads).
+type Item = (usize, usize, usize, usize, usize);
+
+thread_local! {
+    static STATE: RefCell<State> = RefCell::new(State::default());
+    static ITEMS: RefCell<Vec<Item>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Attention of the query tokens that `sel` marks sparse, each over its
+/// selected positions only, on the start-up tier; rows of other tokens in
+/// `out` are left as they are. Shapes as [`super::attention`]; `p.window`
+/// is not applied (the selection decides which keys a token sees).
+pub fn sparse_attention<T: KvElem>(
+    p: &AttnParams,
+    q: &[f32],
+    kv: &KvBlocks<'_, T>,
+    seqs: &[SeqAttn<'_>],
+    sel: &TopK,
+    out: &mut [f32],
+) {
+    sparse_attention_with(cpu::tier(), p, q, kv, seqs, sel, out)
+}
+
+/// [`sparse_attention`] on a given tier (lowered to one the CPU supports).
+///
+/// # Panics
+/// If the slices, tables or selections disagree with `p` and `kv`, or a
+/// token selected a position it cannot see (bugs in the caller).
+pub fn sparse_attention_with<T: KvElem>(
+    tier: SimdTier,
+    p: &AttnParams,
+    q: &[f32],
+    kv: &KvBlocks<'_, T>,
+    seqs: &[SeqAttn<'_>],
+    sel: &TopK,
+    out: &mut [f32],
+) {
+    let (hd, vd) = (p.head_dim, p.v_dim);
+    let group = p.n_heads / p.n_kv_heads.max(1);
+    assert!(hd > 0 && vd > 0 && group > 0 && p.n_heads == group * p.n_kv_heads);
+    let qd = p.n_heads * hd;
+    let n = q.len() / qd;
+    assert_eq!(n * p.n_heads * vd, out.len());
+    assert_eq!(sel.n_tokens(), n);
+    if kv.v.is_none() {
+        assert!(vd <= hd, "latent values longer than the keys");
+    }
+    let tier = cpu::clamp(tier);
+    ITEMS.with_borrow_mut(|items| {
+        items.clear();
+        let hs = group.min(MAX_ROWS);
+        for (si, s) in seqs.iter().enumerate() {
+            for (i, row) in s.rows.clone().enumerate() {
+                let Some(picked) = sel.get(row) else { continue };
+                let pos = s.pos0 + i;
+                assert!(picked.iter().all(|&j| (j as usize) <= pos), "a future key");
+                let last = picked.last().map_or(0, |&j| j as usize);
+                assert!(
+                    s.table.len() * kv.block_size > last,
+                    "block table too short"
+                );
+                for kvh in 0..p.n_kv_heads {
+                    for h0 in (kvh * group..(kvh + 1) * group).step_by(hs) {
+                        items.push((si, row, kvh, h0, hs.min((kvh + 1) * group - h0)));
+                    }
+                }
+            }
+        }
+        let out = DisjointSlice::new(out);
+        let items = &*items;
+        pool::global().run(items.len(), &|i| {
+            let (si, row, kvh, h0, hs) = items[i];
+            let table = seqs[si].table;
+            let picked = sel.get(row).unwrap_or(&[]);
+            let qrow = |r: usize| &q[(row * p.n_heads + h0 + r) * hd..][..hd];
+            STATE.with_borrow_mut(|st| {
+                st.part.reset(hs, vd);
+                st.s.resize(hs * KEY_TILE, 0.0);
+                st.kt.resize(KEY_TILE * hd, 0.0);
+                if kv.v.is_some() {
+                    st.vt.resize(KEY_TILE * vd, 0.0);
+                }
+                for tile in picked.chunks(KEY_TILE) {
+                    let tk = tile.len();
+                    kv.widen_rows(
+                        table,
+                        p.n_kv_heads,
+                        (hd, vd),
+                        kvh,
+                        tile,
+                        &mut st.kt,
+                        &mut st.vt,
+                    );
+                    let kt = &st.kt;
+                    let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
+                    scores(tier, hs, &qrow, &krow, tk, &mut st.s);
+                    for r in 0..hs {
+                        let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
+                        let tile_max = vecops::scale_max(tier, p.scale, s);
+                        let values = match kv.v {
+                            Some(_) => (&st.vt[..], vd),
+                            None => (&st.kt[..], hd),
+                        };
+                        absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
+                    }
+                }
+                for r in 0..hs {
+                    let o = (row * p.n_heads + h0 + r) * vd;
+                    // SAFETY: each (token, head) row belongs to one item.
+                    let dst = unsafe { out.range(o..o + vd) };
+                    let (l, acc) = (st.part.l[r], &st.part.acc[r * vd..(r + 1) * vd]);
+                    dst.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
+                }
+            });
+        });
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::{rand_vec, Store};
+    use super::super::{attention_ref, attention_with};
+    use super::*;
+    use rand::seq::index::sample;
+    use rand::SeedableRng;
+    use rand_chacha::ChaCha8Rng;
+
+    /// Online softmax in f32 over ≤ 64 keys: errors ~1e-6 (as the dense test).
+    const TOL: f32 = 1e-5;
+
+    /// (heads, KV heads, (key, value) dims, latent, top-k, per sequence
+    /// (tokens, past)).
+    type Case = (
+        usize,
+        usize,
+        (usize, usize),
+        bool,
+        usize,
+        Vec<(usize, usize)>,
+    );
+
+    fn cases() -> Vec<Case> {
+        vec![
+            (16, 1, (40, 32), true, 8, vec![(1, 300), (5, 2), (9, 20)]),
+            (4, 1, (72, 64), true, 37, vec![(3, 100)]),
+            (32, 1, (24, 16), true, 64, vec![(2, 129)]),
+            (6, 3, (8, 8), false, 5, vec![(9, 13)]),
+            (4, 2, (24, 16), false, 33, vec![(3, 40), (1, 7)]),
+        ]
+    }
+
+    /// Random selections (positions ≤ the token's own) on every tier, for
+    /// f32 and f16 caches: each sparse token against the f64 reference over
+    /// its gathered rows; dense tokens' rows are left untouched.
+    #[test]
+    fn every_tier_matches_reference_on_gathered_rows() {
+        let mut rng = ChaCha8Rng::seed_from_u64(31);
+        for (case, (nh, n_kv, (hd, vd), latent, k, shape)) in cases().into_iter().enumerate() {
+            let p = AttnParams {
+                n_heads: nh,
+                n_kv_heads: n_kv,
+                head_dim: hd,
+                v_dim: vd,
+                scale: 1.0 / (hd as f32).sqrt(),
+                window: None,
+            };
+            let kvs: Vec<(Vec<f32>, Vec<f32>)> = shape
+                .iter()
+                .map(|&(n, past)| {
+                    let len = (past + n) * n_kv;
+                    (rand_vec(&mut rng, len * hd), rand_vec(&mut rng, len * vd))
+                })
+                .collect();
+            let n_tok: usize = shape.iter().map(|s| s.0).sum();
+            let q = rand_vec(&mut rng, n_tok * nh * hd);
+            let mut picks = Vec::new();
+            for &(n, past) in &shape {
+                for i in 0..n {
+                    let visible = past + i + 1;
+                    picks.push((visible > k).then(|| {
+                        let mut v: Vec<u32> = sample(&mut rng, visible, k)
+                            .into_iter()
+                            .map(|j| j as u32)
+                            .collect();
+                        v.sort_unstable();
+                        v
+                    }));
+                }
+            }
+            let sel = TopK::from_rows(k, &picks);
+            let bs = [1, 5, 16, 32][case % 4];
+            let s32 = Store::<f32>::new(&mut rng, &kvs, n_kv, (hd, vd), bs, latent);
+            let s16 = Store::<half::f16>::new(&mut rng, &kvs, n_kv, (hd, vd), bs, latent);
+            for tier in cpu::available_tiers() {
+                let ops = (&p, &q[..], &shape[..], &sel);
+                check_store(tier, ops, &s32, &format!("{tier} f32 case {case}"));
+                check_store(tier, ops, &s16, &format!("{tier} f16 case {case}"));
+            }
+        }
+    }
+
+    fn check_store<T: KvElem + Default>(
+        tier: SimdTier,
+        (p, q, shape, sel): (&AttnParams, &[f32], &[(usize, usize)], &TopK),
+        store: &Store<T>,
+        what: &str,
+    ) {
+        let (nh, hd, vd, n_kv) = (p.n_heads, p.head_dim, p.v_dim, p.n_kv_heads);
+        let mut row0 = 0;
+        let seqs: Vec<SeqAttn<'_>> = shape
+            .iter()
+            .zip(&store.tables)
+            .map(|(&(n, past), t)| {
+                row0 += n;
+                SeqAttn {
+                    rows: row0 - n..row0,
+                    pos0: past,
+                    table: t,
+                }
+            })
+            .collect();
+        let mut out = vec![f32::NAN; row0 * nh * vd];
+        sparse_attention_with(tier, p, q, &store.blocks(), &seqs, sel, &mut out);
+        for (s, (k, v)) in seqs.iter().zip(&store.rounded) {
+            for row in s.rows.clone() {
+                let got = &out[row * nh * vd..(row + 1) * nh * vd];
+                let Some(picked) = sel.get(row) else {
+                    assert!(got.iter().all(|x| x.is_nan()), "{what}: dense row written");
+                    continue;
+                };
+                // The reference over the gathered rows, all visible.
+                let gk: Vec<f32> = picked
+                    .iter()
+                    .flat_map(|&j| &k[j as usize * n_kv * hd..][..n_kv * hd])
+                    .copied()
+                    .collect();
+                let gv: Vec<f32> = picked
+                    .iter()
+                    .flat_map(|&j| &v[j as usize * n_kv * vd..][..n_kv * vd])
+                    .copied()
+                    .collect();
+                let qr = &q[row * nh * hd..(row + 1) * nh * hd];
+                let want = attention_ref(p, qr, picked.len() - 1, &gk, &gv);
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() <= TOL, "{what} row {row}: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    /// Selecting every visible position is dense attention: equal within
+    /// rounding (the tiles are cut at other places).
+    #[test]
+    fn selecting_everything_is_dense_attention() {
+        let mut rng = ChaCha8Rng::seed_from_u64(32);
+        let (nh, hd, vd, past) = (8, 40, 32, 70);
+        let p = AttnParams {
+            n_heads: nh,
+            n_kv_heads: 1,
+            head_dim: hd,
+            v_dim: vd,
+            scale: 0.2,
+            window: None,
+        };
+        let kv = vec![(rand_vec(&mut rng, (past + 1) * hd), vec![])];
+        let store = Store::<f32>::new(&mut rng, &kv, 1, (hd, vd), 16, true);
+        let q = rand_vec(&mut rng, nh * hd);
+        let seqs = [SeqAttn {
+            rows: 0..1,
+            pos0: past,
+            table: &store.tables[0],
+        }];
+        let all: Vec<u32> = (0..=past as u32).collect();
+        let sel = TopK::from_rows(past + 1, &[Some(all)]);
+        for tier in cpu::available_tiers() {
+            let mut dense = vec![0f32; nh * vd];
+            attention_with(tier, &p, &q, &store.blocks(), &seqs, &mut dense);
+            let mut sparse = vec![0f32; nh * vd];
+            sparse_attention_with(tier, &p, &q, &store.blocks(), &seqs, &sel, &mut sparse);
+            for (a, b) in dense.iter().zip(&sparse) {
+                assert!((a - b).abs() <= TOL, "{tier}: {a} vs {b}");
+            }
+        }
+    }
+}
