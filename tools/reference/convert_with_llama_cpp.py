@@ -5,7 +5,11 @@ The converter identifies a BPE pre-tokenizer by hashing how the tokenizer splits
 a fixed probe text and refuses hashes it does not know. The tiny fixture
 tokenizer is new to it, but it splits text exactly like SmolLM2's (digits one by
 one, then the GPT-2 regex), which llama.cpp calls `smollm`; so this wrapper makes
-the converter's `get_vocab_base_pre` answer "smollm" and changes nothing else.
+the converter's `get_vocab_base_pre` answer "smollm". DeepSeek-V3.2's converter
+also insists that the tokenizer adds a BOS token, which the tiny tokenizer does
+not; for that architecture the wrapper skips that assertion and writes the
+vocabulary the way the converter then does (`_set_vocab_gpt2`). Nothing else
+changes.
 
     python tools/reference/convert_with_llama_cpp.py --converter PATH/convert_hf_to_gguf.py \\
         MODEL_DIR --outtype f32 --outfile OUT.gguf
@@ -42,6 +46,9 @@ def main() -> None:
         return PRE_TOKENIZER
 
     TextModel.get_vocab_base_pre = known_pre_tokenizer
+    from conversion.deepseek import DeepseekV32Model
+
+    DeepseekV32Model.set_vocab = TextModel._set_vocab_gpt2
     module.main()
 
 

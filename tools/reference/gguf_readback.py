@@ -11,7 +11,8 @@ file (dequantized with gguf-py's `quants.dequantize`):
   * deepseek2: kv_b_proj was split per head into attn_k_b (transposed,
     [n_head, kv_lora, qk_nope]) and attn_v_b ([n_head, v_head, kv_lora]);
     they are re-assembled into kv_b_proj [n_head * (qk_nope + v_head), kv_lora];
-  * qwen2moe: ffn_gate_inp_shexp is stored 1-D; transformers' shared_expert_gate is [1, hidden].
+  * qwen2moe: ffn_gate_inp_shexp is stored 1-D; transformers' shared_expert_gate is [1, hidden];
+  * deepseek32: deepseek2's names plus the DSA indexer's (blk.N.indexer.*).
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ _LAYER = {
         "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
         "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     },
+}
+_LAYER["deepseek32"] = {
+    **_LAYER["deepseek2"],
+    "indexer.attn_q_b.weight": "self_attn.indexer.wq_b.weight",
+    "indexer.attn_k.weight": "self_attn.indexer.wk.weight",
+    "indexer.k_norm.weight": "self_attn.indexer.k_norm.weight",
+    "indexer.k_norm.bias": "self_attn.indexer.k_norm.bias",
+    "indexer.proj.weight": "self_attn.indexer.weights_proj.weight",
 }
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",

@@ -79,7 +79,7 @@ def _finish(model: torch.nn.Module, ref: dict, notes: list[str]) -> dict:
     provenance keys, per-position routing margins after greedy_min_margin."""
     stats = moe_routing_checks.check_model(model, ref["prompt_ids"] + ref["greedy_ids"][:-1])
     cfg = model.config
-    if cfg.model_type == "deepseek_v3":
+    if cfg.model_type in ("deepseek_v3", "deepseek_v32"):
         if stats.bias_changed == 0:
             raise AssertionError("e_score_correction_bias changes no expert choice; raise BIAS_SCORE_SPREAD")
         if cfg.n_group > 1 and stats.group_changed == 0:

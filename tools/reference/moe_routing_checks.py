@@ -111,7 +111,7 @@ def router_stats(router, h: torch.Tensor) -> tuple[RoutingStats, torch.Tensor]:
     if kind == "DeepseekV2TopkRouter" and router.topk_method != "greedy":
         raise ValueError(f"{kind} topk_method {router.topk_method} is not checked here")
     with torch.no_grad():
-        if kind == "DeepseekV3TopkRouter":
+        if kind in ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter"):
             return _deepseek_v3_router(router, h)
         if kind in ("DeepseekV2TopkRouter", "MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter"):
             return _softmax_router(router, h)
