@@ -80,6 +80,11 @@ def _config(topk: int = TOPK) -> DeepseekV32Config:
         index_head_dim=32,
         index_topk=topk,
         rope_parameters=dict(moe_models.YARN),
+        # Published V3.2 configs carry these (transformers' router is sigmoid
+        # whatever they say); llama.cpp's converter writes the gating
+        # function from `scoring_func`, and llama.cpp requires it.
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
     )
 
 

@@ -15,7 +15,8 @@
 use crate::ModelError;
 use half::slice::HalfBitsSliceExt;
 use kvant_kernels::attention::{
-    attention, load_rows, store_rows, AttnParams, KvBlocks, KvElem, SeqAttn,
+    attention, load_rows, select_topk, sparse_attention, store_rows, AttnParams, IndexerParams,
+    KvBlocks, KvElem, SeqAttn, TopK,
 };
 
 /// The element type of a KV cache.
@@ -42,14 +43,19 @@ struct Layers<T> {
     keys: Vec<Vec<T>>,
     /// Empty for a latent cache (values are part of the key rows).
     values: Vec<Vec<T>>,
+    /// Sparse attention's indexer keys, one row per position (blocks of
+    /// `[block_size, index_dim]`); empty without an indexer.
+    index: Vec<Vec<T>>,
 }
 
 impl<T: Clone + Default> Layers<T> {
-    fn new(n_layers: usize, per_layer: usize, latent: bool) -> Self {
-        let alloc = |n| (0..n).map(|_| vec![T::default(); per_layer]).collect();
+    fn new(shape: &KvShape, per_layer: usize, index_per_layer: usize) -> Self {
+        let alloc = |n, len| (0..n).map(|_| vec![T::default(); len]).collect();
+        let n = shape.n_layers;
         Layers {
-            keys: alloc(n_layers),
-            values: alloc(if latent { 0 } else { n_layers }),
+            keys: alloc(n, per_layer),
+            values: alloc(if shape.latent { 0 } else { n }, per_layer),
+            index: alloc(if shape.index_dim > 0 { n } else { 0 }, index_per_layer),
         }
     }
 }
@@ -69,14 +75,19 @@ pub struct KvShape {
     /// Only keys are stored: multi-head latent attention reads its values
     /// from the latent rows (see `kvant_kernels::attention::KvBlocks`).
     pub latent: bool,
+    /// Size of the indexer key each position keeps for sparse attention
+    /// (DeepSeek-V3.2); 0 without an indexer.
+    pub index_dim: usize,
     pub dtype: KvDType,
 }
 
 impl KvShape {
-    /// Bytes one token occupies across all layers (keys and values).
+    /// Bytes one token occupies across all layers (keys and values, and
+    /// indexer keys).
     pub fn bytes_per_token(&self) -> usize {
         let arrays = if self.latent { 1 } else { 2 };
-        arrays * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.bytes()
+        let row = arrays * self.n_kv_heads * self.head_dim + self.index_dim;
+        self.n_layers * row * self.dtype.bytes()
     }
 }
 
@@ -92,19 +103,24 @@ impl KvPool {
     /// A pool of `n_blocks` blocks of `block_size` tokens, allocated now
     /// (pages are committed by the OS as blocks are first written).
     pub fn new(shape: KvShape, block_size: usize, n_blocks: usize) -> Result<Self, ModelError> {
-        let per_layer = shape
+        let too_large = ModelError::KvTooLarge {
+            block_size,
+            n_blocks,
+        };
+        let per_layer = |row: usize| {
+            row.checked_mul(block_size)
+                .and_then(|x| x.checked_mul(n_blocks))
+                .filter(|&x| {
+                    x.checked_mul(2 * shape.n_layers * shape.dtype.bytes())
+                        .is_some_and(|b| b <= isize::MAX as usize)
+                })
+        };
+        let (per_layer, index_per_layer) = shape
             .n_kv_heads
             .checked_mul(shape.head_dim)
-            .and_then(|x| x.checked_mul(block_size))
-            .and_then(|x| x.checked_mul(n_blocks))
-            .filter(|&x| {
-                x.checked_mul(2 * shape.n_layers * shape.dtype.bytes())
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            })
-            .ok_or(ModelError::KvTooLarge {
-                block_size,
-                n_blocks,
-            })?;
+            .and_then(per_layer)
+            .zip(per_layer(shape.index_dim))
+            .ok_or(too_large)?;
         if block_size == 0 || n_blocks == 0 || n_blocks > u32::MAX as usize {
             return Err(ModelError::KvTooLarge {
                 block_size,
@@ -113,8 +129,8 @@ impl KvPool {
         }
         Ok(KvPool {
             store: match shape.dtype {
-                KvDType::F16 => Store::F16(Layers::new(shape.n_layers, per_layer, shape.latent)),
-                KvDType::F32 => Store::F32(Layers::new(shape.n_layers, per_layer, shape.latent)),
+                KvDType::F16 => Store::F16(Layers::new(&shape, per_layer, index_per_layer)),
+                KvDType::F32 => Store::F32(Layers::new(&shape, per_layer, index_per_layer)),
             },
             shape,
             block_size,
@@ -223,6 +239,98 @@ impl KvPool {
                     block_size,
                 };
                 attention(p, q, &blocks, seqs, out)
+            }
+        }
+    }
+
+    /// Stores the batch's indexer keys (`[n_tokens, index_dim]`) in one
+    /// layer, then selects each query token's top-k positions (`q`
+    /// `[n_tokens, heads * index_dim]`, head weights `w` `[n_tokens,
+    /// heads]`). The caller has checked every table.
+    #[allow(clippy::too_many_arguments)] // one layer's selection, unpacked
+    pub(crate) fn store_and_select(
+        &mut self,
+        layer: usize,
+        seqs: &[SeqAttn<'_>],
+        keys: &[f32],
+        p: &IndexerParams,
+        q: &[f32],
+        w: &[f32],
+        out: &mut TopK,
+    ) {
+        let (bs, d) = (self.block_size, self.shape.index_dim);
+        debug_assert_eq!(p.head_dim, d);
+        match &mut self.store {
+            Store::F16(l) => {
+                let k = l.index[layer].reinterpret_cast_mut::<half::f16>();
+                store_seqs(k, None, (bs, 1, d), seqs, (keys, None));
+                let blocks = KvBlocks {
+                    k: l.index[layer].reinterpret_cast::<half::f16>(),
+                    v: None,
+                    block_size: bs,
+                };
+                select_topk(p, q, w, &blocks, seqs, out)
+            }
+            Store::F32(l) => {
+                store_seqs(&mut l.index[layer], None, (bs, 1, d), seqs, (keys, None));
+                let blocks = KvBlocks {
+                    k: &l.index[layer],
+                    v: None,
+                    block_size: bs,
+                };
+                select_topk(p, q, w, &blocks, seqs, out)
+            }
+        }
+    }
+
+    /// [`Self::store`], then attention for the queries `q` over each
+    /// sequence's history, every token over the positions `sel` chose for
+    /// it (dense attention for those it reports dense).
+    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
+    pub(crate) fn store_and_attend_sparse(
+        &mut self,
+        layer: usize,
+        seqs: &[SeqAttn<'_>],
+        kv: (&[f32], Option<&[f32]>),
+        p: &AttnParams,
+        q: &[f32],
+        sel: &TopK,
+        out: &mut [f32],
+    ) {
+        self.store(layer, seqs, kv);
+        // Each sequence's leading dense rows (a token sees no more
+        // positions than the top-k only near the start).
+        let dense: Vec<SeqAttn<'_>> = seqs
+            .iter()
+            .filter_map(|s| {
+                let n = s.rows.clone().take_while(|&r| sel.get(r).is_none()).count();
+                (n > 0).then(|| SeqAttn {
+                    rows: s.rows.start..s.rows.start + n,
+                    ..s.clone()
+                })
+            })
+            .collect();
+        let block_size = self.block_size;
+        match &self.store {
+            Store::F16(l) => {
+                let blocks = KvBlocks {
+                    k: l.keys[layer].reinterpret_cast::<half::f16>(),
+                    v: l.values
+                        .get(layer)
+                        .map(|v| v.reinterpret_cast::<half::f16>()),
+                    block_size,
+                };
+                attention(p, q, &blocks, &dense, out);
+                sparse_attention(p, q, &blocks, seqs, sel, out)
+            }
+            Store::F32(l) => {
+                let blocks = KvBlocks {
+                    k: &l.keys[layer],
+                    v: l.values.get(layer).map(Vec::as_slice),
+                    block_size,
+                };
+                attention(p, q, &blocks, &dense, out);
+                sparse_attention(p, q, &blocks, seqs, sel, out)
             }
         }
     }

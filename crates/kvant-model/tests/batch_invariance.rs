@@ -106,11 +106,18 @@ fn logits_do_not_depend_on_the_batch() {
         fixtures().join("qwen2-moe"),
         fixtures().join("deepseek-v3"),
         fixtures().join("deepseek-v2"),
+        // Sparse attention: each token's indexer selection (its key split
+        // changes with the batch) and its gathered rows (top-8 of up to 29).
+        fixtures().join("deepseek-v32"),
     ];
     paths.extend(
-        ["llama-gqa.Q4_0.gguf", "llama-mqa-tied.Q8_0.gguf"]
-            .iter()
-            .map(|f| fixtures().join("gguf").join(f)),
+        [
+            "llama-gqa.Q4_0.gguf",
+            "llama-mqa-tied.Q8_0.gguf",
+            "deepseek-v32.Q8_0.gguf",
+        ]
+        .iter()
+        .map(|f| fixtures().join("gguf").join(f)),
     );
     let mut rng = ChaCha8Rng::seed_from_u64(5);
     for path in paths {

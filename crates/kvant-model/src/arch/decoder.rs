@@ -377,6 +377,7 @@ impl DecoderModel {
             n_kv_heads,
             head_dim,
             latent,
+            index_dim: self.cfg.indexer.map_or(0, |i| i.head_dim),
             dtype: self.kv_dtype,
         }
     }

@@ -10,6 +10,11 @@
 //! heads, whose values are the rows' first `kv_lora_rank` elements. The
 //! per-head output latent is expanded by `V_h` (`attn_v_b`) afterwards.
 //!
+//! DeepSeek-V3.2 adds an [`Indexer`] per layer: each token then attends
+//! only to the latent rows it selects (absorbed form, decode and prefill;
+//! a token that sees no more rows than the top-k attends densely, which
+//! is the same thing). A batch with any sparse token runs absorbed.
+//!
 //! Decode always runs absorbed. A prompt chunk runs in whichever form is
 //! cheaper for it (`mla_expand`: expanded, a fresh prompt's attention
 //! costs under a third), unless the model was loaded with
@@ -17,6 +22,7 @@
 //! so that results never depend on how batches were cut.
 
 use super::heads::PerHead;
+use super::indexer::{Indexer, IndexerScratch};
 use super::layer::LayerCtx;
 use super::loader::{to_f32, transpose, Bias, Linear, Loader};
 use super::mla_expand::{Chunk, ExpandScratch, Expansion, MlaPrefill};
@@ -26,7 +32,7 @@ use crate::config::{MlaConfig, ModelConfig};
 use crate::kv::KvPool;
 use crate::ModelError;
 use kvant_core::Tensor;
-use kvant_kernels::attention::{AttnParams, SeqAttn};
+use kvant_kernels::attention::{AttnParams, SeqAttn, TopK};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
@@ -57,6 +63,8 @@ pub(crate) struct MlaAttention {
     /// Both, stacked for the expanded form (`None` when loaded with
     /// [`MlaPrefill::Absorbed`]).
     expansion: Option<Box<Expansion>>,
+    /// DeepSeek sparse attention's indexer (V3.2).
+    indexer: Option<Box<Indexer>>,
     o: Linear,
 }
 
@@ -72,6 +80,7 @@ pub(crate) struct MlaScratch {
     /// The absorbed sequences' rows when others run expanded.
     packed: Packed,
     expand: ExpandScratch,
+    indexer: IndexerScratch,
 }
 
 #[derive(Default)]
@@ -208,6 +217,11 @@ impl MlaAttention {
             }
         };
         let o_cols = mine.start * m.v_dim..mine.end * m.v_dim;
+        let indexer = match (&cfg.indexer, m.q_lora_rank) {
+            (Some(ic), Some(r)) => Some(Box::new(Indexer::load(ld, cfg, ic, r, prefix)?)),
+            // Configs reject an indexer without the query latent.
+            _ => None,
+        };
         Ok(MlaAttention {
             heads: nh,
             q,
@@ -216,6 +230,7 @@ impl MlaAttention {
             k_b: PerHead::new("attn_k_b head", k_b, [m.kv_lora_rank, m.nope_dim])?,
             v_b: PerHead::new("attn_v_b head", v_b, [m.v_dim, m.kv_lora_rank])?,
             expansion,
+            indexer,
             o: ld.linear_cols(&names.o, [h, all * m.v_dim], o_cols, Bias::IfPresent)?,
         })
     }
@@ -231,6 +246,7 @@ impl MlaAttention {
             + self.k_b.byte_len()
             + self.v_b.byte_len()
             + self.expansion.as_ref().map_or(0, |e| e.byte_len())
+            + self.indexer.as_ref().map_or(0, |i| i.byte_len())
     }
 
     /// Attention of the batch's `n` tokens (normed input `xn`), storing
@@ -242,7 +258,7 @@ impl MlaAttention {
         cfg: &ModelConfig,
         m: &MlaConfig,
         inv_freq: &[f32],
-        ctx: LayerCtx<'_, '_>,
+        mut ctx: LayerCtx<'_, '_>,
         xn: &[f32],
         n: usize,
         q8: &mut Q8Activations,
@@ -260,6 +276,7 @@ impl MlaAttention {
             absorb,
             packed,
             expand,
+            indexer,
         } = s;
         let q = sized(q, n * nh * qk);
         let latent = sized(latent, n * lat);
@@ -301,11 +318,21 @@ impl MlaAttention {
                 }
             }
         }
+        let sel = match (&self.indexer, &self.q) {
+            (Some(ix), QProj::LowRank { norm, .. }) => {
+                let qr = &qa[..n * norm.len()];
+                ix.select(cfg, inv_freq, &mut ctx, (xn, qr), n, q8, indexer)?;
+                Some(&indexer.sel).filter(|sel| sel.any_sparse())
+            }
+            _ => None,
+        };
         let (qd, vd) = (nh * qk, nh * m.v_dim);
         let attn = sized(attn, n * vd);
         let (expanded, absorbed): (Vec<&SeqAttn<'_>>, Vec<&SeqAttn<'_>>) =
             ctx.seqs.iter().partition(|sq| {
-                self.expansion.is_some() && Expansion::cheaper(m, nh, sq.rows.len(), sq.pos0)
+                sel.is_none()
+                    && self.expansion.is_some()
+                    && Expansion::cheaper(m, nh, sq.rows.len(), sq.pos0)
             });
         match self.expansion.as_ref().filter(|_| !expanded.is_empty()) {
             None => {
@@ -315,7 +342,8 @@ impl MlaAttention {
                     latent,
                     n,
                 };
-                self.absorbed(cfg, m, (ctx.pool, ctx.index), rows, q8, absorb, attn)?;
+                let at = (&mut *ctx.pool, ctx.index, sel);
+                self.absorbed(cfg, m, at, rows, q8, absorb, attn)?;
             }
             Some(e) => {
                 for sq in expanded {
@@ -356,7 +384,8 @@ impl MlaAttention {
                         latent: &packed.latent,
                         n: k,
                     };
-                    self.absorbed(cfg, m, (&mut *ctx.pool, ctx.index), rows, q8, absorb, out)?;
+                    let at = (&mut *ctx.pool, ctx.index, None);
+                    self.absorbed(cfg, m, at, rows, q8, absorb, out)?;
                     for (sq, p) in absorbed.iter().zip(&seqs) {
                         attn[sq.rows.start * vd..sq.rows.end * vd]
                             .copy_from_slice(&out[p.rows.start * vd..p.rows.end * vd]);
@@ -370,13 +399,14 @@ impl MlaAttention {
 
     /// The absorbed form for `r`'s tokens: stores their latent rows in the
     /// pool's layer and writes each head's attention output (expanded by
-    /// `V_h`) to `attn` (`[n, heads, v]`).
+    /// `V_h`) to `attn` (`[n, heads, v]`); each token over the rows `sel`
+    /// chose for it when given (its token indices are `r`'s rows).
     #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
     fn absorbed(
         &self,
         cfg: &ModelConfig,
         m: &MlaConfig,
-        (pool, layer): (&mut KvPool, usize),
+        (pool, layer, sel): (&mut KvPool, usize, Option<&TopK>),
         r: Rows<'_, '_>,
         q8: &mut Q8Activations,
         s: &mut AbsorbScratch,
@@ -419,7 +449,13 @@ impl MlaAttention {
             window: None,
         };
         let out_lat = sized(&mut s.out_lat, n * nh * rank);
-        pool.store_and_attend(layer, r.seqs, (r.latent, None), &params, q_abs, out_lat);
+        match sel {
+            None => pool.store_and_attend(layer, r.seqs, (r.latent, None), &params, q_abs, out_lat),
+            Some(sel) => {
+                let kv = (r.latent, None);
+                pool.store_and_attend_sparse(layer, r.seqs, kv, &params, q_abs, sel, out_lat)
+            }
+        }
         // Expand each head's output latent into its value.
         let vd = m.v_dim;
         let (hin, hout) = (&mut head_in[..nh * n * rank], &mut head_out[..nh * n * vd]);

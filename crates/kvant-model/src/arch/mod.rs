@@ -3,11 +3,14 @@
 //! latent attention, [`mla`]) and a feed-forward (dense, or a mixture of
 //! experts, [`moe`]), with switches from [`crate::config::ModelConfig`]:
 //! Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE and
-//! DeepSeek-V2/V3 (GigaChat3) are configurations of it, not copies.
+//! DeepSeek-V2/V3 (GigaChat3) are configurations of it, not copies;
+//! DeepSeek-V3.2 adds an [`indexer`] to latent attention, which makes it
+//! sparse.
 
 pub mod decoder;
 mod ffn;
 mod heads;
+mod indexer;
 mod layer;
 mod loader;
 mod mha;

@@ -119,11 +119,12 @@ impl ExpertsConfig {
                         .collect(),
                 }
             }
-            Arch::DeepseekV2 | Arch::DeepseekV3 => {
+            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 => {
                 let Some(n) = int("n_routed_experts")? else {
                     return Ok(None);
                 };
-                let v3 = arch == Arch::DeepseekV3;
+                // V3.2 routes as V3 does.
+                let v3 = arch != Arch::DeepseekV2;
                 let grouped = v3
                     || cfg.get("topk_method").and_then(Value::as_str)
                         == Some("group_limited_greedy");
@@ -198,6 +199,8 @@ impl ExpertsConfig {
             None => req("feed_forward_length")?,
         };
         let scoring = match g.get_u32(&key("expert_gating_func"))? {
+            // DeepSeek-V3.2 routes by sigmoid only (llama.cpp requires the key).
+            None if arch_name == "deepseek32" => Scoring::Sigmoid,
             None | Some(1) => Scoring::Softmax,
             Some(2) => Scoring::Sigmoid,
             Some(other) => {

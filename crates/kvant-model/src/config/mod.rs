@@ -15,7 +15,10 @@ pub enum ConfigError {
     Missing(String),
     #[error("config key `{key}` has an invalid value: {why}")]
     Invalid { key: String, why: String },
-    #[error("unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3, gemma3)")]
+    #[error(
+        "unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3, gemma3, \
+         mixtral, qwen2moe, qwen3moe, deepseek2, deepseek3, deepseek32)"
+    )]
     UnsupportedArch(String),
     #[error(transparent)]
     Gguf(#[from] crate::gguf::GgufError),
@@ -24,10 +27,12 @@ pub enum ConfigError {
 type Result<T> = std::result::Result<T, ConfigError>;
 
 mod experts;
+mod indexer;
 mod mla;
 mod rope;
 
 pub use experts::{ExpertsConfig, SharedExperts};
+pub use indexer::IndexerConfig;
 pub use mla::MlaConfig;
 pub use rope::RopeScaling;
 
@@ -44,6 +49,8 @@ pub enum Arch {
     Qwen3Moe,
     DeepseekV2,
     DeepseekV3,
+    /// DeepSeek-V3 with indexer-selected sparse attention.
+    DeepseekV32,
 }
 
 impl Arch {
@@ -59,6 +66,7 @@ impl Arch {
             Arch::Qwen3Moe => "qwen3moe",
             Arch::DeepseekV2 => "deepseek2",
             Arch::DeepseekV3 => "deepseek3",
+            Arch::DeepseekV32 => "deepseek32",
         }
     }
 }
@@ -105,6 +113,8 @@ pub struct ModelConfig {
     /// `n_kv_heads` is 1 (one latent per token) and `head_dim` is the
     /// per-head query/key size before absorption.
     pub mla: Option<MlaConfig>,
+    /// DeepSeek sparse attention: every latent-attention layer's indexer.
+    pub indexer: Option<IndexerConfig>,
     /// Multi-token-prediction layers stored after the main ones
     /// (DeepSeek-V3's `num_nextn_predict_layers`).
     pub mtp_layers: usize,
@@ -207,6 +217,7 @@ impl ModelConfig {
             "qwen2moe" => Arch::Qwen2Moe,
             "qwen3moe" => Arch::Qwen3Moe,
             "deepseek2" => Arch::DeepseekV2,
+            "deepseek32" => Arch::DeepseekV32,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -227,7 +238,13 @@ impl ModelConfig {
             (a, _) => a,
         };
         let mla = match arch {
-            Arch::DeepseekV2 => Some(MlaConfig::from_gguf(g, &arch_name)?),
+            Arch::DeepseekV2 | Arch::DeepseekV32 => Some(MlaConfig::from_gguf(g, &arch_name)?),
+            _ => None,
+        };
+        let indexer = match (arch, mla) {
+            (Arch::DeepseekV32, Some(m)) => {
+                Some(IndexerConfig::from_gguf(g, &arch_name, m.rope_dim)?)
+            }
             _ => None,
         };
         let req = |k: &str| -> Result<usize> {
@@ -263,7 +280,7 @@ impl ModelConfig {
         };
         let style = if matches!(
             arch,
-            Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::DeepseekV2
+            Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::DeepseekV2 | Arch::DeepseekV32
         ) {
             RopeStyle::Interleaved
         } else {
@@ -309,6 +326,7 @@ impl ModelConfig {
             gemma,
             experts,
             mla,
+            indexer,
             mtp_layers,
         }
         .validate()
@@ -332,12 +350,26 @@ impl ModelConfig {
             "qwen3_moe" => Arch::Qwen3Moe,
             "deepseek_v2" => Arch::DeepseekV2,
             "deepseek_v3" => Arch::DeepseekV3,
+            "deepseek_v32" => Arch::DeepseekV32,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
-        let deepseek = matches!(arch, Arch::DeepseekV2 | Arch::DeepseekV3);
+        let deepseek = matches!(
+            arch,
+            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32
+        );
         let mla = match deepseek {
             true => Some(MlaConfig::from_hf(cfg)?),
             false => None,
+        };
+        let indexer = match (arch, mla) {
+            (Arch::DeepseekV32, Some(m)) => {
+                if m.q_lora_rank.is_none() {
+                    // The indexer's queries come from the query latent.
+                    return Err(ConfigError::Missing("q_lora_rank".into()));
+                }
+                Some(IndexerConfig::from_hf(cfg, m.rope_dim)?)
+            }
+            _ => None,
         };
         let usize_key = |k: &str| json_usize(cfg, k);
         let req = |k: &str| usize_key(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
@@ -410,7 +442,7 @@ impl ModelConfig {
             Arch::Qwen2Moe => cfg.get("qkv_bias").and_then(Value::as_bool).unwrap_or(true),
             // DeepSeek's attention biases sit on other projections; they
             // load when present.
-            Arch::DeepseekV2 | Arch::DeepseekV3 => false,
+            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 => false,
             _ => cfg
                 .get("attention_bias")
                 .and_then(Value::as_bool)
@@ -441,8 +473,9 @@ impl ModelConfig {
         };
         // DeepSeek rotates interleaved pairs (V2 as complex numbers, V3
         // unless `rope_interleave` is false).
+        // transformers' V3.2 always interleaves (its MLA has no switch).
         let interleaved = match arch {
-            Arch::DeepseekV2 => true,
+            Arch::DeepseekV2 | Arch::DeepseekV32 => true,
             Arch::DeepseekV3 => cfg
                 .get("rope_interleave")
                 .and_then(Value::as_bool)
@@ -451,7 +484,9 @@ impl ModelConfig {
         };
         let experts = ExpertsConfig::from_hf(cfg, arch, n_layers)?;
         let mtp_layers = match arch {
-            Arch::DeepseekV3 => usize_key("num_nextn_predict_layers")?.unwrap_or(0),
+            Arch::DeepseekV3 | Arch::DeepseekV32 => {
+                usize_key("num_nextn_predict_layers")?.unwrap_or(0)
+            }
             _ => 0,
         };
         ModelConfig {
@@ -493,6 +528,7 @@ impl ModelConfig {
             gemma,
             experts,
             mla,
+            indexer,
             mtp_layers,
         }
         .validate()

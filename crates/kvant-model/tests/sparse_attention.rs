@@ -1,0 +1,80 @@
+//! DeepSeek sparse attention (V3.2) against dense latent attention: a
+//! token that sees no more positions than the indexer keeps attends to
+//! all of them, so there the model is DeepSeek-V3 with the same weights,
+//! bit for bit (both absorbed, whose rows are batch-invariant); past the
+//! top-k it is not. The transformers comparisons live in
+//! `reference_models.rs` and the indexer's own unit test.
+
+use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits, MlaPrefill};
+use kvant_model::checkpoint::Checkpoint;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/deepseek-v32")
+}
+
+/// The fixture with its config.json edited by `edit`, in a temporary dir.
+fn variant(edit: impl Fn(&mut Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(fixture()).expect("fixture") {
+        let p = e.expect("entry").path();
+        std::fs::copy(&p, dir.path().join(p.file_name().expect("name"))).expect("copy");
+    }
+    let path = dir.path().join("config.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    edit(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).expect("write");
+    dir
+}
+
+fn logits(path: &Path, prompt: &[u32]) -> (Vec<f32>, usize) {
+    let ckpt = Checkpoint::open(path).expect("checkpoint");
+    let opts = LoadOptions {
+        mla_prefill: MlaPrefill::Absorbed,
+        ..LoadOptions::F32
+    };
+    let m = DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts, None).expect("load");
+    let mut cache = m.new_cache(prompt.len()).expect("cache");
+    let out = m.forward(prompt, &mut cache, Logits::All).expect("forward");
+    (out, m.config().vocab)
+}
+
+#[test]
+fn within_the_top_k_sparse_attention_is_dense_attention() {
+    let r: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture().join("reference.json")).expect("reference"),
+    )
+    .expect("json");
+    let prompt: Vec<u32> = r["prompt_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect();
+    let topk = r["indexer"]["topk"].as_u64().expect("topk") as usize;
+    assert!(
+        prompt.len() > 2 * topk,
+        "the prompt must reach past the top-k"
+    );
+    // The same weights as dense MLA (DeepSeek-V3 ignores the indexer's).
+    let dense = variant(|c| {
+        c["model_type"] = "deepseek_v3".into();
+        c["architectures"] = serde_json::json!(["DeepseekV3ForCausalLM"]);
+        c["rope_interleave"] = true.into();
+    });
+    // DeepSeek-V3.2 with a top-k beyond the prompt: never sparse.
+    let wide = variant(|c| c["index_topk"] = 64.into());
+    let (sparse, vocab) = logits(&fixture(), &prompt);
+    let (dense, _) = logits(dense.path(), &prompt);
+    let (wide, _) = logits(wide.path(), &prompt);
+    let row = |l: &[f32], t: usize| l[t * vocab..(t + 1) * vocab].to_vec();
+    for t in 0..prompt.len() {
+        assert_eq!(row(&wide, t), row(&dense, t), "top-k 64, position {t}");
+        match t < topk {
+            true => assert_eq!(row(&sparse, t), row(&dense, t), "position {t}"),
+            false => assert_ne!(row(&sparse, t), row(&dense, t), "position {t}"),
+        }
+    }
+}
