@@ -33,25 +33,28 @@ const DENSE: [&str; 8] = [
     "qwen3-qknorm",
     "gemma3-text",
 ];
-const MOE: [&str; 6] = [
+const MOE: [&str; 7] = [
     "mixtral-moe",
     "qwen2-moe",
     "qwen3-moe",
     "deepseek-v2",
     "deepseek-v3",
     "deepseek-v3-qnull",
+    // Sparse attention: every rank runs the whole indexer.
+    "deepseek-v32",
 ];
 const GGUF_DENSE: [&str; 3] = [
     "gguf/llama-gqa.Q4_0.gguf",
     "gguf/llama-gqa.Q8_0.gguf",
     "gguf/llama-mqa-tied.Q8_0.gguf",
 ];
-const GGUF_MOE: [&str; 5] = [
+const GGUF_MOE: [&str; 6] = [
     "gguf/mixtral-moe.Q8_0.gguf",
     "gguf/qwen2-moe-sparse.Q8_0.gguf",
     "gguf/qwen3-moe.Q8_0.gguf",
     "gguf/deepseek-v2.Q8_0.gguf",
     "gguf/deepseek-v3.Q8_0.gguf",
+    "gguf/deepseek-v32.Q8_0.gguf",
 ];
 
 #[derive(Clone, Copy, Debug)]

@@ -77,9 +77,11 @@ fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
 /// Every request's greedy tokens are the same alone and among 16
 /// concurrent ones, even when the step budget chunks their prompts and a
 /// small pool forces preemptions (recomputed from the prefix cache).
+/// `deepseek-v32` attends sparsely (top-8) past its 8th position, with its
+/// indexer keys in the same blocks as the latent rows.
 #[test]
 fn outputs_do_not_depend_on_load() {
-    for name in [DENSE, "deepseek-v3", "qwen2-moe"] {
+    for name in [DENSE, "deepseek-v3", "qwen2-moe", "deepseek-v32"] {
         outputs_do_not_depend_on_load_of(name);
     }
 }
@@ -121,20 +123,30 @@ fn outputs_do_not_depend_on_load_of(name: &str) {
 }
 
 /// A prompt sharing a prefix with earlier work reuses its blocks, and
-/// produces what it produces with caching off.
+/// produces what it produces with caching off (for sparse attention too,
+/// whose cached blocks carry the indexer keys the suffix scores).
 #[test]
 fn prefix_cache_hits_change_nothing_but_work() {
+    for name in [DENSE, "deepseek-v32"] {
+        prefix_cache_hits_change_nothing_but_work_of(name);
+    }
+}
+
+fn prefix_cache_hits_change_nothing_but_work_of(name: &str) {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     let shared: Vec<u32> = (0..50).map(|_| rng.random_range(3..250)).collect();
     let with_suffix = |s: &[u32]| [shared.as_slice(), s].concat();
     let (a, b) = (with_suffix(&[7, 8, 9]), with_suffix(&[10, 11]));
     let mut outs = Vec::new();
     for caching in [true, false] {
-        let (h, t) = start(EngineConfig {
-            block_size: 8,
-            prefix_caching: caching,
-            ..EngineConfig::default()
-        });
+        let (h, t) = start_with(
+            name,
+            EngineConfig {
+                block_size: 8,
+                prefix_caching: caching,
+                ..EngineConfig::default()
+            },
+        );
         let (first, _, u1) = collect(&submit(&h, greedy(a.clone(), 10)));
         let (second, _, u2) = collect(&submit(&h, greedy(b.clone(), 10)));
         assert_eq!(u1.cached_tokens, 0);
@@ -151,7 +163,7 @@ fn prefix_cache_hits_change_nothing_but_work() {
         h.shutdown(Shutdown::Drain);
         t.join().unwrap();
     }
-    assert_eq!(outs[0], outs[1]);
+    assert_eq!(outs[0], outs[1], "{name}");
 }
 
 /// Requests that arrive together with a shared uncached prefix compute it
