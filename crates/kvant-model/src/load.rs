@@ -49,6 +49,9 @@ pub struct ModelInfo {
     /// Latent attention: `kv_lora_rank + qk_rope_head_dim` values cached
     /// per token and layer.
     pub mla_latent_dim: Option<usize>,
+    /// Sparse attention (DeepSeek-V3.2): indexer heads, key size, and the
+    /// positions each token attends to.
+    pub indexer: Option<(usize, usize, usize)>,
     /// KV cache bytes per token (f16 cache), and what caching each head's
     /// expanded keys and values would take.
     pub kv_bytes_per_token: usize,
@@ -121,6 +124,7 @@ pub fn load_parallel(
             (e.router.n_experts, e.router.top_k, layers)
         }),
         mla_latent_dim: c.mla.map(|m| m.latent_dim()),
+        indexer: c.indexer.map(|i| (i.n_heads, i.head_dim, i.topk)),
         kv_bytes_per_token: model.kv_bytes_per_token(),
         kv_bytes_per_token_expanded: model.expanded_kv_bytes_per_token(),
         mtp_layers: c.mtp_layers,

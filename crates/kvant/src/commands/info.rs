@@ -41,6 +41,12 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
         ),
         None => println!("KV cache        {} B/token", i.kv_bytes_per_token),
     }
+    if let Some((heads, dim, topk)) = i.indexer {
+        println!(
+            "sparse          each token attends to its top {topk} positions \
+             (indexer: {heads} heads of {dim}, one {dim}-value key per position cached)"
+        );
+    }
     if i.mtp_layers > 0 {
         println!("MTP layers      {} (load with --mtp)", i.mtp_layers);
     }
