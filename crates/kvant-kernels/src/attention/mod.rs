@@ -71,7 +71,7 @@ pub struct SeqAttn<'a> {
 /// Query rows per work item: a GQA group's heads times a few tokens, as
 /// many as share each loaded (widened) key tile while the scores and
 /// accumulators stay in L1.
-pub(super) const MAX_ROWS: usize = 24;
+const MAX_ROWS: usize = 24;
 
 /// Work items wanted per pool thread, for balance (late rows see more keys).
 const ITEMS_PER_THREAD: usize = 4;
@@ -176,100 +176,117 @@ pub fn attention_with<T: KvElem>(
             }
         }
         let out = DisjointSlice::new(out);
-        let write_row = |seq: usize, t: usize, h: usize, f: &mut dyn FnMut(&mut [f32])| {
-            let o = ((seqs[seq].rows.start + t) * p.n_heads + h) * vd;
+        let rows_of = |seq: usize| seqs[seq].rows.start;
+        execute(
+            (plan, tasks, off),
+            (p.n_heads, vd),
+            &|pl, part, st| rows::run_partition(tier, p, &operands(pl.seq), &pl.item, part, st),
+            &rows_of,
+            &out,
+        );
+    });
+}
+
+/// Runs the items of `plan` (each over its partitions, the states folded
+/// left to right) and writes each row's normalised result into `out`
+/// (`[tokens, heads, vd]`; an item's token `t` is row `row0(seq) + t`).
+/// When the items are too few for the pool, their partitions are spread
+/// over tasks whose states are kept and folded afterwards in the same
+/// order (flash-decoding): the result is the same either way.
+fn execute(
+    (plan, tasks, off): (&[Planned], &mut Vec<Task>, usize),
+    (n_heads, vd): (usize, usize),
+    run: &(dyn Fn(&Planned, usize, &mut State) + Sync),
+    row0: &(dyn Fn(usize) -> usize + Sync),
+    out: &DisjointSlice<'_, f32>,
+) {
+    let finish = |pl: &Planned, m: &Partial| {
+        for r in 0..pl.item.rows() {
+            let (t, h) = pl.item.row(r);
+            let (l, acc) = (m.l[r], &m.acc[r * vd..(r + 1) * vd]);
+            let o = ((row0(pl.seq) + t) * n_heads + h) * vd;
             // SAFETY: every (sequence, token, head) row belongs to exactly
             // one item, and sequences' rows do not overlap (checked by the
             // caller's construction; out-of-range panics in `range`).
-            f(unsafe { out.range(o..o + vd) });
-        };
-        let finish = |pl: &Planned, m: &Partial| {
-            for r in 0..pl.item.rows() {
-                let (t, h) = pl.item.row(r);
-                let (l, acc) = (m.l[r], &m.acc[r * vd..(r + 1) * vd]);
-                write_row(pl.seq, t, h, &mut |o| {
-                    o.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
-                });
-            }
-        };
-        let wanted = pool::global().threads() * ITEMS_PER_THREAD;
-        let total_parts: usize = plan.iter().map(|pl| pl.parts.1 - pl.parts.0).sum();
-        if plan.len() >= wanted || total_parts <= plan.len() {
-            let plan = &*plan;
-            pool::global().run(plan.len(), &|i| {
-                let pl = &plan[i];
-                let ops = &operands(pl.seq);
-                STATE.with_borrow_mut(|st| {
-                    MERGED.with_borrow_mut(|m| {
-                        m.reset(pl.item.rows(), vd);
-                        for part in pl.parts.0..pl.parts.1 {
-                            rows::run_partition(tier, p, ops, &pl.item, part, st);
-                            fold_rows(m, &st.part, vd);
-                        }
-                        finish(pl, m);
-                    });
-                });
-            });
-            return;
+            let dst = unsafe { out.range(o..o + vd) };
+            dst.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
         }
-        // Flash-decoding: spread each item's partitions over tasks, keep
-        // every partition's state, then fold them in order per item.
-        let per_item = wanted.div_ceil(plan.len());
-        tasks.clear();
-        for (i, pl) in plan.iter().enumerate() {
-            let n = pl.parts.1 - pl.parts.0;
-            let chunk = n.div_ceil(per_item.min(n).max(1));
-            let mut a = pl.parts.0;
-            while a < pl.parts.1 {
-                let b = (a + chunk).min(pl.parts.1);
-                tasks.push((i, a, b));
-                a = b;
-            }
-        }
-        PARTS.with_borrow_mut(|parts| {
-            parts.resize(off, 0.0);
-            let shared = DisjointSlice::new(parts);
-            let (plan, tasks) = (&*plan, &*tasks);
-            pool::global().run(tasks.len(), &|task| {
-                let (i, a, b) = tasks[task];
-                let pl = &plan[i];
-                let rows = pl.item.rows();
-                let stride = rows * (2 + vd);
-                let at = pl.off + (a - pl.parts.0) * stride;
-                // SAFETY: each (item, partition) owns its own stride of the
-                // buffer, and tasks cover disjoint partition ranges.
-                let mine = unsafe { shared.range(at..at + (b - a) * stride) };
-                STATE.with_borrow_mut(|st| {
-                    for (part, dst) in (a..b).zip(mine.chunks_exact_mut(stride)) {
-                        rows::run_partition(tier, p, &operands(pl.seq), &pl.item, part, st);
-                        dst[..rows].copy_from_slice(&st.part.m);
-                        dst[rows..2 * rows].copy_from_slice(&st.part.l);
-                        dst[2 * rows..].copy_from_slice(&st.part.acc);
-                    }
-                });
-            });
-            let parts = &*parts;
-            pool::global().run(plan.len(), &|i| {
-                let pl = &plan[i];
-                let rows = pl.item.rows();
-                let stride = rows * (2 + vd);
-                let n = pl.parts.1 - pl.parts.0;
+    };
+    let wanted = pool::global().threads() * ITEMS_PER_THREAD;
+    let total_parts: usize = plan.iter().map(|pl| pl.parts.1 - pl.parts.0).sum();
+    if plan.len() >= wanted || total_parts <= plan.len() {
+        pool::global().run(plan.len(), &|i| {
+            let pl = &plan[i];
+            STATE.with_borrow_mut(|st| {
                 MERGED.with_borrow_mut(|m| {
-                    m.reset(rows, vd);
-                    for s in parts[pl.off..pl.off + n * stride].chunks_exact(stride) {
-                        for r in 0..rows {
-                            fold(
-                                &mut m.m[r],
-                                &mut m.l[r],
-                                &mut m.acc[r * vd..(r + 1) * vd],
-                                s[r],
-                                s[rows + r],
-                                &s[2 * rows + r * vd..2 * rows + (r + 1) * vd],
-                            );
-                        }
+                    m.reset(pl.item.rows(), vd);
+                    for part in pl.parts.0..pl.parts.1 {
+                        run(pl, part, st);
+                        fold_rows(m, &st.part, vd);
                     }
                     finish(pl, m);
                 });
+            });
+        });
+        return;
+    }
+    // Flash-decoding: spread each item's partitions over tasks, keep
+    // every partition's state, then fold them in order per item.
+    let per_item = wanted.div_ceil(plan.len());
+    tasks.clear();
+    for (i, pl) in plan.iter().enumerate() {
+        let n = pl.parts.1 - pl.parts.0;
+        let chunk = n.div_ceil(per_item.min(n).max(1));
+        let mut a = pl.parts.0;
+        while a < pl.parts.1 {
+            let b = (a + chunk).min(pl.parts.1);
+            tasks.push((i, a, b));
+            a = b;
+        }
+    }
+    PARTS.with_borrow_mut(|parts| {
+        parts.resize(off, 0.0);
+        let shared = DisjointSlice::new(parts);
+        let tasks = &*tasks;
+        pool::global().run(tasks.len(), &|task| {
+            let (i, a, b) = tasks[task];
+            let pl = &plan[i];
+            let rows = pl.item.rows();
+            let stride = rows * (2 + vd);
+            let at = pl.off + (a - pl.parts.0) * stride;
+            // SAFETY: each (item, partition) owns its own stride of the
+            // buffer, and tasks cover disjoint partition ranges.
+            let mine = unsafe { shared.range(at..at + (b - a) * stride) };
+            STATE.with_borrow_mut(|st| {
+                for (part, dst) in (a..b).zip(mine.chunks_exact_mut(stride)) {
+                    run(pl, part, st);
+                    dst[..rows].copy_from_slice(&st.part.m);
+                    dst[rows..2 * rows].copy_from_slice(&st.part.l);
+                    dst[2 * rows..].copy_from_slice(&st.part.acc);
+                }
+            });
+        });
+        let parts = &*parts;
+        pool::global().run(plan.len(), &|i| {
+            let pl = &plan[i];
+            let rows = pl.item.rows();
+            let stride = rows * (2 + vd);
+            let n = pl.parts.1 - pl.parts.0;
+            MERGED.with_borrow_mut(|m| {
+                m.reset(rows, vd);
+                for s in parts[pl.off..pl.off + n * stride].chunks_exact(stride) {
+                    for r in 0..rows {
+                        fold(
+                            &mut m.m[r],
+                            &mut m.l[r],
+                            &mut m.acc[r * vd..(r + 1) * vd],
+                            s[r],
+                            s[rows + r],
+                            &s[2 * rows + r * vd..2 * rows + (r + 1) * vd],
+                        );
+                    }
+                }
+                finish(pl, m);
             });
         });
     });

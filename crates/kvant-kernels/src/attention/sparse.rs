@@ -11,20 +11,11 @@
 
 use super::indexer::TopK;
 use super::kv::{KvBlocks, KvElem};
-use super::rows::{absorb_tile, scores, State, KEY_TILE};
-use super::{AttnParams, SeqAttn, MAX_ROWS};
+use super::rows::{absorb_tile, scores, Item, State, KEY_TILE, PARTITION};
+use super::{execute, AttnParams, Planned, SeqAttn, MAX_ROWS, PLAN};
 use crate::cpu::{self, SimdTier};
-use crate::pool::{self, DisjointSlice};
+use crate::pool::DisjointSlice;
 use crate::vecops;
-use std::cell::RefCell;
-
-/// A work item: (sequence, token row, KV head, first head, heads).
-type Item = (usize, usize, usize, usize, usize);
-
-thread_local! {
-    static STATE: RefCell<State> = RefCell::new(State::default());
-    static ITEMS: RefCell<Vec<Item>> = const { RefCell::new(Vec::new()) };
-}
 
 /// Attention of the query tokens that `sel` marks sparse, each over its
 /// selected positions only, on the start-up tier; rows of other tokens in
@@ -42,6 +33,12 @@ pub fn sparse_attention<T: KvElem>(
 }
 
 /// [`sparse_attention`] on a given tier (lowered to one the CPU supports).
+///
+/// Work items are one token's heads of one KV head (at most `MAX_ROWS`);
+/// an item's selected positions are cut into partitions of [`PARTITION`]
+/// that run in one task or, for a decode step with too few items to
+/// occupy the pool, across tasks, folded in order either way (as the
+/// dense kernel does).
 ///
 /// # Panics
 /// If the slices, tables or selections disagree with `p` and `kv`, or a
@@ -66,8 +63,9 @@ pub fn sparse_attention_with<T: KvElem>(
         assert!(vd <= hd, "latent values longer than the keys");
     }
     let tier = cpu::clamp(tier);
-    ITEMS.with_borrow_mut(|items| {
-        items.clear();
+    PLAN.with_borrow_mut(|(plan, tasks)| {
+        plan.clear();
+        let mut off = 0;
         let hs = group.min(MAX_ROWS);
         for (si, s) in seqs.iter().enumerate() {
             for (i, row) in s.rows.clone().enumerate() {
@@ -81,59 +79,83 @@ pub fn sparse_attention_with<T: KvElem>(
                 );
                 for kvh in 0..p.n_kv_heads {
                     for h0 in (kvh * group..(kvh + 1) * group).step_by(hs) {
-                        items.push((si, row, kvh, h0, hs.min((kvh + 1) * group - h0)));
+                        let item = Item {
+                            kvh,
+                            h0,
+                            hs: hs.min((kvh + 1) * group - h0),
+                            t0: i,
+                            tq: 1,
+                        };
+                        let parts = picked.len().div_ceil(PARTITION);
+                        plan.push(Planned {
+                            seq: si,
+                            item,
+                            parts: (0, parts),
+                            off,
+                        });
+                        off += parts * item.rows() * (2 + vd);
                     }
                 }
             }
         }
         let out = DisjointSlice::new(out);
-        let items = &*items;
-        pool::global().run(items.len(), &|i| {
-            let (si, row, kvh, h0, hs) = items[i];
-            let table = seqs[si].table;
+        let rows_of = |seq: usize| seqs[seq].rows.start;
+        let run = |pl: &Planned, part: usize, st: &mut State| {
+            let s = &seqs[pl.seq];
+            let row = s.rows.start + pl.item.t0;
             let picked = sel.get(row).unwrap_or(&[]);
-            let qrow = |r: usize| &q[(row * p.n_heads + h0 + r) * hd..][..hd];
-            STATE.with_borrow_mut(|st| {
-                st.part.reset(hs, vd);
-                st.s.resize(hs * KEY_TILE, 0.0);
-                st.kt.resize(KEY_TILE * hd, 0.0);
-                if kv.v.is_some() {
-                    st.vt.resize(KEY_TILE * vd, 0.0);
-                }
-                for tile in picked.chunks(KEY_TILE) {
-                    let tk = tile.len();
-                    kv.widen_rows(
-                        table,
-                        p.n_kv_heads,
-                        (hd, vd),
-                        kvh,
-                        tile,
-                        &mut st.kt,
-                        &mut st.vt,
-                    );
-                    let kt = &st.kt;
-                    let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
-                    scores(tier, hs, &qrow, &krow, tk, &mut st.s);
-                    for r in 0..hs {
-                        let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
-                        let tile_max = vecops::scale_max(tier, p.scale, s);
-                        let values = match kv.v {
-                            Some(_) => (&st.vt[..], vd),
-                            None => (&st.kt[..], hd),
-                        };
-                        absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
-                    }
-                }
-                for r in 0..hs {
-                    let o = (row * p.n_heads + h0 + r) * vd;
-                    // SAFETY: each (token, head) row belongs to one item.
-                    let dst = unsafe { out.range(o..o + vd) };
-                    let (l, acc) = (st.part.l[r], &st.part.acc[r * vd..(r + 1) * vd]);
-                    dst.iter_mut().zip(acc).for_each(|(o, a)| *o = a / l);
-                }
-            });
-        });
+            let picked = &picked[part * PARTITION..((part + 1) * PARTITION).min(picked.len())];
+            run_partition(tier, p, (q, row), kv, s.table, &pl.item, picked, st);
+        };
+        execute((plan, tasks, off), (p.n_heads, vd), &run, &rows_of, &out);
     });
+}
+
+/// Runs `it`'s rows (heads of token `row` of the call) over the gathered
+/// rows at `picked`, leaving the partition's state in `st.part`.
+#[allow(clippy::too_many_arguments)] // one partition's operands, unpacked
+fn run_partition<T: KvElem>(
+    tier: SimdTier,
+    p: &AttnParams,
+    (q, row): (&[f32], usize),
+    kv: &KvBlocks<'_, T>,
+    table: &[u32],
+    it: &Item,
+    picked: &[u32],
+    st: &mut State,
+) {
+    let (hd, vd, hs) = (p.head_dim, p.v_dim, it.hs);
+    let qrow = |r: usize| &q[(row * p.n_heads + it.h0 + r) * hd..][..hd];
+    st.part.reset(hs, vd);
+    st.s.resize(hs * KEY_TILE, 0.0);
+    st.kt.resize(KEY_TILE * hd, 0.0);
+    if kv.v.is_some() {
+        st.vt.resize(KEY_TILE * vd, 0.0);
+    }
+    for tile in picked.chunks(KEY_TILE) {
+        let tk = tile.len();
+        kv.widen_rows(
+            table,
+            p.n_kv_heads,
+            (hd, vd),
+            it.kvh,
+            tile,
+            &mut st.kt,
+            &mut st.vt,
+        );
+        let kt = &st.kt;
+        let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
+        scores(tier, hs, &qrow, &krow, tk, &mut st.s);
+        for r in 0..hs {
+            let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
+            let tile_max = vecops::scale_max(tier, p.scale, s);
+            let values = match kv.v {
+                Some(_) => (&st.vt[..], vd),
+                None => (&st.kt[..], hd),
+            };
+            absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -299,6 +321,62 @@ mod tests {
             sparse_attention_with(tier, &p, &q, &store.blocks(), &seqs, &sel, &mut sparse);
             for (a, b) in dense.iter().zip(&sparse) {
                 assert!((a - b).abs() <= TOL, "{tier}: {a} vs {b}");
+            }
+        }
+    }
+
+    /// A token's rows are bit for bit the same when its selection's
+    /// partitions run spread over tasks (a lone decode step) and when they
+    /// run in one task (among many tokens).
+    #[test]
+    fn results_do_not_depend_on_the_split() {
+        let mut rng = ChaCha8Rng::seed_from_u64(33);
+        let (nh, hd, vd, k, past, n) = (16, 40, 32, 700, 3000, 40);
+        let p = AttnParams {
+            n_heads: nh,
+            n_kv_heads: 1,
+            head_dim: hd,
+            v_dim: vd,
+            scale: 0.2,
+            window: None,
+        };
+        let kv = vec![(rand_vec(&mut rng, (past + n) * hd), vec![])];
+        let store = Store::<half::f16>::new(&mut rng, &kv, 1, (hd, vd), 16, true);
+        let q = rand_vec(&mut rng, n * nh * hd);
+        let picks: Vec<Option<Vec<u32>>> = (0..n)
+            .map(|i| {
+                let mut v: Vec<u32> = sample(&mut rng, past + i + 1, k)
+                    .into_iter()
+                    .map(|j| j as u32)
+                    .collect();
+                v.sort_unstable();
+                Some(v)
+            })
+            .collect();
+        for tier in cpu::available_tiers() {
+            let all = TopK::from_rows(k, &picks);
+            let seqs = [SeqAttn {
+                rows: 0..n,
+                pos0: past,
+                table: &store.tables[0],
+            }];
+            let mut together = vec![0f32; n * nh * vd];
+            sparse_attention_with(tier, &p, &q, &store.blocks(), &seqs, &all, &mut together);
+            for t in [0, 17, n - 1] {
+                let one = TopK::from_rows(k, &picks[t..t + 1]);
+                let seqs = [SeqAttn {
+                    rows: 0..1,
+                    pos0: past + t,
+                    table: &store.tables[0],
+                }];
+                let mut alone = vec![0f32; nh * vd];
+                let qt = &q[t * nh * hd..(t + 1) * nh * hd];
+                sparse_attention_with(tier, &p, qt, &store.blocks(), &seqs, &one, &mut alone);
+                assert_eq!(
+                    alone,
+                    together[t * nh * vd..(t + 1) * nh * vd],
+                    "{tier} token {t}"
+                );
             }
         }
     }
