@@ -370,6 +370,10 @@ pub struct BenchArgs {
     /// Tokens decoded one at a time after the prompt; 0 skips the decode test.
     #[arg(long, default_value_t = 128)]
     pub gen_tokens: usize,
+    /// Tokens already in the cache before each test (untimed), as
+    /// llama-bench's -d; a comma list gives one result per depth.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    pub depth: Vec<usize>,
     /// Timed runs after one warm-up; medians are reported.
     #[arg(long, default_value_t = 5, value_parser = at_least_one)]
     pub repetitions: usize,

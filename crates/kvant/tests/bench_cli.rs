@@ -71,16 +71,107 @@ fn bench_json_reports_rates_and_roofline() {
         assert_eq!(runs.len(), 2, "{key}");
         assert!(runs.iter().all(|r| r.is_finite() && *r > 0.0), "{key}");
     }
-    // The KV cache read at the mean decode position (8 + 4/2) is on top of the weights.
+    // Decode steps at positions 8..12 read 9..13 cached positions (their
+    // own included): 10.5 on average, on top of the weights.
     let kv = positive(&out, "kv_bytes_per_position");
-    assert_eq!(positive(&out, "bytes_per_token"), weights + 10.0 * kv);
-    let roofline = out["bandwidth_bytes_per_s"].as_f64().unwrap() / (weights + 10.0 * kv);
+    assert_eq!(positive(&out, "bytes_per_token"), weights + 10.5 * kv);
+    let roofline = out["bandwidth_bytes_per_s"].as_f64().unwrap() / (weights + 10.5 * kv);
     let reported = positive(&out, "roofline_decode_tokens_per_s");
     assert!(
         (reported - roofline).abs() <= JSON_REL_TOL * roofline,
         "{reported} vs {roofline}"
     );
     assert!(["scalar", "avx2", "avx512"].contains(&out["simd_tier"].as_str().unwrap()));
+    // Without --depth: one row, at depth 0, which the top level repeats.
+    let rows = out["depths"].as_array().expect("depths");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["depth"], 0);
+    assert_eq!(out["depth"], 0);
+    assert_eq!(rows[0]["prefill_runs"], out["prefill_runs"]);
+}
+
+/// `--depth` runs every test after that many tokens in the cache: one row
+/// per depth, in the order given, each counting the KV bytes its decode
+/// steps read there.
+#[test]
+fn bench_depths_give_one_row_each() {
+    let model = tiny_gguf();
+    // The fixture's context is 256: 244 + 8 + 4 fills it exactly, so a
+    // repetition that did not rewind the cache to the depth would overflow.
+    let out = json(&kvant_ok(&[
+        "bench",
+        "--model",
+        &model,
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--repetitions",
+        "2",
+        "--threads",
+        "1",
+        "--depth",
+        "100,0,244",
+        "--json",
+    ]));
+    let weights = positive(&out, "weight_bytes");
+    let kv = positive(&out, "kv_bytes_per_position");
+    let rows = out["depths"].as_array().expect("depths");
+    let depths: Vec<u64> = rows.iter().map(|r| r["depth"].as_u64().unwrap()).collect();
+    assert_eq!(depths, [100, 0, 244]);
+    for (row, depth) in rows.iter().zip([100.0, 0.0, 244.0]) {
+        for key in [
+            "prefill_tokens_per_s",
+            "decode_tokens_per_s",
+            "roofline_decode_tokens_per_s",
+            "decode_roofline_fraction",
+        ] {
+            positive(row, key);
+        }
+        assert_eq!(rates(row, "prefill_runs").len(), 2);
+        assert_eq!(rates(row, "decode_runs").len(), 2);
+        // Decode steps at depth + 8 + i read depth + 9 + i positions.
+        let read = (depth + 10.5) * kv;
+        assert_eq!(row["kv_bytes_read_per_token"].as_f64(), Some(read));
+        assert_eq!(row["bytes_per_token"].as_f64(), Some(weights + read));
+        assert!(row["fill_secs"].as_f64().is_some_and(|s| s >= 0.0));
+    }
+    assert!(positive(&rows[2], "fill_secs") > 0.0);
+    // The top level repeats the first depth's row.
+    assert_eq!(out["depth"], 100);
+    assert_eq!(out["decode_runs"], rows[0]["decode_runs"]);
+    assert_eq!(out["bytes_per_token"], rows[0]["bytes_per_token"]);
+}
+
+/// A sliding-window layer's decode step reads only its window: the Gemma 3
+/// fixture has window 8 in layers 0 and 2 and full attention in layer 1.
+#[test]
+fn bench_counts_only_the_window_of_sliding_layers() {
+    let model = fixture("models/gemma3-text");
+    let out = json(&kvant_ok(&[
+        "bench",
+        "--model",
+        model.to_str().expect("utf-8 fixture path"),
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--repetitions",
+        "1",
+        "--threads",
+        "1",
+        "--depth",
+        "100",
+        "--json",
+    ]));
+    let per_layer = positive(&out, "kv_bytes_per_position") / 3.0;
+    // Two local layers read 8 positions each, the global one 110.5 on average.
+    let read = per_layer * (8.0 + 8.0 + 110.5);
+    assert_eq!(out["kv_bytes_read_per_token"].as_f64(), Some(read));
+    assert_eq!(
+        out["bytes_per_token"].as_f64(),
+        Some(positive(&out, "weight_bytes") + read)
+    );
 }
 
 #[test]
@@ -119,6 +210,40 @@ fn bench_rejects_requests_it_cannot_run() {
         err.contains("exceeds the model's context length 256"),
         "{err}"
     );
+    // Any depth that does not leave room for the test, even after one that does.
+    let err = kvant_err(&[
+        "bench",
+        "--model",
+        &tiny_gguf(),
+        "--prompt-tokens",
+        "8",
+        "--gen-tokens",
+        "4",
+        "--depth",
+        "0,245",
+    ]);
+    assert!(
+        err.contains("--depth 245 plus --prompt-tokens 8 plus --gen-tokens 4 exceeds the model's context length 256"),
+        "{err}"
+    );
+    let err = kvant_err(&[
+        "bench",
+        "--model",
+        &tiny_gguf(),
+        "--depth",
+        &usize::MAX.to_string(),
+    ]);
+    assert!(
+        err.contains("exceeds the model's context length 256"),
+        "{err}"
+    );
+    // A depth that is not a number is a usage error.
+    for depth in ["1,x", "", "0,-5"] {
+        let out = kvant(&["bench", "--model", &tiny_gguf(), "--depth", depth]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{depth:?}: {stderr}");
+        assert!(stderr.contains("invalid value"), "{depth:?}: {stderr}");
+    }
     // Zero prompt tokens, repetitions or threads are usage errors (exit 2).
     for args in [
         ["--prompt-tokens", "0"],

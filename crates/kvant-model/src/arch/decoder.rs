@@ -400,6 +400,26 @@ impl DecoderModel {
         self.kv_shape().bytes_per_token()
     }
 
+    /// KV bytes the attention of one token at position `pos` reads over
+    /// all main layers: each layer's keys and values at the positions it
+    /// sees (`0..=pos`, or the last `window` of them in a sliding-window
+    /// layer). The MTP module, which a plain decode step does not run, is
+    /// left out.
+    pub fn kv_bytes_read(&self, pos: usize) -> usize {
+        let shape = self.kv_shape();
+        let per_layer_position = shape.bytes_per_token() / shape.n_layers.max(1);
+        self.layers
+            .iter()
+            .map(|l| {
+                let seen = match l.window {
+                    Some(w) => w.min(pos + 1),
+                    None => pos + 1,
+                };
+                per_layer_position * seen
+            })
+            .sum()
+    }
+
     /// A one-sequence cache able to hold `capacity` tokens (at most the
     /// context length).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache, ModelError> {
