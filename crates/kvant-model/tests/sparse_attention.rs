@@ -78,3 +78,29 @@ fn within_the_top_k_sparse_attention_is_dense_attention() {
         }
     }
 }
+
+/// A decode step reads every position's indexer key but only the top-k
+/// latent rows (what `kvant bench` counts against the roofline).
+#[test]
+fn a_step_reads_the_indexer_keys_and_the_top_k_rows() {
+    let ckpt = Checkpoint::open(&fixture()).expect("checkpoint");
+    let m = DecoderModel::load(
+        &ckpt,
+        ckpt.config().expect("config"),
+        LoadOptions::F32,
+        None,
+    )
+    .expect("load");
+    let (cfg, shape) = (m.config(), m.kv_shape());
+    let (ix, mla) = (cfg.indexer.expect("indexer"), cfg.mla.expect("mla"));
+    let (latent, index) = (mla.latent_dim() * 4, ix.head_dim * 4);
+    assert_eq!(shape.bytes_per_token(), cfg.n_layers * (latent + index));
+    for pos in [0, 3, ix.topk - 1, ix.topk, 100] {
+        let rows = (pos + 1).min(ix.topk);
+        assert_eq!(
+            m.kv_bytes_read(pos),
+            cfg.n_layers * (latent * rows + index * (pos + 1)),
+            "position {pos}"
+        );
+    }
+}

@@ -403,19 +403,26 @@ impl DecoderModel {
     /// KV bytes the attention of one token at position `pos` reads over
     /// all main layers: each layer's keys and values at the positions it
     /// sees (`0..=pos`, or the last `window` of them in a sliding-window
-    /// layer). The MTP module, which a plain decode step does not run, is
-    /// left out.
+    /// layer). Under sparse attention (DeepSeek-V3.2) the indexer reads
+    /// every position's key and attention only the top-k latent rows. The
+    /// MTP module, which a plain decode step does not run, is left out.
     pub fn kv_bytes_read(&self, pos: usize) -> usize {
         let shape = self.kv_shape();
-        let per_layer_position = shape.bytes_per_token() / shape.n_layers.max(1);
+        let elem = shape.dtype.bytes();
+        let index_row = shape.index_dim * elem;
+        let kv_row = shape.bytes_per_token() / shape.n_layers.max(1) - index_row;
+        let attended = match self.cfg.indexer {
+            Some(i) => i.topk.min(pos + 1),
+            None => pos + 1,
+        };
         self.layers
             .iter()
             .map(|l| {
                 let seen = match l.window {
-                    Some(w) => w.min(pos + 1),
-                    None => pos + 1,
+                    Some(w) => w.min(attended),
+                    None => attended,
                 };
-                per_layer_position * seen
+                kv_row * seen + index_row * (pos + 1)
             })
             .sum()
     }
