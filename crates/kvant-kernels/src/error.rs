@@ -24,6 +24,12 @@ pub enum KernelError {
         a: usize,
         b: usize,
     },
+    #[error("{values} values are not whole units of a {dtype} KV cache ({unit} values each)")]
+    KvUnits {
+        dtype: &'static str,
+        values: usize,
+        unit: usize,
+    },
     #[error(transparent)]
     Core(#[from] CoreError),
     #[error("router parameters: {what} is {value}, expected {min}..={max}")]

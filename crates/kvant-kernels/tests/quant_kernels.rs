@@ -367,3 +367,46 @@ fn quantize_q8_0_round_trips() {
     let mut short = vec![0u8; 33];
     assert!(quant::quantize_row_q8_0(&[0.0; 32], &mut short).is_err());
 }
+
+/// The Q4_0 quantizer follows ggml's `quantize_row_q4_0_ref`: the value of
+/// largest magnitude maps to nibble 0 (`d = max / -8`), the others round
+/// half up (`trunc(x / d + 8.5)`) and clamp at 15, so every value comes
+/// back within half a step `|d|` (a full step at the clamped end), plus the
+/// f16 rounding of `d`; zero blocks stay zero, a wrong size is an error.
+#[test]
+fn quantize_q4_0_matches_ggml_and_round_trips() {
+    // A block worked by hand: x_j = j - 16, so max = -16, d = 2, and
+    // nibble j = min(15, trunc((j - 16) / 2 + 8.5)).
+    let x: Vec<f32> = (0..32).map(|j| j as f32 - 16.0).collect();
+    let mut q = vec![0u8; 18];
+    quant::quantize_row_q4_0(&x, &mut q).expect("one block");
+    assert_eq!(half::f16::from_le_bytes([q[0], q[1]]).to_f32(), 2.0);
+    let nib = |j: usize| ((j as f32 - 16.0) / 2.0 + 8.5).trunc().min(15.0) as u8;
+    for j in 0..16 {
+        assert_eq!(q[2 + j], nib(j) | (nib(j + 16) << 4), "byte {j}");
+    }
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    for n in [32, 96, 32 * 17] {
+        let mut x = random_f32(&mut rng, n);
+        x[..32].iter_mut().for_each(|v| *v = 0.0);
+        let mut q = vec![0u8; DType::Q4_0.bytes_for(n).expect("whole blocks")];
+        quant::quantize_row_q4_0(&x, &mut q).expect("sizes agree");
+        let mut back = vec![0f32; n];
+        quant::dequantize_row_ref(DType::Q4_0, &q, &mut back).expect("sizes agree");
+        for (xb, yb) in x.chunks_exact(32).zip(back.chunks_exact(32)) {
+            let step = xb.iter().fold(0f32, |m, v| m.max(v.abs())) / 8.0;
+            // f16 rounding of d moves a value by at most 8 · 2⁻¹¹ steps.
+            let slack = 8.0 / 2048.0 * step + 1e-7;
+            for (a, b) in xb.iter().zip(yb) {
+                let bound = match a.abs() / step > 7.5 {
+                    true => step,
+                    false => 0.5 * step,
+                };
+                assert!((a - b).abs() <= bound + slack, "{a} vs {b} (step {step})");
+            }
+        }
+        assert!(back[..32].iter().all(|&v| v == 0.0));
+    }
+    let mut short = vec![0u8; 17];
+    assert!(quant::quantize_row_q4_0(&[0.0; 32], &mut short).is_err());
+}

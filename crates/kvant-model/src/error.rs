@@ -36,6 +36,13 @@ pub enum ModelError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("a KV pool of {n_blocks} blocks of {block_size} tokens cannot be allocated")]
     KvTooLarge { block_size: usize, n_blocks: usize },
+    #[error("a {dtype} KV cache stores rows in blocks of {block} values, but this model's {rows} rows have {row} values (not a multiple of {block}); use --kv-cache-type f16, bf16 or f32")]
+    KvRowSize {
+        dtype: kvant_kernels::attention::KvDType,
+        rows: &'static str,
+        row: usize,
+        block: usize,
+    },
     #[error("the KV pool was made for another model shape")]
     KvShape,
     #[error("block table entry {block} is outside the pool of {n_blocks} blocks")]

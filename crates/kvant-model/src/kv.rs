@@ -6,63 +6,67 @@
 //! which each sequence's block table points. Which blocks a sequence owns
 //! is the engine's business; the pool only holds the numbers. Elements are
 //! f16 by default, which halves what each decode step streams; f32 keeps
-//! keys and values exactly as computed.
+//! keys and values exactly as computed; bf16 has f32's range at f16's
+//! size; Q8_0 and Q4_0 (ggml's blocks of 32 values, 34 and 18 bytes) cut
+//! f16's bytes to 53% and 28%, and attention reads their blocks directly.
 //!
 //! [`KvCache`] is one sequence's cache for the single-stream paths (CLI
 //! generation, perplexity, benchmarks): a pool of one block as long as the
 //! sequence may grow, so both paths run the same kernels.
 
 use crate::ModelError;
-use half::slice::HalfBitsSliceExt;
 use kvant_kernels::attention::{
-    attention, load_rows, select_topk, sparse_attention, store_rows, AttnParams, IndexerParams,
-    KvBlocks, KvElem, SeqAttn, TopK,
+    attention_dyn, select_topk_dyn, sparse_attention_dyn, AttnParams, IndexerParams, KvBuffer,
+    KvLayer, SeqAttn, TopK,
 };
 
-/// The element type of a KV cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum KvDType {
-    F16,
-    F32,
+pub use kvant_kernels::attention::KvDType;
+
+/// One per-layer array of a pool: for every layer, blocks of `heads` rows
+/// of `dim` values in one element type, laid out as attention reads them
+/// (`[n_blocks, heads, block_size, dim]`, see
+/// `kvant_kernels::attention::KvBlocks`). A pool holds keys and values as
+/// two of these, a latent pool one; any other rows a layer caches per
+/// token (an indexer's keys, say) would be one more, stored and read
+/// through the same calls, whatever its element type.
+struct LayerRows {
+    heads: usize,
+    dim: usize,
+    layers: Vec<KvBuffer>,
 }
 
-impl KvDType {
-    pub fn bytes(self) -> usize {
-        match self {
-            KvDType::F16 => 2,
-            KvDType::F32 => 4,
+impl LayerRows {
+    /// Zeroed rows for `n_layers` layers of `n_blocks` blocks of
+    /// `block_size` tokens; the caller has checked that `dim` is whole
+    /// units of `dtype` ([`KvShape::check`]) and that the sizes do not
+    /// overflow.
+    fn new(
+        dtype: KvDType,
+        (n_layers, heads, dim): (usize, usize, usize),
+        values_per_layer: usize,
+    ) -> Result<Self, ModelError> {
+        let layers = (0..n_layers)
+            .map(|_| KvBuffer::zeroed(dtype, values_per_layer))
+            .collect::<Result<_, _>>()?;
+        Ok(LayerRows { heads, dim, layers })
+    }
+
+    /// Writes each sequence's rows of `rows` (`[n_tokens, heads * dim]`,
+    /// the batch's new tokens) at its positions in layer `layer`.
+    fn store(&mut self, layer: usize, block_size: usize, seqs: &[SeqAttn<'_>], rows: &[f32]) {
+        let (heads, dim) = (self.heads, self.dim);
+        let buf = &mut self.layers[layer];
+        for s in seqs {
+            let r = s.rows.start * heads * dim..s.rows.end * heads * dim;
+            buf.store_rows(&rows[r], (block_size, heads, dim), s.table, s.pos0);
         }
     }
-}
 
-/// Every layer's key and value blocks, as element type `T` (f16 values
-/// are held as their bits, `u16`: zeroed vectors of primitive types come
-/// from the allocator already zero, so a large pool costs no start-up time
-/// and its pages are committed only when first written).
-struct Layers<T> {
-    keys: Vec<Vec<T>>,
-    /// Empty for a latent cache (values are part of the key rows).
-    values: Vec<Vec<T>>,
-    /// Sparse attention's indexer keys, one row per position (blocks of
-    /// `[block_size, index_dim]`); empty without an indexer.
-    index: Vec<Vec<T>>,
-}
-
-impl<T: Clone + Default> Layers<T> {
-    fn new(shape: &KvShape, per_layer: usize, index_per_layer: usize) -> Self {
-        let alloc = |n, len| (0..n).map(|_| vec![T::default(); len]).collect();
-        let n = shape.n_layers;
-        Layers {
-            keys: alloc(n, per_layer),
-            values: alloc(if shape.latent { 0 } else { n }, per_layer),
-            index: alloc(if shape.index_dim > 0 { n } else { 0 }, index_per_layer),
-        }
+    /// Widens layer `layer`'s rows for positions `pos..` of the sequence
+    /// whose blocks are `table` into `out` (token-major).
+    fn load(&self, layer: usize, block_size: usize, table: &[u32], pos: usize, out: &mut [f32]) {
+        self.layers[layer].load_rows(out, (block_size, self.heads, self.dim), table, pos);
     }
-}
-
-enum Store {
-    F16(Layers<u16>),
-    F32(Layers<f32>),
 }
 
 /// The shape of a pool: what every block holds.
@@ -82,18 +86,75 @@ pub struct KvShape {
 }
 
 impl KvShape {
+    /// Per-layer arrays a pool of this shape holds.
+    fn arrays(&self) -> usize {
+        if self.latent {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// The element type of the indexer keys: 8-bit (Q8_0) under the
+    /// quantized cache types (the indexer only ranks positions, and
+    /// DeepSeek itself scores in FP8), the cache's own type otherwise.
+    pub fn index_dtype(&self) -> KvDType {
+        match self.dtype {
+            KvDType::Q8_0 | KvDType::Q4_0 => KvDType::Q8_0,
+            other => other,
+        }
+    }
+
+    /// Whether the element types can store this shape's rows: the block
+    /// types hold rows of whole 32-value blocks only.
+    ///
+    /// # Errors
+    /// [`ModelError::KvRowSize`] naming the type and the row size.
+    pub fn check(&self) -> Result<(), ModelError> {
+        let rows = if self.latent {
+            "latent"
+        } else {
+            "key and value"
+        };
+        for (dtype, rows, row) in [
+            (self.dtype, rows, self.head_dim),
+            (self.index_dtype(), "indexer key", self.index_dim),
+        ] {
+            if dtype.row_bytes(row).is_none() {
+                return Err(ModelError::KvRowSize {
+                    dtype,
+                    rows,
+                    row,
+                    block: dtype.unit_values(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes one token occupies across all layers (keys and values, and
-    /// indexer keys).
+    /// indexer keys): 4 per value for f32, 2 for f16 and bf16, 34/32 for
+    /// Q8_0 and 18/32 for Q4_0 (a shape [`Self::check`] rejects counts its
+    /// last block whole).
     pub fn bytes_per_token(&self) -> usize {
-        let arrays = if self.latent { 1 } else { 2 };
-        let row = arrays * self.n_kv_heads * self.head_dim + self.index_dim;
-        self.n_layers * row * self.dtype.bytes()
+        let row = self.dtype.bytes_rounded_up(self.head_dim);
+        let index = self.index_dtype().bytes_rounded_up(self.index_dim);
+        self.n_layers * (self.arrays() * self.n_kv_heads * row + index)
+    }
+
+    /// Bytes of one layer's indexer key per position (0 without one).
+    pub fn index_bytes(&self) -> usize {
+        self.index_dtype().bytes_rounded_up(self.index_dim)
     }
 }
 
 /// Fixed-size blocks of keys and values for every layer.
 pub struct KvPool {
-    store: Store,
+    keys: LayerRows,
+    /// `None` for a latent pool (values are part of the key rows).
+    values: Option<LayerRows>,
+    /// Sparse attention's indexer keys, one row per position.
+    index: Option<LayerRows>,
     shape: KvShape,
     block_size: usize,
     n_blocks: usize,
@@ -102,35 +163,51 @@ pub struct KvPool {
 impl KvPool {
     /// A pool of `n_blocks` blocks of `block_size` tokens, allocated now
     /// (pages are committed by the OS as blocks are first written).
+    ///
+    /// # Errors
+    /// [`ModelError::KvRowSize`] if the element type cannot store the
+    /// shape's rows, [`ModelError::KvTooLarge`] if the sizes overflow.
     pub fn new(shape: KvShape, block_size: usize, n_blocks: usize) -> Result<Self, ModelError> {
+        shape.check()?;
         let too_large = ModelError::KvTooLarge {
             block_size,
             n_blocks,
         };
-        let per_layer = |row: usize| {
-            row.checked_mul(block_size)
-                .and_then(|x| x.checked_mul(n_blocks))
-                .filter(|&x| {
-                    x.checked_mul(2 * shape.n_layers * shape.dtype.bytes())
-                        .is_some_and(|b| b <= isize::MAX as usize)
-                })
-        };
-        let (per_layer, index_per_layer) = shape
+        let per_layer = shape
             .n_kv_heads
             .checked_mul(shape.head_dim)
-            .and_then(per_layer)
-            .zip(per_layer(shape.index_dim))
-            .ok_or(too_large)?;
-        if block_size == 0 || n_blocks == 0 || n_blocks > u32::MAX as usize {
-            return Err(ModelError::KvTooLarge {
-                block_size,
-                n_blocks,
+            .and_then(|x| x.checked_mul(block_size))
+            .and_then(|x| x.checked_mul(n_blocks))
+            .filter(|_| {
+                shape
+                    .bytes_per_token()
+                    .checked_mul(block_size)
+                    .and_then(|x| x.checked_mul(n_blocks))
+                    .is_some_and(|b| b <= isize::MAX as usize)
             });
+        let Some(per_layer) = per_layer else {
+            return Err(too_large);
+        };
+        if block_size == 0 || n_blocks == 0 || n_blocks > u32::MAX as usize {
+            return Err(too_large);
         }
+        let dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim);
+        // Within the bytes checked above (they count the indexer keys).
+        let index_values = shape.index_dim * block_size * n_blocks;
+        let index_dims = (shape.n_layers, 1, shape.index_dim);
         Ok(KvPool {
-            store: match shape.dtype {
-                KvDType::F16 => Store::F16(Layers::new(&shape, per_layer, index_per_layer)),
-                KvDType::F32 => Store::F32(Layers::new(&shape, per_layer, index_per_layer)),
+            keys: LayerRows::new(shape.dtype, dims, per_layer)?,
+            values: match shape.latent {
+                true => None,
+                false => Some(LayerRows::new(shape.dtype, dims, per_layer)?),
+            },
+            index: match shape.index_dim {
+                0 => None,
+                _ => Some(LayerRows::new(
+                    shape.index_dtype(),
+                    index_dims,
+                    index_values,
+                )?),
             },
             shape,
             block_size,
@@ -156,7 +233,10 @@ impl KvPool {
 
     /// Bytes held, for memory reports.
     pub fn bytes(&self) -> usize {
-        self.shape.bytes_per_token() * self.block_size * self.n_blocks
+        let arrays = std::iter::once(&self.keys)
+            .chain(&self.values)
+            .chain(&self.index);
+        arrays.flat_map(|a| &a.layers).map(KvBuffer::bytes).sum()
     }
 
     /// Whether `table` (block ids) covers `positions` positions of this pool.
@@ -188,22 +268,12 @@ impl KvPool {
         &mut self,
         layer: usize,
         seqs: &[SeqAttn<'_>],
-        kv: (&[f32], Option<&[f32]>),
+        (k, v): (&[f32], Option<&[f32]>),
     ) {
-        let (bs, nk, hd) = (self.block_size, self.shape.n_kv_heads, self.shape.head_dim);
-        match &mut self.store {
-            Store::F16(l) => {
-                let k = l.keys[layer].reinterpret_cast_mut::<half::f16>();
-                let v = l
-                    .values
-                    .get_mut(layer)
-                    .map(|v| v.reinterpret_cast_mut::<half::f16>());
-                store_seqs(k, v, (bs, nk, hd), seqs, kv)
-            }
-            Store::F32(l) => {
-                let v = l.values.get_mut(layer).map(|v| v.as_mut_slice());
-                store_seqs(&mut l.keys[layer], v, (bs, nk, hd), seqs, kv)
-            }
+        let bs = self.block_size;
+        self.keys.store(layer, bs, seqs, k);
+        if let (Some(values), Some(v)) = (&mut self.values, v) {
+            values.store(layer, bs, seqs, v);
         }
     }
 
@@ -220,33 +290,22 @@ impl KvPool {
     ) {
         debug_assert!(p.n_kv_heads == self.shape.n_kv_heads && p.head_dim == self.shape.head_dim);
         self.store(layer, seqs, kv);
-        let block_size = self.block_size;
-        match &self.store {
-            Store::F16(l) => {
-                let blocks = KvBlocks {
-                    k: l.keys[layer].reinterpret_cast::<half::f16>(),
-                    v: l.values
-                        .get(layer)
-                        .map(|v| v.reinterpret_cast::<half::f16>()),
-                    block_size,
-                };
-                attention(p, q, &blocks, seqs, out)
-            }
-            Store::F32(l) => {
-                let blocks = KvBlocks {
-                    k: &l.keys[layer],
-                    v: l.values.get(layer).map(Vec::as_slice),
-                    block_size,
-                };
-                attention(p, q, &blocks, seqs, out)
-            }
-        }
+        let kv = KvLayer {
+            k: &self.keys.layers[layer],
+            v: self.values.as_ref().map(|v| &v.layers[layer]),
+            block_size: self.block_size,
+        };
+        attention_dyn(p, q, &kv, seqs, out)
     }
 
     /// Stores the batch's indexer keys (`[n_tokens, index_dim]`) in one
     /// layer, then selects each query token's top-k positions (`q`
     /// `[n_tokens, heads * index_dim]`, head weights `w` `[n_tokens,
     /// heads]`). The caller has checked every table.
+    ///
+    /// # Panics
+    /// If the pool has no indexer keys (a bug in the model code: the shape
+    /// comes from the model's config).
     #[allow(clippy::too_many_arguments)] // one layer's selection, unpacked
     pub(crate) fn store_and_select(
         &mut self,
@@ -258,29 +317,15 @@ impl KvPool {
         w: &[f32],
         out: &mut TopK,
     ) {
-        let (bs, d) = (self.block_size, self.shape.index_dim);
-        debug_assert_eq!(p.head_dim, d);
-        match &mut self.store {
-            Store::F16(l) => {
-                let k = l.index[layer].reinterpret_cast_mut::<half::f16>();
-                store_seqs(k, None, (bs, 1, d), seqs, (keys, None));
-                let blocks = KvBlocks {
-                    k: l.index[layer].reinterpret_cast::<half::f16>(),
-                    v: None,
-                    block_size: bs,
-                };
-                select_topk(p, q, w, &blocks, seqs, out)
-            }
-            Store::F32(l) => {
-                store_seqs(&mut l.index[layer], None, (bs, 1, d), seqs, (keys, None));
-                let blocks = KvBlocks {
-                    k: &l.index[layer],
-                    v: None,
-                    block_size: bs,
-                };
-                select_topk(p, q, w, &blocks, seqs, out)
-            }
-        }
+        let bs = self.block_size;
+        let index = self.index.as_mut().expect("a pool with indexer keys");
+        index.store(layer, bs, seqs, keys);
+        let keys = KvLayer {
+            k: &index.layers[layer],
+            v: None,
+            block_size: bs,
+        };
+        select_topk_dyn(p, q, w, &keys, seqs, out)
     }
 
     /// [`Self::store`], then attention for the queries `q` over each
@@ -310,29 +355,13 @@ impl KvPool {
                 })
             })
             .collect();
-        let block_size = self.block_size;
-        match &self.store {
-            Store::F16(l) => {
-                let blocks = KvBlocks {
-                    k: l.keys[layer].reinterpret_cast::<half::f16>(),
-                    v: l.values
-                        .get(layer)
-                        .map(|v| v.reinterpret_cast::<half::f16>()),
-                    block_size,
-                };
-                attention(p, q, &blocks, &dense, out);
-                sparse_attention(p, q, &blocks, seqs, sel, out)
-            }
-            Store::F32(l) => {
-                let blocks = KvBlocks {
-                    k: &l.keys[layer],
-                    v: l.values.get(layer).map(Vec::as_slice),
-                    block_size,
-                };
-                attention(p, q, &blocks, &dense, out);
-                sparse_attention(p, q, &blocks, seqs, sel, out)
-            }
-        }
+        let kv = KvLayer {
+            k: &self.keys.layers[layer],
+            v: self.values.as_ref().map(|v| &v.layers[layer]),
+            block_size: self.block_size,
+        };
+        attention_dyn(p, q, &kv, &dense, out);
+        sparse_attention_dyn(p, q, &kv, seqs, sel, out)
     }
 
     /// Widens the keys one layer holds for positions `pos..` of the
@@ -340,31 +369,7 @@ impl KvPool {
     /// rows as it holds): for a latent pool, the latent rows, which the
     /// expanded form of latent attention recomputes keys and values from.
     pub(crate) fn load_keys(&self, layer: usize, table: &[u32], pos: usize, out: &mut [f32]) {
-        let (bs, nk, hd) = (self.block_size, self.shape.n_kv_heads, self.shape.head_dim);
-        match &self.store {
-            Store::F16(l) => {
-                let k = l.keys[layer].reinterpret_cast::<half::f16>();
-                load_rows(k, out, bs, nk, hd, table, pos)
-            }
-            Store::F32(l) => load_rows(&l.keys[layer], out, bs, nk, hd, table, pos),
-        }
-    }
-}
-
-/// Writes each sequence's rows of `k` (and `v`) at its positions.
-fn store_seqs<T: KvElem>(
-    keys: &mut [T],
-    mut values: Option<&mut [T]>,
-    (block_size, nk, hd): (usize, usize, usize),
-    seqs: &[SeqAttn<'_>],
-    (k, v): (&[f32], Option<&[f32]>),
-) {
-    for s in seqs {
-        let rows = s.rows.start * nk * hd..s.rows.end * nk * hd;
-        store_rows(&k[rows.clone()], keys, block_size, nk, hd, s.table, s.pos0);
-        if let (Some(dst), Some(v)) = (values.as_deref_mut(), v) {
-            store_rows(&v[rows], dst, block_size, nk, hd, s.table, s.pos0);
-        }
+        self.keys.load(layer, self.block_size, table, pos, out)
     }
 }
 

@@ -7,23 +7,14 @@
 //! loads); in the default mode a chunk's form depends on its length, so
 //! there only the other sequences in a pass must not matter.
 
+mod common;
+
+use common::{fixtures, open, whole_block_fixture};
 use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits, MlaPrefill, SeqStep};
-use kvant_model::checkpoint::Checkpoint;
-use kvant_model::kv::KvPool;
+use kvant_model::kv::{KvDType, KvPool};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use std::path::{Path, PathBuf};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
-}
-
-fn open(path: &Path, opts: LoadOptions) -> DecoderModel {
-    let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let cfg = ckpt.config().expect("config");
-    DecoderModel::load(&ckpt, cfg, opts, None).expect("load")
-}
 
 const BLOCK: usize = 4;
 
@@ -126,41 +117,66 @@ fn logits_do_not_depend_on_the_batch() {
                 mla_prefill: MlaPrefill::Absorbed,
                 ..opts
             };
-            let m = open(&path, opts);
-            let vocab = m.config().vocab as u32;
-            let lens = [29usize, 6, 17];
-            let seqs: Vec<Vec<u32>> = lens
-                .iter()
-                .map(|&n| (0..n).map(|_| rng.random_range(0..vocab)).collect())
-                .collect();
-            // Positions whose logits are compared: ends of prompt-like
-            // prefixes and decode-like single steps.
-            let probe = [5usize, 6, 12, 16, 17, 20, 28, 29];
-            let alone: Vec<Vec<Vec<f32>>> = seqs
-                .iter()
-                .map(|s| {
-                    let mut r = run(&m, std::slice::from_ref(s), &[1], &mut rng, &probe);
-                    r.remove(0)
-                })
-                .collect();
-            for chunks in [[1usize, 1, 1], [4, 1, 3], [29, 6, 17], [7, 2, 5]] {
-                let together = run(&m, &seqs, &chunks, &mut rng, &probe);
-                for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
-                    // Compare the probes both runs hit (chunking skips some).
-                    let ends_a: Vec<usize> = probe_ends(lens[i], 1, &probe);
-                    let ends_b: Vec<usize> = probe_ends(lens[i], chunks[i], &probe);
-                    for (j, e) in ends_b.iter().enumerate() {
-                        let k = ends_a
-                            .iter()
-                            .position(|x| x == e)
-                            .expect("alone probes all");
-                        assert!(
-                            a[k] == b[j],
-                            "{} {opts:?} seq {i} chunks {chunks:?} at {e}",
-                            path.display()
-                        );
-                    }
-                }
+            let what = format!("{} {opts:?}", path.display());
+            assert_batch_invariant(&open(&path, opts), &mut rng, &what);
+        }
+    }
+}
+
+/// The same for the other cache types, on the copies of a multi-head and
+/// a latent-attention fixture whose rows are whole 32-value blocks (so
+/// the Q8_0 and Q4_0 caches hold them too): a stored row's rounding
+/// depends on the row alone, so it does not depend on the batch either.
+#[test]
+fn every_cache_type_keeps_results_independent_of_the_batch() {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    for name in ["llama-gqa", "deepseek-v3"] {
+        let dir = whole_block_fixture(name);
+        for kv_dtype in [KvDType::Bf16, KvDType::Q8_0, KvDType::Q4_0] {
+            for opts in [LoadOptions::default(), LoadOptions::F32] {
+                let opts = LoadOptions {
+                    mla_prefill: MlaPrefill::Absorbed,
+                    kv_dtype,
+                    ..opts
+                };
+                let what = format!("{name} (whole blocks) {opts:?}");
+                assert_batch_invariant(&open(dir.path(), opts), &mut rng, &what);
+            }
+        }
+    }
+}
+
+/// Three random sequences' logits at probe positions, each run alone one
+/// token at a time, equal bit for bit those of runs together in chunks.
+fn assert_batch_invariant(m: &DecoderModel, rng: &mut ChaCha8Rng, what: &str) {
+    let vocab = m.config().vocab as u32;
+    let lens = [29usize, 6, 17];
+    let seqs: Vec<Vec<u32>> = lens
+        .iter()
+        .map(|&n| (0..n).map(|_| rng.random_range(0..vocab)).collect())
+        .collect();
+    // Positions whose logits are compared: ends of prompt-like
+    // prefixes and decode-like single steps.
+    let probe = [5usize, 6, 12, 16, 17, 20, 28, 29];
+    let alone: Vec<Vec<Vec<f32>>> = seqs
+        .iter()
+        .map(|s| {
+            let mut r = run(m, std::slice::from_ref(s), &[1], rng, &probe);
+            r.remove(0)
+        })
+        .collect();
+    for chunks in [[1usize, 1, 1], [4, 1, 3], [29, 6, 17], [7, 2, 5]] {
+        let together = run(m, &seqs, &chunks, rng, &probe);
+        for (i, (a, b)) in alone.iter().zip(&together).enumerate() {
+            // Compare the probes both runs hit (chunking skips some).
+            let ends_a: Vec<usize> = probe_ends(lens[i], 1, &probe);
+            let ends_b: Vec<usize> = probe_ends(lens[i], chunks[i], &probe);
+            for (j, e) in ends_b.iter().enumerate() {
+                let k = ends_a
+                    .iter()
+                    .position(|x| x == e)
+                    .expect("alone probes all");
+                assert!(a[k] == b[j], "{what} seq {i} chunks {chunks:?} at {e}");
             }
         }
     }

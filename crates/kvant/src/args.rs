@@ -102,7 +102,9 @@ pub struct ModelArg {
     #[arg(long)]
     pub f32_activations: bool,
     /// Element type of the KV cache: f16 halves the memory and the bytes
-    /// attention reads per token; f32 keeps keys and values exact.
+    /// attention reads per token; f32 keeps keys and values exact; bf16
+    /// keeps f32's range at f16's size; q8_0 and q4_0 (ggml's 32-value
+    /// blocks, 34 and 18 bytes) need rows of a multiple of 32 values.
     #[arg(long, value_enum, default_value_t = KvCacheType::F16)]
     pub kv_cache_type: KvCacheType,
     /// Load the checkpoint's multi-token-prediction layer (DeepSeek-V3,
@@ -133,6 +135,11 @@ pub enum MlaPrefillArg {
 pub enum KvCacheType {
     F16,
     F32,
+    Bf16,
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 impl ModelArg {
@@ -160,6 +167,9 @@ impl ModelArg {
             kv_dtype: match self.kv_cache_type {
                 KvCacheType::F16 => kvant_model::kv::KvDType::F16,
                 KvCacheType::F32 => kvant_model::kv::KvDType::F32,
+                KvCacheType::Bf16 => kvant_model::kv::KvDType::Bf16,
+                KvCacheType::Q8_0 => kvant_model::kv::KvDType::Q8_0,
+                KvCacheType::Q4_0 => kvant_model::kv::KvDType::Q4_0,
             },
             mtp: self.mtp,
             mla_prefill: match self.mla_prefill {

@@ -164,6 +164,45 @@ fn bad_inputs_are_clear_errors() {
     assert!(e.contains("99999"), "{e}");
 }
 
+/// A block cache type (`q8_0`, `q4_0`) on a model whose KV rows are not
+/// whole 32-value blocks (the fixtures' heads of 16, deepseek-v3's
+/// latent rows of 48) stops at load with an error naming the type and
+/// the row size; the element types run on any model.
+#[test]
+fn kv_cache_types_that_cannot_hold_the_rows_are_clear_errors() {
+    for (name, dtype, what) in [
+        ("llama-gqa", "q8_0", "key and value rows have 16 values"),
+        ("deepseek-v3", "q4_0", "latent rows have 48 values"),
+    ] {
+        let model = tiny(name);
+        for cmd in ["generate", "bench"] {
+            let mut args = vec![cmd, "--model", &model, "--kv-cache-type", dtype];
+            args.extend(match cmd {
+                "generate" => ["--prompt", "hi", "--max-tokens", "2"],
+                _ => ["--prompt-tokens", "4", "--gen-tokens", "2"],
+            });
+            let e = kvant_err(&args);
+            assert!(
+                e.contains(&format!("a {dtype} KV cache")) && e.contains(what),
+                "{e}"
+            );
+        }
+    }
+    for dtype in ["bf16", "f32", "f16"] {
+        kvant_ok(&[
+            "generate",
+            "--model",
+            &tiny("deepseek-v3"),
+            "--kv-cache-type",
+            dtype,
+            "--prompt",
+            "hi",
+            "--max-tokens",
+            "2",
+        ]);
+    }
+}
+
 #[test]
 fn chat_needs_a_template() {
     // A copy of a tiny checkpoint whose tokenizer_config.json lacks the template.

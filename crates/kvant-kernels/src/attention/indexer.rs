@@ -21,7 +21,7 @@
 //! Ties at the cut therefore go to earlier positions (PyTorch's `topk`
 //! leaves tie order unspecified).
 
-use super::kv::{KvBlocks, KvElem};
+use super::kv::{self, KvBlocks, KvElem, KvLayer};
 use super::rows::{scores, KEY_TILE};
 use super::SeqAttn;
 use crate::cpu::{self, SimdTier};
@@ -188,6 +188,34 @@ pub fn select_topk<T: KvElem>(
     select_topk_with(cpu::tier(), p, q, w, keys, seqs, out)
 }
 
+/// [`select_topk`] over keys whose element type is chosen at run time (a
+/// pool's buffer; `keys.v` is `None`), on the start-up tier.
+pub fn select_topk_dyn(
+    p: &IndexerParams,
+    q: &[f32],
+    w: &[f32],
+    keys: &KvLayer<'_>,
+    seqs: &[SeqAttn<'_>],
+    out: &mut TopK,
+) {
+    select_topk_dyn_with(cpu::tier(), p, q, w, keys, seqs, out)
+}
+
+/// [`select_topk_dyn`] on a given tier.
+pub fn select_topk_dyn_with(
+    tier: SimdTier,
+    p: &IndexerParams,
+    q: &[f32],
+    w: &[f32],
+    keys: &KvLayer<'_>,
+    seqs: &[SeqAttn<'_>],
+    out: &mut TopK,
+) {
+    kv::with_kv_elem!(keys.dtype(), T => {
+        select_topk_with(tier, p, q, w, &keys.blocks::<T>(), seqs, out)
+    })
+}
+
 /// [`select_topk`] on a given tier (lowered to one the CPU supports).
 ///
 /// # Panics
@@ -326,7 +354,7 @@ fn score_range<T: KvElem>(
     let mut j0 = range.start;
     while j0 < range.end {
         let tk = KEY_TILE.min(range.end - j0);
-        keys.widen_tile(table, 1, (hd, hd), 0, j0, tk, kt, &mut []);
+        keys.widen_tile(tier, table, 1, (hd, hd), 0, j0, tk, kt, &mut []);
         let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
         scores(tier, nh, &qrow, &krow, tk, st);
         combine_heads(p.scale, &st[..], &w[..nh], &mut idx[..tk]);
@@ -395,7 +423,8 @@ pub fn topk_ref(scores: &[f64], k: usize) -> Option<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::{rand_vec, Store};
+    use super::super::testing::{fits, rand_vec, Store};
+    use super::super::KvDType;
     use super::*;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
@@ -430,6 +459,8 @@ mod tests {
             (8, 32, 16, 32, vec![(1, 3000)]),
             (5, 24, 64, 1024, vec![(2, 5000), (1, 63), (1, 64)]),
             (2, 8, 1, 4, vec![(6, 3)]),
+            // Whole 32-value blocks: every cache type, 8-bit keys included.
+            (6, 64, 12, 16, vec![(3, 900), (20, 0)]),
         ]
     }
 
@@ -453,21 +484,24 @@ mod tests {
             let n_tok: usize = shape.iter().map(|s| s.0).sum();
             let q = rand_vec(&mut rng, n_tok * nh * hd);
             let w = rand_vec(&mut rng, n_tok * nh);
-            let s32 = Store::<f32>::new(&mut rng, &keys, 1, (hd, 1), bs, true);
-            let s16 = Store::<half::f16>::new(&mut rng, &keys, 1, (hd, 1), bs, true);
-            for tier in cpu::available_tiers() {
-                let ops = (&p, &q[..], &w[..], &shape[..]);
-                check_store(tier, ops, &s32, &format!("{tier} f32 case {case}"));
-                check_store(tier, ops, &s16, &format!("{tier} f16 case {case}"));
+            for dtype in KvDType::ALL
+                .into_iter()
+                .filter(|&d| fits(d, (hd, hd), true))
+            {
+                let store = Store::new(&mut rng, dtype, &keys, 1, (hd, 1), bs, true);
+                for tier in cpu::available_tiers() {
+                    let ops = (&p, &q[..], &w[..], &shape[..]);
+                    check_store(tier, ops, &store, &format!("{tier} {dtype} case {case}"));
+                }
             }
         }
     }
 
     /// One store's selections against the reference (see above).
-    fn check_store<T: KvElem + Default>(
+    fn check_store(
         tier: SimdTier,
         (p, q, w, shape): (&IndexerParams, &[f32], &[f32], Shape<'_>),
-        store: &Store<T>,
+        store: &Store,
         what: &str,
     ) {
         let (nh, hd, k) = (p.n_heads, p.head_dim, p.topk);
@@ -485,7 +519,7 @@ mod tests {
             })
             .collect();
         let mut out = TopK::default();
-        select_topk_with(tier, p, q, w, &store.blocks(), &seqs, &mut out);
+        select_topk_dyn_with(tier, p, q, w, &store.layer(), &seqs, &mut out);
         for (s, (keys, _)) in seqs.iter().zip(&store.rounded) {
             for (i, row) in s.rows.clone().enumerate() {
                 let pos = s.pos0 + i;
@@ -520,7 +554,7 @@ mod tests {
             (rand_vec(&mut rng, (past + n) * hd), vec![]),
             (rand_vec(&mut rng, 4000 * hd), vec![]),
         ];
-        let store = Store::<half::f16>::new(&mut rng, &keys, 1, (hd, 1), 16, true);
+        let store = Store::new(&mut rng, KvDType::F16, &keys, 1, (hd, 1), 16, true);
         let q = rand_vec(&mut rng, n * nh * hd);
         let w = rand_vec(&mut rng, n * nh);
         let (qo, wo) = (rand_vec(&mut rng, 2 * nh * hd), rand_vec(&mut rng, 2 * nh));
@@ -545,7 +579,7 @@ mod tests {
                     table: &store.tables[0],
                 });
                 let mut out = TopK::default();
-                select_topk_with(tier, &p, &qs, &ws, &store.blocks(), &seqs, &mut out);
+                select_topk_dyn_with(tier, &p, &qs, &ws, &store.layer(), &seqs, &mut out);
                 (r0..r0 + b - a)
                     .map(|r| out.get(r).expect("sparse").to_vec())
                     .collect()
@@ -573,7 +607,7 @@ mod tests {
             scale: 1.0,
         };
         let keys = vec![(rand_vec(&mut rng, len * hd), vec![])];
-        let store = Store::<f32>::new(&mut rng, &keys, 1, (hd, 1), 8, true);
+        let store = Store::new(&mut rng, KvDType::F32, &keys, 1, (hd, 1), 8, true);
         let seqs = [SeqAttn {
             rows: 0..1,
             pos0: len - 1,
@@ -583,7 +617,7 @@ mod tests {
             let mut out = TopK::default();
             let q = vec![0f32; nh * hd];
             let w: Vec<f32> = (0..nh).map(|_| rng.random_range(-1.0..1.0)).collect();
-            select_topk_with(tier, &p, &q, &w, &store.blocks(), &seqs, &mut out);
+            select_topk_dyn_with(tier, &p, &q, &w, &store.layer(), &seqs, &mut out);
             assert_eq!(out.get(0), Some(&[0, 1, 2, 3, 4][..]), "{tier}");
         }
     }

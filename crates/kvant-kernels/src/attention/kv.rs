@@ -1,27 +1,134 @@
 //! How attention sees one layer of a KV cache: fixed-size blocks of
-//! head-major rows of `f32` or `f16`, addressed through each sequence's
-//! block table.
+//! head-major rows, addressed through each sequence's block table, in one
+//! of the element types of [`KvDType`].
 //!
 //! Within a block, layout `[n_kv_heads, block_size, head_dim]`: the keys one
 //! work item reads (one KV head, consecutive positions) are contiguous for
 //! a whole block, so a tile is one or two sequential reads the prefetchers
 //! follow, not `head_dim` floats every `kv_dim` (a token-major stride).
-//! `f16` halves the bytes a decode step streams; tiles are widened to f32
-//! once per item and tile (F16C when the CPU has it), and all arithmetic
-//! stays f32.
+//!
+//! Rows are stored in *units* of [`KvElem::VALUES`] values: one value for
+//! f32, f16 and bf16; one 32-value block in ggml's layout (an f16 scale
+//! and the quants) for Q8_0 and Q4_0. A row of `dim` values is `dim /
+//! VALUES` units, so a quantized row never shares a block with another row
+//! (its size must be a multiple of 32): a stored row never changes when a
+//! later one is written, and a row's values do not depend on its
+//! neighbours. Narrower types cut the bytes a decode step streams (f16 and
+//! bf16: 2 per value, Q8_0: 34 per 32, Q4_0: 18 per 32); tiles are widened
+//! to f32 once per item and tile, straight from the stored units, and all
+//! arithmetic stays f32.
+//!
+//! [`KvBuffer`] holds one array of units whose type is chosen at run time
+//! (what a pool allocates per layer); [`KvLayer`] pairs a layer's key and
+//! value buffers for [`super::attention_dyn`]. The one `match` over the
+//! element types is [`with_kv_elem`].
 
+use crate::cpu::{self, SimdTier};
+use crate::error::{checked_mul, KernelError};
+use crate::quant::RowKernel;
 use half::slice::HalfFloatSliceExt;
+use kvant_core::DType;
 
-/// An element type a KV cache can hold.
-pub trait KvElem: Copy + Send + Sync + 'static {
-    /// Widens `src` into `dst` (same length).
-    fn widen(src: &[Self], dst: &mut [f32]);
-    /// Narrows `src` into `dst` (same length), rounding to nearest.
+/// The element types a KV cache can hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KvDType {
+    F32,
+    F16,
+    Bf16,
+    /// ggml's Q8_0: per 32 values an f16 scale and 32 signed bytes.
+    Q8_0,
+    /// ggml's Q4_0: per 32 values an f16 scale and 16 bytes of nibbles.
+    Q4_0,
+}
+
+impl KvDType {
+    pub const ALL: [KvDType; 5] = [
+        KvDType::F32,
+        KvDType::F16,
+        KvDType::Bf16,
+        KvDType::Q8_0,
+        KvDType::Q4_0,
+    ];
+
+    /// The name `--kv-cache-type` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDType::F32 => "f32",
+            KvDType::F16 => "f16",
+            KvDType::Bf16 => "bf16",
+            KvDType::Q8_0 => "q8_0",
+            KvDType::Q4_0 => "q4_0",
+        }
+    }
+
+    /// Values one storage unit holds: 1, or a quantized block's 32.
+    pub fn unit_values(self) -> usize {
+        match self {
+            KvDType::F32 | KvDType::F16 | KvDType::Bf16 => 1,
+            KvDType::Q8_0 | KvDType::Q4_0 => 32,
+        }
+    }
+
+    /// Bytes of one storage unit.
+    pub fn unit_bytes(self) -> usize {
+        match self {
+            KvDType::F32 => 4,
+            KvDType::F16 | KvDType::Bf16 => 2,
+            KvDType::Q8_0 => 34,
+            KvDType::Q4_0 => 18,
+        }
+    }
+
+    /// Bytes of a row of `values` values; `None` unless the row is whole
+    /// units (a multiple of 32 values for the block types).
+    pub fn row_bytes(self, values: usize) -> Option<usize> {
+        values
+            .is_multiple_of(self.unit_values())
+            .then(|| (values / self.unit_values()).checked_mul(self.unit_bytes()))
+            .flatten()
+    }
+
+    /// Bytes `values` values would take, the last unit counted whole (for
+    /// reports about rows this type could not store).
+    pub fn bytes_rounded_up(self, values: usize) -> usize {
+        values
+            .div_ceil(self.unit_values())
+            .saturating_mul(self.unit_bytes())
+    }
+}
+
+impl std::fmt::Display for KvDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A storage unit of a KV cache: one value, or one block of values.
+///
+/// # Safety
+/// Implementors are plain data: no padding, every bit pattern a valid
+/// value, alignment at most 4, and `size_of::<Self>() ==
+/// Self::DTYPE.unit_bytes()`, so [`KvBuffer`] may hand out its zeroed words
+/// as units and the codecs may read and write units as bytes
+/// (little-endian, as ggml stores them).
+pub unsafe trait KvElem: Copy + Send + Sync + 'static {
+    const DTYPE: KvDType;
+    /// Values per unit (`DTYPE.unit_values()`).
+    const VALUES: usize;
+    /// Widens `src` into `dst` (`src.len() * VALUES` values) on `tier`
+    /// (lowered to one the CPU supports); every tier gives the same bits.
+    fn widen(tier: SimdTier, src: &[Self], dst: &mut [f32]);
+    /// Narrows `src` (`dst.len() * VALUES` values) into `dst`: rounding to
+    /// nearest even for the float types, ggml's reference quantizers for
+    /// the block types.
     fn narrow(src: &[f32], dst: &mut [Self]);
 }
 
-impl KvElem for f32 {
-    fn widen(src: &[f32], dst: &mut [f32]) {
+// SAFETY: f32 is plain data of 4 bytes, alignment 4.
+unsafe impl KvElem for f32 {
+    const DTYPE: KvDType = KvDType::F32;
+    const VALUES: usize = 1;
+    fn widen(_: SimdTier, src: &[f32], dst: &mut [f32]) {
         dst.copy_from_slice(src);
     }
     fn narrow(src: &[f32], dst: &mut [f32]) {
@@ -29,21 +136,132 @@ impl KvElem for f32 {
     }
 }
 
-impl KvElem for half::f16 {
-    fn widen(src: &[half::f16], dst: &mut [f32]) {
+// SAFETY: f16 is a `u16` (2 bytes, alignment 2) whose every bit pattern is
+// a value.
+unsafe impl KvElem for half::f16 {
+    const DTYPE: KvDType = KvDType::F16;
+    const VALUES: usize = 1;
+    fn widen(tier: SimdTier, src: &[half::f16], dst: &mut [f32]) {
         assert_eq!(src.len(), dst.len());
         #[cfg(target_arch = "x86_64")]
-        if crate::cpu::tier() >= crate::cpu::SimdTier::Avx2 {
-            // SAFETY: the start-up tier has AVX2, which implies F16C here
+        if cpu::clamp(tier) >= SimdTier::Avx2 {
+            // SAFETY: the clamped tier has AVX2, which implies F16C here
             // (the tier requires it); lengths are equal (asserted).
             return unsafe { widen_f16c(src, dst) };
         }
+        let _ = tier;
         src.convert_to_f32_slice(dst);
     }
     fn narrow(src: &[f32], dst: &mut [half::f16]) {
         dst.convert_from_f32_slice(src);
     }
 }
+
+// SAFETY: bf16 is a `u16` (2 bytes, alignment 2) whose every bit pattern
+// is a value.
+unsafe impl KvElem for half::bf16 {
+    const DTYPE: KvDType = KvDType::Bf16;
+    const VALUES: usize = 1;
+    fn widen(tier: SimdTier, src: &[half::bf16], dst: &mut [f32]) {
+        assert_eq!(src.len(), dst.len());
+        RowKernel::new(DType::BF16, tier).dequantize(as_bytes(src), dst);
+    }
+    fn narrow(src: &[f32], dst: &mut [half::bf16]) {
+        // `half` rounds to nearest, ties to even (NaN stays NaN).
+        dst.convert_from_f32_slice(src);
+    }
+}
+
+/// One Q8_0 block as ggml lays it out: the scale `d` (f16, little-endian)
+/// and 32 signed quants; value `i` is `qs[i] · d`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ8_0 {
+    pub d: [u8; 2],
+    pub qs: [u8; 32],
+}
+
+/// One Q4_0 block as ggml lays it out: the scale `d` (f16, little-endian)
+/// and 16 bytes whose low nibbles are values 0..16 and high nibbles values
+/// 16..32; value `i` is `(nibble - 8) · d`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockQ4_0 {
+    pub d: [u8; 2],
+    pub qs: [u8; 16],
+}
+
+/// The block codecs: ggml's reference quantizer to store, the quant
+/// module's dequantizer (AVX2 where the tier has it, bit-identical to the
+/// scalar one) to widen.
+macro_rules! block_elem {
+    ($block:ty, $kv:ident, $dtype:ident, $quantize:path) => {
+        // SAFETY: `repr(C)` over byte arrays: no padding, alignment 1,
+        // every bit pattern a value, `DTYPE.unit_bytes()` bytes.
+        unsafe impl KvElem for $block {
+            const DTYPE: KvDType = KvDType::$kv;
+            const VALUES: usize = 32;
+            fn widen(tier: SimdTier, src: &[Self], dst: &mut [f32]) {
+                assert_eq!(src.len() * Self::VALUES, dst.len());
+                RowKernel::new(DType::$dtype, tier).dequantize(as_bytes(src), dst);
+            }
+            fn narrow(src: &[f32], dst: &mut [Self]) {
+                assert_eq!(src.len(), dst.len() * Self::VALUES);
+                $quantize(src, as_bytes_mut(dst));
+            }
+        }
+    };
+}
+block_elem!(BlockQ8_0, Q8_0, Q8_0, crate::quant::q8_0::quantize_ref);
+block_elem!(BlockQ4_0, Q4_0, Q4_0, crate::quant::q4_0::quantize_ref);
+
+const _: () = assert!(std::mem::size_of::<BlockQ8_0>() == 34);
+const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 18);
+
+/// The bytes of some units.
+fn as_bytes<T: KvElem>(s: &[T]) -> &[u8] {
+    // SAFETY: `KvElem` units are plain data without padding, so all
+    // `size_of_val(s)` bytes are initialised; u8 needs no alignment.
+    unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u8, std::mem::size_of_val(s)) }
+}
+
+/// The bytes of some units, to write.
+fn as_bytes_mut<T: KvElem>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`, and every bit pattern is a valid `T`
+    // (the `KvElem` contract), so any bytes written leave valid units.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr() as *mut u8, std::mem::size_of_val(s)) }
+}
+
+/// Runs `$body` with `$t` naming the unit type of `$dtype` (a
+/// [`KvDType`]): the one dispatch from a run-time element type to the
+/// generic kernels.
+macro_rules! with_kv_elem {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            $crate::attention::KvDType::F32 => {
+                type $t = f32;
+                $body
+            }
+            $crate::attention::KvDType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            $crate::attention::KvDType::Bf16 => {
+                type $t = half::bf16;
+                $body
+            }
+            $crate::attention::KvDType::Q8_0 => {
+                type $t = $crate::attention::BlockQ8_0;
+                $body
+            }
+            $crate::attention::KvDType::Q4_0 => {
+                type $t = $crate::attention::BlockQ4_0;
+                $body
+            }
+        }
+    };
+}
+pub(crate) use with_kv_elem;
 
 /// f16 → f32, 8 values per instruction, inlined into the tile loop (the
 /// `half` crate's slice conversion calls a function per 8 values).
@@ -68,9 +286,10 @@ unsafe fn widen_f16c(src: &[half::f16], dst: &mut [f32]) {
 
 /// One layer's keys and values in fixed-size blocks (PagedAttention):
 /// keys `[n_blocks, n_kv_heads, block_size, head_dim]`, values the same
-/// with `v_dim`. Within a block the layout is head-major, so a key tile of
-/// one head is contiguous for up to `block_size` positions. A contiguous
-/// cache is the special case of one block of `capacity` positions.
+/// with `v_dim`, in units of `T` (`head_dim / T::VALUES` per row). Within
+/// a block the layout is head-major, so a key tile of one head is
+/// contiguous for up to `block_size` positions. A contiguous cache is the
+/// special case of one block of `capacity` positions.
 #[derive(Clone, Copy)]
 pub struct KvBlocks<'a, T> {
     pub k: &'a [T],
@@ -83,24 +302,25 @@ pub struct KvBlocks<'a, T> {
 }
 
 impl<T: KvElem> KvBlocks<'_, T> {
-    /// Elements per block of rows of `dim` values.
-    pub(super) fn block_elems(&self, n_kv_heads: usize, dim: usize) -> usize {
-        n_kv_heads * self.block_size * dim
+    /// Units per block of rows of `dim` values.
+    pub(super) fn block_units(&self, n_kv_heads: usize, dim: usize) -> usize {
+        n_kv_heads * self.block_size * (dim / T::VALUES)
     }
 
     /// Blocks held (the valid range of table entries).
     pub(super) fn n_blocks(&self, n_kv_heads: usize, head_dim: usize) -> usize {
-        self.k.len() / self.block_elems(n_kv_heads, head_dim).max(1)
+        self.k.len() / self.block_units(n_kv_heads, head_dim).max(1)
     }
 
     /// Widens positions `j0..j0 + n` of KV head `h` of the sequence whose
     /// blocks are `table` (position `j` is slot `j % block_size` of block
     /// `table[j / block_size]`) into the first `n * head_dim` values of `kt`
     /// and (stored values only) the first `n * v_dim` of `vt`, one
-    /// contiguous run per block crossed.
+    /// contiguous run of units per block crossed.
     #[allow(clippy::too_many_arguments)] // a tile's address, unpacked
     pub(super) fn widen_tile(
         &self,
+        tier: SimdTier,
         table: &[u32],
         n_kv_heads: usize,
         (hd, vd): (usize, usize),
@@ -111,20 +331,22 @@ impl<T: KvElem> KvBlocks<'_, T> {
         vt: &mut [f32],
     ) {
         let bs = self.block_size;
-        let (k_block, v_block) = (
-            self.block_elems(n_kv_heads, hd),
-            self.block_elems(n_kv_heads, vd),
-        );
+        let (ku, vu) = (hd / T::VALUES, vd / T::VALUES);
+        let (k_block, v_block) = (n_kv_heads * bs * ku, n_kv_heads * bs * vu);
         let mut j = j0;
         while j < j0 + n {
             let (b, slot) = (table[j / bs] as usize, j % bs);
             let run = (bs - slot).min(j0 + n - j);
             let row = h * bs + slot;
-            let (src, dst) = (b * k_block + row * hd, (j - j0) * hd);
-            T::widen(&self.k[src..src + run * hd], &mut kt[dst..dst + run * hd]);
+            let (src, dst) = (b * k_block + row * ku, (j - j0) * hd);
+            T::widen(
+                tier,
+                &self.k[src..src + run * ku],
+                &mut kt[dst..dst + run * hd],
+            );
             if let Some(v) = self.v {
-                let (src, dst) = (b * v_block + row * vd, (j - j0) * vd);
-                T::widen(&v[src..src + run * vd], &mut vt[dst..dst + run * vd]);
+                let (src, dst) = (b * v_block + row * vu, (j - j0) * vd);
+                T::widen(tier, &v[src..src + run * vu], &mut vt[dst..dst + run * vd]);
             }
             j += run;
         }
@@ -139,6 +361,7 @@ impl<T: KvElem> KvBlocks<'_, T> {
     #[allow(clippy::too_many_arguments)] // a gathered tile's address, unpacked
     pub(super) fn widen_rows(
         &self,
+        tier: SimdTier,
         table: &[u32],
         n_kv_heads: usize,
         (hd, vd): (usize, usize),
@@ -148,19 +371,17 @@ impl<T: KvElem> KvBlocks<'_, T> {
         vt: &mut [f32],
     ) {
         let bs = self.block_size;
-        let (k_block, v_block) = (
-            self.block_elems(n_kv_heads, hd),
-            self.block_elems(n_kv_heads, vd),
-        );
+        let (ku, vu) = (hd / T::VALUES, vd / T::VALUES);
+        let (k_block, v_block) = (n_kv_heads * bs * ku, n_kv_heads * bs * vu);
         for (i, &j) in positions.iter().enumerate() {
             let j = j as usize;
             let row = h * bs + j % bs;
             let b = table[j / bs] as usize;
-            let src = b * k_block + row * hd;
-            T::widen(&self.k[src..src + hd], &mut kt[i * hd..(i + 1) * hd]);
+            let src = b * k_block + row * ku;
+            T::widen(tier, &self.k[src..src + ku], &mut kt[i * hd..(i + 1) * hd]);
             if let Some(v) = self.v {
-                let src = b * v_block + row * vd;
-                T::widen(&v[src..src + vd], &mut vt[i * vd..(i + 1) * vd]);
+                let src = b * v_block + row * vu;
+                T::widen(tier, &v[src..src + vu], &mut vt[i * vd..(i + 1) * vd]);
             }
         }
     }
@@ -171,8 +392,10 @@ impl<T: KvElem> KvBlocks<'_, T> {
 /// `table`, in a block store `dst` laid out as [`KvBlocks`].
 ///
 /// # Panics
-/// If a position falls outside the table or a block outside `dst`, or the
-/// slices disagree (a bug in the caller: block tables are engine-made).
+/// If `head_dim` is not whole units of `T`, a position falls outside the
+/// table or a block outside `dst`, or the slices disagree (a bug in the
+/// caller: row sizes are checked when a pool is made, block tables are
+/// engine-made).
 pub fn store_rows<T: KvElem>(
     src: &[f32],
     dst: &mut [T],
@@ -182,17 +405,23 @@ pub fn store_rows<T: KvElem>(
     table: &[u32],
     pos: usize,
 ) {
-    let at = head_rows((block_size, n_kv_heads, head_dim), table, pos, src.len());
+    let units = row_units::<T>(head_dim);
+    let at = head_rows(
+        (block_size, n_kv_heads, head_dim, units),
+        table,
+        pos,
+        src.len(),
+    );
     for (at, row) in at.zip(src.chunks_exact(head_dim)) {
-        T::narrow(row, &mut dst[at..at + head_dim]);
+        T::narrow(row, &mut dst[at..at + units]);
     }
 }
 
 /// Reads back positions `pos..pos + n` of a sequence whose blocks are
 /// `table` from a block store `src` laid out as [`KvBlocks`], widened into
-/// `dst` (token-major `[n, n_kv_heads * head_dim]`): the inverse of
-/// [`store_rows`], for paths that recompute from cached rows (latent
-/// attention's expanded prefill).
+/// `dst` (token-major `[n, n_kv_heads * head_dim]`) on the start-up tier:
+/// the inverse of [`store_rows`] (up to its rounding), for paths that
+/// recompute from cached rows (latent attention's expanded prefill).
 ///
 /// # Panics
 /// As [`store_rows`].
@@ -205,18 +434,35 @@ pub fn load_rows<T: KvElem>(
     table: &[u32],
     pos: usize,
 ) {
-    let at = head_rows((block_size, n_kv_heads, head_dim), table, pos, dst.len());
+    let units = row_units::<T>(head_dim);
+    let tier = cpu::tier();
+    let at = head_rows(
+        (block_size, n_kv_heads, head_dim, units),
+        table,
+        pos,
+        dst.len(),
+    );
     for (at, row) in at.zip(dst.chunks_exact_mut(head_dim)) {
-        T::widen(&src[at..at + head_dim], row);
+        T::widen(tier, &src[at..at + units], row);
     }
 }
 
+/// Units of `T` in a row of `dim` values.
+fn row_units<T: KvElem>(dim: usize) -> usize {
+    assert!(
+        dim.is_multiple_of(T::VALUES),
+        "rows of {dim} values are not whole {} units",
+        T::DTYPE
+    );
+    dim / T::VALUES
+}
+
 /// Where the `values` token-major values from position `pos` of a sequence
-/// whose blocks are `table` live in a block store laid out as
-/// [`KvBlocks`]: the offset of each token's each head's `head_dim` values,
-/// in that order.
+/// whose blocks are `table` live in a block store laid out as [`KvBlocks`]
+/// with `units` units per row: the offset (in units) of each token's each
+/// head's `head_dim` values, in that order.
 fn head_rows(
-    (block_size, n_kv_heads, head_dim): (usize, usize, usize),
+    (block_size, n_kv_heads, head_dim, units): (usize, usize, usize, usize),
     table: &[u32],
     pos: usize,
     values: usize,
@@ -224,10 +470,294 @@ fn head_rows(
     let kv_dim = n_kv_heads * head_dim;
     assert!(kv_dim > 0 && block_size > 0);
     assert_eq!(values % kv_dim, 0);
-    let per_block = kv_dim * block_size;
+    let per_block = n_kv_heads * units * block_size;
     (pos..pos + values / kv_dim).flat_map(move |j| {
         let b = table[j / block_size] as usize;
         let slot = j % block_size;
-        (0..n_kv_heads).map(move |h| b * per_block + (h * block_size + slot) * head_dim)
+        (0..n_kv_heads).map(move |h| b * per_block + (h * block_size + slot) * units)
     })
+}
+
+/// Zeroed storage for values of a KV element type chosen at run time:
+/// what a pool allocates per layer and per array (keys, values, or any
+/// other per-layer rows). The memory comes from the allocator already
+/// zero, so a large pool costs no start-up time and its pages are
+/// committed only when first written.
+pub struct KvBuffer {
+    dtype: KvDType,
+    units: usize,
+    /// The units' bytes, in 4-byte words (the largest unit alignment).
+    words: Vec<u32>,
+}
+
+impl KvBuffer {
+    /// Room for `values` values of `dtype`, zeroed.
+    ///
+    /// # Errors
+    /// [`KernelError::KvUnits`] unless `values` is whole units of `dtype`;
+    /// [`KernelError::SizeOverflow`] if the bytes overflow.
+    pub fn zeroed(dtype: KvDType, values: usize) -> Result<Self, KernelError> {
+        if !values.is_multiple_of(dtype.unit_values()) {
+            return Err(KernelError::KvUnits {
+                dtype: dtype.name(),
+                values,
+                unit: dtype.unit_values(),
+            });
+        }
+        let units = values / dtype.unit_values();
+        let bytes = checked_mul("KV buffer", units, dtype.unit_bytes())?;
+        if bytes > isize::MAX as usize {
+            return Err(KernelError::SizeOverflow {
+                op: "KV buffer",
+                a: units,
+                b: dtype.unit_bytes(),
+            });
+        }
+        Ok(KvBuffer {
+            dtype,
+            units,
+            words: vec![0u32; bytes.div_ceil(4)],
+        })
+    }
+
+    pub fn dtype(&self) -> KvDType {
+        self.dtype
+    }
+
+    /// Values held.
+    pub fn len(&self) -> usize {
+        self.units * self.dtype.unit_values()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.units == 0
+    }
+
+    /// Bytes the values occupy.
+    pub fn bytes(&self) -> usize {
+        self.units * self.dtype.unit_bytes()
+    }
+
+    /// The units, as `T`.
+    ///
+    /// # Panics
+    /// If `T` is not the buffer's element type (a bug in the caller).
+    pub fn units<T: KvElem>(&self) -> &[T] {
+        self.check::<T>();
+        // SAFETY: `words` holds at least `units * size_of::<T>()` bytes
+        // (made so in `zeroed` for this type, checked by `check`), its
+        // alignment (4) is at least `T`'s, and every bit pattern is a
+        // valid `T` (the `KvElem` contract).
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const T, self.units) }
+    }
+
+    /// The units, as `T`, to write.
+    ///
+    /// # Panics
+    /// As [`Self::units`].
+    pub fn units_mut<T: KvElem>(&mut self) -> &mut [T] {
+        self.check::<T>();
+        // SAFETY: as in `units`; the borrow is unique.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut T, self.units) }
+    }
+
+    fn check<T: KvElem>(&self) {
+        const { assert!(std::mem::align_of::<T>() <= std::mem::align_of::<u32>()) };
+        assert_eq!(
+            T::DTYPE,
+            self.dtype,
+            "a {} KV buffer read as {}",
+            self.dtype,
+            T::DTYPE
+        );
+        assert_eq!(std::mem::size_of::<T>(), self.dtype.unit_bytes());
+    }
+
+    /// [`store_rows`] into this buffer.
+    ///
+    /// # Panics
+    /// As [`store_rows`].
+    pub fn store_rows(
+        &mut self,
+        src: &[f32],
+        (block_size, n_heads, dim): (usize, usize, usize),
+        table: &[u32],
+        pos: usize,
+    ) {
+        with_kv_elem!(self.dtype, T => {
+            store_rows::<T>(src, self.units_mut::<T>(), block_size, n_heads, dim, table, pos)
+        })
+    }
+
+    /// [`load_rows`] from this buffer.
+    ///
+    /// # Panics
+    /// As [`store_rows`].
+    pub fn load_rows(
+        &self,
+        dst: &mut [f32],
+        (block_size, n_heads, dim): (usize, usize, usize),
+        table: &[u32],
+        pos: usize,
+    ) {
+        with_kv_elem!(self.dtype, T => {
+            load_rows::<T>(self.units::<T>(), dst, block_size, n_heads, dim, table, pos)
+        })
+    }
+}
+
+/// One layer of a KV cache in [`KvBuffer`]s: what a pool hands to
+/// [`super::attention_dyn`]. Keys and values (when stored) share one
+/// element type.
+#[derive(Clone, Copy)]
+pub struct KvLayer<'a> {
+    pub k: &'a KvBuffer,
+    /// `None` for a latent cache (see [`KvBlocks::v`]).
+    pub v: Option<&'a KvBuffer>,
+    pub block_size: usize,
+}
+
+impl<'a> KvLayer<'a> {
+    pub fn dtype(&self) -> KvDType {
+        self.k.dtype
+    }
+
+    /// The layer as blocks of `T`.
+    ///
+    /// # Panics
+    /// If `T` is not the buffers' element type (a bug in the caller).
+    pub fn blocks<T: KvElem>(&self) -> KvBlocks<'a, T> {
+        KvBlocks {
+            k: self.k.units::<T>(),
+            v: self.v.map(KvBuffer::units::<T>),
+            block_size: self.block_size,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    /// The kernels' dtype of a cache type, for the quant module's references.
+    fn core_dtype(dtype: KvDType) -> DType {
+        match dtype {
+            KvDType::F32 => DType::F32,
+            KvDType::F16 => DType::F16,
+            KvDType::Bf16 => DType::BF16,
+            KvDType::Q8_0 => DType::Q8_0,
+            KvDType::Q4_0 => DType::Q4_0,
+        }
+    }
+
+    /// ggml's bytes for `x` in `dtype`, from the plain references: the
+    /// `half` crate's (round to nearest even) conversions, ggml's reference
+    /// quantizers.
+    fn reference_bytes(dtype: KvDType, x: &[f32]) -> Vec<u8> {
+        match dtype {
+            KvDType::F32 => x.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            KvDType::F16 => x
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            KvDType::Bf16 => x
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            KvDType::Q8_0 | KvDType::Q4_0 => {
+                let mut b = vec![0u8; x.len() / 32 * dtype.unit_bytes()];
+                match dtype {
+                    KvDType::Q8_0 => quant::quantize_row_q8_0(x, &mut b),
+                    _ => quant::quantize_row_q4_0(x, &mut b),
+                }
+                .expect("whole blocks");
+                b
+            }
+        }
+    }
+
+    /// Every codec writes ggml's bytes and widens them, on every tier, to
+    /// exactly the quant module's reference dequantization, for odd
+    /// numbers of units, zero blocks, ties and large values.
+    #[test]
+    fn codecs_match_the_references_on_every_tier() {
+        let mut rng = ChaCha8Rng::seed_from_u64(21);
+        for dtype in KvDType::ALL {
+            for units in [1usize, 3, 7, 13, 64] {
+                let n = units * dtype.unit_values();
+                let mut x: Vec<f32> = (0..n).map(|_| rng.random_range(-3.0..3.0)).collect();
+                x[0] = 0.5;
+                if n >= 64 {
+                    x[32..64].fill(0.0);
+                    x[5] = 1e4;
+                    x[6] = -1.0 + f32::EPSILON;
+                }
+                let want = reference_bytes(dtype, &x);
+                let got = with_kv_elem!(dtype, T => {
+                    let mut t = vec![T::default(); units];
+                    T::narrow(&x, &mut t);
+                    as_bytes(&t).to_vec()
+                });
+                assert_eq!(got, want, "{dtype} narrow, {units} units");
+                let mut want_back = vec![0f32; n];
+                quant::dequantize_row_ref(core_dtype(dtype), &want, &mut want_back)
+                    .expect("whole units");
+                for tier in cpu::available_tiers() {
+                    let back = with_kv_elem!(dtype, T => {
+                        let mut t = vec![T::default(); units];
+                        T::narrow(&x, &mut t);
+                        let mut back = vec![f32::NAN; n];
+                        T::widen(tier, &t, &mut back);
+                        back
+                    });
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(bits(&back), bits(&want_back), "{tier} {dtype} widen");
+                }
+            }
+        }
+    }
+
+    /// Sizes: 34 and 18 bytes per 32 values, 2 per value for f16 and bf16.
+    #[test]
+    fn row_bytes_count_the_real_bytes() {
+        let sizes = KvDType::ALL.map(|d| (d, d.row_bytes(64), d.row_bytes(48)));
+        assert_eq!(
+            sizes,
+            [
+                (KvDType::F32, Some(256), Some(192)),
+                (KvDType::F16, Some(128), Some(96)),
+                (KvDType::Bf16, Some(128), Some(96)),
+                (KvDType::Q8_0, Some(68), None),
+                (KvDType::Q4_0, Some(36), None),
+            ]
+        );
+        assert_eq!(KvDType::Q8_0.bytes_rounded_up(48), 68);
+        for d in KvDType::ALL {
+            let b = KvBuffer::zeroed(d, 96).expect("whole units");
+            assert_eq!((b.len(), b.bytes()), (96, d.row_bytes(96).unwrap_or(0)));
+        }
+    }
+
+    /// A buffer holds whole units only, and only its own type reads it.
+    #[test]
+    fn buffers_hold_whole_units_of_their_type() {
+        for d in [KvDType::Q8_0, KvDType::Q4_0] {
+            let e = KvBuffer::zeroed(d, 40).err().map(|e| e.to_string());
+            assert_eq!(
+                e.as_deref(),
+                Some(
+                    format!("40 values are not whole units of a {d} KV cache (32 values each)")
+                        .as_str()
+                )
+            );
+        }
+        assert!(KvBuffer::zeroed(KvDType::Q8_0, usize::MAX / 32 * 32).is_err());
+        let b = KvBuffer::zeroed(KvDType::Q8_0, 64).expect("two blocks");
+        assert_eq!(b.units::<BlockQ8_0>(), [BlockQ8_0::default(); 2]);
+        let read = std::panic::catch_unwind(|| b.units::<half::f16>().len());
+        assert!(read.is_err(), "a q8_0 buffer read as f16");
+    }
 }

@@ -20,10 +20,14 @@ mod sparse;
 #[cfg(test)]
 mod testing;
 
-pub use indexer::{select_topk, IndexerParams, TopK};
-pub use kv::{load_rows, store_rows, KvBlocks, KvElem};
+pub use indexer::{select_topk, select_topk_dyn, select_topk_dyn_with, IndexerParams, TopK};
+pub use kv::{
+    load_rows, store_rows, BlockQ4_0, BlockQ8_0, KvBlocks, KvBuffer, KvDType, KvElem, KvLayer,
+};
 pub use reference::attention_ref;
-pub use sparse::{sparse_attention, sparse_attention_with};
+pub use sparse::{
+    sparse_attention, sparse_attention_dyn, sparse_attention_dyn_with, sparse_attention_with,
+};
 
 use crate::cpu::{self, SimdTier};
 use crate::pool::{self, DisjointSlice};
@@ -113,6 +117,35 @@ pub fn attention<T: KvElem>(
     attention_with(cpu::tier(), p, q, kv, seqs, out)
 }
 
+/// [`attention`] over a layer whose element type is chosen at run time
+/// (a pool's buffers), on the start-up tier.
+pub fn attention_dyn(
+    p: &AttnParams,
+    q: &[f32],
+    kv: &KvLayer<'_>,
+    seqs: &[SeqAttn<'_>],
+    out: &mut [f32],
+) {
+    attention_dyn_with(cpu::tier(), p, q, kv, seqs, out)
+}
+
+/// [`attention_dyn`] on a given tier.
+///
+/// # Panics
+/// As [`attention_with`], and if the keys and values differ in type.
+pub fn attention_dyn_with(
+    tier: SimdTier,
+    p: &AttnParams,
+    q: &[f32],
+    kv: &KvLayer<'_>,
+    seqs: &[SeqAttn<'_>],
+    out: &mut [f32],
+) {
+    kv::with_kv_elem!(kv.dtype(), T => {
+        attention_with(tier, p, q, &kv.blocks::<T>(), seqs, out)
+    })
+}
+
 /// [`attention`] on a given tier (lowered to one the CPU supports).
 ///
 /// # Panics
@@ -132,10 +165,22 @@ pub fn attention_with<T: KvElem>(
     let qd = p.n_heads * hd;
     assert_eq!(q.len() / qd * p.n_heads * vd, out.len());
     assert!(kv.block_size > 0);
+    assert!(
+        hd % T::VALUES == 0,
+        "key rows are not whole {} units",
+        T::DTYPE
+    );
     let n_blocks = kv.n_blocks(p.n_kv_heads, hd);
-    assert_eq!(kv.k.len(), n_blocks * kv.block_elems(p.n_kv_heads, hd));
+    assert_eq!(kv.k.len(), n_blocks * kv.block_units(p.n_kv_heads, hd));
     match kv.v {
-        Some(v) => assert_eq!(v.len(), n_blocks * kv.block_elems(p.n_kv_heads, vd)),
+        Some(v) => {
+            assert!(
+                vd % T::VALUES == 0,
+                "value rows are not whole {} units",
+                T::DTYPE
+            );
+            assert_eq!(v.len(), n_blocks * kv.block_units(p.n_kv_heads, vd))
+        }
         None => assert!(vd <= hd, "latent values longer than the keys"),
     }
     for s in seqs {
@@ -334,27 +379,40 @@ fn items(p: &AttnParams, n: usize) -> impl Iterator<Item = Item> {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{rand_vec, Store};
+    use super::testing::{fits, rand_vec, Store};
     use super::*;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
 
     /// `load_rows` reads back exactly what `store_rows` wrote (after the
-    /// element type's rounding), from any position through shuffled blocks.
+    /// element type's rounding), from any position through shuffled
+    /// blocks, for every element type.
     #[test]
     fn load_rows_inverts_store_rows() {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
-        for (n_kv, hd, bs, len) in [(1, 37, 5, 23), (3, 8, 4, 9), (2, 3, 16, 1)] {
-            let keys = rand_vec(&mut rng, len * n_kv * hd);
-            let s = Store::<half::f16>::new(&mut rng, &[(keys, vec![])], n_kv, (hd, 1), bs, true);
-            for pos in [0, len / 2, len - 1] {
-                let mut got = vec![0f32; (len - pos) * n_kv * hd];
-                load_rows(&s.k, &mut got, bs, n_kv, hd, &s.tables[0], pos);
-                assert_eq!(
-                    got,
-                    s.rounded[0].0[pos * n_kv * hd..],
-                    "{n_kv} {hd} {bs} {pos}"
-                );
+        for dtype in KvDType::ALL {
+            for (n_kv, hd, bs, len) in [
+                (1, 37, 5, 23),
+                (3, 8, 4, 9),
+                (2, 3, 16, 1),
+                (1, 96, 3, 11),
+                (3, 32, 7, 20),
+                (2, 64, 1, 5),
+            ] {
+                if !fits(dtype, (hd, hd), true) {
+                    continue;
+                }
+                let keys = rand_vec(&mut rng, len * n_kv * hd);
+                let s = Store::new(&mut rng, dtype, &[(keys, vec![])], n_kv, (hd, 1), bs, true);
+                for pos in [0, len / 2, len - 1] {
+                    let mut got = vec![0f32; (len - pos) * n_kv * hd];
+                    s.k.load_rows(&mut got, (bs, n_kv, hd), &s.tables[0], pos);
+                    assert_eq!(
+                        got,
+                        s.rounded[0].0[pos * n_kv * hd..],
+                        "{dtype} {n_kv} {hd} {bs} {pos}"
+                    );
+                }
             }
         }
     }
@@ -400,13 +458,20 @@ mod tests {
             (16, 1, (40, 32), true, None, vec![(1, 300), (5, 2)]),
             (5, 1, (72, 64), true, Some(100), vec![(9, 150), (1, 0)]),
             (32, 1, (24, 16), true, None, vec![(2, 129)]),
+            // Whole 32-value blocks, for the quantized types too.
+            (4, 2, (32, 32), false, None, vec![(7, 0), (1, 45)]),
+            (3, 3, (32, 32), false, Some(20), vec![(1, 31), (2, 0)]),
+            (6, 2, (96, 64), false, Some(40), vec![(5, 50), (1, 33)]),
+            (8, 1, (64, 48), true, None, vec![(1, 200), (3, 17)]),
+            (16, 1, (96, 64), true, None, vec![(2, 75), (1, 0)]),
         ]
     }
 
     /// Ragged batches (prefill chunks next to decodes), short and long
     /// histories, windows, GQA groups small and large, odd head sizes,
-    /// block sizes from 1 to contiguous, on every tier, for f32 and f16
-    /// caches: each sequence's rows against the f64 reference.
+    /// block sizes from 1 to contiguous, on every tier, for every cache
+    /// type whose units the rows fill: each sequence's rows against the
+    /// f64 reference over the values the store holds.
     #[test]
     fn every_tier_matches_reference() {
         let mut rng = ChaCha8Rng::seed_from_u64(12);
@@ -432,44 +497,36 @@ mod tests {
             let q = rand_vec(&mut rng, n_tok * n_heads * hd);
             let n_out = n_tok * n_heads * vd;
             let block_size = [1, 5, 16, 32, 1024][case % 5];
-            let f32s = Store::<f32>::new(&mut rng, &kvs, n_kv, (hd, vd), block_size, latent);
-            let f16s = Store::<half::f16>::new(&mut rng, &kvs, n_kv, (hd, vd), block_size, latent);
             let qd = n_heads * hd;
-            let mut row0 = 0;
-            let mut seqs32 = Vec::new();
-            let mut seqs16 = Vec::new();
-            let mut refs32 = Vec::new();
-            let mut refs16 = Vec::new();
-            for (i, &(n, past)) in shape.iter().enumerate() {
-                let rows = row0..row0 + n;
-                let qs = &q[rows.start * qd..rows.end * qd];
-                let (k32, v32) = &f32s.rounded[i];
-                let (k16, v16) = &f16s.rounded[i];
-                refs32.extend(attention_ref(&p, qs, past, k32, v32));
-                refs16.extend(attention_ref(&p, qs, past, k16, v16));
-                seqs32.push(SeqAttn {
-                    rows: rows.clone(),
-                    pos0: past,
-                    table: &f32s.tables[i],
-                });
-                seqs16.push(SeqAttn {
-                    rows,
-                    pos0: past,
-                    table: &f16s.tables[i],
-                });
-                row0 += n;
-            }
-            for tier in cpu::available_tiers() {
-                let mut out = vec![f32::NAN; n_out];
-                attention_with(tier, &p, &q, &f32s.blocks(), &seqs32, &mut out);
-                for (a, b) in out.iter().zip(&refs32) {
-                    assert!((a - b).abs() <= TOL, "{tier} case {case}: {a} vs {b}");
+            for dtype in KvDType::ALL {
+                if !fits(dtype, (hd, vd), latent) {
+                    continue;
                 }
-                // f16 storage: the same arithmetic on the rounded keys and values.
-                let mut out = vec![f32::NAN; n_out];
-                attention_with(tier, &p, &q, &f16s.blocks(), &seqs16, &mut out);
-                for (a, b) in out.iter().zip(&refs16) {
-                    assert!((a - b).abs() <= TOL, "{tier} f16 case {case}: {a} vs {b}");
+                let store = Store::new(&mut rng, dtype, &kvs, n_kv, (hd, vd), block_size, latent);
+                let mut row0 = 0;
+                let mut seqs = Vec::new();
+                let mut refs = Vec::new();
+                for (i, &(n, past)) in shape.iter().enumerate() {
+                    let rows = row0..row0 + n;
+                    let qs = &q[rows.start * qd..rows.end * qd];
+                    let (k, v) = &store.rounded[i];
+                    refs.extend(attention_ref(&p, qs, past, k, v));
+                    seqs.push(SeqAttn {
+                        rows,
+                        pos0: past,
+                        table: &store.tables[i],
+                    });
+                    row0 += n;
+                }
+                for tier in cpu::available_tiers() {
+                    let mut out = vec![f32::NAN; n_out];
+                    attention_dyn_with(tier, &p, &q, &store.layer(), &seqs, &mut out);
+                    for (a, b) in out.iter().zip(&refs) {
+                        assert!(
+                            (a - b).abs() <= TOL,
+                            "{tier} {dtype} case {case}: {a} vs {b}"
+                        );
+                    }
                 }
             }
         }
@@ -477,8 +534,8 @@ mod tests {
 
     /// A sequence's rows come out bit for bit the same alone, next to other
     /// sequences (which changes the key split), in prefill chunks of any
-    /// size, and one token at a time: what lets a served request's output
-    /// not depend on its neighbours.
+    /// size, and one token at a time, for every cache type: what lets a
+    /// served request's output not depend on its neighbours.
     #[test]
     fn results_do_not_depend_on_the_batch() {
         let mut rng = ChaCha8Rng::seed_from_u64(7);
@@ -487,6 +544,8 @@ mod tests {
             (4, 1, (24, 24), false, Some(50), 70, 10),
             (6, 2, (7, 7), false, None, 33, 0),
             (16, 1, (40, 32), true, None, 21, 140),
+            (4, 2, (32, 32), false, Some(70), 37, 90),
+            (8, 1, (64, 48), true, None, 19, 170),
         ] {
             let p = AttnParams {
                 n_heads,
@@ -505,42 +564,48 @@ mod tests {
                 rand_vec(&mut rng, 500 * n_kv * hd),
                 rand_vec(&mut rng, 500 * n_kv * vd),
             );
-            let store = Store::<half::f16>::new(&mut rng, &[me, other], n_kv, (hd, vd), 16, latent);
             let (qd, od) = (n_heads * hd, n_heads * vd);
             let q = rand_vec(&mut rng, n * qd);
             let q_other = rand_vec(&mut rng, 3 * qd);
-            for tier in cpu::available_tiers() {
-                // Rows `a..b` of the sequence, optionally behind another sequence's 3 rows.
-                let run = |a: usize, b: usize, crowd: bool| -> Vec<f32> {
-                    let mut qs = Vec::new();
-                    let mut seqs = Vec::new();
-                    if crowd {
-                        qs.extend_from_slice(&q_other);
+            let seqs = [me, other];
+            for dtype in KvDType::ALL {
+                if dtype == KvDType::F32 || !fits(dtype, (hd, vd), latent) {
+                    continue;
+                }
+                let store = Store::new(&mut rng, dtype, &seqs, n_kv, (hd, vd), 16, latent);
+                for tier in cpu::available_tiers() {
+                    // Rows `a..b` of the sequence, optionally behind another sequence's 3 rows.
+                    let run = |a: usize, b: usize, crowd: bool| -> Vec<f32> {
+                        let mut qs = Vec::new();
+                        let mut seqs = Vec::new();
+                        if crowd {
+                            qs.extend_from_slice(&q_other);
+                            seqs.push(SeqAttn {
+                                rows: 0..3,
+                                pos0: 497,
+                                table: &store.tables[1],
+                            });
+                        }
+                        let r0 = qs.len() / qd;
+                        qs.extend_from_slice(&q[a * qd..b * qd]);
                         seqs.push(SeqAttn {
-                            rows: 0..3,
-                            pos0: 497,
-                            table: &store.tables[1],
+                            rows: r0..r0 + b - a,
+                            pos0: past + a,
+                            table: &store.tables[0],
                         });
+                        let mut out = vec![f32::NAN; qs.len() / qd * od];
+                        attention_dyn_with(tier, &p, &qs, &store.layer(), &seqs, &mut out);
+                        out[r0 * od..].to_vec()
+                    };
+                    let alone = run(0, n, false);
+                    assert_eq!(alone, run(0, n, true), "{tier} {dtype}: crowded");
+                    for chunk in [1, 7, 16] {
+                        let mut pieces = Vec::new();
+                        for a in (0..n).step_by(chunk) {
+                            pieces.extend(run(a, (a + chunk).min(n), a % 2 == 0));
+                        }
+                        assert_eq!(alone, pieces, "{tier} {dtype}: chunks of {chunk}");
                     }
-                    let r0 = qs.len() / qd;
-                    qs.extend_from_slice(&q[a * qd..b * qd]);
-                    seqs.push(SeqAttn {
-                        rows: r0..r0 + b - a,
-                        pos0: past + a,
-                        table: &store.tables[0],
-                    });
-                    let mut out = vec![f32::NAN; qs.len() / qd * od];
-                    attention_with(tier, &p, &qs, &store.blocks(), &seqs, &mut out);
-                    out[r0 * od..].to_vec()
-                };
-                let alone = run(0, n, false);
-                assert_eq!(alone, run(0, n, true), "{tier}: crowded");
-                for chunk in [1, 7, 16] {
-                    let mut pieces = Vec::new();
-                    for a in (0..n).step_by(chunk) {
-                        pieces.extend(run(a, (a + chunk).min(n), a % 2 == 0));
-                    }
-                    assert_eq!(alone, pieces, "{tier}: chunks of {chunk}");
                 }
             }
         }
@@ -559,14 +624,22 @@ mod tests {
         let q = [1.0, 0.0, 0.0, 1.0];
         let (k, v) = ([5.0, 5.0, -3.0, 2.0], [1.0, 2.0, 3.0, 4.0]);
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let store = Store::<f32>::new(&mut rng, &[(k.to_vec(), v.to_vec())], 1, (2, 2), 1, false);
+        let store = Store::new(
+            &mut rng,
+            KvDType::F32,
+            &[(k.to_vec(), v.to_vec())],
+            1,
+            (2, 2),
+            1,
+            false,
+        );
         let mut out = [0f32; 4];
         let seqs = [SeqAttn {
             rows: 0..2,
             pos0: 0,
             table: &store.tables[0],
         }];
-        attention(&p, &q, &store.blocks(), &seqs, &mut out);
+        attention(&p, &q, &store.layer().blocks::<f32>(), &seqs, &mut out);
         assert_eq!(out, [1.0, 2.0, 3.0, 4.0]);
     }
 }

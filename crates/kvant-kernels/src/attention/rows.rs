@@ -153,6 +153,7 @@ pub(super) fn run_partition<T: KvElem>(
     while j0 < hi {
         let tk = KEY_TILE.min(hi - j0);
         seq.kv.widen_tile(
+            tier,
             seq.table,
             p.n_kv_heads,
             (hd, vd),

@@ -10,7 +10,7 @@
 //! a token is `O(topk)` whatever the context.
 
 use super::indexer::TopK;
-use super::kv::{KvBlocks, KvElem};
+use super::kv::{self, KvBlocks, KvElem, KvLayer};
 use super::rows::{absorb_tile, scores, Item, State, KEY_TILE, PARTITION};
 use super::{execute, AttnParams, Planned, SeqAttn, MAX_ROWS, PLAN};
 use crate::cpu::{self, SimdTier};
@@ -30,6 +30,34 @@ pub fn sparse_attention<T: KvElem>(
     out: &mut [f32],
 ) {
     sparse_attention_with(cpu::tier(), p, q, kv, seqs, sel, out)
+}
+
+/// [`sparse_attention`] over a layer whose element type is chosen at run
+/// time (a pool's buffers), on the start-up tier.
+pub fn sparse_attention_dyn(
+    p: &AttnParams,
+    q: &[f32],
+    kv: &KvLayer<'_>,
+    seqs: &[SeqAttn<'_>],
+    sel: &TopK,
+    out: &mut [f32],
+) {
+    sparse_attention_dyn_with(cpu::tier(), p, q, kv, seqs, sel, out)
+}
+
+/// [`sparse_attention_dyn`] on a given tier.
+pub fn sparse_attention_dyn_with(
+    tier: SimdTier,
+    p: &AttnParams,
+    q: &[f32],
+    kv: &KvLayer<'_>,
+    seqs: &[SeqAttn<'_>],
+    sel: &TopK,
+    out: &mut [f32],
+) {
+    kv::with_kv_elem!(kv.dtype(), T => {
+        sparse_attention_with(tier, p, q, &kv.blocks::<T>(), seqs, sel, out)
+    })
 }
 
 /// [`sparse_attention`] on a given tier (lowered to one the CPU supports).
@@ -135,6 +163,7 @@ fn run_partition<T: KvElem>(
     for tile in picked.chunks(KEY_TILE) {
         let tk = tile.len();
         kv.widen_rows(
+            tier,
             table,
             p.n_kv_heads,
             (hd, vd),
@@ -160,8 +189,9 @@ fn run_partition<T: KvElem>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::fits;
     use super::super::testing::{rand_vec, Store};
-    use super::super::{attention_ref, attention_with};
+    use super::super::{attention_dyn_with, attention_ref, KvDType};
     use super::*;
     use rand::seq::index::sample;
     use rand::SeedableRng;
@@ -188,6 +218,9 @@ mod tests {
             (32, 1, (24, 16), true, 64, vec![(2, 129)]),
             (6, 3, (8, 8), false, 5, vec![(9, 13)]),
             (4, 2, (24, 16), false, 33, vec![(3, 40), (1, 7)]),
+            // Whole 32-value blocks: every cache type (DeepSeek-V3's 576 is 18).
+            (16, 1, (96, 64), true, 40, vec![(1, 300), (4, 41)]),
+            (4, 2, (32, 32), false, 9, vec![(5, 30)]),
         ]
     }
 
@@ -231,20 +264,23 @@ mod tests {
             }
             let sel = TopK::from_rows(k, &picks);
             let bs = [1, 5, 16, 32][case % 4];
-            let s32 = Store::<f32>::new(&mut rng, &kvs, n_kv, (hd, vd), bs, latent);
-            let s16 = Store::<half::f16>::new(&mut rng, &kvs, n_kv, (hd, vd), bs, latent);
-            for tier in cpu::available_tiers() {
-                let ops = (&p, &q[..], &shape[..], &sel);
-                check_store(tier, ops, &s32, &format!("{tier} f32 case {case}"));
-                check_store(tier, ops, &s16, &format!("{tier} f16 case {case}"));
+            for dtype in KvDType::ALL
+                .into_iter()
+                .filter(|&d| fits(d, (hd, vd), latent))
+            {
+                let store = Store::new(&mut rng, dtype, &kvs, n_kv, (hd, vd), bs, latent);
+                for tier in cpu::available_tiers() {
+                    let ops = (&p, &q[..], &shape[..], &sel);
+                    check_store(tier, ops, &store, &format!("{tier} {dtype} case {case}"));
+                }
             }
         }
     }
 
-    fn check_store<T: KvElem + Default>(
+    fn check_store(
         tier: SimdTier,
         (p, q, shape, sel): (&AttnParams, &[f32], &[(usize, usize)], &TopK),
-        store: &Store<T>,
+        store: &Store,
         what: &str,
     ) {
         let (nh, hd, vd, n_kv) = (p.n_heads, p.head_dim, p.v_dim, p.n_kv_heads);
@@ -262,7 +298,7 @@ mod tests {
             })
             .collect();
         let mut out = vec![f32::NAN; row0 * nh * vd];
-        sparse_attention_with(tier, p, q, &store.blocks(), &seqs, sel, &mut out);
+        sparse_attention_dyn_with(tier, p, q, &store.layer(), &seqs, sel, &mut out);
         for (s, (k, v)) in seqs.iter().zip(&store.rounded) {
             for row in s.rows.clone() {
                 let got = &out[row * nh * vd..(row + 1) * nh * vd];
@@ -305,7 +341,7 @@ mod tests {
             window: None,
         };
         let kv = vec![(rand_vec(&mut rng, (past + 1) * hd), vec![])];
-        let store = Store::<f32>::new(&mut rng, &kv, 1, (hd, vd), 16, true);
+        let store = Store::new(&mut rng, KvDType::F32, &kv, 1, (hd, vd), 16, true);
         let q = rand_vec(&mut rng, nh * hd);
         let seqs = [SeqAttn {
             rows: 0..1,
@@ -316,9 +352,9 @@ mod tests {
         let sel = TopK::from_rows(past + 1, &[Some(all)]);
         for tier in cpu::available_tiers() {
             let mut dense = vec![0f32; nh * vd];
-            attention_with(tier, &p, &q, &store.blocks(), &seqs, &mut dense);
+            attention_dyn_with(tier, &p, &q, &store.layer(), &seqs, &mut dense);
             let mut sparse = vec![0f32; nh * vd];
-            sparse_attention_with(tier, &p, &q, &store.blocks(), &seqs, &sel, &mut sparse);
+            sparse_attention_dyn_with(tier, &p, &q, &store.layer(), &seqs, &sel, &mut sparse);
             for (a, b) in dense.iter().zip(&sparse) {
                 assert!((a - b).abs() <= TOL, "{tier}: {a} vs {b}");
             }
@@ -331,7 +367,7 @@ mod tests {
     #[test]
     fn results_do_not_depend_on_the_split() {
         let mut rng = ChaCha8Rng::seed_from_u64(33);
-        let (nh, hd, vd, k, past, n) = (16, 40, 32, 700, 3000, 40);
+        let (nh, hd, vd, k, past, n) = (16, 64, 32, 700, 3000, 40);
         let p = AttnParams {
             n_heads: nh,
             n_kv_heads: 1,
@@ -341,7 +377,7 @@ mod tests {
             window: None,
         };
         let kv = vec![(rand_vec(&mut rng, (past + n) * hd), vec![])];
-        let store = Store::<half::f16>::new(&mut rng, &kv, 1, (hd, vd), 16, true);
+        let store = Store::new(&mut rng, KvDType::Q8_0, &kv, 1, (hd, vd), 16, true);
         let q = rand_vec(&mut rng, n * nh * hd);
         let picks: Vec<Option<Vec<u32>>> = (0..n)
             .map(|i| {
@@ -361,7 +397,7 @@ mod tests {
                 table: &store.tables[0],
             }];
             let mut together = vec![0f32; n * nh * vd];
-            sparse_attention_with(tier, &p, &q, &store.blocks(), &seqs, &all, &mut together);
+            sparse_attention_dyn_with(tier, &p, &q, &store.layer(), &seqs, &all, &mut together);
             for t in [0, 17, n - 1] {
                 let one = TopK::from_rows(k, &picks[t..t + 1]);
                 let seqs = [SeqAttn {
@@ -371,7 +407,7 @@ mod tests {
                 }];
                 let mut alone = vec![0f32; nh * vd];
                 let qt = &q[t * nh * hd..(t + 1) * nh * hd];
-                sparse_attention_with(tier, &p, qt, &store.blocks(), &seqs, &one, &mut alone);
+                sparse_attention_dyn_with(tier, &p, qt, &store.layer(), &seqs, &one, &mut alone);
                 assert_eq!(
                     alone,
                     together[t * nh * vd..(t + 1) * nh * vd],

@@ -1,6 +1,7 @@
 //! Test helpers shared by the attention kernels' tests.
 
-use super::{store_rows, KvBlocks, KvElem};
+use super::kv::{self, KvBuffer, KvDType, KvElem, KvLayer};
+use crate::cpu::SimdTier;
 use rand::seq::SliceRandom;
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -9,22 +10,35 @@ pub(super) fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
 }
 
+/// `x` (whole units of `dtype`) as a `dtype` cache holds it: narrowed
+/// then widened by the scalar codec.
+pub(super) fn rounded(dtype: KvDType, x: &[f32]) -> Vec<f32> {
+    kv::with_kv_elem!(dtype, T => {
+        let mut t = vec![T::default(); x.len() / T::VALUES];
+        T::narrow(x, &mut t);
+        let mut back = vec![0f32; x.len()];
+        T::widen(SimdTier::Scalar, &t, &mut back);
+        back
+    })
+}
+
 /// A block store holding several sequences' keys and values (token-major
-/// `[len, n_kv * hd]` and `[len, n_kv * vd]` each) in shuffled blocks,
-/// their tables, and the values the store holds after rounding to `T`
+/// `[len, n_kv * hd]` and `[len, n_kv * vd]` each) in shuffled blocks of
+/// `dtype`, their tables, and the values the store holds after rounding
 /// (what the reference sees). `latent`: no values are stored; they are
 /// the keys' first `vd` elements (the given values are ignored).
-pub(super) struct Store<T> {
-    pub k: Vec<T>,
-    pub v: Option<Vec<T>>,
+pub(super) struct Store {
+    pub k: KvBuffer,
+    pub v: Option<KvBuffer>,
     pub block_size: usize,
     pub tables: Vec<Vec<u32>>,
     pub rounded: Vec<(Vec<f32>, Vec<f32>)>,
 }
 
-impl<T: KvElem + Default> Store<T> {
+impl Store {
     pub fn new(
         rng: &mut ChaCha8Rng,
+        dtype: KvDType,
         seqs: &[(Vec<f32>, Vec<f32>)],
         n_kv: usize,
         (hd, vd): (usize, usize),
@@ -35,32 +49,26 @@ impl<T: KvElem + Default> Store<T> {
         let n_blocks: usize = lens.iter().map(|l| l.div_ceil(block_size)).sum::<usize>() + 2;
         let mut ids: Vec<u32> = (0..n_blocks as u32).collect();
         ids.shuffle(rng);
-        let mut k = vec![T::default(); n_blocks * n_kv * block_size * hd];
-        let mut v = (!latent).then(|| vec![T::default(); n_blocks * n_kv * block_size * vd]);
+        let buf = |dim: usize| KvBuffer::zeroed(dtype, n_blocks * n_kv * block_size * dim);
+        let mut k = buf(hd).expect("whole units");
+        let mut v = (!latent).then(|| buf(vd).expect("whole units"));
         let mut tables = Vec::new();
         let mut next = ids.into_iter();
         for ((ks, vs), &len) in seqs.iter().zip(&lens) {
             let table: Vec<u32> = next.by_ref().take(len.div_ceil(block_size)).collect();
-            store_rows(ks, &mut k, block_size, n_kv, hd, &table, 0);
+            k.store_rows(ks, (block_size, n_kv, hd), &table, 0);
             if let Some(v) = &mut v {
-                store_rows(vs, v, block_size, n_kv, vd, &table, 0);
+                v.store_rows(vs, (block_size, n_kv, vd), &table, 0);
             }
             tables.push(table);
         }
-        let round = |x: &[f32]| {
-            let mut t = vec![T::default(); x.len()];
-            T::narrow(x, &mut t);
-            let mut back = vec![0f32; x.len()];
-            T::widen(&t, &mut back);
-            back
-        };
         let rounded = seqs
             .iter()
             .map(|(k, v)| {
-                let k = round(k);
+                let k = rounded(dtype, k);
                 let v = match latent {
                     true => k.chunks_exact(hd).flat_map(|r| &r[..vd]).copied().collect(),
-                    false => round(v),
+                    false => rounded(dtype, v),
                 };
                 (k, v)
             })
@@ -74,11 +82,17 @@ impl<T: KvElem + Default> Store<T> {
         }
     }
 
-    pub fn blocks(&self) -> KvBlocks<'_, T> {
-        KvBlocks {
+    pub fn layer(&self) -> KvLayer<'_> {
+        KvLayer {
             k: &self.k,
-            v: self.v.as_deref(),
+            v: self.v.as_ref(),
             block_size: self.block_size,
         }
     }
+}
+
+/// Whether rows of `hd` (and stored values of `vd`) values fit `dtype`.
+pub(super) fn fits(dtype: KvDType, (hd, vd): (usize, usize), latent: bool) -> bool {
+    let u = dtype.unit_values();
+    hd.is_multiple_of(u) && (latent || vd.is_multiple_of(u))
 }

@@ -15,14 +15,14 @@ mod float;
 mod fused;
 mod q2_k;
 mod q3_k;
-mod q4_0;
+pub(crate) mod q4_0;
 mod q4_1;
 pub(crate) mod q4_k;
 mod q5_0;
 mod q5_1;
 mod q5_k;
 mod q6_k;
-mod q8_0;
+pub(crate) mod q8_0;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
@@ -304,6 +304,17 @@ pub fn dequantize_row_with(
 pub fn quantize_row_q8_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
     check_row(DType::Q8_0, dst, src.len())?;
     q8_0::quantize_ref(src, dst);
+    Ok(())
+}
+
+/// Quantizes `src` (whole 32-value blocks) to Q4_0 blocks in `dst`, as
+/// ggml's reference quantizer does.
+///
+/// # Errors
+/// [`KernelError`] unless `dst` holds exactly the blocks of `src`.
+pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    check_row(DType::Q4_0, dst, src.len())?;
+    q4_0::quantize_ref(src, dst);
     Ok(())
 }
 

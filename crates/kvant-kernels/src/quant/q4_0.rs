@@ -20,6 +20,34 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// ggml's `quantize_row_q4_0_ref`: per block the value of largest
+/// magnitude `max` (its sign kept) sets `d = max / -8`, so that it maps to
+/// nibble 0 and the rest of the range to `1..=15`; each value becomes
+/// `min(15, trunc(x / d + 8.5))`. `d` is stored as f16 (rounded to
+/// nearest even) while the nibbles are computed with the f32 `d`, as ggml
+/// does. kvant writes Q4_0 only for KV caches (`--kv-cache-type q4_0`).
+pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(src.len() / QK * BLOCK_BYTES, dst.len());
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -8.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        // C's `(int8_t)` conversion truncates toward zero, as `as i8` does
+        // (the argument lies in about 0.5..16.5).
+        let q = |v: f32| ((v * id + 8.5) as i8).min(15) as u8;
+        for j in 0..QK / 2 {
+            b[2 + j] = q(x[j]) | (q(x[j + QK / 2]) << 4);
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::super::fused::{dot32, FusedBlock, Legacy32};

@@ -110,6 +110,17 @@ pub struct SeqStep<'a> {
     pub logits: Logits,
 }
 
+/// The rows a model's KV cache holds per token and layer: (rows, values
+/// per row, latent). Multi-head attention caches a key and a value row
+/// per KV head (`kv_heads` of them on this rank); latent attention one
+/// latent row.
+fn kv_rows(cfg: &ModelConfig, kv_heads: usize) -> (usize, usize, bool) {
+    match &cfg.mla {
+        Some(m) => (1, m.latent_dim(), true),
+        None => (kv_heads, cfg.head_dim, false),
+    }
+}
+
 pub struct DecoderModel {
     cfg: ModelConfig,
     /// This rank's rows of the embedding (all of them in one process).
@@ -178,6 +189,18 @@ impl DecoderModel {
         opts: LoadOptions,
         par: Option<Arc<Parallel>>,
     ) -> Result<Self, ModelError> {
+        // A cache type that cannot hold the rows fails before any weight
+        // is read, not at the first pool.
+        let (_, head_dim, latent) = kv_rows(&cfg, 1);
+        KvShape {
+            n_layers: cfg.n_layers,
+            n_kv_heads: 1,
+            head_dim,
+            latent,
+            index_dim: cfg.indexer.map_or(0, |i| i.head_dim),
+            dtype: opts.kv_dtype,
+        }
+        .check()?;
         let shard = match &par {
             Some(p) => {
                 p.layout
@@ -368,10 +391,7 @@ impl DecoderModel {
 
     /// The shape of this model's KV caches.
     pub fn kv_shape(&self) -> KvShape {
-        let (n_kv_heads, head_dim, latent) = match &self.cfg.mla {
-            Some(m) => (1, m.latent_dim(), true),
-            None => (self.kv_heads, self.cfg.head_dim, false),
-        };
+        let (n_kv_heads, head_dim, latent) = kv_rows(&self.cfg, self.kv_heads);
         KvShape {
             n_layers: self.cfg.n_layers + usize::from(self.mtp.is_some()),
             n_kv_heads,
@@ -388,8 +408,9 @@ impl DecoderModel {
     pub fn expanded_kv_bytes_per_token(&self) -> usize {
         match &self.cfg.mla {
             Some(m) => {
-                let per_layer = self.cfg.n_heads * (m.qk_dim() + m.v_dim);
-                self.cfg.n_layers * per_layer * self.kv_dtype.bytes()
+                let dt = self.kv_dtype;
+                let per_head = dt.bytes_rounded_up(m.qk_dim()) + dt.bytes_rounded_up(m.v_dim);
+                self.cfg.n_layers * self.cfg.n_heads * per_head
             }
             None => self.kv_bytes_per_token(),
         }
@@ -408,8 +429,7 @@ impl DecoderModel {
     /// MTP module, which a plain decode step does not run, is left out.
     pub fn kv_bytes_read(&self, pos: usize) -> usize {
         let shape = self.kv_shape();
-        let elem = shape.dtype.bytes();
-        let index_row = shape.index_dim * elem;
+        let index_row = shape.index_bytes();
         let kv_row = shape.bytes_per_token() / shape.n_layers.max(1) - index_row;
         let attended = match self.cfg.indexer {
             Some(i) => i.topk.min(pos + 1),

@@ -1,0 +1,74 @@
+//! One decode step of attention over a long context, per KV cache type:
+//! SmolLM2-135M's shape (9 query heads, 3 KV heads of 64), one token
+//! attending to 2048 positions, in one contiguous block (the CLI's cache)
+//! and in blocks of 16 (`serve`'s pool). Throughput is the KV bytes the
+//! step reads; f16 and f32 show what widening costs over streaming, the
+//! block types what reading their blocks directly costs.
+//!
+//! `KVANT_THREADS=1 cargo bench -p kvant-kernels --bench attention`
+
+use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use kvant_kernels::attention::{attention_dyn, AttnParams, KvBuffer, KvDType, KvLayer, SeqAttn};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::hint::black_box;
+use std::time::Duration;
+
+const CONTEXT: usize = 2048;
+
+fn decode(c: &mut Criterion) {
+    let p = AttnParams {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+        v_dim: 64,
+        scale: 0.125,
+        window: None,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let kv_dim = p.n_kv_heads * p.head_dim;
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+    let (k, v, q) = (
+        rand(CONTEXT * kv_dim),
+        rand(CONTEXT * kv_dim),
+        rand(p.n_heads * p.head_dim),
+    );
+    let mut out = vec![0f32; p.n_heads * p.v_dim];
+    let mut g = c.benchmark_group(format!("attention decode, {CONTEXT} positions"));
+    for block_size in [CONTEXT, 16] {
+        let table: Vec<u32> = (0..(CONTEXT / block_size) as u32).collect();
+        for dtype in KvDType::ALL {
+            let buf = |x: &[f32]| {
+                let mut b = KvBuffer::zeroed(dtype, CONTEXT * kv_dim).expect("whole units");
+                b.store_rows(x, (block_size, p.n_kv_heads, p.head_dim), &table, 0);
+                b
+            };
+            let (kb, vb) = (buf(&k), buf(&v));
+            let layer = KvLayer {
+                k: &kb,
+                v: Some(&vb),
+                block_size,
+            };
+            let seqs = [SeqAttn {
+                rows: 0..1,
+                pos0: CONTEXT - 1,
+                table: &table,
+            }];
+            g.throughput(Throughput::Bytes((kb.bytes() + vb.bytes()) as u64));
+            g.bench_function(format!("{dtype}, blocks of {block_size}"), |b| {
+                b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
+            });
+        }
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .warm_up_time(Duration::from_millis(300))
+        .measurement_time(Duration::from_secs(2))
+        .sample_size(30);
+    targets = decode
+}
+criterion_main!(benches);
