@@ -1,7 +1,9 @@
 //! One decode step of attention over a long context, per KV cache type:
 //! SmolLM2-135M's shape (9 query heads, 3 KV heads of 64), one token
 //! attending to 2048 positions, in one contiguous block (the CLI's cache)
-//! and in blocks of 16 (`serve`'s pool). Throughput is the KV bytes the
+//! and in blocks of 16 (`serve`'s pool); and DeepSeek-V3's latent cache
+//! (16 heads, as on one rank of 8, over latent rows of 576 whose first 512
+//! values are the values), in blocks of 16. Throughput is the KV bytes the
 //! step reads; f16 and f32 show what widening costs over streaming, the
 //! block types what reading their blocks directly costs.
 //!
@@ -63,12 +65,49 @@ fn decode(c: &mut Criterion) {
     g.finish();
 }
 
+fn latent(c: &mut Criterion) {
+    let p = AttnParams {
+        n_heads: 16,
+        n_kv_heads: 1,
+        head_dim: 576,
+        v_dim: 512,
+        scale: 0.07,
+        window: None,
+    };
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+    let (k, q) = (rand(CONTEXT * p.head_dim), rand(p.n_heads * p.head_dim));
+    let mut out = vec![0f32; p.n_heads * p.v_dim];
+    let block_size = 16;
+    let table: Vec<u32> = (0..(CONTEXT / block_size) as u32).collect();
+    let mut g = c.benchmark_group(format!("latent attention decode, {CONTEXT} positions"));
+    for dtype in KvDType::ALL {
+        let mut kb = KvBuffer::zeroed(dtype, CONTEXT * p.head_dim).expect("whole units");
+        kb.store_rows(&k, (block_size, 1, p.head_dim), &table, 0);
+        let layer = KvLayer {
+            k: &kb,
+            v: None,
+            block_size,
+        };
+        let seqs = [SeqAttn {
+            rows: 0..1,
+            pos0: CONTEXT - 1,
+            table: &table,
+        }];
+        g.throughput(Throughput::Bytes(kb.bytes() as u64));
+        g.bench_function(format!("{dtype}, 16 heads, blocks of {block_size}"), |b| {
+            b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    targets = decode
+    targets = decode, latent
 }
 criterion_main!(benches);

@@ -18,6 +18,17 @@
 //! to f32 once per item and tile, straight from the stored units, and all
 //! arithmetic stays f32.
 //!
+//! Integer q·k (the item's query rows quantized to 8 bits, each score
+//! `Σ d_k·d_q·Σ k·q` over the key blocks as ggml's `vec_dot_q8_0_q8_0`)
+//! was tried and measured no faster (`benches/attention.rs`, one thread):
+//! once the Q8_0/Q4_0 dequantizers lost a dependency chain (see
+//! `quant::q8_0`), widening a Q8_0 tile costs about what an f16 one does,
+//! and a decode step at 2048 positions of SmolLM2's shape ran within noise
+//! of the widening path (0.95–1.07× f16 both ways); on DeepSeek-V3's latent
+//! shape, whose values are the key rows and must be widened anyway, it was
+//! 1.3× slower (2.2 ms against 1.7). So block types take the same f32
+//! path as the others, and the queries are not rounded.
+//!
 //! [`KvBuffer`] holds one array of units whose type is chosen at run time
 //! (what a pool allocates per layer); [`KvLayer`] pairs a layer's key and
 //! value buffers for [`super::attention_dyn`]. The one `match` over the

@@ -51,7 +51,7 @@ pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::super::fused::{dot32, FusedBlock, Legacy32};
-    use super::super::simd::{f16_at, f16_splat, nibbles};
+    use super::super::simd::{f16_splat, nibbles};
     use super::{BLOCK_BYTES, QK};
     use kvant_core::DType;
     use std::arch::x86_64::*;
@@ -65,7 +65,8 @@ pub(crate) mod avx2 {
         let mask = _mm_set1_epi8(0x0F);
         let eight = _mm256_set1_epi32(8);
         for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
-            let d = _mm256_set1_ps(f16_at(b, 0));
+            // SAFETY: the scale is the block's first two bytes.
+            let d = f16_splat(b.as_ptr());
             // SAFETY: `b` is one whole block: 16 quant bytes start at offset 2.
             let q = _mm_loadu_si128(b.as_ptr().add(2) as *const __m128i);
             let lo = _mm_and_si128(q, mask);
