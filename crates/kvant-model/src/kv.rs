@@ -290,12 +290,16 @@ impl KvPool {
     ) {
         debug_assert!(p.n_kv_heads == self.shape.n_kv_heads && p.head_dim == self.shape.head_dim);
         self.store(layer, seqs, kv);
-        let kv = KvLayer {
+        attention_dyn(p, q, &self.layer(layer), seqs, out)
+    }
+
+    /// One layer's keys and values, as attention reads them.
+    fn layer(&self, layer: usize) -> KvLayer<'_> {
+        KvLayer {
             k: &self.keys.layers[layer],
             v: self.values.as_ref().map(|v| &v.layers[layer]),
             block_size: self.block_size,
-        };
-        attention_dyn(p, q, &kv, seqs, out)
+        }
     }
 
     /// Stores the batch's indexer keys (`[n_tokens, index_dim]`) in one
@@ -355,11 +359,7 @@ impl KvPool {
                 })
             })
             .collect();
-        let kv = KvLayer {
-            k: &self.keys.layers[layer],
-            v: self.values.as_ref().map(|v| &v.layers[layer]),
-            block_size: self.block_size,
-        };
+        let kv = self.layer(layer);
         attention_dyn(p, q, &kv, &dense, out);
         sparse_attention_dyn(p, q, &kv, seqs, sel, out)
     }

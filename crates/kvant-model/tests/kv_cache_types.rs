@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{fixtures, open, whole_block_fixture};
+use common::{fixtures, greedy, ids, open, whole_block_fixture};
 use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits};
 use kvant_model::checkpoint::Checkpoint;
 use kvant_model::kv::{KvDType, KvPool, KvShape};
@@ -128,30 +128,6 @@ fn bytes_count_the_stored_blocks() {
     assert_eq!(m.kv_bytes_per_token(), 4 * 34);
 }
 
-/// Greedy decoding straight on the model.
-fn greedy(m: &DecoderModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = m.new_cache(prompt.len() + n).expect("cache");
-    let mut logits = m
-        .forward(prompt, &mut cache, Logits::Last)
-        .expect("forward");
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let next = logits
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &l)| if l > b.1 { (i, l) } else { b },
-            )
-            .0 as u32;
-        out.push(next);
-        logits = m
-            .forward(&[next], &mut cache, Logits::Last)
-            .expect("forward");
-    }
-    out
-}
-
 /// Each position's logits over `seq` (the prompt and a continuation).
 fn all_logits(m: &DecoderModel, seq: &[u32]) -> Vec<f32> {
     let mut cache = m.new_cache(seq.len()).expect("cache");
@@ -185,12 +161,7 @@ fn q8_0_cache_decodes_the_f16_tokens() {
             &std::fs::read(fixtures().join(fixture).join("reference.json")).expect("reference"),
         )
         .expect("json");
-        let prompt: Vec<u32> = r["prompt_ids"]
-            .as_array()
-            .expect("ids")
-            .iter()
-            .map(|x| x.as_u64().expect("id") as u32)
-            .collect();
+        let prompt = ids(&r["prompt_ids"]);
         let n = 32;
         let f16 = open(
             dir.path(),

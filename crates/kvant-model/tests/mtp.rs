@@ -3,6 +3,9 @@
 //! tiny GigaChat3-shaped checkpoint): each draft row's logits, fed one
 //! position at a time through the module's own cache.
 
+mod common;
+
+use common::ids;
 use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits, MlaPrefill};
 use kvant_model::checkpoint::Checkpoint;
 use kvant_model::ModelError;
@@ -31,14 +34,6 @@ fn open_with(name: &str, mtp: bool, mla_prefill: MlaPrefill) -> DecoderModel {
         ..LoadOptions::F32
     };
     DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts, None).expect("load")
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 /// The MTP rows of `name` (a checkpoint of deepseek-v3's weights) against

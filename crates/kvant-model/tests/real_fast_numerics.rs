@@ -14,6 +14,9 @@
 //! Needs `KVANT_MODEL` and `KVANT_GEMMA3_MODEL` (`bash .ci/run` fetches
 //! both); with `KVANT_SKIP_REAL_MODEL=1` the tests are skipped.
 
+mod common;
+
+use common::ids;
 use kvant_model::arch::decoder::{DecoderModel, Logits};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -38,14 +41,6 @@ fn model_path(var: &str) -> Option<PathBuf> {
     panic!(
         "set {var} (`bash .ci/run` fetches the real models), or KVANT_SKIP_REAL_MODEL=1 to skip"
     );
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 fn check(model: &Path, fixture: &str) {

@@ -2,9 +2,10 @@
 //! against transformers (PyTorch, CPU, float32) outputs written by
 //! `tools/reference/make_model_fixtures.py`.
 
-use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits};
-use kvant_model::checkpoint::Checkpoint;
-use kvant_model::ModelError;
+mod common;
+
+use common::{fixtures, greedy, ids, open};
+use kvant_model::arch::decoder::{LoadOptions, Logits};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -67,10 +68,6 @@ const FAST: Tol = Tol {
     greedy: false,
 };
 
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
-}
-
 /// (checkpoint path, reference.json path) for every fixture.
 fn cases() -> Vec<(PathBuf, PathBuf)> {
     let mut out = Vec::new();
@@ -94,22 +91,6 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
         out.len()
     );
     out
-}
-
-fn open(path: &Path, opts: LoadOptions) -> DecoderModel {
-    let load = || -> Result<DecoderModel, Box<ModelError>> {
-        let ckpt = Checkpoint::open(path)?;
-        Ok(DecoderModel::load(&ckpt, ckpt.config()?, opts, None)?)
-    };
-    load().unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .expect("id list")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect()
 }
 
 #[test]
@@ -204,24 +185,4 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
     let mut s = greedy(&m, &prompt, want_greedy.len());
     s.truncate(want_greedy.len());
     assert_eq!(s, want_greedy, "{name}: greedy continuation");
-}
-
-/// Greedy decoding straight on the model (the engine crate sits above this one).
-fn greedy(m: &DecoderModel, prompt: &[u32], n: usize) -> Vec<u32> {
-    let mut cache = m.new_cache(prompt.len() + n).unwrap();
-    let mut logits = m.forward(prompt, &mut cache, Logits::Last).unwrap();
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let next = logits
-            .iter()
-            .enumerate()
-            .fold(
-                (0, f32::NEG_INFINITY),
-                |b, (i, &l)| if l > b.1 { (i, l) } else { b },
-            )
-            .0 as u32;
-        out.push(next);
-        logits = m.forward(&[next], &mut cache, Logits::Last).unwrap();
-    }
-    out
 }

@@ -5,13 +5,16 @@
 //! top-k it is not. The transformers comparisons live in
 //! `reference_models.rs` and the indexer's own unit test.
 
+mod common;
+
+use common::ids;
 use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits, MlaPrefill};
 use kvant_model::checkpoint::Checkpoint;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models/deepseek-v32")
+    common::fixtures().join("deepseek-v32")
 }
 
 /// The fixture with its config.json edited by `edit`, in a temporary dir.
@@ -47,12 +50,7 @@ fn within_the_top_k_sparse_attention_is_dense_attention() {
         &std::fs::read_to_string(fixture().join("reference.json")).expect("reference"),
     )
     .expect("json");
-    let prompt: Vec<u32> = r["prompt_ids"]
-        .as_array()
-        .expect("ids")
-        .iter()
-        .map(|x| x.as_u64().expect("id") as u32)
-        .collect();
+    let prompt = ids(&r["prompt_ids"]);
     let topk = r["indexer"]["topk"].as_u64().expect("topk") as usize;
     assert!(
         prompt.len() > 2 * topk,

@@ -505,19 +505,7 @@ mod tests {
         what: &str,
     ) {
         let (nh, hd, k) = (p.n_heads, p.head_dim, p.topk);
-        let mut row0 = 0;
-        let seqs: Vec<SeqAttn<'_>> = shape
-            .iter()
-            .zip(&store.tables)
-            .map(|(&(n, past), t)| {
-                row0 += n;
-                SeqAttn {
-                    rows: row0 - n..row0,
-                    pos0: past,
-                    table: t,
-                }
-            })
-            .collect();
+        let seqs = store.seqs(shape);
         let mut out = TopK::default();
         select_topk_dyn_with(tier, p, q, w, &store.layer(), &seqs, &mut out);
         for (s, (keys, _)) in seqs.iter().zip(&store.rounded) {

@@ -284,20 +284,9 @@ mod tests {
         what: &str,
     ) {
         let (nh, hd, vd, n_kv) = (p.n_heads, p.head_dim, p.v_dim, p.n_kv_heads);
-        let mut row0 = 0;
-        let seqs: Vec<SeqAttn<'_>> = shape
-            .iter()
-            .zip(&store.tables)
-            .map(|(&(n, past), t)| {
-                row0 += n;
-                SeqAttn {
-                    rows: row0 - n..row0,
-                    pos0: past,
-                    table: t,
-                }
-            })
-            .collect();
-        let mut out = vec![f32::NAN; row0 * nh * vd];
+        let seqs = store.seqs(shape);
+        let n_tok: usize = shape.iter().map(|s| s.0).sum();
+        let mut out = vec![f32::NAN; n_tok * nh * vd];
         sparse_attention_dyn_with(tier, p, q, &store.layer(), &seqs, sel, &mut out);
         for (s, (k, v)) in seqs.iter().zip(&store.rounded) {
             for row in s.rows.clone() {

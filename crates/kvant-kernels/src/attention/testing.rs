@@ -1,6 +1,7 @@
 //! Test helpers shared by the attention kernels' tests.
 
 use super::kv::{self, KvBuffer, KvDType, KvElem, KvLayer};
+use super::SeqAttn;
 use crate::cpu::SimdTier;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -80,6 +81,24 @@ impl Store {
             tables,
             rounded,
         }
+    }
+
+    /// The sequences of a call over this store: per sequence `(query
+    /// tokens, earlier positions)`, rows in order.
+    pub fn seqs(&self, shape: &[(usize, usize)]) -> Vec<SeqAttn<'_>> {
+        let mut row0 = 0;
+        shape
+            .iter()
+            .zip(&self.tables)
+            .map(|(&(n, past), t)| {
+                row0 += n;
+                SeqAttn {
+                    rows: row0 - n..row0,
+                    pos0: past,
+                    table: t,
+                }
+            })
+            .collect()
     }
 
     pub fn layer(&self) -> KvLayer<'_> {

@@ -3,7 +3,7 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
-use kvant_model::arch::decoder::{DecoderModel, LoadOptions};
+use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits};
 use kvant_model::checkpoint::Checkpoint;
 use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
@@ -14,9 +14,45 @@ pub fn fixtures() -> PathBuf {
 }
 
 pub fn open(path: &Path, opts: LoadOptions) -> DecoderModel {
-    let ckpt = Checkpoint::open(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    let cfg = ckpt.config().expect("config");
-    DecoderModel::load(&ckpt, cfg, opts, None).expect("load")
+    let load = || -> Result<DecoderModel, Box<kvant_model::ModelError>> {
+        let ckpt = Checkpoint::open(path)?;
+        Ok(DecoderModel::load(&ckpt, ckpt.config()?, opts, None)?)
+    };
+    load().unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// A reference's token id list (`prompt_ids`, `greedy_ids`).
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .expect("id list")
+        .iter()
+        .map(|x| x.as_u64().expect("id") as u32)
+        .collect()
+}
+
+/// Greedy decoding straight on the model (the engine crate sits above
+/// this one): the prompt in one pass, then one token per pass.
+pub fn greedy(m: &DecoderModel, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut cache = m.new_cache(prompt.len() + n).expect("cache");
+    let mut logits = m
+        .forward(prompt, &mut cache, Logits::Last)
+        .expect("forward");
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let next = logits
+            .iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &l)| if l > b.1 { (i, l) } else { b },
+            )
+            .0 as u32;
+        out.push(next);
+        logits = m
+            .forward(&[next], &mut cache, Logits::Last)
+            .expect("forward");
+    }
+    out
 }
 
 /// A copy of the Hugging Face fixture `name` (`llama-gqa` or
