@@ -37,16 +37,27 @@ struct LayerRows {
 
 impl LayerRows {
     /// Zeroed rows for `n_layers` layers of `n_blocks` blocks of
-    /// `block_size` tokens; the caller has checked that `dim` is whole
-    /// units of `dtype` ([`KvShape::check`]) and that the sizes do not
-    /// overflow.
+    /// `block_size` tokens.
+    ///
+    /// # Errors
+    /// [`ModelError::KvTooLarge`] if the sizes overflow; a kernel error if
+    /// `dim` is not whole units of `dtype` (callers check the shape first
+    /// for a clearer error, [`KvShape::check`]).
     fn new(
         dtype: KvDType,
         (n_layers, heads, dim): (usize, usize, usize),
-        values_per_layer: usize,
+        (block_size, n_blocks): (usize, usize),
     ) -> Result<Self, ModelError> {
+        let values = heads
+            .checked_mul(dim)
+            .and_then(|x| x.checked_mul(block_size))
+            .and_then(|x| x.checked_mul(n_blocks))
+            .ok_or(ModelError::KvTooLarge {
+                block_size,
+                n_blocks,
+            })?;
         let layers = (0..n_layers)
-            .map(|_| KvBuffer::zeroed(dtype, values_per_layer))
+            .map(|_| KvBuffer::zeroed(dtype, values))
             .collect::<Result<_, _>>()?;
         Ok(LayerRows { heads, dim, layers })
     }
@@ -173,40 +184,31 @@ impl KvPool {
             block_size,
             n_blocks,
         };
-        let per_layer = shape
-            .n_kv_heads
-            .checked_mul(shape.head_dim)
-            .and_then(|x| x.checked_mul(block_size))
-            .and_then(|x| x.checked_mul(n_blocks))
-            .filter(|_| {
-                shape
-                    .bytes_per_token()
-                    .checked_mul(block_size)
-                    .and_then(|x| x.checked_mul(n_blocks))
-                    .is_some_and(|b| b <= isize::MAX as usize)
-            });
-        let Some(per_layer) = per_layer else {
-            return Err(too_large);
-        };
-        if block_size == 0 || n_blocks == 0 || n_blocks > u32::MAX as usize {
+        let total = shape
+            .bytes_per_token()
+            .checked_mul(block_size)
+            .and_then(|x| x.checked_mul(n_blocks));
+        if total.is_none_or(|b| b > isize::MAX as usize)
+            || block_size == 0
+            || n_blocks == 0
+            || n_blocks > u32::MAX as usize
+        {
             return Err(too_large);
         }
-        let dims = (shape.n_layers, shape.n_kv_heads, shape.head_dim);
-        // Within the bytes checked above (they count the indexer keys).
-        let index_values = shape.index_dim * block_size * n_blocks;
-        let index_dims = (shape.n_layers, 1, shape.index_dim);
+        let rows = (shape.n_layers, shape.n_kv_heads, shape.head_dim);
+        let array = || LayerRows::new(shape.dtype, rows, (block_size, n_blocks));
         Ok(KvPool {
-            keys: LayerRows::new(shape.dtype, dims, per_layer)?,
+            keys: array()?,
             values: match shape.latent {
                 true => None,
-                false => Some(LayerRows::new(shape.dtype, dims, per_layer)?),
+                false => Some(array()?),
             },
             index: match shape.index_dim {
                 0 => None,
                 _ => Some(LayerRows::new(
                     shape.index_dtype(),
-                    index_dims,
-                    index_values,
+                    (shape.n_layers, 1, shape.index_dim),
+                    (block_size, n_blocks),
                 )?),
             },
             shape,
