@@ -86,7 +86,7 @@ fn cases() -> Vec<(PathBuf, PathBuf)> {
     }
     out.sort();
     assert!(
-        out.len() >= 14,
+        out.len() >= 17,
         "expected every fixture, found {}",
         out.len()
     );
@@ -129,7 +129,7 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
             .iter()
             .map(|x| x.as_f64().unwrap() < FAST_ROUTING_MARGIN)
             .collect(),
-        _ => vec![false; want.len()],
+        _ => vec![false; prompt.len()],
     };
     if let (false, Some(layers)) = (tol.greedy, r["indexer"]["layers"].as_array()) {
         for l in layers {
@@ -141,9 +141,16 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
             }
         }
     }
+    // Long-prompt fixtures record only some rows (`logit_rows`); the others
+    // record every prompt position.
+    let positions: Vec<usize> = match r["logit_rows"].as_array() {
+        Some(rows) => rows.iter().map(|x| x.as_u64().unwrap() as usize).collect(),
+        None => (0..want.len()).collect(),
+    };
+    assert_eq!(positions.len(), want.len(), "{name}: logit_rows");
     let mut max_err = 0f32;
     let (mut nll, mut want_nll, mut scored) = (0f64, 0f64, 0usize);
-    for (t, row) in want.iter().enumerate() {
+    for (&t, row) in positions.iter().zip(want) {
         if skip[t] {
             continue;
         }
@@ -159,17 +166,28 @@ fn check(ckpt: &Path, refp: &Path, opts: LoadOptions, tol: &Tol) {
         }
         if let Some(&next) = prompt.get(t + 1) {
             let ln = |l: &[f32]| kvant_kernels::softmax::log_sum_exp(l) - l[next as usize] as f64;
-            nll += ln(got);
             want_nll += ln(&row);
-            scored += 1;
         }
+    }
+    // The perplexity over every prompt position kvant computed.
+    for (t, &next) in prompt.iter().enumerate().skip(1) {
+        if skip[t - 1] {
+            continue;
+        }
+        let got = &logits[(t - 1) * vocab..t * vocab];
+        nll += kvant_kernels::softmax::log_sum_exp(got) - got[next as usize] as f64;
+        scored += 1;
     }
     assert!(max_err <= tol.logit, "{name}: max |Δlogit| {max_err}");
     let ppl = (nll / scored as f64).exp();
-    // The recorded ppl when every row counts; else the same rows' reference.
+    // The recorded ppl when every row counts; else the same rows' reference
+    // (which needs every row recorded).
     let want_ppl = match skip.iter().any(|&s| s) {
         false => r["ppl"].as_f64().unwrap(),
-        true => (want_nll / scored as f64).exp(),
+        true => {
+            assert_eq!(positions.len(), prompt.len(), "{name}: rows left out");
+            (want_nll / scored as f64).exp()
+        }
     };
     assert!(
         ((ppl - want_ppl) / want_ppl).abs() <= tol.ppl_rel,
