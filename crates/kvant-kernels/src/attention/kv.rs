@@ -731,6 +731,28 @@ mod tests {
         }
     }
 
+    /// bf16 rounds to nearest, ties to even: the top 16 bits of the f32,
+    /// plus one where the rest is over half (or exactly half and the kept
+    /// part odd).
+    #[test]
+    fn bf16_rounds_to_nearest_even() {
+        let f = |bits: u32| f32::from_bits(bits);
+        let cases = [
+            (0x3F80_8000, 0x3F80), // 1 + 2⁻⁸: a tie, kept part even: down
+            (0x3F81_8000, 0x3F82), // 1 + 3·2⁻⁸: a tie, kept part odd: up
+            (0x3F80_8001, 0x3F81), // just over half: up
+            (0x3F80_7FFF, 0x3F80), // just under half: down
+            (0xBF81_8000, 0xBF82), // negative ties too
+            (0x7F7F_FFFF, 0x7F80), // the largest f32 rounds to infinity
+        ];
+        let x: Vec<f32> = cases.iter().map(|c| f(c.0)).collect();
+        let mut t = vec![half::bf16::ZERO; x.len()];
+        half::bf16::narrow(&x, &mut t);
+        let got: Vec<u16> = t.iter().map(|b| b.to_bits()).collect();
+        let want: Vec<u16> = cases.iter().map(|c| c.1).collect();
+        assert_eq!(got, want);
+    }
+
     /// Sizes: 34 and 18 bytes per 32 values, 2 per value for f16 and bf16.
     #[test]
     fn row_bytes_count_the_real_bytes() {
