@@ -62,11 +62,15 @@ pub enum Command {
     Chat(ChatArgs),
     /// Generate a continuation of a prompt.
     Generate(GenerateArgs),
-    /// Print the token ids of TEXT as a JSON array.
+    /// Print the token ids of TEXT (or of a UTF-8 file) as a JSON array.
     Tokenize {
         #[command(flatten)]
         model: ModelArg,
-        text: String,
+        #[arg(required_unless_present = "file")]
+        text: Option<String>,
+        /// Tokenize this file's text instead (for texts too long for a command line).
+        #[arg(long, short, conflicts_with = "text")]
+        file: Option<PathBuf>,
     },
     /// Print the text of token IDS.
     Detokenize {

@@ -203,6 +203,38 @@ fn kv_cache_types_that_cannot_hold_the_rows_are_clear_errors() {
     }
 }
 
+/// `tokenize --file` gives what `tokenize TEXT` gives for the file's text
+/// (here the reference prompt, whose ids are recorded), and TEXT and
+/// --file are one or the other.
+#[test]
+fn tokenize_reads_a_file() {
+    let r = reference("llama-gqa");
+    let text = r["prompt_text"].as_str().expect("prompt_text");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("prompt.txt");
+    std::fs::write(&path, text).unwrap();
+    let path = path.to_str().unwrap();
+    let model = tiny("llama-gqa");
+    let from_file = json(&kvant_ok(&["tokenize", "--model", &model, "--file", path]));
+    assert_eq!(from_file, r["prompt_ids"]);
+    assert_eq!(
+        from_file,
+        json(&kvant_ok(&["tokenize", "--model", &model, text]))
+    );
+    let both = kvant(&["tokenize", "--model", &model, "--file", path, "x"]);
+    assert_eq!(both.status.code(), Some(2));
+    let neither = kvant(&["tokenize", "--model", &model]);
+    assert_eq!(neither.status.code(), Some(2));
+    let e = kvant_err(&[
+        "tokenize",
+        "--model",
+        &model,
+        "--file",
+        "/nonexistent/x.txt",
+    ]);
+    assert!(e.contains("/nonexistent/x.txt"), "{e}");
+}
+
 #[test]
 fn chat_needs_a_template() {
     // A copy of a tiny checkpoint whose tokenizer_config.json lacks the template.

@@ -60,3 +60,40 @@ fn generate_peak_rss_is_bounded_by_the_file_size() {
     );
     assert!(peak > 0 && peak < limit, "peak RSS {peak} vs limit {limit}");
 }
+
+/// `kvant perplexity` at a long window scores it in chunks and never holds
+/// a `[ctx, vocab]` logits matrix: at `--ctx 4096` on the default model
+/// (vocabulary 49,152) that matrix alone would be 805 MB, against a limit
+/// of 1.5× the GGUF, the f16 KV cache for the window and 256 MB for one
+/// chunk's logits and the activations.
+#[test]
+fn perplexity_peak_rss_does_not_grow_with_window_times_vocab() {
+    let Some(model) = real_model() else { return };
+    let ctx = 4096;
+    // About 4,600 tokens: one full window and a short one.
+    let text = std::fs::read_to_string(fixture("text/jargon-4.4.7.txt")).expect("text fixture");
+    let cut = text
+        .char_indices()
+        .map(|(i, _)| i)
+        .find(|&i| i >= 20_000)
+        .expect("a long text");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("long.txt");
+    std::fs::write(&file, &text[..cut]).unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kvant"));
+    cmd.args(["perplexity", "--model", &model, "--file"])
+        .arg(&file)
+        .args(["--ctx", &ctx.to_string(), "--json"]);
+    let peak = peak_rss_of(cmd);
+    // SmolLM2-135M: 30 layers × (K, V) × 192 values × 2 bytes (f16) per token.
+    let kv_bytes = ctx * 30 * 2 * 192 * 2;
+    let gguf = std::fs::metadata(&model).unwrap().len() as usize;
+    let limit = gguf * 3 / 2 + kv_bytes + (256 << 20);
+    eprintln!(
+        "peak RSS {:.1} MB, limit {:.1} MB ([ctx, vocab] logits alone: {:.1} MB)",
+        peak as f64 / 1e6,
+        limit as f64 / 1e6,
+        (ctx * 49_152 * 4) as f64 / 1e6
+    );
+    assert!(peak > 0 && peak < limit, "peak RSS {peak} vs limit {limit}");
+}

@@ -19,7 +19,11 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::run(a, threads),
         Command::Chat(a) => chat::run(a),
         Command::Generate(a) => generate::run(a),
-        Command::Tokenize { model, text } => tokenize::tokenize(&model, &text),
+        Command::Tokenize { model, text, file } => match (text, file) {
+            (_, Some(f)) => tokenize::tokenize(&model, &read_utf8(&f)?),
+            (Some(t), None) => tokenize::tokenize(&model, &t),
+            (None, None) => anyhow::bail!("give TEXT or --file"),
+        },
         Command::Detokenize { model, ids } => tokenize::detokenize(&model, &ids),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Serve(a) => serve::run(a),
