@@ -220,39 +220,30 @@ def make_gguf(tok, built: tuple, converter: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         f32_path = moe.convert(converter, src, NAME, "F32", Path(tmp))
         moe._check_same_weights(f32_path, gguf_readback.read_state(f32_path, model.config), model)
-        for file_type in ["Q8_0"]:
-            path = moe.convert(converter, src, NAME, file_type)
-            arch = gguf_readback.architecture(path)
-            if arch != "deepseek32":
-                raise AssertionError(f"{path.name}: architecture {arch}")
-            state = gguf_readback.read_state(path, model.config)
-            notes = [
-                f"converted by llama.cpp's convert_hf_to_gguf.py --outtype {file_type.lower()} "
-                f"(through convert_with_llama_cpp.py), architecture {arch}"
-            ]
-            if file_type == "F32":
-                moe._check_same_weights(path, state, model)
-                source = f"{NAME} converted to GGUF F32; its weights equal the HF checkpoint's bit for bit"
-            else:
-                notes += moe._check_quantized(path, f32_path)
-                source = (
-                    f"{NAME} converted to GGUF {file_type}; reference computed in float32 from the weights "
-                    "dequantized with gguf.quants and mapped back to transformers' names (gguf_readback.py)"
-                )
-            ref_model = moe._model_from_state(model.config, state)
-            meta = {"model": f"{NAME}.{file_type}", "source": source, "gguf_file": path.name, "prompt_text": text}
-            ref = reference_outputs.tiny_reference(ref_model, ids, base.GREEDY_NEW, meta)
-            if file_type == "F32":
-                for key in ("logits", "greedy_ids", "ppl"):
-                    if ref[key] != hf_ref[key]:
-                        raise AssertionError(f"{path.name}: {key} differs from the HF checkpoint's reference")
-            else:
-                diff = float(np.abs(np.asarray(ref["logits"]) - np.asarray(hf_ref["logits"])).max())
-                notes.append(f"max |logit - F32 reference| {diff:.3g}")
-            ref = moe._finish(ref_model, ref, notes)
-            ref["indexer"] = indexer_reference(ref_model, ref["prompt_ids"] + ref["greedy_ids"][:-1])
-            fixture_json.write_json(moe.GGUF_DIR / f"{NAME}.{file_type}.reference.json", ref)
-            print(f"{path.name}: {path.stat().st_size} bytes, ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']}")
+        file_type = "Q8_0"
+        path = moe.convert(converter, src, NAME, file_type)
+        arch = gguf_readback.architecture(path)
+        if arch != "deepseek32":
+            raise AssertionError(f"{path.name}: architecture {arch}")
+        state = gguf_readback.read_state(path, model.config)
+        notes = [
+            f"converted by llama.cpp's convert_hf_to_gguf.py --outtype {file_type.lower()} "
+            f"(through convert_with_llama_cpp.py), architecture {arch}"
+        ]
+        notes += moe._check_quantized(path, f32_path)
+        source = (
+            f"{NAME} converted to GGUF {file_type}; reference computed in float32 from the weights "
+            "dequantized with gguf.quants and mapped back to transformers' names (gguf_readback.py)"
+        )
+        ref_model = moe._model_from_state(model.config, state)
+        meta = {"model": f"{NAME}.{file_type}", "source": source, "gguf_file": path.name, "prompt_text": text}
+        ref = reference_outputs.tiny_reference(ref_model, ids, base.GREEDY_NEW, meta)
+        diff = float(np.abs(np.asarray(ref["logits"]) - np.asarray(hf_ref["logits"])).max())
+        notes.append(f"max |logit - F32 reference| {diff:.3g}")
+        ref = moe._finish(ref_model, ref, notes)
+        ref["indexer"] = indexer_reference(ref_model, ref["prompt_ids"] + ref["greedy_ids"][:-1])
+        fixture_json.write_json(moe.GGUF_DIR / f"{NAME}.{file_type}.reference.json", ref)
+        print(f"{path.name}: {path.stat().st_size} bytes, ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']}")
 
 
 def main() -> None:

@@ -280,7 +280,10 @@ impl KvPool {
     }
 
     /// [`Self::store`], then attention for the queries `q` (the same
-    /// tokens) over each sequence's history including them.
+    /// tokens) over each sequence's history including them: every
+    /// position, or under sparse attention each token's positions in
+    /// `sel` (dense attention for the tokens it reports dense).
+    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
     pub(crate) fn store_and_attend(
         &mut self,
         layer: usize,
@@ -288,11 +291,29 @@ impl KvPool {
         kv: (&[f32], Option<&[f32]>),
         p: &AttnParams,
         q: &[f32],
+        sel: Option<&TopK>,
         out: &mut [f32],
     ) {
         debug_assert!(p.n_kv_heads == self.shape.n_kv_heads && p.head_dim == self.shape.head_dim);
         self.store(layer, seqs, kv);
-        attention_dyn(p, q, &self.layer(layer), seqs, out)
+        let kv = self.layer(layer);
+        let Some(sel) = sel else {
+            return attention_dyn(p, q, &kv, seqs, out);
+        };
+        // Each sequence's leading dense rows (a token sees no more
+        // positions than the top-k only near the start).
+        let dense: Vec<SeqAttn<'_>> = seqs
+            .iter()
+            .filter_map(|s| {
+                let n = s.rows.clone().take_while(|&r| sel.get(r).is_none()).count();
+                (n > 0).then(|| SeqAttn {
+                    rows: s.rows.start..s.rows.start + n,
+                    ..s.clone()
+                })
+            })
+            .collect();
+        attention_dyn(p, q, &kv, &dense, out);
+        sparse_attention_dyn(p, q, &kv, seqs, sel, out)
     }
 
     /// One layer's keys and values, as attention reads them.
@@ -332,38 +353,6 @@ impl KvPool {
             block_size: bs,
         };
         select_topk_dyn(p, q, w, &keys, seqs, out)
-    }
-
-    /// [`Self::store`], then attention for the queries `q` over each
-    /// sequence's history, every token over the positions `sel` chose for
-    /// it (dense attention for those it reports dense).
-    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
-    pub(crate) fn store_and_attend_sparse(
-        &mut self,
-        layer: usize,
-        seqs: &[SeqAttn<'_>],
-        kv: (&[f32], Option<&[f32]>),
-        p: &AttnParams,
-        q: &[f32],
-        sel: &TopK,
-        out: &mut [f32],
-    ) {
-        self.store(layer, seqs, kv);
-        // Each sequence's leading dense rows (a token sees no more
-        // positions than the top-k only near the start).
-        let dense: Vec<SeqAttn<'_>> = seqs
-            .iter()
-            .filter_map(|s| {
-                let n = s.rows.clone().take_while(|&r| sel.get(r).is_none()).count();
-                (n > 0).then(|| SeqAttn {
-                    rows: s.rows.start..s.rows.start + n,
-                    ..s.clone()
-                })
-            })
-            .collect();
-        let kv = self.layer(layer);
-        attention_dyn(p, q, &kv, &dense, out);
-        sparse_attention_dyn(p, q, &kv, seqs, sel, out)
     }
 
     /// Widens the keys one layer holds for positions `pos..` of the

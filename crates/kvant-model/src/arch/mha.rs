@@ -145,7 +145,7 @@ impl MhaAttention {
         };
         let attn = sized(&mut s.attn, n * qd);
         ctx.pool
-            .store_and_attend(ctx.index, ctx.seqs, (k, Some(v)), &params, q, attn);
+            .store_and_attend(ctx.index, ctx.seqs, (k, Some(v)), &params, q, None, attn);
         self.o
             .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
     }

@@ -449,13 +449,8 @@ impl MlaAttention {
             window: None,
         };
         let out_lat = sized(&mut s.out_lat, n * nh * rank);
-        match sel {
-            None => pool.store_and_attend(layer, r.seqs, (r.latent, None), &params, q_abs, out_lat),
-            Some(sel) => {
-                let kv = (r.latent, None);
-                pool.store_and_attend_sparse(layer, r.seqs, kv, &params, q_abs, sel, out_lat)
-            }
-        }
+        let kv = (r.latent, None);
+        pool.store_and_attend(layer, r.seqs, kv, &params, q_abs, sel, out_lat);
         // Expand each head's output latent into its value.
         let vd = m.v_dim;
         let (hin, hout) = (&mut head_in[..nh * n * rank], &mut head_out[..nh * n * vd]);
