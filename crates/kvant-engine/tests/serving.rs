@@ -329,22 +329,44 @@ fn logprobs_and_stop_strings() {
 }
 
 /// Shutting down with `Abort` ends running requests with an abort event.
+/// The sink holds the engine thread at the first token until the shutdown
+/// is sent, so the request cannot run to its length first (it did, now and
+/// then, when the test thread lost the core for 200 tiny steps).
 #[test]
 fn shutdown_abort_ends_streams() {
     let (h, t) = start(EngineConfig::default());
-    let rx = submit(&h, greedy(vec![5, 6, 7], 200));
+    let (tx, rx) = channel();
+    let (go, wait) = channel::<()>();
+    let mut first = true;
+    h.submit(
+        greedy(vec![5, 6, 7], 200),
+        Box::new(move |e| {
+            let token = matches!(e, Event::Token { .. });
+            let sent = tx.send(e).is_ok();
+            if token && std::mem::take(&mut first) {
+                // Dropped sender or a signal: either way, go on.
+                let _ = wait.recv();
+            }
+            sent
+        }),
+    )
+    .expect("accepted");
     assert!(matches!(
         rx.recv_timeout(Duration::from_secs(60)).unwrap(),
         Event::Token { .. }
     ));
     h.shutdown(Shutdown::Abort);
+    go.send(()).unwrap();
+    let mut tokens = 1;
     let reason = loop {
         match rx.recv_timeout(Duration::from_secs(60)).unwrap() {
             Event::Finished { reason, .. } => break reason,
+            Event::Token { .. } => tokens += 1,
             _ => continue,
         }
     };
     assert_eq!(reason, FinishReason::Abort);
+    assert!(tokens < 200, "{tokens}");
     t.join().unwrap();
 }
 

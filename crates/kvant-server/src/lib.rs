@@ -59,32 +59,30 @@ where
         .await
 }
 
-/// Completes on SIGINT (Ctrl-C) or, on Unix, SIGTERM. A signal whose handler
-/// cannot be installed is reported on stderr and never fires.
-pub async fn shutdown_signal() {
-    let interrupt = async {
+/// Takes SIGINT (Ctrl-C) and, on Unix, SIGTERM over from the moment it is
+/// called, and returns a future that completes on the first of them. Call
+/// it before telling anyone the server is ready: a signal between the
+/// ready line and the first poll of a lazily registered handler killed
+/// the process with the default action (a CI run of the multi-rank
+/// SIGTERM test did exactly that). Needs a tokio runtime with signals.
+pub fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut interrupt = signal(SignalKind::interrupt())?;
+        let mut terminate = signal(SignalKind::terminate())?;
+        Ok(async move {
+            tokio::select! {
+                _ = interrupt.recv() => {}
+                _ = terminate.recv() => {}
+            }
+        })
+    }
+    #[cfg(not(unix))]
+    Ok(async {
         if let Err(e) = tokio::signal::ctrl_c().await {
             eprintln!("kvant: cannot listen for Ctrl-C: {e}");
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(e) => {
-                eprintln!("kvant: cannot listen for SIGTERM: {e}");
-                std::future::pending::<()>().await;
-            }
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = interrupt => {}
-        () = terminate => {}
-    }
+    })
 }

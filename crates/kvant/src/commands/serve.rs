@@ -95,6 +95,7 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
             }
             None => String::new(),
         };
+        let signals = kvant_server::shutdown_signal().context("listening for SIGINT and SIGTERM")?;
         println!(
             "kvant serve: {model_name} on http://{addr} ({kv_blocks} KV blocks of {block_size} tokens{ranks})"
         );
@@ -103,7 +104,7 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
         // its own (ranks that lost one another).
         let stop = async move {
             tokio::select! {
-                () = kvant_server::shutdown_signal() => {}
+                () = signals => {}
                 () = async {
                     while !watched.is_closed() {
                         tokio::time::sleep(Duration::from_millis(200)).await;
