@@ -74,6 +74,10 @@ pub(crate) struct EpScratch {
     place: Vec<usize>,
     /// Per (token, slot): its result's row among those that came back.
     positions: Vec<usize>,
+    /// The share's tokens routed to this rank's own slots, and their
+    /// experts' results.
+    own_tokens: Vec<usize>,
+    y_own: Vec<f32>,
     meta: Vec<u32>,
     x_dup: Vec<f32>,
     /// 8-bit dispatch: the share quantized, the rows received, and one
@@ -215,26 +219,29 @@ impl ExpertParallel {
             }
         }
 
-        // Dispatch, 2: each token row once per destination, with its slots
+        // Dispatch, 2: each token row once per other rank, with its slots
         // there: in 8 bits when the experts quantize their input anyway
-        // (the same bits arrive as they would compute), else in f32.
+        // (the same bits arrive as they would compute), else in f32. The
+        // rows this rank routes to its own slots stay here, and their
+        // experts run while the others' rows travel.
         let quantized = placed.experts.takes_quantized();
         let row_len = match quantized {
             true => Q8Activations::row_bytes(h),
             false => h,
         };
-        let mut rows_f32 = Vec::new();
-        let mut rows_q8 = Vec::new();
+        let me = self.rank;
         if quantized && m > 0 {
             e.xq.quantize(kvant_kernels::cpu::tier(), xs, m, h)?;
         }
+        let mut rows_f32 = Vec::new();
+        let mut rows_q8 = Vec::new();
+        e.own_tokens.clear();
         for d in 0..w {
-            for t in 0..m {
-                if (0..k).any(|j| e.dest[t * k + j] == d) {
-                    match quantized {
-                        true => e.xq.write_row(t, &mut rows_q8),
-                        false => rows_f32.extend_from_slice(&xs[t * h..(t + 1) * h]),
-                    }
+            for t in (0..m).filter(|&t| (0..k).any(|j| e.dest[t * k + j] == d)) {
+                match (d == me, quantized) {
+                    (true, _) => e.own_tokens.push(t),
+                    (false, true) => e.xq.write_row(t, &mut rows_q8),
+                    (false, false) => rows_f32.extend_from_slice(&xs[t * h..(t + 1) * h]),
                 }
             }
         }
@@ -242,112 +249,147 @@ impl ExpertParallel {
             true => Buffer::U8(rows_q8),
             false => Buffer::F32(rows_f32),
         };
+        // The slot lists come in destination order (see `plan`): this
+        // rank's own stay.
+        let own = e.rows_to[..me].iter().sum::<usize>() * k;
+        let own_slots: Vec<u32> = e.meta.drain(own..own + e.rows_to[me] * k).collect();
+        let others = |per: &[usize], unit: usize| -> Vec<usize> {
+            (0..w)
+                .map(|d| if d == me { 0 } else { per[d] * unit })
+                .collect()
+        };
         let meta = posted(
             world,
             Collective::AllToAllV {
                 send: Buffer::U32(std::mem::take(&mut e.meta)),
-                send_counts: e.rows_to.iter().map(|r| r * k).collect(),
-                recv_counts: rows_from.iter().map(|r| r * k).collect(),
+                send_counts: others(&e.rows_to, k),
+                recv_counts: others(&rows_from, k),
             },
         )?;
         let payload = posted(
             world,
             Collective::AllToAllV {
                 send: rows,
-                send_counts: e.rows_to.iter().map(|r| r * row_len).collect(),
-                recv_counts: rows_from.iter().map(|r| r * row_len).collect(),
+                send_counts: others(&e.rows_to, row_len),
+                recv_counts: others(&rows_from, row_len),
             },
         )?;
+
+        // This rank's experts, one assignment per (row, slot): first over
+        // its own rows while the others' travel, then over theirs. Every
+        // row's result is the kernel's for that row alone (it is batch
+        // invariant), so the split changes no bit.
+        let mut per_slot = vec![0usize; mine];
+        expand(
+            &own_slots,
+            k,
+            e.own_tokens.len(),
+            &mut per_slot,
+            &mut e.rows_at,
+            &mut e.ids,
+        )?;
+        for r in e.rows_at.iter_mut() {
+            *r = e.own_tokens[*r];
+        }
+        let own_total = e.ids.len();
+        e.y_own.resize(own_total * h, 0.0);
+        match quantized {
+            true => {
+                e.dup_q8.gather(&e.xq, &e.rows_at)?;
+                run_experts(
+                    &placed.experts,
+                    act,
+                    Rows::Q8(&e.dup_q8),
+                    &e.ids,
+                    &mut e.ones,
+                    &mut e.kernel,
+                    &mut e.y_own,
+                )?;
+            }
+            false => {
+                gather_f32(xs, h, &e.rows_at, &mut e.x_dup);
+                run_experts(
+                    &placed.experts,
+                    act,
+                    Rows::F32(&e.x_dup),
+                    &e.ids,
+                    &mut e.ones,
+                    &mut e.kernel,
+                    &mut e.y_own,
+                )?;
+            }
+        }
         let slots = meta.await?.into_u32()?;
         let got = payload.await?;
-
-        // This rank's experts, one assignment per (row, slot).
+        let n_rows = rows_from
+            .iter()
+            .enumerate()
+            .filter(|&(d, _)| d != me)
+            .map(|(_, r)| r)
+            .sum::<usize>();
+        expand(&slots, k, n_rows, &mut per_slot, &mut e.rows_at, &mut e.ids)?;
         let total: usize = assigns_from.iter().sum();
-        e.ids.clear();
-        e.rows_at.clear();
-        let n_rows = rows_from.iter().sum::<usize>();
-        for r in 0..n_rows {
-            let mine = slots.get(r * k..(r + 1) * k).ok_or_else(|| {
-                DistError::Mismatch(format!(
-                    "{} slot lists for {n_rows} rows",
-                    slots.len() / k.max(1)
-                ))
-            })?;
-            for &slot in mine.iter().filter(|&&x| x != NONE) {
-                e.rows_at.push(r);
-                e.ids.push(slot);
-            }
-        }
-        let mut per_slot = vec![0usize; mine];
-        for &slot in &e.ids {
-            match per_slot.get_mut(slot as usize) {
-                Some(n) => *n += 1,
-                None => {
-                    let msg = format!("slot {slot} of a rank with {mine}");
-                    return Err(DistError::Mismatch(msg).into());
-                }
-            }
-        }
-        if e.ids.len() != total || per_slot != e.slot_expected {
+        if own_total + e.ids.len() != total || per_slot != e.slot_expected {
             return Err(DistError::Mismatch(format!(
                 "{} assignments arrived (per slot {per_slot:?}), the counts said {total} ({:?})",
-                e.ids.len(),
+                own_total + e.ids.len(),
                 e.slot_expected
             ))
             .into());
         }
-        e.ones.clear();
-        e.ones.resize(total, 1.0);
-        e.y.resize(total * h, 0.0);
-        if total > 0 {
-            let y = &mut e.y[..total * h];
-            match got {
-                Buffer::U8(bytes) => {
-                    e.got_q8.read_rows(h, &bytes)?;
-                    e.dup_q8.gather(&e.got_q8, &e.rows_at)?;
-                    let (ids, ones) = (&e.ids, &e.ones);
-                    let x = &e.dup_q8;
-                    moe_ffn_quantized(&placed.experts, act, x, ids, ones, 1, &mut e.kernel, y)?;
-                }
-                got => {
-                    let rows = got.into_f32()?;
-                    e.x_dup.clear();
-                    for &r in &e.rows_at {
-                        e.x_dup.extend_from_slice(&rows[r * h..(r + 1) * h]);
-                    }
-                    let (ids, ones) = (&e.ids, &e.ones);
-                    moe_ffn(
-                        &placed.experts,
-                        act,
-                        &e.x_dup,
-                        total,
-                        ids,
-                        ones,
-                        1,
-                        &mut e.kernel,
-                        y,
-                    )?;
-                }
+        let theirs = e.ids.len();
+        e.y.resize(theirs * h, 0.0);
+        match got {
+            Buffer::U8(bytes) => {
+                e.got_q8.read_rows(h, &bytes)?;
+                e.dup_q8.gather(&e.got_q8, &e.rows_at)?;
+                run_experts(
+                    &placed.experts,
+                    act,
+                    Rows::Q8(&e.dup_q8),
+                    &e.ids,
+                    &mut e.ones,
+                    &mut e.kernel,
+                    &mut e.y,
+                )?;
+            }
+            got => {
+                let rows = got.into_f32()?;
+                gather_f32(&rows, h, &e.rows_at, &mut e.x_dup);
+                run_experts(
+                    &placed.experts,
+                    act,
+                    Rows::F32(&e.x_dup),
+                    &e.ids,
+                    &mut e.ones,
+                    &mut e.kernel,
+                    &mut e.y,
+                )?;
             }
         }
         drop(placed);
 
-        // Combine: every result back to its token's rank.
-        let back = collective(
+        // Combine: every other rank's results back to it; this rank's own
+        // stay and follow the received ones.
+        let mut back = collective(
             world,
             Collective::AllToAllV {
-                send: Buffer::F32(e.y[..total * h].to_vec()),
-                send_counts: assigns_from.iter().map(|a| a * h).collect(),
-                recv_counts: e.assigns_to.iter().map(|a| a * h).collect(),
+                send: Buffer::F32(e.y[..theirs * h].to_vec()),
+                send_counts: others(&assigns_from, h),
+                recv_counts: others(&e.assigns_to, h),
             },
         )
         .await?
         .into_f32()?;
-        // Each assignment's row of `back`: its destination's block, then
-        // its place there. The sum is the kernel's, in slot order.
+        back.extend_from_slice(&e.y_own);
+        // Each assignment's row of `back`: its destination's block (this
+        // rank's last), then its place there. The sum is the kernel's, in
+        // slot order.
         let mut base = vec![0usize; w];
-        for d in 1..w {
-            base[d] = base[d - 1] + e.assigns_to[d - 1];
+        let mut at = 0;
+        for d in (0..w).filter(|&d| d != me).chain([me]) {
+            base[d] = at;
+            at += e.assigns_to[d];
         }
         e.positions.clear();
         e.positions
@@ -425,4 +467,73 @@ impl ExpertParallel {
             }
         }
     }
+}
+
+/// The rows an expert computation reads.
+enum Rows<'a> {
+    Q8(&'a Q8Activations),
+    F32(&'a [f32]),
+}
+
+/// Appends one assignment per slot entry that is not [`NONE`] of `rows`
+/// rows' slot lists (`k` entries each) to `rows_at` (the row) and `ids`
+/// (the slot), after clearing both, and counts them in `per_slot`.
+fn expand(
+    slots: &[u32],
+    k: usize,
+    rows: usize,
+    per_slot: &mut [usize],
+    rows_at: &mut Vec<usize>,
+    ids: &mut Vec<u32>,
+) -> Result<(), ModelError> {
+    rows_at.clear();
+    ids.clear();
+    if slots.len() != rows * k {
+        let lists = slots.len() / k.max(1);
+        return Err(DistError::Mismatch(format!("{lists} slot lists for {rows} rows")).into());
+    }
+    for (r, list) in slots.chunks_exact(k.max(1)).enumerate() {
+        for &slot in list.iter().filter(|&&x| x != NONE) {
+            let Some(n) = per_slot.get_mut(slot as usize) else {
+                let msg = format!("slot {slot} of a rank with {}", per_slot.len());
+                return Err(DistError::Mismatch(msg).into());
+            };
+            *n += 1;
+            rows_at.push(r);
+            ids.push(slot);
+        }
+    }
+    Ok(())
+}
+
+/// `rows`' rows of `h` values at `at`, in that order, into `out`.
+fn gather_f32(rows: &[f32], h: usize, at: &[usize], out: &mut Vec<f32>) {
+    out.clear();
+    for &r in at {
+        out.extend_from_slice(&rows[r * h..(r + 1) * h]);
+    }
+}
+
+/// Each assignment's expert (slot `ids[i]`) over row `i` of `x`,
+/// unweighted, into `y` (one row per assignment).
+fn run_experts(
+    experts: &Experts,
+    act: Activation,
+    x: Rows<'_>,
+    ids: &[u32],
+    ones: &mut Vec<f32>,
+    kernel: &mut MoeScratch,
+    y: &mut [f32],
+) -> Result<(), ModelError> {
+    let n = ids.len();
+    if n == 0 {
+        return Ok(());
+    }
+    ones.clear();
+    ones.resize(n, 1.0);
+    match x {
+        Rows::Q8(x) => moe_ffn_quantized(experts, act, x, ids, ones, 1, kernel, y)?,
+        Rows::F32(x) => moe_ffn(experts, act, x, n, ids, ones, 1, kernel, y)?,
+    }
+    Ok(())
 }
