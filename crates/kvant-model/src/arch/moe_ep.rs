@@ -78,6 +78,9 @@ pub(crate) struct EpScratch {
     /// experts' results.
     own_tokens: Vec<usize>,
     y_own: Vec<f32>,
+    /// One combine part's assignments: slots and rows.
+    part_ids: Vec<u32>,
+    part_rows: Vec<usize>,
     meta: Vec<u32>,
     x_dup: Vec<f32>,
     /// 8-bit dispatch: the share quantized, the rows received, and one
@@ -90,6 +93,17 @@ pub(crate) struct EpScratch {
     ones: Vec<f32>,
     y: Vec<f32>,
     kernel: MoeScratch,
+}
+
+/// Parts the combine of the other ranks' results is sent in: the first
+/// travels while the experts compute the second (a part more costs one
+/// more latency per layer and splits the experts' work thinner).
+const PARTS: usize = 2;
+
+/// Part `part` of a block of `n` assignments: `PARTS` near-equal ranges
+/// in order.
+fn part_of(n: usize, part: usize) -> std::ops::Range<usize> {
+    (n * part).div_ceil(PARTS)..(n * (part + 1)).div_ceil(PARTS)
 }
 
 /// The slot list entry of a slot this rank does not take.
@@ -337,63 +351,97 @@ impl ExpertParallel {
             ))
             .into());
         }
-        let theirs = e.ids.len();
-        e.y.resize(theirs * h, 0.0);
-        match got {
+        // The other ranks' rows: their results go back in PARTS parts
+        // (each source's block cut the same way on both sides), each
+        // posted as soon as its experts are done, so the first part
+        // travels while the next computes.
+        let rows = match got {
             Buffer::U8(bytes) => {
                 e.got_q8.read_rows(h, &bytes)?;
-                e.dup_q8.gather(&e.got_q8, &e.rows_at)?;
-                run_experts(
-                    &placed.experts,
-                    act,
-                    Rows::Q8(&e.dup_q8),
-                    &e.ids,
-                    &mut e.ones,
-                    &mut e.kernel,
-                    &mut e.y,
-                )?;
+                None
             }
-            got => {
-                let rows = got.into_f32()?;
-                gather_f32(&rows, h, &e.rows_at, &mut e.x_dup);
-                run_experts(
-                    &placed.experts,
-                    act,
-                    Rows::F32(&e.x_dup),
-                    &e.ids,
-                    &mut e.ones,
-                    &mut e.kernel,
-                    &mut e.y,
-                )?;
+            got => Some(got.into_f32()?),
+        };
+        let mut parts = Vec::with_capacity(PARTS);
+        for part in 0..PARTS {
+            e.part_ids.clear();
+            e.part_rows.clear();
+            let mut send_counts = vec![0; w];
+            let mut start = 0;
+            for d in (0..w).filter(|&d| d != me) {
+                let r = part_of(assigns_from[d], part);
+                e.part_ids
+                    .extend_from_slice(&e.ids[start + r.start..start + r.end]);
+                e.part_rows
+                    .extend_from_slice(&e.rows_at[start + r.start..start + r.end]);
+                send_counts[d] = r.len() * h;
+                start += assigns_from[d];
             }
+            let n = e.part_ids.len();
+            e.y.resize(n * h, 0.0);
+            let x = match &rows {
+                None => {
+                    e.dup_q8.gather(&e.got_q8, &e.part_rows)?;
+                    Rows::Q8(&e.dup_q8)
+                }
+                Some(rows) => {
+                    gather_f32(rows, h, &e.part_rows, &mut e.x_dup);
+                    Rows::F32(&e.x_dup)
+                }
+            };
+            let (ids, y) = (&e.part_ids, &mut e.y);
+            run_experts(&placed.experts, act, x, ids, &mut e.ones, &mut e.kernel, y)?;
+            let recv_counts = (0..w)
+                .map(|d| match d == me {
+                    true => 0,
+                    false => part_of(e.assigns_to[d], part).len() * h,
+                })
+                .collect();
+            parts.push(posted(
+                world,
+                Collective::AllToAllV {
+                    send: Buffer::F32(e.y[..n * h].to_vec()),
+                    send_counts,
+                    recv_counts,
+                },
+            )?);
         }
         drop(placed);
 
-        // Combine: every other rank's results back to it; this rank's own
-        // stay and follow the received ones.
-        let mut back = collective(
-            world,
-            Collective::AllToAllV {
-                send: Buffer::F32(e.y[..theirs * h].to_vec()),
-                send_counts: others(&assigns_from, h),
-                recv_counts: others(&e.assigns_to, h),
-            },
-        )
-        .await?
-        .into_f32()?;
+        // Combine: the parts as they come back, then this rank's own
+        // results. Each assignment's row of `back`: its part, its
+        // destination's block there, its place in the block. The sum is
+        // the kernel's, in slot order.
+        let mut back = Vec::new();
+        let mut part_base = [0usize; PARTS];
+        for (b, p) in part_base.iter_mut().zip(parts) {
+            *b = back.len() / h.max(1);
+            back.extend_from_slice(&p.await?.into_f32()?);
+        }
+        let own_base = back.len() / h.max(1);
         back.extend_from_slice(&e.y_own);
-        // Each assignment's row of `back`: its destination's block (this
-        // rank's last), then its place there. The sum is the kernel's, in
-        // slot order.
-        let mut base = vec![0usize; w];
-        let mut at = 0;
-        for d in (0..w).filter(|&d| d != me).chain([me]) {
-            base[d] = at;
-            at += e.assigns_to[d];
+        // Per (part, destination): where its block starts in `back`.
+        let mut base = vec![[0usize; PARTS]; w];
+        for (part, &pb) in part_base.iter().enumerate() {
+            let mut at = pb;
+            for d in (0..w).filter(|&d| d != me) {
+                base[d][part] = at;
+                at += part_of(e.assigns_to[d], part).len();
+            }
         }
         e.positions.clear();
-        e.positions
-            .extend(e.dest.iter().zip(&e.place).map(|(&d, &p)| base[d] + p));
+        for (&d, &p) in e.dest.iter().zip(&e.place) {
+            e.positions.push(match d == me {
+                true => own_base + p,
+                false => {
+                    let a = e.assigns_to[d];
+                    let part = (0..PARTS)
+                        .find(|&q| part_of(a, q).contains(&p))
+                        .unwrap_or(0);
+                    base[d][part] + p - part_of(a, part).start
+                }
+            });
+        }
         let mine = &mut out[share.start * h..share.end * h];
         combine(&back, &e.positions, &s.weights[..m * k], k, h, mine)?;
         moe.add_shared(xs, m, s, mine);
