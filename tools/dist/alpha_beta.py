@@ -41,6 +41,8 @@ micro-batch's compute spread evenly between its collectives, which is what
 a transformer layer's pattern of compute-then-collective gives.
 
   python3 tools/dist/alpha_beta.py predict run.json:base.json ...
+  python3 tools/dist/alpha_beta.py predict run1.json,run2.json:base1.json,base2.json ...
+                                    (rounds: medians over each side)
   python3 tools/dist/alpha_beta.py project
 """
 
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass
 
@@ -111,18 +114,27 @@ def two_streams(compute: float, comms: list[tuple[float, float]]) -> float:
     return now
 
 
-def step(bench: dict) -> float:
-    """Median prefill step time of a `kvant bench --json` report."""
+def step(bench: dict | list[dict]) -> float:
+    """Median prefill step time of a `kvant bench --json` report, or the
+    median over several reports (rounds of the same run)."""
+    if isinstance(bench, list):
+        return statistics.median(step(b) for b in bench)
     return bench["prompt_tokens"] / bench["prefill_tokens_per_s"]
+
+
+def load_runs(paths: str) -> list[dict]:
+    """The reports in a comma-separated list of paths."""
+    return [json.load(open(p)) for p in paths.split(",")]
 
 
 def collectives(bench: dict, phase: str = "prefill") -> dict:
     return bench["parallel"][phase]["collectives"]
 
 
-def predict_one(run: dict, base: dict, p: int) -> tuple[float, float, float]:
+def predict_one(run: dict, base: list[dict], p: int) -> tuple[float, float, float]:
     """(predicted, compute, communication) step times of `run` (a run
-    under the network model) from `base` (the same layout without it)."""
+    under the network model) from `base` (rounds of the same layout
+    without it)."""
     net = Net(run["parallel"]["net_latency_s"], run["parallel"]["net_bandwidth_bytes_per_s"])
     overlap = run["parallel"]["two_batch_overlap"]
     forward: list[tuple[float, float]] = []
@@ -163,10 +175,11 @@ def cmd_predict(a: argparse.Namespace) -> None:
         run_path, _, base_path = pair.partition(":")
         if not base_path:
             sys.exit(f"{pair}: give RUN:BASE")
-        run, base = json.load(open(run_path)), json.load(open(base_path))
+        runs, base = load_runs(run_path), load_runs(base_path)
+        run = runs[0]
         par = run["parallel"]
         pred, compute, comm = predict_one(run, base, par["ranks"])
-        meas = step(run)
+        meas = step(runs)
         rows.append(
             (
                 par["net_latency_s"] * 1e6,
@@ -265,7 +278,7 @@ def main() -> None:
         "runs",
         nargs="+",
         metavar="RUN:BASE",
-        help="a bench JSON under the network model and one of the same layout without it",
+        help="bench JSONs (comma-separated rounds) under the network model, and of the same layout without it",
     )
     p.set_defaults(func=cmd_predict)
     q = sub.add_parser("project", help="DeepSeek-V3 decode at EP 8-64")

@@ -6,6 +6,10 @@
 #
 #   bash tools/dist/overlap_sweep.sh MODEL OUT_DIR [extra bench flags...]
 #
+# ROUNDS (default 3) alternates the runs without and with the network
+# model that many times; the model compares medians over the rounds (a
+# 2-core VM's compute moves by 10-20% between runs).
+#
 # e.g. MODEL = the default model with "--tp 2" (the default flags), or a
 # mixture of experts with "--ep 2". Needs target/release/kvant built with
 # `--features mpi`. Prefill only (a batch of one decoded token has nothing
@@ -30,9 +34,14 @@ for lat in ${LATENCIES:-2us 20us 100us}; do
     for tbo in off on; do
       flag=()
       [ "$tbo" = on ] && flag=(--two-batch-overlap)
-      bench "${flag[@]}" >"$out/base_${tag}_$tbo.json"
-      bench "${flag[@]}" --net-latency "$lat" --net-bandwidth "$bw" >"$out/net_${tag}_$tbo.json"
-      pairs+=("$out/net_${tag}_$tbo.json:$out/base_${tag}_$tbo.json")
+      nets=() bases=()
+      for round in $(seq "${ROUNDS:-3}"); do
+        bench "${flag[@]}" >"$out/base_${tag}_${tbo}_$round.json"
+        bench "${flag[@]}" --net-latency "$lat" --net-bandwidth "$bw" >"$out/net_${tag}_${tbo}_$round.json"
+        bases+=("$out/base_${tag}_${tbo}_$round.json")
+        nets+=("$out/net_${tag}_${tbo}_$round.json")
+      done
+      pairs+=("$(IFS=,; echo "${nets[*]}"):$(IFS=,; echo "${bases[*]}")")
     done
   done
 done
