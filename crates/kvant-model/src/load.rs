@@ -31,7 +31,11 @@ pub struct ModelInfo {
     pub parameters: u64,
     /// Tensor count per stored dtype.
     pub tensor_dtypes: BTreeMap<String, usize>,
+    /// The context the model runs with ([`LoadOptions::context_length`] or
+    /// the checkpoint's).
     pub context_length: usize,
+    /// The context the checkpoint declares (what it was trained for).
+    pub trained_context_length: usize,
     pub hidden_size: usize,
     pub layers: usize,
     pub heads: usize,
@@ -99,6 +103,7 @@ pub fn load_parallel(
             (cfg, tokenizer, template, count(dtypes))
         }
     };
+    let trained_context_length = cfg.max_context;
     let model = DecoderModel::load(&ckpt, cfg, opts, par)?;
     let c = model.config();
     let info = ModelInfo {
@@ -110,6 +115,7 @@ pub fn load_parallel(
         parameters: dtypes.1,
         tensor_dtypes: dtypes.0,
         context_length: c.max_context,
+        trained_context_length,
         hidden_size: c.hidden,
         layers: c.n_layers,
         heads: c.n_heads,

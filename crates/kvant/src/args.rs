@@ -127,6 +127,12 @@ pub struct ModelArg {
     /// batched (`serve`'s default).
     #[arg(long, value_enum)]
     pub mla_prefill: Option<MlaPrefillArg>,
+    /// Context length in tokens instead of the checkpoint's (llama.cpp's
+    /// -c): shorter bounds the caches; longer runs positions the model was
+    /// not trained on (for benchmarks at depth; its outputs there are
+    /// whatever those positions give).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub ctx_size: Option<u32>,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -181,6 +187,7 @@ impl ModelArg {
                 Some(MlaPrefillArg::Auto) => kvant_model::MlaPrefill::Auto,
                 Some(MlaPrefillArg::Absorbed) => kvant_model::MlaPrefill::Absorbed,
             },
+            context_length: self.ctx_size.map(|n| n as usize),
         }
     }
 }

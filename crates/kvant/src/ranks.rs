@@ -239,6 +239,13 @@ impl Run {
         stats: Option<Arc<Stats>>,
         threads: Vec<JoinHandle<Result<()>>>,
     ) -> Result<Run> {
+        let i = &m.info;
+        if i.context_length > i.trained_context_length {
+            eprintln!(
+                "kvant: warning: a context of {} tokens runs past the {} the checkpoint declares",
+                i.context_length, i.trained_context_length
+            );
+        }
         let model = Arc::new(m.model);
         // A model loaded with ranks leads them (this is rank 0).
         let cluster = match model.parallel() {

@@ -143,6 +143,55 @@ fn bench_depths_give_one_row_each() {
     assert_eq!(out["bytes_per_token"], rows[0]["bytes_per_token"]);
 }
 
+/// `--ctx-size` replaces the checkpoint's context: longer lets a bench
+/// run past it (with a warning), shorter bounds it; 0 is a usage error.
+#[test]
+fn ctx_size_replaces_the_checkpoint_context() {
+    let model = tiny_gguf();
+    let args = |ctx: &'static str, depth: &'static str| {
+        vec![
+            "bench",
+            "--model",
+            model.as_str(),
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "4",
+            "--repetitions",
+            "1",
+            "--threads",
+            "1",
+            "--depth",
+            depth,
+            "--ctx-size",
+            ctx,
+            "--json",
+        ]
+    };
+    // The fixture declares 256 positions: 300 + 12 runs only with a longer context.
+    let out = kvant_ok(&args("320", "300"));
+    assert_eq!(json(&out)["depth"], 300);
+    let err = kvant_err(&args("100", "90"));
+    assert!(
+        err.contains("exceeds the model's context length 100"),
+        "{err}"
+    );
+    let out = kvant(&args("0", "0"));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("--ctx-size"), "{stderr}");
+    let info = json(&kvant_ok(&[
+        "info",
+        "--model",
+        &model,
+        "--ctx-size",
+        "320",
+        "--json",
+    ]));
+    assert_eq!(info["context_length"], 320);
+    assert_eq!(info["trained_context_length"], 256);
+}
+
 /// A sliding-window layer's decode step reads only its window: the Gemma 3
 /// fixture has window 8 in layers 0 and 2 and full attention in layer 1.
 #[test]

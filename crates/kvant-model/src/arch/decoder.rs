@@ -73,6 +73,11 @@ pub struct LoadOptions {
     /// others): in the cheaper form, or always absorbed for bitwise batch
     /// invariance.
     pub mla_prefill: MlaPrefill,
+    /// Context length in tokens instead of the checkpoint's (llama.cpp's
+    /// `--ctx-size`): shorter bounds every cache; longer runs positions the
+    /// model was not trained on (benchmarks at depth do; outputs there are
+    /// whatever the positions give).
+    pub context_length: Option<usize>,
 }
 
 impl LoadOptions {
@@ -83,6 +88,7 @@ impl LoadOptions {
         kv_dtype: KvDType::F32,
         mtp: false,
         mla_prefill: MlaPrefill::Auto,
+        context_length: None,
     };
 }
 
@@ -93,6 +99,7 @@ impl Default for LoadOptions {
             kv_dtype: KvDType::F16,
             mtp: false,
             mla_prefill: MlaPrefill::Auto,
+            context_length: None,
         }
     }
 }
@@ -185,10 +192,21 @@ impl DecoderModel {
     /// without experts).
     pub fn load(
         ckpt: &Checkpoint,
-        cfg: ModelConfig,
+        mut cfg: ModelConfig,
         opts: LoadOptions,
         par: Option<Arc<Parallel>>,
     ) -> Result<Self, ModelError> {
+        if let Some(n) = opts.context_length {
+            // The same bounds as a checkpoint's own context.
+            if n == 0 || n > 1 << 24 {
+                return Err(crate::config::ConfigError::Invalid {
+                    key: "context_length".into(),
+                    why: format!("{n} tokens (1 to {} allowed)", 1 << 24),
+                }
+                .into());
+            }
+            cfg.max_context = n;
+        }
         // A cache type that cannot hold the rows fails before any weight
         // is read, not at the first pool.
         let (_, head_dim, latent) = kv_rows(&cfg, 1);

@@ -50,7 +50,13 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
     if i.mtp_layers > 0 {
         println!("MTP layers      {} (load with --mtp)", i.mtp_layers);
     }
-    println!("context length  {}", i.context_length);
+    match i.context_length == i.trained_context_length {
+        true => println!("context length  {}", i.context_length),
+        false => println!(
+            "context length  {} (--ctx-size; the checkpoint declares {})",
+            i.context_length, i.trained_context_length
+        ),
+    }
     println!(
         "layers          {} (hidden {}, heads {}, kv heads {})",
         i.layers, i.hidden_size, i.heads, i.kv_heads
