@@ -7,6 +7,11 @@
 //! step reads; f16 and f32 show what widening costs over streaming, the
 //! block types what reading their blocks directly costs.
 //!
+//! A prompt chunk: 512 tokens of SmolLM2's shape after 4096 cached ones,
+//! f16 keys and values in blocks of 16; throughput is the chunk's
+//! multiply-adds ×2 (q·k and p·v: `4 · head_dim` FLOPs per visible pair
+//! and head), to hold against the cores' FMA peak.
+//!
 //! `KVANT_THREADS=1 cargo bench -p kvant-kernels --bench attention`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -102,12 +107,64 @@ fn latent(c: &mut Criterion) {
     g.finish();
 }
 
+fn prefill(c: &mut Criterion) {
+    const DEPTH: usize = 4096;
+    const CHUNK: usize = 512;
+    let p = AttnParams {
+        n_heads: 9,
+        n_kv_heads: 3,
+        head_dim: 64,
+        v_dim: 64,
+        scale: 0.125,
+        window: None,
+    };
+    let n = DEPTH + CHUNK;
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let kv_dim = p.n_kv_heads * p.head_dim;
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+    let (k, v, q) = (
+        rand(n * kv_dim),
+        rand(n * kv_dim),
+        rand(CHUNK * p.n_heads * p.head_dim),
+    );
+    let mut out = vec![0f32; CHUNK * p.n_heads * p.v_dim];
+    let block_size = 16;
+    let table: Vec<u32> = (0..(n / block_size) as u32).collect();
+    let buf = |x: &[f32]| {
+        let mut b = KvBuffer::zeroed(KvDType::F16, n * kv_dim).expect("whole units");
+        b.store_rows(x, (block_size, p.n_kv_heads, p.head_dim), &table, 0);
+        b
+    };
+    let (kb, vb) = (buf(&k), buf(&v));
+    let layer = KvLayer {
+        k: &kb,
+        v: Some(&vb),
+        block_size,
+    };
+    let seqs = [SeqAttn {
+        rows: 0..CHUNK,
+        pos0: DEPTH,
+        table: &table,
+    }];
+    // Token t sees DEPTH + t + 1 keys.
+    let pairs: usize = (0..CHUNK).map(|t| DEPTH + t + 1).sum();
+    let flops = 4 * p.head_dim * p.n_heads * pairs;
+    let mut g = c.benchmark_group(format!(
+        "attention prefill, {CHUNK} tokens at depth {DEPTH}"
+    ));
+    g.throughput(Throughput::Elements(flops as u64));
+    g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
+        b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
+    });
+    g.finish();
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(300))
         .measurement_time(Duration::from_secs(2))
         .sample_size(30);
-    targets = decode, latent
+    targets = decode, latent, prefill
 }
 criterion_main!(benches);

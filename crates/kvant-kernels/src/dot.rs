@@ -77,6 +77,50 @@ pub fn dot_tile_f32_with<const T: usize>(
     }
 }
 
+/// `out[t * stride + j] = xs[t] · keys[j]` for the `tk` rows of `keys`
+/// (`tk × n`, one after another) against `T` vectors of `n`: the scores
+/// of an attention tile, written in place. The keys go through
+/// [`dot_tile_f32_with`]'s tile in groups of four (a short last group
+/// repeats its last key), so every pair is the same dot product as there,
+/// whatever `tk`, `T` or the pair's neighbours.
+///
+/// # Panics
+/// If `keys` holds fewer than `tk` rows of `n`, a vector's length is not
+/// `n`, or `out` is too short for row `T - 1` (bugs in the calling kernel).
+pub fn dot_keys_f32_with<const T: usize>(
+    tier: SimdTier,
+    keys: &[f32],
+    tk: usize,
+    xs: [&[f32]; T],
+    out: &mut [f32],
+    stride: usize,
+) {
+    let n = xs.first().map_or(0, |x| x.len());
+    for x in &xs {
+        assert_eq!(x.len(), n, "dot_keys_f32: length mismatch");
+    }
+    assert!(keys.len() >= tk * n, "dot_keys_f32: too few keys");
+    if tk == 0 || T == 0 {
+        return;
+    }
+    assert!(
+        out.len() >= (T - 1) * stride + tk && stride >= tk,
+        "dot_keys_f32: output too short"
+    );
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `dot_f32_with`; the lengths are checked above.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::dot_keys(keys, tk, xs, out, stride) },
+        _ => {
+            for (t, x) in xs.iter().enumerate() {
+                for (j, o) in out[t * stride..t * stride + tk].iter_mut().enumerate() {
+                    *o = dot_f32_scalar(&keys[j * n..(j + 1) * n], x);
+                }
+            }
+        }
+    }
+}
+
 /// The f64-accumulated reference.
 pub fn dot_f32_ref(a: &[f32], b: &[f32]) -> f64 {
     a.iter().zip(b).map(|(&x, &y)| x as f64 * y as f64).sum()
@@ -117,14 +161,21 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     #[inline]
     pub(crate) fn hsum4(v: [__m256; 4]) -> [f32; 4] {
-        let ab = _mm256_hadd_ps(v[0], v[1]);
-        let cd = _mm256_hadd_ps(v[2], v[3]);
-        let abcd = _mm256_hadd_ps(ab, cd);
-        let s = _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+        let s = hsum4_m128(v);
         let mut out = [0f32; 4];
         // SAFETY: `out` holds four floats; the store is unaligned.
         unsafe { _mm_storeu_ps(out.as_mut_ptr(), s) };
         out
+    }
+
+    /// [`hsum4`] left in a register.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    fn hsum4_m128(v: [__m256; 4]) -> __m128 {
+        let ab = _mm256_hadd_ps(v[0], v[1]);
+        let cd = _mm256_hadd_ps(v[2], v[3]);
+        let abcd = _mm256_hadd_ps(ab, cd);
+        _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
     }
 
     /// # Safety
@@ -201,6 +252,36 @@ pub(crate) mod avx2 {
         out
     }
 
+    /// Four rows against `T` vectors of `n` elements: per vector, the
+    /// rows' sums over the first `n / 8 * 8` elements (the tail is the
+    /// caller's), one register each.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 and FMA, and every pointer reads `n` floats.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn tile_sums<const T: usize>(
+        pr: [*const f32; 4],
+        px: [*const f32; T],
+        n: usize,
+    ) -> [__m128; T] {
+        let mut acc = [[_mm256_setzero_ps(); T]; 4];
+        let mut i = 0;
+        // SAFETY (all loads below): `i + 8 <= n` bounds every read within
+        // the rows and vectors, all of length `n`.
+        while i + 8 <= n {
+            let x = px.map(|p| unsafe { _mm256_loadu_ps(p.add(i)) });
+            for (acc, p) in acc.iter_mut().zip(pr) {
+                let w = unsafe { _mm256_loadu_ps(p.add(i)) };
+                for (acc, x) in acc.iter_mut().zip(x) {
+                    *acc = _mm256_fmadd_ps(w, x, *acc);
+                }
+            }
+            i += 8;
+        }
+        std::array::from_fn(|t| hsum4_m128([acc[0][t], acc[1][t], acc[2][t], acc[3][t]]))
+    }
+
     /// # Safety
     /// The CPU supports AVX2 and FMA, and every row and vector has
     /// `rows[0].len()` elements.
@@ -212,35 +293,74 @@ pub(crate) mod avx2 {
         let n = rows[0].len();
         let pr = rows.map(<[f32]>::as_ptr);
         let px = xs.map(<[f32]>::as_ptr);
-        let mut acc = [[_mm256_setzero_ps(); T]; 4];
-        let mut i = 0;
-        // SAFETY (all loads below): `i + 8 <= n` or `i < n` bound every read
-        // within the rows and vectors, all of length `n`.
-        while i + 8 <= n {
-            let x = px.map(|p| _mm256_loadu_ps(p.add(i)));
-            for (acc, p) in acc.iter_mut().zip(pr) {
-                let w = _mm256_loadu_ps(p.add(i));
-                for (acc, x) in acc.iter_mut().zip(x) {
-                    *acc = _mm256_fmadd_ps(w, x, *acc);
-                }
-            }
-            i += 8;
-        }
+        // SAFETY: every row and vector has `n` elements.
+        let sums = unsafe { tile_sums(pr, px, n) };
         let mut out = [[0f32; T]; 4];
-        for t in 0..T {
-            let sums = hsum4([acc[0][t], acc[1][t], acc[2][t], acc[3][t]]);
+        for (t, s) in sums.into_iter().enumerate() {
+            let mut v = [0f32; 4];
+            // SAFETY: `v` holds four floats; the store is unaligned.
+            unsafe { _mm_storeu_ps(v.as_mut_ptr(), s) };
             for r in 0..4 {
-                out[r][t] = sums[r];
+                out[r][t] = v[r];
             }
         }
+        let i = n / 8 * 8;
         for (out, p) in out.iter_mut().zip(pr) {
             for (out, x) in out.iter_mut().zip(px) {
                 for j in i..n {
-                    *out += *p.add(j) * *x.add(j);
+                    // SAFETY: `j < n`.
+                    *out += unsafe { *p.add(j) * *x.add(j) };
                 }
             }
         }
         out
+    }
+
+    /// # Safety
+    /// The CPU supports AVX2 and FMA; `keys` holds `tk ≥ 1` rows of `n`
+    /// (every vector's length), and `out` holds row `T - 1` of `stride ≥
+    /// tk` (see [`super::dot_keys_f32_with`]).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn dot_keys<const T: usize>(
+        keys: &[f32],
+        tk: usize,
+        xs: [&[f32]; T],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        let n = xs[0].len();
+        let px = xs.map(<[f32]>::as_ptr);
+        let po = out.as_mut_ptr();
+        let tail = n / 8 * 8;
+        let mut jj = 0;
+        while jj < tk {
+            let kn = (tk - jj).min(4);
+            // SAFETY: key `jj + min(i, kn - 1) < tk` starts a row of `n`.
+            let pr = [0, 1, 2, 3].map(|i| unsafe { keys.as_ptr().add((jj + i.min(kn - 1)) * n) });
+            // SAFETY: every pointer reads `n` floats.
+            let sums = unsafe { tile_sums(pr, px, n) };
+            for (t, s) in sums.into_iter().enumerate() {
+                // SAFETY: `t * stride + jj + kn <= (T - 1) * stride + tk`,
+                // within `out`.
+                let dst = unsafe { po.add(t * stride + jj) };
+                if kn == 4 && tail == n {
+                    unsafe { _mm_storeu_ps(dst, s) };
+                    continue;
+                }
+                let mut v = [0f32; 4];
+                // SAFETY: `v` holds four floats.
+                unsafe { _mm_storeu_ps(v.as_mut_ptr(), s) };
+                for (r, v) in v.iter_mut().enumerate().take(kn) {
+                    for j in tail..n {
+                        // SAFETY: `j < n`, within the key row and the vector.
+                        *v += unsafe { *pr[r].add(j) * *px[t].add(j) };
+                    }
+                    // SAFETY: `r < kn`: within the row's `tk` outputs.
+                    unsafe { *dst.add(r) = *v };
+                }
+            }
+            jj += kn;
+        }
     }
 }
 
@@ -317,6 +437,50 @@ mod tests {
                             assert_close(got2[r][t], row, x, tier.name());
                         }
                     }
+                }
+            }
+        }
+    }
+
+    /// The in-place key tile gives the bits of the four-row tile for every
+    /// pair, for any key count (short last groups) and vector count.
+    #[test]
+    fn dot_keys_equals_the_tile_bit_for_bit() {
+        let mut rng = ChaCha8Rng::seed_from_u64(10);
+        for tier in cpu::available_tiers() {
+            for n in [1usize, 7, 8, 16, 21, 64, 131] {
+                for tk in [1usize, 3, 4, 5, 11, 32] {
+                    let keys = random(&mut rng, tk * n);
+                    let xs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, n)).collect();
+                    let stride = tk + 3;
+                    let mut out = vec![f32::NAN; 2 * stride + tk];
+                    dot_keys_f32_with(
+                        tier,
+                        &keys,
+                        tk,
+                        [&xs[0][..], &xs[1], &xs[2]],
+                        &mut out,
+                        stride,
+                    );
+                    let mut one = vec![f32::NAN; tk];
+                    dot_keys_f32_with(tier, &keys, tk, [&xs[1][..]], &mut one, tk);
+                    for j in 0..tk {
+                        let key = &keys[j * n..(j + 1) * n];
+                        let rows = [key; 4];
+                        let want = dot_tile_f32_with(tier, rows, [&xs[0][..], &xs[1], &xs[2]]);
+                        for t in 0..3 {
+                            let got = out[t * stride + j];
+                            assert_eq!(
+                                got.to_bits(),
+                                want[0][t].to_bits(),
+                                "{tier} n {n} tk {tk} key {j} vector {t}"
+                            );
+                            assert_close(got, key, &xs[t], tier.name());
+                        }
+                        assert_eq!(one[j].to_bits(), want[0][1].to_bits());
+                    }
+                    // Between rows, past `tk`: untouched.
+                    assert!(out[tk..stride].iter().all(|v| v.is_nan()));
                 }
             }
         }

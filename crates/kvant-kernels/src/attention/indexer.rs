@@ -355,8 +355,7 @@ fn score_range<T: KvElem>(
     while j0 < range.end {
         let tk = KEY_TILE.min(range.end - j0);
         keys.widen_tile(tier, table, 1, (hd, hd), 0, j0, tk, kt, &mut []);
-        let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
-        scores(tier, nh, &qrow, &krow, tk, st);
+        scores(tier, nh, &qrow, (&kt[..], hd), tk, st);
         combine_heads(p.scale, &st[..], &w[..nh], &mut idx[..tk]);
         for (jj, &score) in idx[..tk].iter().enumerate() {
             stream.push(Cand {

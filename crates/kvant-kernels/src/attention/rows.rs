@@ -21,7 +21,7 @@
 use super::kv::{KvBlocks, KvElem};
 use super::AttnParams;
 use crate::cpu::SimdTier;
-use crate::dot::dot_tile_f32_with;
+use crate::dot::dot_keys_f32_with;
 use crate::vecops;
 use std::ops::Range;
 
@@ -163,9 +163,7 @@ pub(super) fn run_partition<T: KvElem>(
             &mut st.kt,
             &mut st.vt,
         );
-        let kt = &st.kt;
-        let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
-        scores(tier, n_rows, &qrow, &krow, tk, &mut st.s);
+        scores(tier, n_rows, &qrow, (&st.kt, hd), tk, &mut st.s);
         for r in 0..n_rows {
             let rk = row_keys(r);
             // The row's own cut of the tile: up to its last visible key.
@@ -258,43 +256,38 @@ pub(super) fn fold(
     }
 }
 
-/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's keys. Every pair goes
-/// through the same 4-key dot tile (one accumulator per pair), whatever
-/// the row and key counts: a short last group repeats its last key, odd
-/// rows use a narrower tile. That makes each score independent of its
-/// neighbours (batch invariance).
-pub(super) fn scores<'a, 'b>(
+/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's `tk` keys (`kt`,
+/// rows of `hd`). Every pair goes through the same 4-key dot tile (one
+/// accumulator per pair), whatever the row and key counts: a short last
+/// group repeats its last key, odd rows use a narrower tile. That makes
+/// each score independent of its neighbours (batch invariance). The
+/// scores are written in place, three rows at a time (through a copy of
+/// each tile's results, this was a quarter of prefill attention's time at
+/// depth 4096: stores forwarded to mismatched loads).
+pub(super) fn scores<'a>(
     tier: SimdTier,
     n_rows: usize,
     qrow: &impl Fn(usize) -> &'a [f32],
-    krow: &impl Fn(usize) -> &'b [f32],
+    (kt, hd): (&[f32], usize),
     tk: usize,
     s: &mut [f32],
 ) {
-    let mut jj = 0;
-    while jj < tk {
-        let kn = (tk - jj).min(4);
-        let ks = [0, 1, 2, 3].map(|i| krow(jj + i.min(kn - 1)));
-        let mut put = |r: usize, d: [f32; 4]| {
-            s[r * KEY_TILE + jj..r * KEY_TILE + jj + kn].copy_from_slice(&d[..kn]);
-        };
-        let mut r = 0;
-        while r + 3 <= n_rows {
-            let d = dot_tile_f32_with(tier, ks, [qrow(r), qrow(r + 1), qrow(r + 2)]);
-            for t in 0..3 {
-                put(r + t, d.map(|row| row[t]));
-            }
-            r += 3;
-        }
+    let keys = &kt[..tk * hd];
+    let mut r = 0;
+    while r < n_rows {
+        let out = &mut s[r * KEY_TILE..];
         match n_rows - r {
-            2 => {
-                let d = dot_tile_f32_with(tier, ks, [qrow(r), qrow(r + 1)]);
-                put(r, d.map(|row| row[0]));
-                put(r + 1, d.map(|row| row[1]));
-            }
-            1 => put(r, dot_tile_f32_with(tier, ks, [qrow(r)]).map(|row| row[0])),
-            _ => {}
+            1 => dot_keys_f32_with(tier, keys, tk, [qrow(r)], out, KEY_TILE),
+            2 => dot_keys_f32_with(tier, keys, tk, [qrow(r), qrow(r + 1)], out, KEY_TILE),
+            _ => dot_keys_f32_with(
+                tier,
+                keys,
+                tk,
+                [qrow(r), qrow(r + 1), qrow(r + 2)],
+                out,
+                KEY_TILE,
+            ),
         }
-        jj += kn;
+        r += (n_rows - r).min(3);
     }
 }

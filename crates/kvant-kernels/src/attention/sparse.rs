@@ -172,9 +172,7 @@ fn run_partition<T: KvElem>(
             &mut st.kt,
             &mut st.vt,
         );
-        let kt = &st.kt;
-        let krow = |jj: usize| &kt[jj * hd..(jj + 1) * hd];
-        scores(tier, hs, &qrow, &krow, tk, &mut st.s);
+        scores(tier, hs, &qrow, (&st.kt, hd), tk, &mut st.s);
         for r in 0..hs {
             let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
             let tile_max = vecops::scale_max(tier, p.scale, s);
