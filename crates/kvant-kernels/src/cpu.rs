@@ -6,9 +6,10 @@
 //! (or a benchmark) force a lower tier; it can never raise the tier above
 //! what the CPU supports, so forcing is always safe.
 //!
-//! Today the `Avx512` tier runs the AVX2 kernels: AVX-512 intrinsics became
-//! stable in Rust 1.89, above the workspace's minimum Rust version, so the
-//! tier is detected (and reported) ahead of kernels that use it.
+//! The `Avx512` tier runs the int8 products on AVX-512 VNNI where the CPU
+//! has it (`vpdpbusd` on 256-bit registers, `int8::avx2::group_tile_vnni`)
+//! and the AVX2 kernels everywhere else. AMX is never used: VMs here list
+//! it and fault on its tile instructions.
 
 use std::sync::OnceLock;
 

@@ -11,6 +11,15 @@
 //! 6-bit weights are rebuilt from their nibble and high-bit chunks; 5-bit
 //! sums widen every 4 chunks (`q5k_tile`), and the 6-bit offset of 32 comes
 //! off once per sub-block (`q6k_tile`).
+//!
+//! **AVX-512 VNNI.** The same kernels compile a second time with
+//! `vpdpbusd` (`_mm256_dpbusd_epi32`: four unsigned × signed byte products
+//! summed into each i32 lane) in place of each `vpmaddubsw` and its
+//! widening `vpmaddwd` ([`Dot`]): one instruction per chunk and token
+//! instead of two or three, the weight unpacking unchanged. Integer sums are
+//! exact either way, so both give the same bits; [`group_tile_vnni`] runs
+//! where the CPU has AVX-512 VNNI and VL (256-bit registers: the packed
+//! layout of 8 rows × 4 bytes per lane is the same).
 
 use super::pack::{PackedFormat, GROUP, Q5K_HIGH, Q6K_HIGH, SUBS};
 use kvant_core::dtype::QK;
@@ -85,6 +94,72 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
     _mm256_set1_epi32((p as *const i32).read_unaligned())
 }
 
+/// The integer dot products of a chunk: 32 weight bytes (unsigned, 4 per
+/// row lane) against 4 activation bytes broadcast to every lane.
+///
+/// `acc` adds a chunk's products into a narrow accumulator that `widen`
+/// turns into one i32 per lane (AVX2: i16 pairs, widened once per few
+/// chunks; VNNI: already i32); `acc32` adds them into an i32 accumulator
+/// at once. `scaled` gives `Σ (p − off) · scale` per lane for Q6_K, from a
+/// narrow sum `p`, the offset `off` in [`q6k_offset`]'s i16 positions, and
+/// the 8 rows' i8 scales.
+pub(crate) trait Dot {
+    unsafe fn acc(p: __m256i, w: __m256i, x: __m256i) -> __m256i;
+    unsafe fn widen(p: __m256i) -> __m256i;
+    unsafe fn acc32(s: __m256i, w: __m256i, x: __m256i) -> __m256i;
+    unsafe fn scaled(p: __m256i, off: __m256i, sc: __m128i) -> __m256i;
+}
+
+/// AVX2: `vpmaddubsw` (pairs into i16, never saturating for these
+/// formats: see each kernel) and `vpmaddwd` to widen.
+pub(crate) struct Madd;
+
+impl Dot for Madd {
+    #[inline(always)]
+    unsafe fn acc(p: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_add_epi16(p, _mm256_maddubs_epi16(w, x))
+    }
+    #[inline(always)]
+    unsafe fn widen(p: __m256i) -> __m256i {
+        _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+    }
+    #[inline(always)]
+    unsafe fn acc32(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_add_epi32(s, Self::widen(_mm256_maddubs_epi16(w, x)))
+    }
+    #[inline(always)]
+    unsafe fn scaled(p: __m256i, off: __m256i, sc: __m128i) -> __m256i {
+        // Each row's scale in both i16 halves of its lane.
+        let sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc, sc));
+        _mm256_madd_epi16(_mm256_sub_epi16(p, off), sc)
+    }
+}
+
+/// AVX-512 VNNI: `vpdpbusd` into i32 lanes.
+pub(crate) struct Vnni;
+
+impl Dot for Vnni {
+    #[inline(always)]
+    unsafe fn acc(p: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(p, w, x)
+    }
+    #[inline(always)]
+    unsafe fn widen(p: __m256i) -> __m256i {
+        p
+    }
+    #[inline(always)]
+    unsafe fn acc32(s: __m256i, w: __m256i, x: __m256i) -> __m256i {
+        _mm256_dpbusd_epi32(s, w, x)
+    }
+    #[inline(always)]
+    unsafe fn scaled(p: __m256i, off: __m256i, sc: __m128i) -> __m256i {
+        // The lane's offset is the sum of its two i16 positions; the
+        // exact `Σ q·x − off` times the row's scale, as `Madd` computes.
+        let off = _mm256_madd_epi16(off, _mm256_set1_epi16(1));
+        _mm256_mullo_epi32(_mm256_sub_epi32(p, off), _mm256_cvtepi8_epi32(sc))
+    }
+}
+
 /// `Σ w·x` per row lane for `T` tokens over `blocks` packed blocks at `w`.
 ///
 /// # Safety
@@ -98,18 +173,42 @@ pub(crate) unsafe fn group_tile<const T: usize>(
     blocks: usize,
     x: &[TokenPtrs; T],
 ) -> [__m256; T] {
+    tile_body::<Madd, T>(format, w, blocks, x)
+}
+
+/// [`group_tile`] on AVX-512 VNNI (the same bits).
+///
+/// # Safety
+/// As for [`group_tile`], and the CPU supports AVX-512 F, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+pub(crate) unsafe fn group_tile_vnni<const T: usize>(
+    format: PackedFormat,
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
+    tile_body::<Vnni, T>(format, w, blocks, x)
+}
+
+#[inline(always)]
+unsafe fn tile_body<I: Dot, const T: usize>(
+    format: PackedFormat,
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
     match format {
-        PackedFormat::Q4Sym => q4_tile::<T, false>(w, blocks, x),
-        PackedFormat::Q4Asym => q4_tile::<T, true>(w, blocks, x),
-        PackedFormat::Q8 => q8_tile::<T>(w, blocks, x),
-        PackedFormat::Q4K => q4k_tile::<T>(w, blocks, x),
-        PackedFormat::Q5K => q5k_tile::<T>(w, blocks, x),
-        PackedFormat::Q6K => q6k_tile::<T>(w, blocks, x),
+        PackedFormat::Q4Sym => q4_tile::<I, T, false>(w, blocks, x),
+        PackedFormat::Q4Asym => q4_tile::<I, T, true>(w, blocks, x),
+        PackedFormat::Q8 => q8_tile::<I, T>(w, blocks, x),
+        PackedFormat::Q4K => q4k_tile::<I, T>(w, blocks, x),
+        PackedFormat::Q5K => q5k_tile::<I, T>(w, blocks, x),
+        PackedFormat::Q6K => q6k_tile::<I, T>(w, blocks, x),
     }
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4_tile<const T: usize, const ASYM: bool>(
+#[inline(always)]
+unsafe fn q4_tile<I: Dot, const T: usize, const ASYM: bool>(
     w: *const u8,
     blocks: usize,
     x: &[TokenPtrs; T],
@@ -121,7 +220,6 @@ unsafe fn q4_tile<const T: usize, const ASYM: bool>(
     };
     let (bb, hdr) = (fmt.block_bytes(), fmt.header());
     let mask = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..blocks {
         // SAFETY (whole loop): block `b` of `blocks` packed blocks at `w`;
@@ -143,13 +241,12 @@ unsafe fn q4_tile<const T: usize, const ASYM: bool>(
             let hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
             for (t, p) in p.iter_mut().enumerate() {
                 let xq = x[t].q.add(b * QK);
-                let a = _mm256_maddubs_epi16(lo, bcast4(xq.add(4 * c)));
-                let h = _mm256_maddubs_epi16(hi, bcast4(xq.add(16 + 4 * c)));
-                *p = _mm256_add_epi16(*p, _mm256_add_epi16(a, h));
+                *p = I::acc(*p, lo, bcast4(xq.add(4 * c)));
+                *p = I::acc(*p, hi, bcast4(xq.add(16 + 4 * c)));
             }
         }
         for t in 0..T {
-            let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[t], ones));
+            let isum = _mm256_cvtepi32_ps(I::widen(p[t]));
             let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
             acc[t] = _mm256_fmadd_ps(isum, dd, acc[t]);
             acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(*x[t].s.add(b)), acc[t]);
@@ -158,11 +255,14 @@ unsafe fn q4_tile<const T: usize, const ASYM: bool>(
     acc
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+#[inline(always)]
+unsafe fn q8_tile<I: Dot, const T: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
     let fmt = PackedFormat::Q8;
     let (bb, hdr) = (fmt.block_bytes(), fmt.header());
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     for b in 0..blocks {
         // SAFETY (whole loop): as in `q4_tile`.
@@ -175,8 +275,7 @@ unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T
             let abs = _mm256_abs_epi8(raw);
             for (t, s) in s.iter_mut().enumerate() {
                 let xs = _mm256_sign_epi8(bcast4(x[t].q.add(b * QK + 4 * c)), raw);
-                let p = _mm256_maddubs_epi16(abs, xs);
-                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+                *s = I::acc32(*s, abs, xs);
             }
         }
         for t in 0..T {
@@ -187,12 +286,15 @@ unsafe fn q8_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T
     acc
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+#[inline(always)]
+unsafe fn q4k_tile<I: Dot, const T: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
     let fmt = PackedFormat::Q4K;
     let (bb, hdr) = (fmt.block_bytes(), fmt.header());
     let mask = _mm256_set1_epi8(0x0F);
-    let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); T];
     for sb in 0..blocks {
         // SAFETY (whole loop): super-block `sb` of `blocks` at `w`;
@@ -217,8 +319,8 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
                 let [p_lo, p_hi] = &mut p;
                 for (t, (pl, ph)) in p_lo.iter_mut().zip(p_hi.iter_mut()).enumerate() {
                     let xq = x[t].q.add(sb * 256 + 64 * pair + 4 * c);
-                    *pl = _mm256_add_epi16(*pl, _mm256_maddubs_epi16(lo, bcast4(xq)));
-                    *ph = _mm256_add_epi16(*ph, _mm256_maddubs_epi16(hi, bcast4(xq.add(32))));
+                    *pl = I::acc(*pl, lo, bcast4(xq));
+                    *ph = I::acc(*ph, hi, bcast4(xq.add(32)));
                 }
             }
             for (h, ph) in p.iter().enumerate() {
@@ -227,7 +329,7 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
                 let dm = _mm256_mul_ps(dmin, lanes(4 * GROUP + GROUP * (SUBS + j)));
                 let xb = sb * SUBS + j;
                 for t in 0..T {
-                    let isum = _mm256_cvtepi32_ps(_mm256_madd_epi16(ph[t], ones));
+                    let isum = _mm256_cvtepi32_ps(I::widen(ph[t]));
                     let dd = _mm256_mul_ps(dsc, _mm256_set1_ps(*x[t].d.add(xb)));
                     acc[t] = _mm256_fmadd_ps(isum, dd, acc[t]);
                     acc[t] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(*x[t].s.add(xb)), acc[t]);
@@ -252,8 +354,12 @@ unsafe fn q4k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
 /// sub-block's scale (in both i16 of a row lane) widens and scales at once,
 /// and the two sub-blocks of an activation block sum in i32 (exact, below
 /// 2^24: see the reference).
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q6k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+#[inline(always)]
+unsafe fn q6k_tile<I: Dot, const T: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
     let bb = PackedFormat::Q6K.block_bytes();
     let mut acc = [_mm256_setzero_ps(); T];
     for sb in 0..blocks {
@@ -265,8 +371,8 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
             if T <= PREFETCH_TOKENS {
                 prefetch_part(blk, bb, u, 4);
             }
-            q6k_block::<T, 0>(blk, d, sb, u, x, &mut acc);
-            q6k_block::<T, 1>(blk, d, sb, u, x, &mut acc);
+            q6k_block::<I, T, 0>(blk, d, sb, u, x, &mut acc);
+            q6k_block::<I, T, 1>(blk, d, sb, u, x, &mut acc);
         }
     }
     acc
@@ -278,8 +384,7 @@ unsafe fn q6k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
 ///
 /// # Safety
 /// The CPU supports AVX2; `xq` is valid for 16 bytes.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
+#[inline(always)]
 unsafe fn q6k_offset(xq: *const i8) -> __m256i {
     // Pairs `32 (x_2m + x_2m+1)` (at most 8128), then the four 32-bit lanes
     // of each 128-bit half (both the same 16 bytes) summed (at most 32512,
@@ -295,9 +400,8 @@ unsafe fn q6k_offset(xq: *const i8) -> __m256i {
 ///
 /// # Safety
 /// As for [`group_tile`], for super-block `sb` at `blk`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q6k_block<const T: usize, const S: usize>(
+#[inline(always)]
+unsafe fn q6k_block<I: Dot, const T: usize, const S: usize>(
     blk: *const u8,
     d: __m256,
     sb: usize,
@@ -326,18 +430,15 @@ unsafe fn q6k_block<const T: usize, const S: usize>(
             let q = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(hb, m30));
             for (t, p) in p.iter_mut().enumerate() {
                 let xq = x[t].q.add(QK * xb + 16 * h + 4 * k);
-                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(q, bcast4(xq)));
+                *p = I::acc(*p, q, bcast4(xq));
             }
         }
-        // The 8 rows' scales of sub-block 4u + 2S + h, each in both i16
-        // halves of its row's lane.
+        // The 8 rows' scales of sub-block 4u + 2S + h.
         let sc =
             _mm_loadl_epi64(blk.add(2 * GROUP + GROUP * (4 * u + 2 * S + h)) as *const __m128i);
-        let sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc, sc));
         for t in 0..T {
             let off = q6k_offset(x[t].q.add(QK * xb + 16 * h));
-            let p = _mm256_sub_epi16(p[t], off);
-            isum[t] = _mm256_add_epi32(isum[t], _mm256_madd_epi16(p, sc));
+            isum[t] = _mm256_add_epi32(isum[t], I::scaled(p[t], off, sc));
         }
     }
     for t in 0..T {
@@ -353,8 +454,12 @@ unsafe fn q6k_block<const T: usize, const S: usize>(
 /// is at most `2·31·127 = 7874`, so a sub-block's 8 chunks no longer fit
 /// one i16 sum and widen every 4, and the per-token sums of both
 /// sub-blocks would not fit the registers.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn q5k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; T]) -> [__m256; T] {
+#[inline(always)]
+unsafe fn q5k_tile<I: Dot, const T: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
     let bb = PackedFormat::Q5K.block_bytes();
     let mut acc = [_mm256_setzero_ps(); T];
     for sb in 0..blocks {
@@ -367,14 +472,14 @@ unsafe fn q5k_tile<const T: usize>(w: *const u8, blocks: usize, x: &[TokenPtrs; 
             dmin: _mm256_cvtph_ps(_mm_loadu_si128(blk.add(2 * GROUP) as *const __m128i)),
             sb,
         };
-        q5k_sub::<T, 0>(&p, x, &mut acc);
-        q5k_sub::<T, 1>(&p, x, &mut acc);
-        q5k_sub::<T, 2>(&p, x, &mut acc);
-        q5k_sub::<T, 3>(&p, x, &mut acc);
-        q5k_sub::<T, 4>(&p, x, &mut acc);
-        q5k_sub::<T, 5>(&p, x, &mut acc);
-        q5k_sub::<T, 6>(&p, x, &mut acc);
-        q5k_sub::<T, 7>(&p, x, &mut acc);
+        q5k_sub::<I, T, 0>(&p, x, &mut acc);
+        q5k_sub::<I, T, 1>(&p, x, &mut acc);
+        q5k_sub::<I, T, 2>(&p, x, &mut acc);
+        q5k_sub::<I, T, 3>(&p, x, &mut acc);
+        q5k_sub::<I, T, 4>(&p, x, &mut acc);
+        q5k_sub::<I, T, 5>(&p, x, &mut acc);
+        q5k_sub::<I, T, 6>(&p, x, &mut acc);
+        q5k_sub::<I, T, 7>(&p, x, &mut acc);
     }
     acc
 }
@@ -392,9 +497,8 @@ struct Q5kBlock {
 ///
 /// # Safety
 /// As for [`group_tile`], for the super-block `b`.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-unsafe fn q5k_sub<const T: usize, const J: usize>(
+#[inline(always)]
+unsafe fn q5k_sub<I: Dot, const T: usize, const J: usize>(
     b: &Q5kBlock,
     x: &[TokenPtrs; T],
     acc: &mut [__m256; T],
@@ -404,11 +508,7 @@ unsafe fn q5k_sub<const T: usize, const J: usize>(
         prefetch_part(b.blk, bb, J, SUBS);
     }
     let low = b.blk.add(PackedFormat::Q5K.header() + 32 * 8 * (J / 2));
-    let (m4, m10, ones) = (
-        _mm256_set1_epi8(0x0F),
-        _mm256_set1_epi8(0x10),
-        _mm256_set1_epi16(1),
-    );
+    let (m4, m10) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
     let xb = b.sb * SUBS + J;
     let mut isum = [_mm256_setzero_si256(); T];
     for half in 0..2 {
@@ -437,11 +537,11 @@ unsafe fn q5k_sub<const T: usize, const J: usize>(
             let q = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_and_si256(hb, m10));
             for (t, p) in p.iter_mut().enumerate() {
                 let xq = x[t].q.add(QK * xb + 4 * c);
-                *p = _mm256_add_epi16(*p, _mm256_maddubs_epi16(q, bcast4(xq)));
+                *p = I::acc(*p, q, bcast4(xq));
             }
         }
         for (s, p) in isum.iter_mut().zip(p) {
-            *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
+            *s = _mm256_add_epi32(*s, I::widen(p));
         }
     }
     let lanes = |off: usize| {

@@ -183,14 +183,23 @@ fn group_rows(
                 // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU);
                 // `blk` is this group's `blocks()` packed blocks and each
                 // token's slices hold `cols` quants and `cols/32` scales.
+                let vnni = tier == SimdTier::Avx512 && cpu::has_avx512_vnni();
                 let done = unsafe {
-                    match left {
-                        1 => tile::<1>(w, blk, t, &ptrs, &store),
-                        2 => tile::<2>(w, blk, t, &ptrs, &store),
-                        3 => tile::<3>(w, blk, t, &ptrs, &store),
-                        4 => tile::<4>(w, blk, t, &ptrs, &store),
-                        5 => tile::<5>(w, blk, t, &ptrs, &store),
-                        _ => tile::<TOKEN_TILE>(w, blk, t, &ptrs, &store),
+                    match (left, vnni) {
+                        (1, false) => tile::<1>(w, blk, t, &ptrs, &store),
+                        (2, false) => tile::<2>(w, blk, t, &ptrs, &store),
+                        (3, false) => tile::<3>(w, blk, t, &ptrs, &store),
+                        (4, false) => tile::<4>(w, blk, t, &ptrs, &store),
+                        (5, false) => tile::<5>(w, blk, t, &ptrs, &store),
+                        (_, false) => tile::<TOKEN_TILE>(w, blk, t, &ptrs, &store),
+                        // SAFETY (these arms): AVX-512 VNNI, F and VL were
+                        // detected (`has_avx512_vnni` implies the tier).
+                        (1, true) => tile_vnni::<1>(w, blk, t, &ptrs, &store),
+                        (2, true) => tile_vnni::<2>(w, blk, t, &ptrs, &store),
+                        (3, true) => tile_vnni::<3>(w, blk, t, &ptrs, &store),
+                        (4, true) => tile_vnni::<4>(w, blk, t, &ptrs, &store),
+                        (5, true) => tile_vnni::<5>(w, blk, t, &ptrs, &store),
+                        (_, true) => tile_vnni::<TOKEN_TILE>(w, blk, t, &ptrs, &store),
                     }
                 };
                 t += done;
@@ -221,6 +230,30 @@ unsafe fn tile<const T: usize>(
     use std::arch::x86_64::_mm256_storeu_ps;
     let x: [avx2::TokenPtrs; T] = std::array::from_fn(|i| ptrs(t0 + i));
     let acc = avx2::group_tile::<T>(w.format(), blk.as_ptr(), w.blocks(), &x);
+    for (i, a) in acc.iter().enumerate() {
+        let mut v = [0f32; GROUP];
+        _mm256_storeu_ps(v.as_mut_ptr(), *a);
+        store(t0 + i, &v);
+    }
+    T
+}
+
+/// [`tile`] on the AVX-512 VNNI kernels.
+///
+/// # Safety
+/// As for [`avx2::group_tile_vnni`]; `ptrs(t)` points into valid token slices.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+unsafe fn tile_vnni<const T: usize>(
+    w: &PackedMatrix,
+    blk: &[u8],
+    t0: usize,
+    ptrs: &impl Fn(usize) -> avx2::TokenPtrs,
+    store: &impl Fn(usize, &[f32; GROUP]),
+) -> usize {
+    use std::arch::x86_64::_mm256_storeu_ps;
+    let x: [avx2::TokenPtrs; T] = std::array::from_fn(|i| ptrs(t0 + i));
+    let acc = avx2::group_tile_vnni::<T>(w.format(), blk.as_ptr(), w.blocks(), &x);
     for (i, a) in acc.iter().enumerate() {
         let mut v = [0f32; GROUP];
         _mm256_storeu_ps(v.as_mut_ptr(), *a);
