@@ -8,6 +8,8 @@ use kvant_core::{CoreError, DType};
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
+    #[error("{op}: {why}")]
+    InvalidShape { op: &'static str, why: String },
     #[error("{what}: expected length {expected}, found {actual}")]
     LengthMismatch {
         what: &'static str,

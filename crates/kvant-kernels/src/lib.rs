@@ -4,6 +4,7 @@ pub mod activation;
 pub mod attention;
 pub mod bandwidth;
 pub mod cpu;
+pub mod delta;
 pub mod dot;
 pub mod error;
 pub mod f16pack;

@@ -124,6 +124,92 @@ fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, 
 }
 
 #[inline(always)]
+fn axpy_body<F: Fma>(a: f32, x: &[f32], y: &mut [f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y = F::fma(a, x, *y);
+    }
+}
+
+#[inline(always)]
+fn sum_body(x: &[f32]) -> f32 {
+    // Eight partial sums, as in `exp_shifted_body`.
+    let mut lanes = [0f32; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l += v;
+        }
+    }
+    lanes.iter().sum::<f32>() + chunks.remainder().iter().sum::<f32>()
+}
+
+/// Columns per register block of [`rows_times_matrix_body`]: two vectors
+/// of 8 lanes per row, four rows: 8 accumulators.
+const COLS: usize = 16;
+
+#[inline(always)]
+fn rows_times_matrix_body<F: Fma>(x: &[f32], m: &[f32], k: usize, n: usize, out: &mut [f32]) {
+    let rows = out.len() / n.max(1);
+    assert!(
+        x.len() == rows * k && m.len() == k * n && out.len() == rows * n,
+        "rows_times_matrix: mismatched shapes"
+    );
+    let mut r = 0;
+    while r + 4 <= rows {
+        rows_block::<F, 4>(x, m, k, n, r, out);
+        r += 4;
+    }
+    while r < rows {
+        rows_block::<F, 1>(x, m, k, n, r, out);
+        r += 1;
+    }
+}
+
+/// Rows `r..r + R` of [`rows_times_matrix_body`]: each output element is
+/// the same chain of FMAs over `k` in order, whatever `R` and the column
+/// block it falls in.
+#[inline(always)]
+fn rows_block<F: Fma, const R: usize>(
+    x: &[f32],
+    m: &[f32],
+    k: usize,
+    n: usize,
+    r: usize,
+    out: &mut [f32],
+) {
+    let mut c0 = 0;
+    while c0 < n {
+        let w = COLS.min(n - c0);
+        let mut acc = [[0f32; COLS]; R];
+        if w == COLS {
+            for i in 0..k {
+                let row = &m[i * n + c0..][..COLS];
+                for (rr, acc) in acc.iter_mut().enumerate() {
+                    let a = x[(r + rr) * k + i];
+                    for j in 0..COLS {
+                        acc[j] = F::fma(a, row[j], acc[j]);
+                    }
+                }
+            }
+        } else {
+            for i in 0..k {
+                let row = &m[i * n + c0..][..w];
+                for (rr, acc) in acc.iter_mut().enumerate() {
+                    let a = x[(r + rr) * k + i];
+                    for j in 0..w {
+                        acc[j] = F::fma(a, row[j], acc[j]);
+                    }
+                }
+            }
+        }
+        for (rr, acc) in acc.iter().enumerate() {
+            out[(r + rr) * n + c0..][..w].copy_from_slice(&acc[..w]);
+        }
+        c0 += w;
+    }
+}
+
+#[inline(always)]
 fn scale_max_body(a: f32, y: &mut [f32]) -> f32 {
     // Eight running maxima, as the sums in `exp_shifted_body`: a single
     // running maximum would keep the loop scalar.
@@ -162,6 +248,21 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn weighted_rows(p: &[f32], v: &[f32], base: usize, stride: usize, acc: &mut [f32]) {
         weighted_rows_body::<Fused>(p, v, base, stride, acc)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        axpy_body::<Fused>(a, x, y)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn sum(x: &[f32]) -> f32 {
+        sum_body(x)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn rows_times_matrix(x: &[f32], m: &[f32], k: usize, n: usize, out: &mut [f32]) {
+        rows_times_matrix_body::<Fused>(x, m, k, n, out)
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -205,6 +306,49 @@ pub fn weighted_rows(
             avx2::weighted_rows(p, v, base, stride, acc)
         },
         _ => weighted_rows_body::<Plain>(p, v, base, stride, acc),
+    }
+}
+
+/// `y[i] += a · x[i]` (fused where the tier has FMA).
+pub fn axpy(tier: SimdTier, a: f32, x: &[f32], y: &mut [f32]) {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::axpy(a, x, y) },
+        _ => axpy_body::<Plain>(a, x, y),
+    }
+}
+
+/// `Σ x`, in eight partial sums (a fixed order for a given length).
+pub fn sum(tier: SimdTier, x: &[f32]) -> f32 {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::sum(x) },
+        _ => sum_body(x),
+    }
+}
+
+/// `out = x · m` for `x` `[rows, k]` and `m` `[k, n]` (row-major): every
+/// output element is one chain of multiply-adds over `k` in order, so a
+/// row's result does not depend on the other rows (four rows share each
+/// loaded row of `m`).
+///
+/// # Panics
+/// If the shapes do not fit (a bug in the calling kernel).
+pub fn rows_times_matrix(
+    tier: SimdTier,
+    x: &[f32],
+    m: &[f32],
+    k: usize,
+    n: usize,
+    out: &mut [f32],
+) {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::rows_times_matrix(x, m, k, n, out) },
+        _ => rows_times_matrix_body::<Plain>(x, m, k, n, out),
     }
 }
 
@@ -302,6 +446,48 @@ mod tests {
                         "{tier}"
                     );
                 }
+            }
+        }
+    }
+
+    /// `rows_times_matrix` against f64 sums, and each row's bits the same
+    /// alone as among others (odd shapes around the 4-row and 16-column
+    /// blocks).
+    #[test]
+    fn rows_times_matrix_is_exact_per_row() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+        for &(rows, k, n) in &[
+            (1usize, 1usize, 1usize),
+            (5, 13, 17),
+            (8, 64, 64),
+            (3, 7, 33),
+        ] {
+            let x: Vec<f32> = (0..rows * k).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let m: Vec<f32> = (0..k * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for tier in cpu::available_tiers() {
+                let mut out = vec![f32::NAN; rows * n];
+                rows_times_matrix(tier, &x, &m, k, n, &mut out);
+                for r in 0..rows {
+                    let mut one = vec![f32::NAN; n];
+                    rows_times_matrix(tier, &x[r * k..(r + 1) * k], &m, k, n, &mut one);
+                    assert_eq!(one, out[r * n..(r + 1) * n], "{tier} row {r}");
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|i| x[r * k + i] as f64 * m[i * n + j] as f64)
+                            .sum();
+                        assert!(
+                            (out[r * n + j] as f64 - want).abs() <= 1e-5 * k as f64,
+                            "{tier}"
+                        );
+                    }
+                }
+                let mut y = x[..k].to_vec();
+                axpy(tier, 0.5, &m[..k], &mut y);
+                for i in 0..k {
+                    assert!((y[i] - (x[i] + 0.5 * m[i])).abs() <= 1e-6);
+                }
+                let want: f64 = x.iter().map(|&v| v as f64).sum();
+                assert!((sum(tier, &x) as f64 - want).abs() <= 1e-4);
             }
         }
     }
