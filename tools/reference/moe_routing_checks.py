@@ -113,7 +113,14 @@ def router_stats(router, h: torch.Tensor) -> tuple[RoutingStats, torch.Tensor]:
     with torch.no_grad():
         if kind in ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter"):
             return _deepseek_v3_router(router, h)
-        if kind in ("DeepseekV2TopkRouter", "MixtralTopKRouter", "Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter"):
+        if kind in (
+            "DeepseekV2TopkRouter",
+            "MixtralTopKRouter",
+            "Qwen2MoeTopKRouter",
+            "Qwen3MoeTopKRouter",
+            "Qwen3NextTopKRouter",
+            "Qwen3_5MoeTopKRouter",
+        ):
             return _softmax_router(router, h)
     raise ValueError(f"unknown router {kind}")
 

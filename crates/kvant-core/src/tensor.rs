@@ -171,6 +171,43 @@ impl Tensor {
         )
     }
 
+    /// The rows of `runs` (ranges of a 2-D tensor's rows, in that order)
+    /// copied into one owned tensor: a projection whose checkpoint
+    /// interleaves several outputs per head (Qwen3-Next's `in_proj_qkvz`,
+    /// a gated query's `[q, gate]` per head), regrouped at load.
+    ///
+    /// # Errors
+    /// [`CoreError::WrongShape`] unless the tensor is 2-D, and
+    /// [`CoreError::OutOfBounds`] for a run past its end.
+    pub fn rows_of(&self, runs: &[std::ops::Range<usize>]) -> Result<Tensor> {
+        let &[n, cols] = self.shape.as_slice() else {
+            return Err(CoreError::WrongShape {
+                expected: vec![runs.iter().map(|r| r.len()).sum(), self.row_len()],
+                actual: self.shape.clone(),
+            });
+        };
+        let per_row = self.dtype.bytes_for(cols)?;
+        let mut bytes = Vec::new();
+        let mut rows = 0usize;
+        for r in runs {
+            if r.start > r.end || r.end > n {
+                return Err(CoreError::OutOfBounds {
+                    start: r.start,
+                    end: r.end,
+                    len: n,
+                });
+            }
+            bytes.extend_from_slice(&self.bytes()[r.start * per_row..r.end * per_row]);
+            rows += r.len();
+        }
+        Tensor::new(
+            self.dtype,
+            vec![rows, cols],
+            Storage::Owned(bytes.into()),
+            0,
+        )
+    }
+
     /// Columns `cols` of a 2-D tensor, copied into owned storage: a rank's
     /// share of a row-parallel weight (the output projection's columns of
     /// its heads). Quantized rows are cut between blocks, never inside one.
@@ -290,6 +327,10 @@ mod tests {
             0,
         )
         .unwrap();
+        let picked = t.rows_of(&[2..3, 0..1, 1..1]).unwrap();
+        assert_eq!(picked.shape(), &[2, 64]);
+        assert_eq!(picked.bytes(), [&bytes[72..], &bytes[..36]].concat());
+        assert!(t.rows_of(std::slice::from_ref(&(2..4))).is_err());
         let rows = t.row_range(1..3).unwrap();
         assert_eq!(rows.shape(), &[2, 64]);
         assert_eq!(rows.bytes(), &bytes[36..]);

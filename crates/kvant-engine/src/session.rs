@@ -178,7 +178,10 @@ impl<'m> Session<'m> {
         if let Some(d) = &mut self.drafter {
             common = d.state.truncate(common, hidden);
         }
+        // A cache of linear-attention layers may go back further (to the
+        // state it saved, or its start): recompute from where it is.
         self.cache.truncate(common);
+        let common = self.cache.len();
         self.tokens.truncate(common);
 
         let t0 = Instant::now();
@@ -193,6 +196,8 @@ impl<'m> Session<'m> {
             self.tokens.extend_from_slice(chunk);
         }
         let prefill_secs = t0.elapsed().as_secs_f64();
+        // The next turn's prompt starts with this one.
+        self.cache.save_state();
 
         let eos = self.tokenizer.eos_ids();
         let mut stream = self.tokenizer.decode_stream(true);

@@ -364,6 +364,7 @@ fn data_parallel_groups_run_their_own_sequences() {
                             pos0: 0,
                             table: &table,
                             logits: Want::Last.logits(),
+                            state: 0,
                         },
                         Want::Last,
                     )]

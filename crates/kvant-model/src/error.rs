@@ -36,6 +36,12 @@ pub enum ModelError {
     TokenOutOfRange { id: u32, vocab: usize },
     #[error("a KV pool of {n_blocks} blocks of {block_size} tokens cannot be allocated")]
     KvTooLarge { block_size: usize, n_blocks: usize },
+    #[error("{slots} linear-attention state slots of {bytes} bytes do not fit in memory")]
+    StateTooLarge { slots: usize, bytes: usize },
+    #[error(
+        "linear-attention state slot {slot} is not in the pool (or is used twice in one batch)"
+    )]
+    StateSlot { slot: usize },
     #[error("a {dtype} KV cache stores rows in blocks of {block} values, but this model's {rows} rows have {row} values (not a multiple of {block}); use --kv-cache-type f16, bf16 or f32")]
     KvRowSize {
         dtype: kvant_kernels::attention::KvDType,

@@ -13,6 +13,11 @@
 //! [`KvCache`] is one sequence's cache for the single-stream paths (CLI
 //! generation, perplexity, benchmarks): a pool of one block as long as the
 //! sequence may grow, so both paths run the same kernels.
+//!
+//! Linear-attention layers (Gated DeltaNet) cache no rows per token: each
+//! sequence has a fixed-size state per such layer (the convolution's tail
+//! and the delta rule's matrices, [`StateShape`]) in one of the pool's
+//! state slots, which the engine hands out per sequence as it does blocks.
 
 use crate::ModelError;
 use kvant_kernels::attention::{
@@ -159,6 +164,82 @@ impl KvShape {
     }
 }
 
+/// The per-sequence state of a model's linear-attention layers: per
+/// layer, `conv` values of convolution tail and `delta` of delta-rule
+/// state (f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateShape {
+    pub layers: usize,
+    pub conv: usize,
+    pub delta: usize,
+}
+
+impl StateShape {
+    /// Bytes of one sequence's state over all layers.
+    pub fn bytes_per_slot(&self) -> usize {
+        4 * self.layers * (self.conv + self.delta)
+    }
+}
+
+/// Every linear layer's state for `slots` sequences.
+struct States {
+    shape: StateShape,
+    slots: usize,
+    /// Per layer: `[slots, conv]` and `[slots, delta]`.
+    conv: Vec<Vec<f32>>,
+    delta: Vec<Vec<f32>>,
+}
+
+impl States {
+    fn new(shape: StateShape, slots: usize) -> Result<Self, ModelError> {
+        let too_large = ModelError::StateTooLarge {
+            slots,
+            bytes: shape.bytes_per_slot(),
+        };
+        let len = |per: usize| {
+            per.checked_mul(slots).ok_or(ModelError::StateTooLarge {
+                slots,
+                bytes: shape.bytes_per_slot(),
+            })
+        };
+        if shape
+            .bytes_per_slot()
+            .checked_mul(slots)
+            .is_none_or(|b| b > isize::MAX as usize)
+        {
+            return Err(too_large);
+        }
+        let (conv, delta) = (len(shape.conv)?, len(shape.delta)?);
+        Ok(States {
+            shape,
+            slots,
+            conv: (0..shape.layers).map(|_| vec![0.0; conv]).collect(),
+            delta: (0..shape.layers).map(|_| vec![0.0; delta]).collect(),
+        })
+    }
+
+    /// Slot `slot`'s values of every layer, in order.
+    fn read(&self, slot: usize) -> Vec<f32> {
+        let (c, d) = (self.shape.conv, self.shape.delta);
+        let mut out = Vec::with_capacity(self.shape.layers * (c + d));
+        for (conv, delta) in self.conv.iter().zip(&self.delta) {
+            out.extend_from_slice(&conv[slot * c..(slot + 1) * c]);
+            out.extend_from_slice(&delta[slot * d..(slot + 1) * d]);
+        }
+        out
+    }
+
+    /// Writes what [`Self::read`] returned into slot `slot`.
+    fn write(&mut self, slot: usize, values: &[f32]) {
+        let (c, d) = (self.shape.conv, self.shape.delta);
+        for (l, (conv, delta)) in self.conv.iter_mut().zip(&mut self.delta).enumerate() {
+            let v = &values[l * (c + d)..(l + 1) * (c + d)];
+            conv[slot * c..(slot + 1) * c].copy_from_slice(&v[..c]);
+            delta[slot * d..(slot + 1) * d].copy_from_slice(&v[c..]);
+        }
+    }
+}
+
 /// Fixed-size blocks of keys and values for every layer.
 pub struct KvPool {
     keys: LayerRows,
@@ -166,6 +247,8 @@ pub struct KvPool {
     values: Option<LayerRows>,
     /// Sparse attention's indexer keys, one row per position.
     index: Option<LayerRows>,
+    /// Linear-attention layers' per-sequence states.
+    states: Option<States>,
     shape: KvShape,
     block_size: usize,
     n_blocks: usize,
@@ -179,6 +262,22 @@ impl KvPool {
     /// [`ModelError::KvRowSize`] if the element type cannot store the
     /// shape's rows, [`ModelError::KvTooLarge`] if the sizes overflow.
     pub fn new(shape: KvShape, block_size: usize, n_blocks: usize) -> Result<Self, ModelError> {
+        Self::with_states(shape, StateShape::default(), 0, block_size, n_blocks)
+    }
+
+    /// [`Self::new`] with `slots` state slots of `states` for a model with
+    /// linear-attention layers (no slots when `states` has no layers).
+    ///
+    /// # Errors
+    /// As [`Self::new`], and [`ModelError::StateTooLarge`] if the states
+    /// overflow.
+    pub fn with_states(
+        shape: KvShape,
+        states: StateShape,
+        slots: usize,
+        block_size: usize,
+        n_blocks: usize,
+    ) -> Result<Self, ModelError> {
         shape.check()?;
         let too_large = ModelError::KvTooLarge {
             block_size,
@@ -211,6 +310,10 @@ impl KvPool {
                     (block_size, n_blocks),
                 )?),
             },
+            states: match states.layers {
+                0 => None,
+                _ => Some(States::new(states, slots)?),
+            },
             shape,
             block_size,
             n_blocks,
@@ -219,6 +322,57 @@ impl KvPool {
 
     pub fn shape(&self) -> KvShape {
         self.shape
+    }
+
+    /// The linear layers' state per slot (no layers without them).
+    pub fn state_shape(&self) -> StateShape {
+        self.states
+            .as_ref()
+            .map_or(StateShape::default(), |s| s.shape)
+    }
+
+    /// Sequences that can hold a linear-attention state at once.
+    pub fn state_slots(&self) -> usize {
+        self.states.as_ref().map_or(0, |s| s.slots)
+    }
+
+    /// Linear layer `layer`'s convolution tails and delta-rule states, every
+    /// slot's (`[slots, conv]` and `[slots, delta]`).
+    pub(crate) fn states_mut(
+        &mut self,
+        layer: usize,
+    ) -> Result<(&mut [f32], &mut [f32]), ModelError> {
+        let s = self.states.as_mut().ok_or(ModelError::KvShape)?;
+        match (s.conv.get_mut(layer), s.delta.get_mut(layer)) {
+            (Some(c), Some(d)) => Ok((c, d)),
+            _ => Err(ModelError::KvShape),
+        }
+    }
+
+    /// Linear layer `layer`'s states of every slot, read-only.
+    pub(crate) fn states(&self, layer: usize) -> Option<(&[f32], &[f32])> {
+        let s = self.states.as_ref()?;
+        Some((s.conv.get(layer)?, s.delta.get(layer)?))
+    }
+
+    /// Copies slot `from`'s state to slot `to` (a snapshot of a sequence's
+    /// state, or a sequence continuing from one).
+    ///
+    /// # Errors
+    /// [`ModelError::StateSlot`] for a slot the pool does not have.
+    pub fn copy_state(&mut self, from: usize, to: usize) -> Result<(), ModelError> {
+        let s = self
+            .states
+            .as_mut()
+            .ok_or(ModelError::StateSlot { slot: from })?;
+        for slot in [from, to] {
+            if slot >= s.slots {
+                return Err(ModelError::StateSlot { slot });
+            }
+        }
+        let v = s.read(from);
+        s.write(to, &v);
+        Ok(())
     }
 
     pub fn block_size(&self) -> usize {
@@ -238,7 +392,12 @@ impl KvPool {
         let arrays = std::iter::once(&self.keys)
             .chain(&self.values)
             .chain(&self.index);
-        arrays.flat_map(|a| &a.layers).map(KvBuffer::bytes).sum()
+        let rows: usize = arrays.flat_map(|a| &a.layers).map(KvBuffer::bytes).sum();
+        let states = self
+            .states
+            .as_ref()
+            .map_or(0, |s| s.slots * s.shape.bytes_per_slot());
+        rows + states
     }
 
     /// Whether `table` (block ids) covers `positions` positions of this pool.
@@ -369,6 +528,9 @@ impl KvPool {
 pub struct KvCache {
     pool: KvPool,
     len: usize,
+    /// A saved linear-attention state and its length, which
+    /// [`KvCache::truncate`] can go back to (see [`KvCache::save_state`]).
+    saved: Option<(usize, Vec<f32>)>,
 }
 
 /// The one block of a [`KvCache`].
@@ -376,9 +538,20 @@ pub(crate) const SINGLE_TABLE: [u32; 1] = [0];
 
 impl KvCache {
     pub fn new(shape: KvShape, capacity: usize) -> Result<Self, ModelError> {
+        Self::with_states(shape, StateShape::default(), capacity)
+    }
+
+    /// [`Self::new`] for a model with linear-attention layers: one state
+    /// slot (slot 0).
+    pub fn with_states(
+        shape: KvShape,
+        states: StateShape,
+        capacity: usize,
+    ) -> Result<Self, ModelError> {
         Ok(KvCache {
-            pool: KvPool::new(shape, capacity.max(1), 1)?,
+            pool: KvPool::with_states(shape, states, 1, capacity.max(1), 1)?,
             len: 0,
+            saved: None,
         })
     }
 
@@ -408,6 +581,10 @@ impl KvCache {
         &mut self.pool
     }
 
+    pub(crate) fn pool(&self) -> &KvPool {
+        &self.pool
+    }
+
     /// Commits the tokens appended to every layer by one forward pass.
     pub(crate) fn advance(&mut self, n: usize) {
         self.len += n;
@@ -426,7 +603,33 @@ impl KvCache {
     }
 
     /// Forgets everything after the first `len` tokens (e.g. a new window).
+    /// A linear-attention state cannot run backwards: such a cache goes
+    /// back to the state [`Self::save_state`] saved if that is at most
+    /// `len` tokens in, else to the start; [`Self::len`] says where it is.
     pub fn truncate(&mut self, len: usize) {
-        self.len = self.len.min(len);
+        let len = self.len.min(len);
+        if self.pool.states.is_none() || len == self.len {
+            self.len = len;
+            return;
+        }
+        match &self.saved {
+            Some((at, values)) if *at <= len => {
+                if let Some(s) = &mut self.pool.states {
+                    s.write(0, values);
+                }
+                self.len = *at;
+            }
+            _ => self.len = 0,
+        }
+    }
+
+    /// Saves the linear-attention state at the current length, so that a
+    /// later [`Self::truncate`] to this length or beyond comes back to it
+    /// (a benchmark's depth, a chat's previous prompt). Nothing to save
+    /// without such layers.
+    pub fn save_state(&mut self) {
+        if let Some(s) = &self.pool.states {
+            self.saved = Some((self.len, s.read(0)));
+        }
     }
 }

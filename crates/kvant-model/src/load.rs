@@ -56,6 +56,9 @@ pub struct ModelInfo {
     /// Sparse attention (DeepSeek-V3.2): indexer heads, key size, and the
     /// positions each token attends to.
     pub indexer: Option<(usize, usize, usize)>,
+    /// Linear attention (Gated DeltaNet): its layers, and the bytes of
+    /// state one sequence keeps over them whatever its length.
+    pub linear: Option<(usize, usize)>,
     /// KV cache bytes per token (f16 cache), and what caching each head's
     /// expanded keys and values would take.
     pub kv_bytes_per_token: usize,
@@ -131,6 +134,10 @@ pub fn load_parallel(
         }),
         mla_latent_dim: c.mla.map(|m| m.latent_dim()),
         indexer: c.indexer.map(|i| (i.n_heads, i.head_dim, i.topk)),
+        linear: c.linear.as_ref().map(|_| {
+            let st = model.state_shape();
+            (st.layers, st.bytes_per_slot())
+        }),
         kv_bytes_per_token: model.kv_bytes_per_token(),
         kv_bytes_per_token_expanded: model.expanded_kv_bytes_per_token(),
         mtp_layers: c.mtp_layers,

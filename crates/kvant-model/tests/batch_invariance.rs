@@ -36,7 +36,8 @@ fn run(
     probe: &[usize],
 ) -> Vec<Vec<Vec<f32>>> {
     let need: usize = seqs.iter().map(|s| s.len().div_ceil(BLOCK)).sum();
-    let mut pool: KvPool = m.new_pool(BLOCK, need + 3).expect("pool");
+    // One state slot per sequence for linear-attention layers.
+    let mut pool: KvPool = m.new_pool(BLOCK, need + 3, seqs.len()).expect("pool");
     let mut ids: Vec<u32> = (0..(need + 3) as u32).collect();
     ids.shuffle(rng);
     let mut ids = ids.into_iter();
@@ -68,6 +69,7 @@ fn run(
                 } else {
                     Logits::None
                 },
+                state: i,
             });
             who.push((i, end, probe_here));
         }
@@ -100,6 +102,12 @@ fn logits_do_not_depend_on_the_batch() {
         // Sparse attention: each token's indexer selection (its key split
         // changes with the batch) and its gathered rows (top-8 of up to 29).
         fixtures().join("deepseek-v32"),
+        // Linear attention: each sequence's state in its slot, its chunks
+        // cut anywhere by the passes (the delta rule folds only at
+        // absolute chunk ends).
+        fixtures().join("qwen3-next"),
+        fixtures().join("qwen3-5"),
+        fixtures().join("qwen3-5-moe"),
     ];
     paths.extend(
         [

@@ -90,7 +90,7 @@ impl Cluster {
             block_size,
             n_blocks,
         })?;
-        Ok(self.model.new_pool(block_size, n_blocks)?)
+        Ok(self.model.new_pool(block_size, n_blocks, 0)?)
     }
 
     /// A one-sequence cache of `capacity` tokens on every rank.
@@ -207,7 +207,7 @@ pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
             } => {
                 // The old pool goes before the new one is allocated.
                 drop(pool.take());
-                pool = Some(model.new_pool(block_size, n_blocks)?);
+                pool = Some(model.new_pool(block_size, n_blocks, 0)?);
             }
             Msg::Rebalance { redundant } => model.rebalance_experts(redundant)?,
             Msg::Step { overlap, groups } => {
@@ -372,6 +372,7 @@ pub fn forward_seq(
         pos0,
         table,
         logits: want.logits(),
+        state: 0,
     };
     let mut groups = vec![Vec::new(); layout.dp];
     groups[0].push((step, want));

@@ -69,6 +69,7 @@ impl SeqPlan {
             pos0: self.pos0,
             table: &self.table,
             logits: self.want.logits(),
+            state: 0,
         }
     }
 }

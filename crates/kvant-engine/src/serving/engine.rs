@@ -312,6 +312,7 @@ impl<'t> Engine<'t> {
                             pos0: s.computed,
                             table: &s.blocks,
                             logits,
+                            state: 0,
                         };
                         (step, want)
                     })

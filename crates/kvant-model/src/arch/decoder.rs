@@ -11,6 +11,7 @@
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
 use super::ffn::DenseFfn;
+use super::gdn::GatedDeltaNet;
 use super::layer::{Attention, Ffn, Layer, LayerScratch, Place};
 use super::loader::Loader;
 use super::mha::MhaAttention;
@@ -23,7 +24,7 @@ use super::shard::Shard;
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::kv::{KvCache, KvDType, KvPool, KvShape, SINGLE_TABLE};
+use crate::kv::{KvCache, KvDType, KvPool, KvShape, StateShape, SINGLE_TABLE};
 use crate::ModelError;
 use kvant_core::Tensor;
 use kvant_dist::layout::{ModelShape, Placement};
@@ -115,6 +116,10 @@ pub struct SeqStep<'a> {
     /// positions; the first `pos0` hold its keys and values.
     pub table: &'a [u32],
     pub logits: Logits,
+    /// The sequence's state slot in the pool, for models with
+    /// linear-attention layers (each sequence of a batch its own; any
+    /// value for other models).
+    pub state: usize,
 }
 
 /// The rows a model's KV cache holds per token and layer: (rows, values
@@ -231,6 +236,11 @@ impl DecoderModel {
                 if opts.mtp && cfg.mtp_layers > 0 {
                     return Err(ModelError::NotParallel("multi-token prediction (--mtp)"));
                 }
+                // Each rank would need the states of its sequences kept in
+                // step with rank 0's (rewinds included): not done yet.
+                if cfg.linear.is_some() {
+                    return Err(ModelError::NotParallel("linear attention (Gated DeltaNet)"));
+                }
                 Shard {
                     tp: p.layout.tp,
                     t: p.coords.tp,
@@ -242,9 +252,9 @@ impl DecoderModel {
         let ld = Loader {
             ckpt,
             int8: opts.int8_activations,
-            // Hugging Face Gemma stores norm weights as offsets from 1; GGUF
-            // files have the 1 added by the converter.
-            norm_offset: if cfg.gemma && matches!(ckpt, Checkpoint::Hf(_)) {
+            // Hugging Face Gemma and Qwen3-Next store norm weights as offsets
+            // from 1; GGUF files have the 1 added by the converter.
+            norm_offset: if cfg.zero_centered_norms && matches!(ckpt, Checkpoint::Hf(_)) {
                 1.0
             } else {
                 0.0
@@ -287,16 +297,23 @@ impl DecoderModel {
                 true => ld.vector(name, h).map(Some),
                 false => Ok(None),
             };
-            let attn = match &cfg.mla {
-                Some(m) => Attention::Mla(MlaAttention::load(
+            let attn = match (&cfg.mla, &cfg.linear) {
+                (_, Some(lc)) if lc.is_linear(i) => {
+                    Attention::Linear(Box::new(GatedDeltaNet::load(&ld, &cfg, lc, &n.prefix)?))
+                }
+                (Some(m), _) => Attention::Mla(MlaAttention::load(
                     &ld,
                     &cfg,
                     m,
                     &n.prefix,
                     opts.mla_prefill,
                 )?),
-                None => Attention::Mha(MhaAttention::load(&ld, &cfg, &n)?),
+                (None, _) => Attention::Mha(MhaAttention::load(&ld, &cfg, &n)?),
             };
+            // Attention layers index the pool's rows, linear layers its states.
+            let cache = (0..i)
+                .filter(|&j| cfg.is_linear(j) == cfg.is_linear(i))
+                .count();
             let ffn = match &cfg.experts {
                 Some(e) if e.is_moe(i) => Ffn::Moe(Box::new(MoeFfn::load(
                     &ld,
@@ -326,15 +343,20 @@ impl DecoderModel {
                 } else {
                     None
                 },
+                cache,
             });
         }
         let mtp = match opts.mtp && cfg.mtp_layers > 0 {
             true => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,
             false => None,
         };
-        let kv_heads = match (&cfg.mla, layers.first().map(|l| &l.attn)) {
-            (None, Some(Attention::Mha(a))) => a.kv_heads(),
-            (None, _) => cfg.n_kv_heads,
+        let first_mha = layers.iter().find_map(|l| match &l.attn {
+            Attention::Mha(a) => Some(a.kv_heads()),
+            _ => None,
+        });
+        let kv_heads = match (&cfg.mla, first_mha) {
+            (None, Some(k)) => k,
+            (None, None) => cfg.n_kv_heads,
             (Some(_), _) => 1,
         };
         Ok(DecoderModel {
@@ -411,7 +433,7 @@ impl DecoderModel {
     pub fn kv_shape(&self) -> KvShape {
         let (n_kv_heads, head_dim, latent) = kv_rows(&self.cfg, self.kv_heads);
         KvShape {
-            n_layers: self.cfg.n_layers + usize::from(self.mtp.is_some()),
+            n_layers: self.cfg.attention_layers() + usize::from(self.mtp.is_some()),
             n_kv_heads,
             head_dim,
             latent,
@@ -453,9 +475,15 @@ impl DecoderModel {
             Some(i) => i.topk.min(pos + 1),
             None => pos + 1,
         };
+        // A linear layer reads (and writes back) its fixed-size state.
+        let st = self.state_shape();
+        let state_read = 4 * (st.conv + st.delta);
         self.layers
             .iter()
             .map(|l| {
+                if let Attention::Linear(_) = l.attn {
+                    return state_read;
+                }
                 let seen = match l.window {
                     Some(w) => w.min(attended),
                     None => attended,
@@ -465,15 +493,68 @@ impl DecoderModel {
             .sum()
     }
 
+    /// What one sequence keeps per linear-attention layer (no layers for
+    /// a model without them).
+    pub fn state_shape(&self) -> StateShape {
+        let Some(lc) = &self.cfg.linear else {
+            return StateShape::default();
+        };
+        StateShape {
+            layers: lc.layers.iter().filter(|&&l| l).count(),
+            conv: (lc.conv_kernel - 1) * lc.conv_dim(),
+            delta: GatedDeltaNet::params(lc).state_len(),
+        }
+    }
+
+    /// Layer `layer`'s recurrent state in `cache` (a linear-attention
+    /// layer): the convolution's last inputs `[K − 1, channels]` and the
+    /// delta rule's state `S` `[value heads, dk, dv]` after the cache's
+    /// tokens (transformers' `conv_states` and `recurrent_states`).
+    ///
+    /// # Errors
+    /// [`ModelError::KvShape`] if the layer is not a linear one or the
+    /// cache is not this model's.
+    pub fn linear_state(
+        &self,
+        cache: &KvCache,
+        layer: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>), ModelError> {
+        let (Some(l), Some(lc)) = (self.layers.get(layer), &self.cfg.linear) else {
+            return Err(ModelError::KvShape);
+        };
+        if !matches!(l.attn, Attention::Linear(_)) {
+            return Err(ModelError::KvShape);
+        }
+        let st = self.state_shape();
+        let (conv, delta) = cache.pool().states(l.cache).ok_or(ModelError::KvShape)?;
+        let p = GatedDeltaNet::params(lc);
+        let mut s = vec![0f32; p.n_v_heads * p.dk * p.dv];
+        kvant_kernels::delta::materialize(&p, &delta[..st.delta], cache.len(), &mut s)?;
+        Ok((conv[..st.conv].to_vec(), s))
+    }
+
     /// A one-sequence cache able to hold `capacity` tokens (at most the
     /// context length).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache, ModelError> {
-        KvCache::new(self.kv_shape(), capacity.min(self.cfg.max_context))
+        let capacity = capacity.min(self.cfg.max_context);
+        KvCache::with_states(self.kv_shape(), self.state_shape(), capacity)
     }
 
-    /// A paged pool of `n_blocks` blocks of `block_size` tokens.
-    pub fn new_pool(&self, block_size: usize, n_blocks: usize) -> Result<KvPool, ModelError> {
-        KvPool::new(self.kv_shape(), block_size, n_blocks)
+    /// A paged pool of `n_blocks` blocks of `block_size` tokens, with
+    /// `slots` sequence states for a model with linear-attention layers.
+    pub fn new_pool(
+        &self,
+        block_size: usize,
+        n_blocks: usize,
+        slots: usize,
+    ) -> Result<KvPool, ModelError> {
+        KvPool::with_states(
+            self.kv_shape(),
+            self.state_shape(),
+            slots,
+            block_size,
+            n_blocks,
+        )
     }
 
     /// Bytes of weights read per decoded token: every layer's matrices
@@ -515,6 +596,7 @@ impl DecoderModel {
             pos0: cache.len(),
             table: &SINGLE_TABLE,
             logits: want,
+            state: 0,
         };
         let out = self.forward_batch_hidden(cache.pool_mut(), &[step])?;
         cache.advance(tokens.len());
@@ -560,6 +642,8 @@ impl DecoderModel {
         let parts: Vec<(&[u32], usize, &[u32])> =
             seqs.iter().map(|s| (s.tokens, s.pos0, s.table)).collect();
         let attn_seqs = self.check_batch(pool, &parts)?;
+        let slots: Vec<usize> = seqs.iter().map(|s| s.state).collect();
+        self.check_slots(pool, &slots)?;
         let h = c.hidden;
         let n = attn_seqs.last().map_or(0, |a| a.rows.end);
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
@@ -570,7 +654,7 @@ impl DecoderModel {
             overlap.unwrap_or_else(|| self.par.as_ref().is_some_and(|p| p.two_batch_overlap));
         self.run_layers(
             pool,
-            &attn_seqs,
+            (&attn_seqs, &slots),
             &tokens,
             x,
             [&mut s.layer, &mut s.second],
@@ -681,7 +765,9 @@ impl DecoderModel {
         let at = Place {
             pool: &pool,
             index: c.n_layers,
+            cache: c.attention_layers(),
             seqs: &attn_seqs,
+            slots: &[],
             rope_offset: 1,
         };
         drive(
@@ -735,6 +821,25 @@ impl DecoderModel {
         Ok(out)
     }
 
+    /// Checks each sequence's state slot (models with linear layers only):
+    /// in the pool, and no slot twice in a batch.
+    fn check_slots(&self, pool: &KvPool, slots: &[usize]) -> Result<(), ModelError> {
+        if pool.state_shape() != self.state_shape() {
+            return Err(ModelError::KvShape);
+        }
+        if self.cfg.linear.is_none() {
+            return Ok(());
+        }
+        let mut seen = std::collections::HashSet::new();
+        match slots
+            .iter()
+            .find(|&&s| s >= pool.state_slots() || !seen.insert(s))
+        {
+            Some(&slot) => Err(ModelError::StateSlot { slot }),
+            None => Ok(()),
+        }
+    }
+
     /// The embeddings of `tokens` (checked in range), one row each: under
     /// tensor parallelism, the rows of this rank's vocabulary (others zero;
     /// the group's sum is the embedding).
@@ -768,7 +873,7 @@ impl DecoderModel {
     fn run_layers(
         &self,
         pool: &mut KvPool,
-        seqs: &[SeqAttn<'_>],
+        (seqs, slots): (&[SeqAttn<'_>], &[usize]),
         tokens: &[u32],
         x: &mut [f32],
         [first, second]: [&mut LayerScratch; 2],
@@ -781,7 +886,7 @@ impl DecoderModel {
             true => tokens.len().div_ceil(2),
             false => tokens.len(),
         };
-        let (seqs_a, seqs_b) = split_seqs(seqs, cut);
+        let ((seqs_a, slots_a), (seqs_b, slots_b)) = split_seqs(seqs, slots, cut);
         let (xa, xb) = x.split_at_mut(cut * h);
         let pool = RefCell::new(pool);
         let order = Order::default();
@@ -792,7 +897,7 @@ impl DecoderModel {
         let (net_a, net_b) = (net(0), net(1));
         let mut tasks: Vec<Task<'_>> = vec![Box::pin(self.micro_batch(
             &pool,
-            &seqs_a,
+            (&seqs_a, &slots_a),
             &tokens[..cut],
             xa,
             first,
@@ -801,7 +906,7 @@ impl DecoderModel {
         if overlap {
             tasks.push(Box::pin(self.micro_batch(
                 &pool,
-                &seqs_b,
+                (&seqs_b, &slots_b),
                 &tokens[cut..],
                 xb,
                 second,
@@ -815,7 +920,7 @@ impl DecoderModel {
     async fn micro_batch(
         &self,
         pool: &RefCell<&mut KvPool>,
-        seqs: &[SeqAttn<'_>],
+        (seqs, slots): (&[SeqAttn<'_>], &[usize]),
         tokens: &[u32],
         x: &mut [f32],
         s: &mut LayerScratch,
@@ -829,7 +934,9 @@ impl DecoderModel {
             let at = Place {
                 pool,
                 index,
+                cache: l.cache,
                 seqs,
+                slots,
                 rope_offset: 0,
             };
             l.forward(&self.cfg, at, x, tokens.len(), s, net).await?;
@@ -882,22 +989,33 @@ impl DecoderModel {
 /// `seqs` (rows of one batch) cut at row `cut` into two batches whose rows
 /// each start at 0; a sequence that spans the cut continues in the second
 /// at the position after its first part.
-fn split_seqs<'t>(seqs: &[SeqAttn<'t>], cut: usize) -> (Vec<SeqAttn<'t>>, Vec<SeqAttn<'t>>) {
-    let (mut a, mut b) = (Vec::new(), Vec::new());
-    for sq in seqs {
+/// Their state slots go with them.
+#[allow(clippy::type_complexity)] // two (sequences, slots) halves
+fn split_seqs<'t>(
+    seqs: &[SeqAttn<'t>],
+    slots: &[usize],
+    cut: usize,
+) -> (
+    (Vec<SeqAttn<'t>>, Vec<usize>),
+    (Vec<SeqAttn<'t>>, Vec<usize>),
+) {
+    let (mut a, mut b) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+    for (sq, &slot) in seqs.iter().zip(slots) {
         if sq.rows.start < cut {
-            a.push(SeqAttn {
+            a.0.push(SeqAttn {
                 rows: sq.rows.start..sq.rows.end.min(cut),
                 ..sq.clone()
             });
+            a.1.push(slot);
         }
         if sq.rows.end > cut {
             let start = sq.rows.start.max(cut);
-            b.push(SeqAttn {
+            b.0.push(SeqAttn {
                 rows: start - cut..sq.rows.end - cut,
                 pos0: sq.pos0 + (start - sq.rows.start),
                 table: sq.table,
             });
+            b.1.push(slot);
         }
     }
     (a, b)

@@ -2,6 +2,7 @@
 //! residual adds (and Gemma's post-norms), whatever kind each block is.
 
 use super::ffn::{DenseFfn, FfnScratch};
+use super::gdn::{GatedDeltaNet, GdnScratch, StateCtx};
 use super::mha::{MhaAttention, MhaScratch};
 use super::mla::{MlaAttention, MlaScratch};
 use super::moe::{MoeFfn, MoeLayerScratch};
@@ -18,6 +19,9 @@ use std::cell::RefCell;
 pub(crate) enum Attention {
     Mha(MhaAttention),
     Mla(MlaAttention),
+    /// Linear attention (Gated DeltaNet): a fixed-size state per
+    /// sequence instead of cached rows per token.
+    Linear(Box<GatedDeltaNet>),
 }
 
 pub(crate) enum Ffn {
@@ -45,6 +49,9 @@ pub(crate) struct Layer {
     pub post_ffn_norm: Option<Vec<f32>>,
     pub inv_freq: Vec<f32>,
     pub window: Option<usize>,
+    /// The layer's index in what the pool holds for its kind: among the
+    /// layers with cached rows (attention) or with states (linear).
+    pub cache: usize,
 }
 
 /// Where a layer's tokens live: the pool, the layer's index in it, the
@@ -58,11 +65,15 @@ pub(crate) struct LayerCtx<'a, 'b> {
 }
 
 /// A [`LayerCtx`] whose pool is shared by the micro-batches of a pass
-/// (each borrows it for its attention only).
+/// (each borrows it for its attention only): `index` is the layer's place
+/// in the pass (the micro-batches' order), `cache` its index in the pool
+/// (see [`Layer::cache`]), `slots` each sequence's state slot.
 pub(crate) struct Place<'a, 'p, 'b> {
     pub pool: &'a RefCell<&'p mut KvPool>,
     pub index: usize,
+    pub cache: usize,
     pub seqs: &'a [SeqAttn<'b>],
+    pub slots: &'a [usize],
     pub rope_offset: usize,
 }
 
@@ -73,6 +84,7 @@ pub(crate) struct LayerScratch {
     proj: Vec<f32>,
     mha: MhaScratch,
     mla: MlaScratch,
+    gdn: GdnScratch,
     ffn: FfnScratch,
     moe: MoeLayerScratch,
     pub q8: Q8Activations,
@@ -85,6 +97,7 @@ impl Layer {
         let attn: usize = match &self.attn {
             Attention::Mha(a) => a.weights().iter().map(|w| w.byte_len()).sum(),
             Attention::Mla(a) => a.byte_len(),
+            Attention::Linear(a) => a.byte_len(),
         };
         let (all, read) = match &self.ffn {
             Ffn::Dense(f) => (f.byte_len(), f.byte_len()),
@@ -112,6 +125,7 @@ impl Layer {
             proj,
             mha,
             mla,
+            gdn,
             ffn,
             moe,
             q8,
@@ -124,7 +138,7 @@ impl Layer {
             let mut pool = at.pool.borrow_mut();
             let ctx = LayerCtx {
                 pool: &mut pool,
-                index: at.index,
+                index: at.cache,
                 seqs: at.seqs,
                 rope_offset: at.rope_offset,
             };
@@ -136,6 +150,15 @@ impl Layer {
                 Attention::Mla(a) => {
                     let m = c.mla.as_ref().ok_or(ModelError::KvShape)?;
                     a.forward(c, m, &self.inv_freq, ctx, xn, n, q8, mla, proj)?
+                }
+                Attention::Linear(a) => {
+                    let ctx = StateCtx {
+                        pool: ctx.pool,
+                        index: at.cache,
+                        seqs: at.seqs,
+                        slots: at.slots,
+                    };
+                    a.forward(c, ctx, xn, n, q8, gdn, proj)?
                 }
             }
         }

@@ -144,6 +144,24 @@ impl Loader<'_> {
         self.prepare(cut_cols(&t, name, range)?)
     }
 
+    /// The rows of `runs` of `{stem}.weight` `[rows, cols]` and of its
+    /// bias, regrouped in that order (a projection the checkpoint stores
+    /// interleaved with another, see `Tensor::rows_of`).
+    pub fn linear_runs(
+        &self,
+        stem: &str,
+        [rows, cols]: [usize; 2],
+        runs: &[Range<usize>],
+        bias: Bias,
+    ) -> Result<Linear, ModelError> {
+        let b = self.bias(stem, rows, bias)?;
+        let t = self.matrix(&format!("{stem}.weight"), rows, cols)?;
+        Ok(Linear {
+            weight: self.prepare(t.rows_of(runs)?)?,
+            bias: b.map(|b| runs.iter().flat_map(|r| b[r.clone()].to_vec()).collect()),
+        })
+    }
+
     /// Rows `range` of `{stem}.weight` and its bias (a column-parallel
     /// projection's share).
     pub fn linear_rows(

@@ -1,6 +1,8 @@
 //! Multi-head attention with grouped KV heads (MHA, GQA, MQA): q/k/v
 //! projections with optional biases (Qwen2) and per-head q/k RMSNorm
-//! (Qwen3, Gemma 3), rotary embedding, paged attention, output projection.
+//! (Qwen3, Gemma 3), rotary embedding, paged attention, an optional output
+//! gate (Qwen3-Next, Qwen3.5: `sigmoid(gate) ⊙ attention`, the gate a second
+//! query-sized projection), output projection.
 
 use super::layer::LayerCtx;
 use super::loader::{Bias, Linear, Loader};
@@ -22,6 +24,8 @@ pub(crate) struct MhaAttention {
     k: Linear,
     v: Linear,
     o: Linear,
+    /// The output gate's projection, when the model has one.
+    gate: Option<Linear>,
     q_norm: Option<Vec<f32>>,
     k_norm: Option<Vec<f32>>,
 }
@@ -32,6 +36,7 @@ pub(crate) struct MhaScratch {
     q: Vec<f32>,
     k: Vec<f32>,
     v: Vec<f32>,
+    gate: Vec<f32>,
     attn: Vec<f32>,
 }
 
@@ -55,10 +60,30 @@ impl MhaAttention {
             }
         };
         let (qd, kvd) = (cfg.q_dim(), cfg.kv_dim());
+        // A gated query projection stores `[q_h; gate_h]` per head: this
+        // rank's heads' halves, regrouped.
+        let (q, gate) = match cfg.attn_output_gate {
+            false => (ld.linear_rows(&n.q, [qd, h], qr.clone(), bias)?, None),
+            true => {
+                let half = |g: usize| -> Vec<_> {
+                    share
+                        .q
+                        .clone()
+                        .map(|i| (2 * i + g) * hd..(2 * i + g + 1) * hd)
+                        .collect()
+                };
+                let (q, gate) = (half(0), half(1));
+                (
+                    ld.linear_runs(&n.q, [2 * qd, h], &q, bias)?,
+                    Some(ld.linear_runs(&n.q, [2 * qd, h], &gate, bias)?),
+                )
+            }
+        };
         Ok(MhaAttention {
             heads: share.q.len(),
             kv_heads: share.kv.len(),
-            q: ld.linear_rows(&n.q, [qd, h], qr.clone(), bias)?,
+            q,
+            gate,
             k: ld.linear_rows(&n.k, [kvd, h], kvr.clone(), bias)?,
             v: ld.linear_rows(&n.v, [kvd, h], kvr, bias)?,
             o: Linear {
@@ -70,13 +95,15 @@ impl MhaAttention {
         })
     }
 
-    pub fn weights(&self) -> [&LinearWeight; 4] {
-        [
+    pub fn weights(&self) -> Vec<&LinearWeight> {
+        let mut w = vec![
             &self.q.weight,
             &self.k.weight,
             &self.v.weight,
             &self.o.weight,
-        ]
+        ];
+        w.extend(self.gate.as_ref().map(|g| &g.weight));
+        w
     }
 
     /// KV heads this rank caches.
@@ -104,15 +131,22 @@ impl MhaAttention {
         let q = sized(&mut s.q, n * qd);
         let k = sized(&mut s.k, n * kvd);
         let v = sized(&mut s.v, n * kvd);
-        let input = LinearInput::new(xn, n, q8, &[&self.q.weight, &self.k.weight, &self.v.weight])?;
-        forward_batch(
-            &input,
-            &mut [
-                (&self.q.weight, &mut *q),
-                (&self.k.weight, &mut *k),
-                (&self.v.weight, &mut *v),
-            ],
-        )?;
+        let gate = sized(&mut s.gate, self.gate.as_ref().map_or(0, |_| n * qd));
+        let mut ws = vec![&self.q.weight, &self.k.weight, &self.v.weight];
+        ws.extend(self.gate.as_ref().map(|g| &g.weight));
+        let input = LinearInput::new(xn, n, q8, &ws)?;
+        let mut outs = vec![
+            (&self.q.weight, &mut *q),
+            (&self.k.weight, &mut *k),
+            (&self.v.weight, &mut *v),
+        ];
+        if let Some(g) = &self.gate {
+            outs.push((&g.weight, &mut *gate));
+        }
+        forward_batch(&input, &mut outs)?;
+        if let Some(g) = &self.gate {
+            g.add_bias(gate);
+        }
         self.q.add_bias(q);
         self.k.add_bias(k);
         self.v.add_bias(v);
@@ -146,6 +180,11 @@ impl MhaAttention {
         let attn = sized(&mut s.attn, n * qd);
         ctx.pool
             .store_and_attend(ctx.index, ctx.seqs, (k, Some(v)), &params, q, None, attn);
+        if self.gate.is_some() {
+            for (a, &g) in attn.iter_mut().zip(gate.iter()) {
+                *a *= 1.0 / (1.0 + (-g).exp());
+            }
+        }
         self.o
             .forward(&LinearInput::new(attn, n, q8, &[&self.o.weight])?, out)
     }

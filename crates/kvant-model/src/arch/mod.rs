@@ -9,6 +9,7 @@
 
 pub mod decoder;
 mod ffn;
+mod gdn;
 mod heads;
 mod indexer;
 mod layer;

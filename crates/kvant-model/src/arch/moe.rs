@@ -162,8 +162,9 @@ impl Names {
             },
             Checkpoint::Hf(_) => {
                 // Qwen2-MoE names its one shared expert in the singular.
+                use crate::config::Arch;
                 let sh = match cfg.arch {
-                    crate::config::Arch::Qwen2Moe => "mlp.shared_expert",
+                    Arch::Qwen2Moe | Arch::Qwen3Next | Arch::Qwen35Moe => "mlp.shared_expert",
                     _ => "mlp.shared_experts",
                 };
                 Names {

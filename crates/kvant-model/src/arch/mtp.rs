@@ -92,6 +92,8 @@ impl MtpModule {
                 post_ffn_norm: None,
                 inv_freq: cfg.inv_freq(index, None),
                 window: None,
+                // The pool's KV layer after the main model's.
+                cache: cfg.attention_layers(),
             },
             head_norm: ld.vector(&own("shared_head.norm", "shared_head_norm"), h)?,
             head: match ld.has(&head) {

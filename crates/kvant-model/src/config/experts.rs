@@ -95,7 +95,10 @@ impl ExpertsConfig {
                 shared: None,
                 layers: vec![true; n_layers],
             },
-            Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            // Qwen3.5 is dense; its MoE sibling and Qwen3-Next route as
+            // Qwen2-MoE does (a gated shared expert beside the experts).
+            Arch::Qwen35 => return Ok(None),
+            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => {
                 let n = n_experts("num_experts")?;
                 let step = int("decoder_sparse_step")?.unwrap_or(1).max(1);
                 let dense: Vec<u64> = cfg
@@ -104,11 +107,13 @@ impl ExpertsConfig {
                     .map(|a| a.iter().filter_map(Value::as_u64).collect())
                     .unwrap_or_default();
                 let shared_ff = match arch {
-                    Arch::Qwen2Moe => int("shared_expert_intermediate_size")?.unwrap_or(0),
-                    _ => 0,
+                    Arch::Qwen3Moe => 0,
+                    _ => int("shared_expert_intermediate_size")?.unwrap_or(0),
                 };
+                // Qwen3.5-MoE always renormalises the top-k.
+                let norm = arch == Arch::Qwen35Moe || flag("norm_topk_prob", false);
                 ExpertsConfig {
-                    router: RouterParams::softmax(n, top_k()?, flag("norm_topk_prob", false)),
+                    router: RouterParams::softmax(n, top_k()?, norm),
                     ff: req("moe_intermediate_size")?,
                     shared: (shared_ff > 0).then_some(SharedExperts {
                         ff: shared_ff,

@@ -17,7 +17,8 @@ pub enum ConfigError {
     Invalid { key: String, why: String },
     #[error(
         "unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3, gemma3, \
-         mixtral, qwen2moe, qwen3moe, deepseek2, deepseek3, deepseek32)"
+         mixtral, qwen2moe, qwen3moe, deepseek2, deepseek3, deepseek32, qwen3next, qwen35, \
+         qwen35moe)"
     )]
     UnsupportedArch(String),
     #[error(transparent)]
@@ -28,11 +29,13 @@ type Result<T> = std::result::Result<T, ConfigError>;
 
 mod experts;
 mod indexer;
+mod linear;
 mod mla;
 mod rope;
 
 pub use experts::{ExpertsConfig, SharedExperts};
 pub use indexer::IndexerConfig;
+pub use linear::{LinearConfig, LinearLayout};
 pub use mla::MlaConfig;
 pub use rope::RopeScaling;
 
@@ -51,6 +54,11 @@ pub enum Arch {
     DeepseekV3,
     /// DeepSeek-V3 with indexer-selected sparse attention.
     DeepseekV32,
+    /// Gated DeltaNet layers beside gated full attention, MoE (Qwen3-Next).
+    Qwen3Next,
+    /// The same hybrid with a dense FFN (Qwen3.5) or MoE (Qwen3.5-MoE).
+    Qwen35,
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -67,6 +75,9 @@ impl Arch {
             Arch::DeepseekV2 => "deepseek2",
             Arch::DeepseekV3 => "deepseek3",
             Arch::DeepseekV32 => "deepseek32",
+            Arch::Qwen3Next => "qwen3next",
+            Arch::Qwen35 => "qwen35",
+            Arch::Qwen35Moe => "qwen35moe",
         }
     }
 }
@@ -118,9 +129,29 @@ pub struct ModelConfig {
     /// Multi-token-prediction layers stored after the main ones
     /// (DeepSeek-V3's `num_nextn_predict_layers`).
     pub mtp_layers: usize,
+    /// Linear-attention (Gated DeltaNet) layers beside the full-attention
+    /// ones, which `layers` of it leaves out.
+    pub linear: Option<LinearConfig>,
+    /// Full attention multiplies its output by `sigmoid(gate)`, a second
+    /// query-sized projection stored interleaved with the query per head
+    /// (Qwen3-Next, Qwen3.5).
+    pub attn_output_gate: bool,
+    /// Every RMSNorm scales by `1 + w` (Gemma 3, Qwen3-Next, Qwen3.5):
+    /// Hugging Face checkpoints store `w`, GGUF converters add the 1.
+    pub zero_centered_norms: bool,
 }
 
 impl ModelConfig {
+    /// Whether layer `layer` is a linear-attention layer.
+    pub fn is_linear(&self, layer: usize) -> bool {
+        self.linear.as_ref().is_some_and(|l| l.is_linear(layer))
+    }
+
+    /// Layers with attention over cached rows (all but the linear ones).
+    pub fn attention_layers(&self) -> usize {
+        (0..self.n_layers).filter(|&i| !self.is_linear(i)).count()
+    }
+
     pub fn is_sliding(&self, layer: usize) -> bool {
         self.sliding_window.is_some() && self.sliding_layers.get(layer).copied().unwrap_or(true)
     }
@@ -328,6 +359,9 @@ impl ModelConfig {
             mla,
             indexer,
             mtp_layers,
+            linear: None,
+            attn_output_gate: false,
+            zero_centered_norms: gemma,
         }
         .validate()
     }
@@ -339,6 +373,27 @@ impl ModelConfig {
             .get("model_type")
             .and_then(Value::as_str)
             .ok_or_else(|| ConfigError::Missing("model_type".into()))?;
+        // Qwen3.5 checkpoints are vision-language models whose text model
+        // sits in `text_config` (with a `_text` model type of its own).
+        if let ("qwen3_5" | "qwen3_5_moe", Some(text)) = (model_type, cfg.get("text_config")) {
+            if text.get("model_type").and_then(Value::as_str) == Some(model_type) {
+                return Err(ConfigError::Invalid {
+                    key: "text_config.model_type".into(),
+                    why: format!("`{model_type}` nests itself"),
+                });
+            }
+            let mut text = text.clone();
+            if let Some(obj) = text.as_object_mut() {
+                obj.insert("model_type".into(), format!("{model_type}_text").into());
+                // The text model's own keys win; shared ones live at the top.
+                for (k, v) in cfg.as_object().into_iter().flatten() {
+                    if k != "text_config" && k != "model_type" && !obj.contains_key(k) {
+                        obj.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+            return Self::from_hf_json(&text);
+        }
         let arch = match model_type {
             "llama" => Arch::Llama,
             "mistral" => Arch::Mistral,
@@ -351,8 +406,26 @@ impl ModelConfig {
             "deepseek_v2" => Arch::DeepseekV2,
             "deepseek_v3" => Arch::DeepseekV3,
             "deepseek_v32" => Arch::DeepseekV32,
+            "qwen3_next" => Arch::Qwen3Next,
+            "qwen3_5_text" => Arch::Qwen35,
+            "qwen3_5_moe_text" => Arch::Qwen35Moe,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
+        let n_layers_hint = json_usize(cfg, "num_hidden_layers")?.unwrap_or(0);
+        let linear = match arch {
+            Arch::Qwen3Next => Some(LinearConfig::from_hf(
+                cfg,
+                LinearLayout::Grouped,
+                n_layers_hint,
+            )?),
+            Arch::Qwen35 | Arch::Qwen35Moe => Some(LinearConfig::from_hf(
+                cfg,
+                LinearLayout::Split,
+                n_layers_hint,
+            )?),
+            _ => None,
+        };
+        let qwen_hybrid = linear.is_some();
         let deepseek = matches!(
             arch,
             Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32
@@ -466,7 +539,13 @@ impl ModelConfig {
             (true, Some(s)) => 1.0 / s.sqrt(),
             _ => scaling.softmax_factor() / (head_dim as f32).sqrt(),
         };
-        let partial = f32_in(cfg, "partial_rotary_factor")?.unwrap_or(1.0);
+        let partial = match f32_in(cfg, "partial_rotary_factor")? {
+            Some(p) => p,
+            None => match rope_params {
+                Some(rp) => f32_in(rp, "partial_rotary_factor")?.unwrap_or(1.0),
+                None => 1.0,
+            },
+        };
         let rope_dim = match mla {
             Some(m) => m.rope_dim,
             None => ((head_dim as f32 * partial) as usize) & !1,
@@ -496,7 +575,12 @@ impl ModelConfig {
             n_heads,
             n_kv_heads,
             head_dim,
-            intermediate: req("intermediate_size")?,
+            intermediate: match (usize_key("intermediate_size")?, &experts) {
+                (Some(ff), _) => ff,
+                // Qwen3.5-MoE has no dense layer and no dense size.
+                (None, Some(e)) if e.layers.iter().all(|&m| m) => e.ff,
+                (None, _) => return Err(ConfigError::Missing("intermediate_size".into())),
+            },
             vocab: req("vocab_size")?,
             max_context: usize_key("max_position_embeddings")?.unwrap_or(2048),
             rms_eps: f32_in(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
@@ -518,7 +602,7 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             qkv_bias: attn_bias,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+            qk_norm: qwen_hybrid || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             tied_embeddings: cfg
                 .get("tie_word_embeddings")
                 .and_then(Value::as_bool)
@@ -530,6 +614,9 @@ impl ModelConfig {
             mla,
             indexer,
             mtp_layers,
+            linear,
+            attn_output_gate: qwen_hybrid,
+            zero_centered_norms: gemma || qwen_hybrid,
         }
         .validate()
     }

@@ -147,6 +147,9 @@ fn bench_depth(
     for chunk in fill.chunks(FILL_CHUNK) {
         run.forward(&mut cache, chunk, Want::None)?;
     }
+    // Linear-attention layers' state at the depth, which every
+    // repetition's rewind comes back to.
+    cache.save_state();
     let fill_secs = t0.elapsed().as_secs_f64();
     let warm_up = run_once(run, &mut cache, depth, prompt, a.gen_tokens)?;
     let mut prefill_runs = Vec::new();

@@ -47,6 +47,13 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
              (indexer: {heads} heads of {dim}, one {dim}-value key per position cached)"
         );
     }
+    if let Some((layers, bytes)) = i.linear {
+        println!(
+            "linear attn     {layers} of {} layers Gated DeltaNet: {bytes} B of state per sequence, \
+             whatever its length (the KV cache above is the other layers')",
+            i.layers
+        );
+    }
     if i.mtp_layers > 0 {
         println!("MTP layers      {} (load with --mtp)", i.mtp_layers);
     }

@@ -1,0 +1,295 @@
+//! Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5,
+//! an attention component beside multi-head and latent attention.
+//!
+//! Per token: projections to `q`, `k`, `v` (the convolution's channels),
+//! the output gate `z`, and per value head `b` and `a`; a causal depthwise
+//! convolution of `[q, k, v]` over the last few tokens (SiLU); q and k
+//! L2-normalised per head, q scaled by `1/√dk`; the gated delta rule with
+//! `β = sigmoid(b)` and log decay `g = −exp(A_log) · softplus(a + dt_bias)`
+//! (`kvant_kernels::delta`); a gated RMSNorm per value head
+//! (`rms_norm(o) · w · silu(z)`) and the output projection.
+//!
+//! What a sequence carries between forward passes is fixed in size: the
+//! convolution's last `K − 1` inputs and the delta rule's state, in the
+//! pool's state slot of the sequence (`KvPool::states_mut`).
+
+use super::loader::{check_shape, Loader};
+use super::sized;
+use crate::config::{LinearConfig, LinearLayout, ModelConfig};
+use crate::kv::KvPool;
+use crate::ModelError;
+use kvant_kernels::attention::SeqAttn;
+use kvant_kernels::delta::{causal_conv1d, delta_rule, DeltaInputs, DeltaParams, DeltaSeq};
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
+use std::ops::Range;
+
+/// Tokens per chunk of the delta rule's chunk-aligned form: its cost per
+/// token is `3·dk·dv + 2·c·(dk + dv)` at position `c` of a chunk against
+/// `4·dk·dv` for the token-by-token recurrence, so short chunks are
+/// cheaper on a CPU (no parallelism across a chunk is needed here), and
+/// 16 is a block of the paged cache: a prefix that ends on a block ends on
+/// a chunk, where the state is one matrix per head.
+pub const DELTA_CHUNK: usize = 16;
+
+/// The L2 norm's epsilon (transformers' and FLA's `l2norm`).
+const L2_EPS: f32 = 1e-6;
+
+pub(crate) struct GatedDeltaNet {
+    p: DeltaParams,
+    kernel: usize,
+    /// `[q; k; v]` (every head of each), then the gate `z`, `b` and `a`.
+    qkv: LinearWeight,
+    z: LinearWeight,
+    b: LinearWeight,
+    a: LinearWeight,
+    /// `[conv_dim, K]`.
+    conv: Vec<f32>,
+    /// `−exp(A_log)` and `dt_bias` per value head.
+    neg_a: Vec<f32>,
+    dt_bias: Vec<f32>,
+    /// The gated RMSNorm's weight, `[dv]` (a plain weight: no `1 + w`).
+    norm: Vec<f32>,
+    out: LinearWeight,
+}
+
+/// A linear layer's activations, reused across passes.
+#[derive(Default)]
+pub(crate) struct GdnScratch {
+    qkv: Vec<f32>,
+    z: Vec<f32>,
+    b: Vec<f32>,
+    a: Vec<f32>,
+    mixed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    g: Vec<f32>,
+    core: Vec<f32>,
+}
+
+/// Where a linear layer's sequences keep their state: the pool, the
+/// layer's index among the linear layers, the batch's sequences and each
+/// one's state slot.
+pub(crate) struct StateCtx<'a, 'b> {
+    pub pool: &'a mut KvPool,
+    pub index: usize,
+    pub seqs: &'a [SeqAttn<'b>],
+    pub slots: &'a [usize],
+}
+
+impl GatedDeltaNet {
+    /// The delta rule's shape for `lc`.
+    pub fn params(lc: &LinearConfig) -> DeltaParams {
+        DeltaParams {
+            n_k_heads: lc.n_k_heads,
+            n_v_heads: lc.n_v_heads,
+            dk: lc.k_dim,
+            dv: lc.v_dim,
+            chunk: DELTA_CHUNK,
+            channel_decay: false,
+        }
+    }
+
+    /// Loads the layer whose tensors start with `prefix` (Hugging Face
+    /// names: `{prefix}linear_attn.…`).
+    pub fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        lc: &LinearConfig,
+        prefix: &str,
+    ) -> Result<Self, ModelError> {
+        let h = cfg.hidden;
+        let (nk, nv, dk, dv) = (lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim);
+        let r = nv / nk;
+        let n = |s: &str| format!("{prefix}linear_attn.{s}");
+        let (qkv, z, b, a) = match lc.layout {
+            LinearLayout::Split => (
+                ld.weight(&n("in_proj_qkv.weight"), lc.conv_dim(), h)?,
+                ld.weight(&n("in_proj_z.weight"), nv * dv, h)?,
+                ld.exact_weight(&n("in_proj_b.weight"), nv, h)?,
+                ld.exact_weight(&n("in_proj_a.weight"), nv, h)?,
+            ),
+            LinearLayout::Grouped => {
+                // Per key head g: [q_g (dk), k_g (dk), v_g (r·dv), z_g (r·dv)].
+                let group = 2 * dk + 2 * r * dv;
+                let part = |off: usize, len: usize| -> Vec<Range<usize>> {
+                    (0..nk)
+                        .map(|g| g * group + off..g * group + off + len)
+                        .collect()
+                };
+                let qkv_runs: Vec<Range<usize>> = [part(0, dk), part(dk, dk), part(2 * dk, r * dv)]
+                    .into_iter()
+                    .flatten()
+                    .collect();
+                let qkvz = ld.matrix(&n("in_proj_qkvz.weight"), nk * group, h)?;
+                // Per key head g: [b_g (r), a_g (r)].
+                let ba = ld.matrix(&n("in_proj_ba.weight"), 2 * nv, h)?;
+                let ba_part = |off: usize| -> Vec<Range<usize>> {
+                    (0..nk)
+                        .map(|g| 2 * r * g + off..2 * r * g + off + r)
+                        .collect()
+                };
+                (
+                    ld.prepare(qkvz.rows_of(&qkv_runs)?)?,
+                    ld.prepare(qkvz.rows_of(&part(2 * dk + r * dv, r * dv))?)?,
+                    LinearWeight::prepare(ba.rows_of(&ba_part(0))?, false)?,
+                    LinearWeight::prepare(ba.rows_of(&ba_part(r))?, false)?,
+                )
+            }
+        };
+        let conv_name = n("conv1d.weight");
+        let conv_t = ld.tensor(&conv_name)?;
+        check_shape(&conv_t, &conv_name, &[lc.conv_dim(), 1, lc.conv_kernel])?;
+        let conv = super::loader::to_f32(&conv_t)?;
+        let a_log = ld.raw_vector(&n("A_log"), nv)?;
+        Ok(GatedDeltaNet {
+            p: Self::params(lc),
+            kernel: lc.conv_kernel,
+            qkv,
+            z,
+            b,
+            a,
+            conv,
+            neg_a: a_log.iter().map(|x| -x.exp()).collect(),
+            dt_bias: ld.raw_vector(&n("dt_bias"), nv)?,
+            norm: ld.raw_vector(&n("norm.weight"), dv)?,
+            out: ld.weight(&n("out_proj.weight"), h, nv * dv)?,
+        })
+    }
+
+    /// Bytes of the layer's weights (all of them are read per token).
+    pub fn byte_len(&self) -> usize {
+        [&self.qkv, &self.z, &self.b, &self.a, &self.out]
+            .iter()
+            .map(|w| w.byte_len())
+            .sum::<usize>()
+            + 4 * (self.conv.len() + self.neg_a.len() + self.dt_bias.len() + self.norm.len())
+    }
+
+    /// The layer's output (`[n, hidden]` into `out`) for the batch's `n`
+    /// tokens (normed input `xn`), advancing each sequence's state.
+    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
+    pub fn forward(
+        &self,
+        cfg: &ModelConfig,
+        ctx: StateCtx<'_, '_>,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut GdnScratch,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let p = &self.p;
+        let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.dk, p.dv);
+        let conv_dim = 2 * nk * dk + nv * dv;
+        let qkv = sized(&mut s.qkv, n * conv_dim);
+        let z = sized(&mut s.z, n * nv * dv);
+        let b = sized(&mut s.b, n * nv);
+        let a = sized(&mut s.a, n * nv);
+        let ws = [&self.qkv, &self.z, &self.b, &self.a];
+        let input = LinearInput::new(xn, n, q8, &ws)?;
+        forward_batch(
+            &input,
+            &mut [
+                (&self.qkv, &mut *qkv),
+                (&self.z, &mut *z),
+                (&self.b, &mut *b),
+                (&self.a, &mut *a),
+            ],
+        )?;
+        // The convolution, each sequence from its own tail.
+        let mixed = sized(&mut s.mixed, n * conv_dim);
+        let (tails, states) = ctx.pool.states_mut(ctx.index)?;
+        let tail_len = (self.kernel - 1) * conv_dim;
+        for (sq, &slot) in ctx.seqs.iter().zip(ctx.slots) {
+            let tail = tails
+                .get_mut(slot * tail_len..(slot + 1) * tail_len)
+                .ok_or(ModelError::StateSlot { slot })?;
+            if sq.pos0 == 0 {
+                tail.fill(0.0);
+            }
+            let rows = sq.rows.start * conv_dim..sq.rows.end * conv_dim;
+            causal_conv1d(
+                &qkv[rows.clone()],
+                &self.conv,
+                self.kernel,
+                tail,
+                true,
+                &mut mixed[rows],
+            )?;
+        }
+        // Queries and keys normalised per head, queries scaled.
+        let (q, k, v) = (
+            sized(&mut s.q, n * nk * dk),
+            sized(&mut s.k, n * nk * dk),
+            sized(&mut s.v, n * nv * dv),
+        );
+        let scale = (dk as f32).sqrt().recip();
+        for t in 0..n {
+            let row = &mixed[t * conv_dim..(t + 1) * conv_dim];
+            let (qs, rest) = row.split_at(nk * dk);
+            let (ks, vs) = rest.split_at(nk * dk);
+            l2_norm_heads(qs, dk, scale, &mut q[t * nk * dk..(t + 1) * nk * dk]);
+            l2_norm_heads(ks, dk, 1.0, &mut k[t * nk * dk..(t + 1) * nk * dk]);
+            v[t * nv * dv..(t + 1) * nv * dv].copy_from_slice(vs);
+        }
+        // β and the log decay per token and value head.
+        let g = sized(&mut s.g, n * nv);
+        for (i, (g, b)) in g.iter_mut().zip(b.iter_mut()).enumerate() {
+            let h = i % nv;
+            *g = self.neg_a[h] * softplus(a[i] + self.dt_bias[h]);
+            *b = 1.0 / (1.0 + (-*b).exp());
+        }
+        let core = sized(&mut s.core, n * nv * dv);
+        let seqs: Vec<DeltaSeq> = ctx
+            .seqs
+            .iter()
+            .zip(ctx.slots)
+            .map(|(sq, &slot)| DeltaSeq {
+                rows: sq.rows.clone(),
+                pos0: sq.pos0,
+                slot,
+            })
+            .collect();
+        let x = DeltaInputs {
+            q,
+            k,
+            v,
+            beta: b,
+            g,
+        };
+        delta_rule(p, x, &seqs, states, core)?;
+        // The gated norm per value head, then the output projection.
+        for (o, zh) in core.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
+            let ms = o.iter().map(|v| v * v).sum::<f32>() / dv as f32;
+            let inv = 1.0 / (ms + cfg.rms_eps).sqrt();
+            for ((o, &w), &zv) in o.iter_mut().zip(&self.norm).zip(zh) {
+                *o = *o * inv * w * (zv / (1.0 + (-zv).exp()));
+            }
+        }
+        self.out
+            .forward(&LinearInput::new(core, n, q8, &[&self.out])?, out)?;
+        Ok(())
+    }
+}
+
+/// `log(1 + e^x)`, linear above 20 as PyTorch's `softplus`.
+fn softplus(x: f32) -> f32 {
+    if x > 20.0 {
+        x
+    } else {
+        x.exp().ln_1p()
+    }
+}
+
+/// Each `d`-sized head of `x` divided by its L2 norm (`x · rsqrt(Σx² +
+/// ε)`), times `scale`, into `out`.
+fn l2_norm_heads(x: &[f32], d: usize, scale: f32, out: &mut [f32]) {
+    for (xh, oh) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
+        let inv = scale / (xh.iter().map(|v| v * v).sum::<f32>() + L2_EPS).sqrt();
+        for (o, &v) in oh.iter_mut().zip(xh) {
+            *o = v * inv;
+        }
+    }
+}

@@ -1,0 +1,112 @@
+//! Linear-attention settings: the Gated DeltaNet layers of Qwen3-Next and
+//! Qwen3.5, which sit beside full-attention layers (`layer_types`), and
+//! their fixed-size recurrent state.
+
+use super::{json_usize, ConfigError, Result};
+use serde_json::Value;
+
+/// How a checkpoint stores a linear layer's input projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinearLayout {
+    /// Qwen3-Next: `in_proj_qkvz` holds `[q, k, v, z]` per key head group
+    /// and `in_proj_ba` `[b, a]` per group.
+    Grouped,
+    /// Qwen3.5: `in_proj_qkv` (`[q; k; v]`, each all heads), `in_proj_z`,
+    /// `in_proj_b`, `in_proj_a`.
+    Split,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LinearConfig {
+    /// Query / key heads and value heads (a multiple of them).
+    pub n_k_heads: usize,
+    pub n_v_heads: usize,
+    pub k_dim: usize,
+    pub v_dim: usize,
+    /// Taps of the causal depthwise convolution over `[q, k, v]`.
+    pub conv_kernel: usize,
+    /// Per layer: linear attention (else full attention).
+    pub layers: Vec<bool>,
+    pub layout: LinearLayout,
+}
+
+impl LinearConfig {
+    pub fn is_linear(&self, layer: usize) -> bool {
+        self.layers.get(layer).copied().unwrap_or(false)
+    }
+
+    /// Channels of the convolution: `[q, k, v]`.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.n_k_heads * self.k_dim + self.n_v_heads * self.v_dim
+    }
+
+    fn validate(self, n_layers: usize) -> Result<Self> {
+        let bad = |key: &str, why: String| ConfigError::Invalid {
+            key: key.into(),
+            why,
+        };
+        for (key, v) in [
+            ("linear_num_key_heads", self.n_k_heads),
+            ("linear_num_value_heads", self.n_v_heads),
+            ("linear_key_head_dim", self.k_dim),
+            ("linear_value_head_dim", self.v_dim),
+        ] {
+            if v == 0 || v > 4096 {
+                return Err(bad(key, format!("{v} (1 to 4096 allowed)")));
+            }
+        }
+        if !self.n_v_heads.is_multiple_of(self.n_k_heads) {
+            return Err(bad(
+                "linear_num_value_heads",
+                format!(
+                    "{} is not a multiple of {} key heads",
+                    self.n_v_heads, self.n_k_heads
+                ),
+            ));
+        }
+        if !(2..=16).contains(&self.conv_kernel) {
+            return Err(bad(
+                "linear_conv_kernel_dim",
+                format!("{} (2 to 16 allowed)", self.conv_kernel),
+            ));
+        }
+        if self.layers.len() != n_layers {
+            return Err(bad(
+                "layer_types",
+                format!("{} entries for {n_layers} layers", self.layers.len()),
+            ));
+        }
+        Ok(self)
+    }
+
+    /// From a Qwen3-Next / Qwen3.5 `config.json` (its `layer_types` say
+    /// which layers are `linear_attention`).
+    pub(super) fn from_hf(cfg: &Value, layout: LinearLayout, n_layers: usize) -> Result<Self> {
+        let req = |k: &str| json_usize(cfg, k)?.ok_or_else(|| ConfigError::Missing(k.into()));
+        let types = cfg
+            .get("layer_types")
+            .and_then(Value::as_array)
+            .ok_or_else(|| ConfigError::Missing("layer_types".into()))?;
+        let layers = types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("linear_attention") => Ok(true),
+                Some("full_attention") => Ok(false),
+                _ => Err(ConfigError::Invalid {
+                    key: "layer_types".into(),
+                    why: format!("`{t}` is neither linear_attention nor full_attention"),
+                }),
+            })
+            .collect::<Result<Vec<bool>>>()?;
+        LinearConfig {
+            n_k_heads: req("linear_num_key_heads")?,
+            n_v_heads: req("linear_num_value_heads")?,
+            k_dim: req("linear_key_head_dim")?,
+            v_dim: req("linear_value_head_dim")?,
+            conv_kernel: json_usize(cfg, "linear_conv_kernel_dim")?.unwrap_or(4),
+            layers,
+            layout,
+        }
+        .validate(n_layers)
+    }
+}

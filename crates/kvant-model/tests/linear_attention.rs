@@ -1,0 +1,132 @@
+//! Hybrid linear-attention models (Qwen3-Next, Qwen3.5, Qwen3.5-MoE):
+//! the recurrent state each linear layer keeps equals transformers', a
+//! cache goes back to a saved state, and malformed configs are errors.
+//! Logits, greedy tokens and perplexity against transformers are in
+//! `reference_models.rs`, batch invariance in `batch_invariance.rs`.
+
+mod common;
+
+use common::{fixtures, ids, open};
+use kvant_model::arch::decoder::{LoadOptions, Logits};
+use kvant_model::config::ModelConfig;
+use serde_json::Value;
+
+const HYBRID: [&str; 3] = ["qwen3-next", "qwen3-5", "qwen3-5-moe"];
+
+/// f32 states of sums over ~30 tokens of unit-scale terms: transformers'
+/// chunked form and kvant's chunk-aligned one round differently by ~1e-6
+/// of the state's scale; a wrong decay, gate or head order is ~1e-1.
+const STATE_TOL: f32 = 1e-4;
+
+fn rows(v: &Value) -> Vec<f32> {
+    v.as_array()
+        .expect("rows")
+        .iter()
+        .flat_map(|r| r.as_array().expect("row").iter())
+        .map(|x| x.as_f64().expect("value") as f32)
+        .collect()
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn recurrent_state_after_the_prompt_equals_transformers() {
+    for name in HYBRID {
+        let dir = fixtures().join(name);
+        let r: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+                .unwrap();
+        let m = open(&dir, LoadOptions::F32);
+        let prompt = ids(&r["prompt_ids"]);
+        // The prompt in two passes cut mid-chunk: the state is the same.
+        for cut in [prompt.len(), 5] {
+            let mut cache = m.new_cache(prompt.len()).unwrap();
+            m.forward(&prompt[..cut], &mut cache, Logits::None).unwrap();
+            if cut < prompt.len() {
+                m.forward(&prompt[cut..], &mut cache, Logits::None).unwrap();
+            }
+            for l in r["linear"].as_array().unwrap() {
+                let layer = l["layer"].as_u64().unwrap() as usize;
+                let (conv, state) = m.linear_state(&cache, layer).unwrap();
+                let (want_conv, want_state) = (rows(&l["conv_tail"]), rows(&l["delta_state"]));
+                let scale = want_state.iter().fold(1e-3f32, |a, v| a.max(v.abs()));
+                let d = max_diff(&state, &want_state);
+                assert!(
+                    d <= STATE_TOL * scale,
+                    "{name} layer {layer} cut {cut}: state off by {d} (scale {scale})"
+                );
+                let d = max_diff(&conv, &want_conv);
+                assert!(
+                    d <= 1e-5,
+                    "{name} layer {layer} cut {cut}: conv tail off by {d}"
+                );
+            }
+            // A full-attention layer has no state.
+            assert!(m.linear_state(&cache, 2).is_err());
+        }
+    }
+}
+
+/// A saved state comes back on truncate; any other length goes back to
+/// the start, and a forward pass from there gives the same logits.
+#[test]
+fn a_cache_rewinds_to_its_saved_state_or_to_the_start() {
+    let m = open(&fixtures().join("qwen3-next"), LoadOptions::F32);
+    let ids: Vec<u32> = (0..40).map(|i| (i * 7 + 3) % 300).collect();
+    let mut cache = m.new_cache(64).unwrap();
+    m.forward(&ids[..20], &mut cache, Logits::None).unwrap();
+    cache.save_state();
+    let first = m.forward(&ids[20..], &mut cache, Logits::All).unwrap();
+    cache.truncate(25);
+    assert_eq!(cache.len(), 20, "back to the saved state");
+    assert_eq!(
+        m.forward(&ids[20..], &mut cache, Logits::All).unwrap(),
+        first
+    );
+    cache.truncate(10);
+    assert_eq!(cache.len(), 0, "before the saved state: the start");
+    let all = m.forward(&ids, &mut cache, Logits::All).unwrap();
+    let vocab = m.config().vocab;
+    assert_eq!(&all[20 * vocab..], &first[..]);
+}
+
+#[test]
+fn malformed_linear_configs_are_errors() {
+    let base: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen3-next/config.json")).unwrap(),
+    )
+    .unwrap();
+    let with = |key: &str, v: Value| {
+        let mut c = base.clone();
+        c[key] = v;
+        ModelConfig::from_hf_json(&c)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string()
+    };
+    assert!(with("linear_num_value_heads", 3.into()).contains("not a multiple"));
+    assert!(with("linear_conv_kernel_dim", 1.into()).contains("linear_conv_kernel_dim"));
+    assert!(with("layer_types", serde_json::json!(["linear_attention"])).contains("layer_types"));
+    assert!(with("layer_types", serde_json::json!(["x", "x", "x", "x"])).contains("neither"));
+    assert!(with("linear_key_head_dim", 0.into()).contains("linear_key_head_dim"));
+    let mut c = base.clone();
+    c.as_object_mut().unwrap().remove("layer_types");
+    assert!(ModelConfig::from_hf_json(&c)
+        .unwrap_err()
+        .to_string()
+        .contains("layer_types"));
+    // Qwen3.5's published spelling: the text model inside `text_config`.
+    let text: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen3-5/config.json")).unwrap(),
+    )
+    .unwrap();
+    let nested = serde_json::json!({"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": false});
+    let c = ModelConfig::from_hf_json(&nested).unwrap();
+    assert_eq!(c.linear.unwrap().layers, [true, true, false, true]);
+}

@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""Write the hybrid linear-attention fixtures under tests/fixtures/models/.
+
+  qwen3-next/      transformers' Qwen3NextConfig: Gated DeltaNet layers (the
+                   interleaved in_proj_qkvz / in_proj_ba layout) beside gated
+                   full attention (output gate, q/k norm, partial rope), MoE
+                   with a gated shared expert in every layer, zero-centred norms
+  qwen3-5/         Qwen3_5TextConfig: the same layers with Qwen3.5's separate
+                   in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, dense FFN
+  qwen3-5-moe/     Qwen3_5MoeTextConfig: Qwen3.5 with MoE
+
+Each holds a tiny random checkpoint (float32) and reference.json (prompt logits,
+greedy ids, perplexity) from transformers in float32, plus a `linear` section:
+the per-layer delta-rule state after the prompt, which an engine's recurrent
+state must reproduce.
+
+Every model has more value heads than key heads (GQA-style sharing), head sizes
+that differ between keys and values, and a 4-token causal convolution; layer
+types follow the 3:1 pattern of the published models, cut to 4 layers
+(linear, linear, full, linear), so that the full-attention layer sits between
+linear ones. The decay gates (A_log, dt_bias) are drawn so that decays cover
+strong (e^-3) to weak (e^-0.05) forgetting.
+
+Same determinism, prompt and self-checks as make_moe_fixtures.py (routing
+margins for the MoE ones). Run with the reference venv from the repository root:
+  .venv/bin/python tools/reference/make_linear_fixtures.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from transformers import Qwen3NextConfig  # noqa: E402
+from transformers.models.qwen3_5 import Qwen3_5TextConfig  # noqa: E402
+from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fixture_json  # noqa: E402
+import make_model_fixtures as base  # noqa: E402
+import make_moe_fixtures as moe  # noqa: E402
+import moe_models  # noqa: E402
+import reference_outputs  # noqa: E402
+import tiny_models  # noqa: E402
+
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+# The linear layers: 2 key heads of 16, 4 value heads of 8 (two per key head).
+LINEAR = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+# The full-attention layers: 4 heads of 16 over 2 KV heads, a quarter... here half
+# of each head rotated (8 of 16 dimensions), as partial_rotary_factor says.
+ATTENTION = dict(
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+MOE = dict(
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)
+
+
+def _qwen3_next() -> Qwen3NextConfig:
+    return Qwen3NextConfig(
+        **moe_models.BASE,
+        **LINEAR,
+        **ATTENTION,
+        **MOE,
+        intermediate_size=128,
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+def _qwen3_5() -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(
+        **moe_models.BASE,
+        **LINEAR,
+        **ATTENTION,
+        intermediate_size=128,
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+    )
+
+
+def _qwen3_5_moe() -> Qwen3_5MoeTextConfig:
+    return Qwen3_5MoeTextConfig(
+        **moe_models.BASE,
+        **LINEAR,
+        **ATTENTION,
+        **MOE,
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+    )
+
+
+# Zero-centred RMSNorms (weight 0 is the identity: the model scales by 1 + w);
+# the gated norm inside the linear layers is a plain weight (centre 1).
+SPECS = [
+    tiny_models.Spec("qwen3-next", _qwen3_next, seed=602, config_form="rope_parameters", norm_center=0.0),
+    tiny_models.Spec("qwen3-5", _qwen3_5, seed=602, config_form="rope_parameters", norm_center=0.0),
+    tiny_models.Spec("qwen3-5-moe", _qwen3_5_moe, seed=603, config_form="rope_parameters", norm_center=0.0),
+]
+
+# Decays exp(g), g = -exp(A_log) * softplus(a + dt_bias): A_log uniform so that
+# exp(A_log) spans 0.05..3 (a ~ N(0, small) at these weight scales).
+A_LOG_RANGE = (-3.0, 1.1)
+
+
+def build(spec: tiny_models.Spec) -> torch.nn.Module:
+    """moe_models.build, then the gated norms re-centred at 1 and A_log spread out."""
+    model = moe_models.build(spec)
+    gen = torch.Generator().manual_seed(spec.seed + 2)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + tiny_models.NORM_SPREAD * torch.randn(p.shape, generator=gen))
+            elif name.endswith("linear_attn.A_log"):
+                lo, hi = A_LOG_RANGE
+                p.copy_(lo + (hi - lo) * torch.rand(p.shape, generator=gen))
+    return model
+
+
+def linear_states(model: torch.nn.Module, ids: list[int]) -> list[dict]:
+    """Per linear layer, the recurrent state after `ids`: the delta-rule matrices
+    [value heads, dk, dv] and the convolution's last inputs [kernel - 1, channels]."""
+    from transformers import DynamicCache  # noqa: F401  (the model builds its own cache)
+
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+    cache = out.past_key_values
+    layers = []
+    for i, t in enumerate(model.config.layer_types):
+        if t != "linear_attention":
+            continue
+        state = cache.get_recurrent_state(i, state_idx=0)[0]
+        conv = cache.get_conv_state(i, state_idx=0)[0]
+        kernel = model.config.linear_conv_kernel_dim
+        layers.append(
+            {
+                "layer": i,
+                "delta_state": fixture_json.f32_rows(state.reshape(state.shape[0] * state.shape[1], -1).numpy()),
+                "conv_tail": fixture_json.f32_rows(conv[:, -(kernel - 1) :].transpose(0, 1).contiguous().numpy()),
+            }
+        )
+    return layers
+
+
+def make_one(spec: tiny_models.Spec, tok, text: str, ids: list[int]) -> dict:
+    out = base.MODELS / spec.name
+    model = build(spec)
+    moe_models.save(model, out, spec.config_form, tok)
+    reloaded = tiny_models.load(out)
+    tiny_models.reload_matches(model, reloaded, torch.tensor([ids]), exact=True)
+    meta = {
+        "model": spec.name,
+        "source": "tiny random checkpoint, weights stored float32",
+        "config_form": spec.config_form,
+        "prompt_text": text,
+    }
+    ref = reference_outputs.tiny_reference(reloaded, ids, base.GREEDY_NEW, meta)
+    notes = [f"layer_types {LAYER_TYPES}"]
+    if getattr(reloaded.config, "num_experts", 0):
+        ref = moe._finish(reloaded, ref, notes)
+    else:
+        ref = {"notes": notes, **ref}
+    ref["linear"] = linear_states(reloaded, ids)
+    fixture_json.write_json(out / "reference.json", ref)
+    print(f"{spec.name}: ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']} margin {ref['greedy_min_margin']}")
+    return ref
+
+
+def main() -> None:
+    base.setup_determinism()
+    hf_logging.set_verbosity_error()
+    tok = moe.tokenizer()
+    text, ids = base.tiny_prompt(tok)
+    for spec in SPECS:
+        make_one(spec, tok, text, ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
