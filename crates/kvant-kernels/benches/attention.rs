@@ -108,9 +108,9 @@ fn latent(c: &mut Criterion) {
 }
 
 fn prefill(c: &mut Criterion) {
-    const DEPTH: usize = 4096;
-    const CHUNK: usize = 512;
-    let p = AttnParams {
+    // SmolLM2's heads after 4096 tokens; Gemma 3 270M's global layer (4
+    // query heads of 256 on one KV head) after 8192.
+    let smol = AttnParams {
         n_heads: 9,
         n_kv_heads: 3,
         head_dim: 64,
@@ -118,16 +118,71 @@ fn prefill(c: &mut Criterion) {
         scale: 0.125,
         window: None,
     };
-    let n = DEPTH + CHUNK;
+    let gemma = AttnParams {
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+        v_dim: 256,
+        scale: 0.0625,
+        window: None,
+    };
+    prefill_case(c, "smollm2", smol, 4096, 512);
+    prefill_case(c, "gemma3", gemma, 8192, 128);
+    decode_case(c, "gemma3", gemma, 32768);
+}
+
+/// One token attending to `ctx` positions of f16 keys and values in
+/// blocks of 16 (throughput: FLOPs, as in `prefill_case`).
+fn decode_case(c: &mut Criterion, name: &str, p: AttnParams, ctx: usize) {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let kv_dim = p.n_kv_heads * p.head_dim;
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+    let (k, v, q) = (
+        rand(ctx * kv_dim),
+        rand(ctx * kv_dim),
+        rand(p.n_heads * p.head_dim),
+    );
+    let mut out = vec![0f32; p.n_heads * p.v_dim];
+    let block_size = 16;
+    let table: Vec<u32> = (0..(ctx / block_size) as u32).collect();
+    let buf = |x: &[f32]| {
+        let mut b = KvBuffer::zeroed(KvDType::F16, ctx * kv_dim).expect("whole units");
+        b.store_rows(x, (block_size, p.n_kv_heads, p.head_dim), &table, 0);
+        b
+    };
+    let (kb, vb) = (buf(&k), buf(&v));
+    let layer = KvLayer {
+        k: &kb,
+        v: Some(&vb),
+        block_size,
+    };
+    let seqs = [SeqAttn {
+        rows: 0..1,
+        pos0: ctx - 1,
+        table: &table,
+    }];
+    let mut g = c.benchmark_group(format!("attention decode, {name}, {ctx} positions"));
+    g.throughput(Throughput::Elements(
+        (4 * p.head_dim * p.n_heads * ctx) as u64,
+    ));
+    g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
+        b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
+    });
+    g.finish();
+}
+
+/// `chunk` tokens after `depth` cached ones.
+fn prefill_case(c: &mut Criterion, name: &str, p: AttnParams, depth: usize, chunk: usize) {
+    let n = depth + chunk;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let kv_dim = p.n_kv_heads * p.head_dim;
     let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
     let (k, v, q) = (
         rand(n * kv_dim),
         rand(n * kv_dim),
-        rand(CHUNK * p.n_heads * p.head_dim),
+        rand(chunk * p.n_heads * p.head_dim),
     );
-    let mut out = vec![0f32; CHUNK * p.n_heads * p.v_dim];
+    let mut out = vec![0f32; chunk * p.n_heads * p.v_dim];
     let block_size = 16;
     let table: Vec<u32> = (0..(n / block_size) as u32).collect();
     let buf = |x: &[f32]| {
@@ -142,15 +197,15 @@ fn prefill(c: &mut Criterion) {
         block_size,
     };
     let seqs = [SeqAttn {
-        rows: 0..CHUNK,
-        pos0: DEPTH,
+        rows: 0..chunk,
+        pos0: depth,
         table: &table,
     }];
-    // Token t sees DEPTH + t + 1 keys.
-    let pairs: usize = (0..CHUNK).map(|t| DEPTH + t + 1).sum();
+    // Token t sees depth + t + 1 keys.
+    let pairs: usize = (0..chunk).map(|t| depth + t + 1).sum();
     let flops = 4 * p.head_dim * p.n_heads * pairs;
     let mut g = c.benchmark_group(format!(
-        "attention prefill, {CHUNK} tokens at depth {DEPTH}"
+        "attention prefill, {name}, {chunk} tokens at depth {depth}"
     ));
     g.throughput(Throughput::Elements(flops as u64));
     g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
