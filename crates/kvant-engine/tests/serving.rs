@@ -78,10 +78,20 @@ fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
 /// concurrent ones, even when the step budget chunks their prompts and a
 /// small pool forces preemptions (recomputed from the prefix cache).
 /// `deepseek-v32` attends sparsely (top-8) past its 8th position, with its
-/// indexer keys in the same blocks as the latent rows.
+/// indexer keys in the same blocks as the latent rows. `qwen3-next` and
+/// `qwen3-5-moe` carry a recurrent state per sequence in three of their
+/// four layers (state slots, snapshots at block boundaries for the
+/// prefix cache, restored after preemption).
 #[test]
 fn outputs_do_not_depend_on_load() {
-    for name in [DENSE, "deepseek-v3", "qwen2-moe", "deepseek-v32"] {
+    for name in [
+        DENSE,
+        "deepseek-v3",
+        "qwen2-moe",
+        "deepseek-v32",
+        "qwen3-next",
+        "qwen3-5-moe",
+    ] {
         outputs_do_not_depend_on_load_of(name);
     }
 }
@@ -124,10 +134,12 @@ fn outputs_do_not_depend_on_load_of(name: &str) {
 
 /// A prompt sharing a prefix with earlier work reuses its blocks, and
 /// produces what it produces with caching off (for sparse attention too,
-/// whose cached blocks carry the indexer keys the suffix scores).
+/// whose cached blocks carry the indexer keys the suffix scores, and for
+/// linear attention, which restarts from the state snapshot kept at the
+/// last shared block's end).
 #[test]
 fn prefix_cache_hits_change_nothing_but_work() {
-    for name in [DENSE, "deepseek-v32"] {
+    for name in [DENSE, "deepseek-v32", "qwen3-next"] {
         prefix_cache_hits_change_nothing_but_work_of(name);
     }
 }

@@ -129,10 +129,19 @@ fn prefill(c: &mut Criterion) {
     prefill_case(c, "smollm2", smol, 4096, 512);
     prefill_case(c, "gemma3", gemma, 8192, 128);
     decode_case(c, "gemma3", gemma, 32768);
+    // Gemma 3's sliding-window layers (512 positions): a decode step at
+    // 32k positions reads only its window, so it costs what one at 1k does.
+    let local = AttnParams {
+        window: Some(512),
+        ..gemma
+    };
+    decode_case(c, "gemma3 sliding window 512", local, 1024);
+    decode_case(c, "gemma3 sliding window 512", local, 32768);
 }
 
-/// One token attending to `ctx` positions of f16 keys and values in
-/// blocks of 16 (throughput: FLOPs, as in `prefill_case`).
+/// One token attending to `ctx` positions (the last `window` of them in a
+/// sliding-window layer) of f16 keys and values in blocks of 16
+/// (throughput: FLOPs, as in `prefill_case`).
 fn decode_case(c: &mut Criterion, name: &str, p: AttnParams, ctx: usize) {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let kv_dim = p.n_kv_heads * p.head_dim;
@@ -162,8 +171,9 @@ fn decode_case(c: &mut Criterion, name: &str, p: AttnParams, ctx: usize) {
         table: &table,
     }];
     let mut g = c.benchmark_group(format!("attention decode, {name}, {ctx} positions"));
+    let seen = p.window.map_or(ctx, |w| w.min(ctx));
     g.throughput(Throughput::Elements(
-        (4 * p.head_dim * p.n_heads * ctx) as u64,
+        (4 * p.head_dim * p.n_heads * seen) as u64,
     ));
     g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
         b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))

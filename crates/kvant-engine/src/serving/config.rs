@@ -17,6 +17,10 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// Reuse the KV blocks of earlier prompts that share a prefix.
     pub prefix_caching: bool,
+    /// Models with linear-attention layers: state snapshots kept for
+    /// prefix caching (see `states.rs`), each the size of one sequence's
+    /// state, besides one state per running sequence.
+    pub state_snapshots: usize,
     /// When decode steps draft with the model's MTP module (models loaded
     /// with one; see [`crate::speculative`]).
     pub speculation: crate::speculative::Policy,
@@ -39,6 +43,16 @@ impl EngineConfig {
     pub fn blocks_for_bytes(model: &DecoderModel, block_size: usize, bytes: usize) -> usize {
         bytes / model.kv_bytes_per_token().max(1) / block_size.max(1)
     }
+
+    /// Recurrent-state slots the pool needs for a model with
+    /// linear-attention layers: one per running sequence, and the
+    /// snapshots (none for other models).
+    pub fn state_slots(&self, model: &DecoderModel) -> usize {
+        match model.state_shape().layers {
+            0 => 0,
+            _ => self.max_running + self.state_snapshots,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -50,6 +64,7 @@ impl Default for EngineConfig {
             max_running: 64,
             max_waiting: 256,
             prefix_caching: true,
+            state_snapshots: 64,
             speculation: crate::speculative::Policy::Adaptive,
             rebalance: None,
         }

@@ -21,6 +21,7 @@ use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
 use super::sequence::Sequence;
 use super::shared::Shared;
+use super::states::StateSlots;
 use crate::cluster::{Cluster, Row, Want};
 use crate::error::EngineError;
 use crate::sampling::{Sampler, SamplingError};
@@ -57,6 +58,9 @@ pub(super) struct Engine<'t> {
     rebalance: Option<Rebalance>,
     /// Steps that ran a forward pass.
     steps: usize,
+    /// Recurrent-state slots, for a model with linear-attention layers
+    /// (one process: such models do not run over ranks yet).
+    states: Option<StateSlots>,
 }
 
 /// A step's logits: one process's `[rows, vocab]`, or what each group's
@@ -102,6 +106,10 @@ impl<'t> Engine<'t> {
             })
             .collect();
         let model_has_mtp = model.has_mtp();
+        let states = (pool.state_slots() > 0).then(|| {
+            let running = cfg.max_running.min(pool.state_slots());
+            StateSlots::new(running, pool.state_slots() - running)
+        });
         Engine {
             model,
             cluster,
@@ -117,6 +125,7 @@ impl<'t> Engine<'t> {
             spec: model_has_mtp.then(|| Speculation::new(cfg.speculation)),
             rebalance: cfg.rebalance,
             steps: 0,
+            states,
         }
     }
 
@@ -176,6 +185,8 @@ impl<'t> Engine<'t> {
             last_token: None,
             mtp: self.spec.is_some().then(MtpState::default),
             draft: None,
+            state: None,
+            restore: None,
         });
     }
 
@@ -224,6 +235,7 @@ impl<'t> Engine<'t> {
                 &mut self.waiting,
                 &mut group.blocks,
                 &self.limits,
+                self.states.as_ref(),
             );
             plans[g] = plan;
             total.preempted += o.preempted;
@@ -239,6 +251,7 @@ impl<'t> Engine<'t> {
     /// must stop.
     pub fn step(&mut self) -> Result<(), EngineError> {
         let (plans, outcome) = self.schedule_all();
+        self.place_states();
         let w = &self.shared.waiting;
         w.fetch_sub(outcome.admitted, Ordering::AcqRel);
         w.fetch_add(outcome.preempted, Ordering::AcqRel);
@@ -312,7 +325,7 @@ impl<'t> Engine<'t> {
                             pos0: s.computed,
                             table: &s.blocks,
                             logits,
-                            state: 0,
+                            state: s.state.unwrap_or(0),
                         };
                         (step, want)
                     })
@@ -365,6 +378,9 @@ impl<'t> Engine<'t> {
                         let group = &mut self.groups[g];
                         let mut s = group.running.remove(i);
                         s.release_blocks(&mut group.blocks);
+                        if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
+                            st.give_back(slot);
+                        }
                         s.fail(&msg);
                     }
                 }
@@ -395,6 +411,12 @@ impl<'t> Engine<'t> {
                         m.push_hidden(hid);
                     }
                     s.register_full_blocks(&mut group.blocks);
+                    keep_snapshot(
+                        s,
+                        &mut self.states,
+                        &mut self.pool,
+                        group.blocks.block_size(),
+                    );
                     if rows == 0 {
                         continue;
                     }
@@ -503,6 +525,9 @@ impl<'t> Engine<'t> {
     /// none) and sends its last event.
     fn finish(&mut self, g: usize, mut s: Sequence<'t>, mut reason: FinishReason) {
         s.release_blocks(&mut self.groups[g].blocks);
+        if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
+            st.give_back(slot);
+        }
         let mut text = String::new();
         if reason == FinishReason::Length {
             // A stop string the flushed tail completes ends the request as
@@ -533,6 +558,39 @@ impl<'t> Engine<'t> {
                 text,
                 usage,
             });
+        }
+    }
+
+    /// Linear-attention state slots after scheduling: preempted sequences
+    /// (back in the queue) give theirs back, newly admitted ones take one,
+    /// starting from the snapshot their cached prefix reaches, if any.
+    fn place_states(&mut self) {
+        let Some(st) = &mut self.states else { return };
+        for s in self.waiting.iter_mut() {
+            if let Some(slot) = s.state.take() {
+                st.give_back(slot);
+            }
+        }
+        for s in self.groups.iter_mut().flat_map(|g| g.running.iter_mut()) {
+            if s.state.is_some() {
+                continue;
+            }
+            s.state = st.take();
+            let (Some(slot), Some(cid)) = (s.state, s.restore.take()) else {
+                continue;
+            };
+            // The scheduler saw the snapshot; nothing evicts one before
+            // the forward pass, but recompute from the start rather than
+            // from a wrong state if it were gone.
+            let restored = st
+                .snapshot(cid)
+                .is_some_and(|snap| self.pool.copy_state(snap, slot).is_ok());
+            if !restored {
+                // Recomputing from the start rewrites the shared blocks
+                // with the bits they hold (a sequence's keys do not depend
+                // on its batch): never someone else's data.
+                s.restart_at(0);
+            }
         }
     }
 
@@ -615,5 +673,25 @@ fn advance(
         Some(FinishReason::Length)
     } else {
         None
+    }
+}
+
+/// After a step: if `s` now ends at a block boundary whose block is in the
+/// prefix cache, keeps a snapshot of its state there (models with
+/// linear-attention layers).
+fn keep_snapshot(s: &Sequence<'_>, states: &mut Option<StateSlots>, pool: &mut KvPool, bs: usize) {
+    let (Some(st), Some(slot)) = (states.as_mut(), s.state) else {
+        return;
+    };
+    if s.computed == 0 || !s.computed.is_multiple_of(bs) {
+        return;
+    }
+    let Some(&cid) = s.cids.get(s.computed / bs - 1) else {
+        return;
+    };
+    if let Some(snap) = st.keep(cid) {
+        // Slots the engine made itself: a failure is a bug, and only costs
+        // a later prompt its reuse.
+        let _ = pool.copy_state(slot, snap);
     }
 }

@@ -131,15 +131,6 @@ impl EngineHandle {
                 "max running sequences must be positive".into(),
             ));
         }
-        // Sequences of linear-attention layers need state slots the
-        // scheduler hands out with their blocks: not done yet.
-        if model.state_shape().layers > 0 {
-            return Err(EngineError::Config(
-                "serving models with linear-attention layers (Qwen3-Next, Qwen3.5) is not \
-                 supported yet; `kvant generate`, `chat`, `perplexity` and `bench` run them"
-                    .into(),
-            ));
-        }
         let spread = cluster
             .as_ref()
             .is_some_and(|c| c.layout().expert_parallel());
@@ -168,7 +159,7 @@ impl EngineHandle {
         });
         let pool = match &cluster {
             Some(c) => c.pool(cfg.block_size, cfg.kv_blocks)?,
-            None => model.new_pool(cfg.block_size, cfg.kv_blocks, 0)?,
+            None => model.new_pool(cfg.block_size, cfg.kv_blocks, cfg.state_slots(&model))?,
         };
         let groups = cluster.as_ref().map_or(1, |c| c.layout().dp);
         shared

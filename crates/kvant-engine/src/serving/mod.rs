@@ -11,6 +11,7 @@ mod request;
 mod scheduler;
 mod sequence;
 mod shared;
+mod states;
 
 pub use config::{EngineConfig, Rebalance};
 pub use handle::{EngineHandle, EngineThread, Shutdown, SubmitError};

@@ -12,9 +12,15 @@
 //! recomputed (its full blocks often still in the prefix cache). A waiting
 //! request whose prompt shares blocks with a prompt still being computed
 //! waits for them rather than computing them a second time.
+//!
+//! For a model with linear-attention layers, a cached prefix is usable
+//! only as deep as a state snapshot reaches (see `states.rs`), and prompt
+//! chunks end at block boundaries where they can, so that their states can
+//! be kept.
 
 use super::blocks::BlockManager;
 use super::sequence::Sequence;
+use super::states::StateSlots;
 use std::collections::VecDeque;
 
 /// One sequence's share of a step: `n` tokens of `running[seq]`.
@@ -47,7 +53,9 @@ pub(super) fn schedule<'t>(
     waiting: &mut VecDeque<Sequence<'t>>,
     bm: &mut BlockManager,
     limits: &Limits,
+    states: Option<&StateSlots>,
 ) -> (Vec<Scheduled>, Outcome) {
+    let snapshots = states.filter(|_| bm.caches());
     let mut out = Outcome::default();
     let mut plan: Vec<Scheduled> = Vec::new();
     let mut budget = limits.max_batch_tokens;
@@ -60,7 +68,7 @@ pub(super) fn schedule<'t>(
             continue;
         }
         // A draft rides along when the budget has room for it.
-        let n = running[i].wanted().min(budget);
+        let n = cut_at_block(&running[i], running[i].wanted().min(budget), bm, snapshots);
         loop {
             let need =
                 blocks_for(bm, running[i].computed + n).saturating_sub(running[i].blocks.len());
@@ -111,7 +119,15 @@ pub(super) fn schedule<'t>(
     }
     while budget > 0 && running.len() < limits.max_running {
         let Some(s) = waiting.front_mut() else { break };
-        let hits = bm.lookup(&s.tokens);
+        let mut hits = bm.lookup(&s.tokens);
+        // A hybrid model's prefix only as deep as a state snapshot.
+        if let Some(st) = states {
+            let usable = (0..=hits.len())
+                .rev()
+                .find(|&i| i == 0 || st.has_snapshot(hits[i - 1].1))
+                .unwrap_or(0);
+            hits.truncate(usable);
+        }
         if bm.caches() && awaits_shared_prefill(s, hits.len(), running, bm.block_size()) {
             // Strict FCFS: nobody overtakes it while it waits.
             break;
@@ -121,6 +137,10 @@ pub(super) fn schedule<'t>(
         }
         let cached = hits.len() * bm.block_size();
         let n = (s.tokens.len() - cached).min(budget);
+        let n = match snapshots {
+            Some(_) => cut_at(cached, n, bm.block_size()),
+            None => n,
+        };
         let need = blocks_for(bm, cached + n) - hits.len();
         if need > bm.free() {
             for &(b, _) in &hits {
@@ -133,6 +153,7 @@ pub(super) fn schedule<'t>(
         };
         s.blocks = hits.iter().map(|h| h.0).collect();
         s.cids = hits.iter().map(|h| h.1).collect();
+        s.restore = states.and(hits.last().map(|h| h.1));
         s.restart_at(cached);
         if s.cached_tokens.is_none() {
             s.cached_tokens = Some(cached);
@@ -174,6 +195,34 @@ fn awaits_shared_prefill(
             * bs;
         shared > hits * bs && r.computed < shared
     })
+}
+
+/// `n` tokens of `s`'s prompt, cut to end at the last block boundary they
+/// cross (see [`cut_at`]) when state snapshots are kept; decode steps as
+/// they are.
+fn cut_at_block(
+    s: &Sequence<'_>,
+    n: usize,
+    bm: &BlockManager,
+    snaps: Option<&StateSlots>,
+) -> usize {
+    match (snaps, s.remaining() > 1) {
+        (Some(_), true) => cut_at(s.computed, n, bm.block_size()),
+        _ => n,
+    }
+}
+
+/// A prompt chunk of `n` tokens from position `at`, shortened to end at
+/// the last block boundary inside it: the state there is what a later
+/// prompt sharing the blocks can start from. A chunk that ends at a
+/// boundary already, or crosses none, runs whole.
+fn cut_at(at: usize, n: usize, bs: usize) -> usize {
+    let end = at + n;
+    let boundary = end / bs * bs;
+    match boundary > at && boundary < end {
+        true => boundary - at,
+        false => n,
+    }
 }
 
 fn blocks_for(bm: &BlockManager, positions: usize) -> usize {

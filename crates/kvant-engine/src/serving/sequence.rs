@@ -37,6 +37,11 @@ pub(super) struct Sequence<'t> {
     /// The module's guess at the token after the last sampled one, to be
     /// verified in the next pass together with it.
     pub draft: Option<u32>,
+    /// Models with linear-attention layers: the sequence's state slot
+    /// while it runs, and at admission the content id of the cached block
+    /// whose state snapshot it starts from.
+    pub state: Option<usize>,
+    pub restore: Option<u64>,
 }
 
 impl Sequence<'_> {

@@ -23,11 +23,28 @@ pub fn run(a: ServeArgs) -> Result<()> {
 fn serve(a: ServeArgs, run: &Run) -> Result<()> {
     let kv_bytes = a.kv_cache_memory.bytes()?;
     let block_size = a.block_size;
+    // Linear-attention layers' states (one per running sequence, and as
+    // many snapshots for prefix caching) come out of the same budget.
+    let snapshots = if a.no_prefix_caching {
+        0
+    } else {
+        a.max_running
+    };
+    let per_state = run.model.state_shape().bytes_per_slot() as u64;
+    let state_bytes = per_state.saturating_mul((a.max_running + snapshots) as u64);
+    if per_state > 0 && state_bytes >= kv_bytes {
+        bail!(
+            "--kv-cache-memory {kv_bytes} bytes holds no KV blocks beside the recurrent states of \
+             {} running sequences and {snapshots} prefix snapshots ({per_state} bytes each); \
+             give more memory or lower --max-running",
+            a.max_running
+        );
+    }
     // Per rank: each holds its share of the KV heads (rank 0 the largest).
     let kv_blocks = EngineConfig::blocks_for_bytes(
         &run.model,
         block_size,
-        usize::try_from(kv_bytes).unwrap_or(usize::MAX),
+        usize::try_from(kv_bytes - state_bytes).unwrap_or(usize::MAX),
     );
     if kv_blocks == 0 {
         bail!("--kv-cache-memory {kv_bytes} bytes holds no KV block of {block_size} tokens; give more memory");
@@ -39,6 +56,7 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
         max_running: a.max_running,
         max_waiting: a.max_waiting,
         prefix_caching: !a.no_prefix_caching,
+        state_snapshots: snapshots,
         speculation: a.model.speculation(),
         rebalance: a.eplb_interval.map(|every| Rebalance {
             every,
