@@ -21,13 +21,24 @@ types follow the 3:1 pattern of the published models, cut to 4 layers
 linear ones. The decay gates (A_log, dt_bias) are drawn so that decays cover
 strong (e^-3) to weak (e^-0.05) forgetting.
 
+With llama.cpp's converter (--converter PATH or $LLAMA_CPP_CONVERTER), each is
+also converted to GGUF F32 (gguf/{name}.F32.gguf, architectures qwen3next,
+qwen35, qwen35moe; --no-mtp, as these have no MTP layers). The converter keeps
+every weight's float32 bits but stores −exp(A_log), norm weights plus one (not
+the gated norm's), a squeezed conv kernel, Qwen3-Next's in_proj_qkvz split into
+attn_qkv and attn_gate, and Qwen3.5's value heads tiled; so transformers'
+outputs from the safetensors file are the GGUF file's reference too
+(gguf/{name}.F32.reference.json, the same values). The script checks the
+transformations it relies on against the written file.
+
 Same determinism, prompt and self-checks as make_moe_fixtures.py (routing
 margins for the MoE ones). Run with the reference venv from the repository root:
-  .venv/bin/python tools/reference/make_linear_fixtures.py
+  .venv/bin/python tools/reference/make_linear_fixtures.py [--converter PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
@@ -36,6 +47,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from transformers import Qwen3NextConfig  # noqa: E402
 from transformers.models.qwen3_5 import Qwen3_5TextConfig  # noqa: E402
@@ -192,13 +204,79 @@ def make_one(spec: tiny_models.Spec, tok, text: str, ids: list[int]) -> dict:
     return ref
 
 
+GGUF_ARCH = {"qwen3-next": "qwen3next", "qwen3-5": "qwen35", "qwen3-5-moe": "qwen35moe"}
+
+
+def _tiled(x: np.ndarray, nk: int, r: int, d: int) -> np.ndarray:
+    """Rows of value heads grouped by key head (g·r + v) in llama.cpp's tiled order (v·nk + g)."""
+    return x.reshape(nk, r, d, *x.shape[1:]).swapaxes(0, 1).reshape(x.shape)
+
+
+def check_gguf(path: Path, name: str, model: torch.nn.Module) -> None:
+    """The converter's transformations that kvant's loader undoes, on layer 0 (linear) and 2 (full)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = reader.fields["general.architecture"].contents()
+    if arch != GGUF_ARCH[name]:
+        raise AssertionError(f"{path.name}: architecture {arch}")
+    t = {x.name: np.asarray(x.data).reshape([int(n) for n in reversed(x.shape)]) for x in reader.tensors}
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    c = model.config
+    nk, nv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+    tiled = name != "qwen3-next"
+    la = "model.layers.0.linear_attn."
+    # The converter's own arithmetic (torch's float32 exp, which can differ from numpy's by an ulp).
+    want_a = (-torch.exp(torch.from_numpy(sd[la + "A_log"]))).numpy()
+    if tiled:
+        want_a = _tiled(want_a, nk, nv // nk, 1)
+    checks = [
+        ("blk.0.ssm_a", want_a),
+        ("blk.2.attn_q_norm.weight", sd["model.layers.2.self_attn.q_norm.weight"] + 1),
+        ("blk.0.ssm_norm.weight", sd[la + "norm.weight"]),
+        ("blk.0.post_attention_norm.weight", sd["model.layers.0.post_attention_layernorm.weight"] + 1),
+    ]
+    if tiled:
+        checks.append(("blk.0.ssm_beta.weight", _tiled(sd[la + "in_proj_b.weight"], nk, nv // nk, 1)))
+        checks.append(("blk.0.attn_gate.weight", _tiled(sd[la + "in_proj_z.weight"], nk, nv // nk, dv)))
+    else:
+        checks.append(("blk.0.ssm_ba.weight", sd[la + "in_proj_ba.weight"]))
+    for key, want in checks:
+        got = t[key].astype(np.float32).reshape(want.shape)
+        if not np.array_equal(got, want.astype(np.float32)):
+            diff = np.abs(got - want).max() if got.shape == want.shape else "shape"
+            raise AssertionError(f"{path.name}: {key} is not what kvant's loader expects ({diff})")
+
+
+def make_gguf(spec: tiny_models.Spec, ref: dict, converter: Path) -> None:
+    src = base.MODELS / spec.name
+    moe.GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    path = moe.convert(converter, src, spec.name, "F32", extra=("--no-mtp",))
+    check_gguf(path, spec.name, tiny_models.load(src))
+    gref = {k: v for k, v in ref.items() if k != "linear"}
+    gref["model"] = f"{spec.name}.F32"
+    gref["source"] = (
+        f"{spec.name} converted by llama.cpp's convert_hf_to_gguf.py --outtype f32 --no-mtp "
+        f"(architecture {GGUF_ARCH[spec.name]}): the same float32 weights, so transformers' outputs "
+        "of the safetensors checkpoint"
+    )
+    gref["gguf_file"] = path.name
+    fixture_json.write_json(moe.GGUF_DIR / f"{spec.name}.F32.reference.json", gref)
+    print(f"{path.name}: {path.stat().st_size} bytes")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--converter", type=Path, default=os.environ.get("LLAMA_CPP_CONVERTER"))
+    args = ap.parse_args()
     base.setup_determinism()
     hf_logging.set_verbosity_error()
     tok = moe.tokenizer()
     text, ids = base.tiny_prompt(tok)
     for spec in SPECS:
-        make_one(spec, tok, text, ids)
+        ref = make_one(spec, tok, text, ids)
+        if args.converter:
+            make_gguf(spec, ref, args.converter.resolve())
 
 
 if __name__ == "__main__":

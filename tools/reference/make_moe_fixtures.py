@@ -139,10 +139,12 @@ def make_tiny(tok: Tokenizer) -> dict[str, tuple]:
     return built
 
 
-def convert(converter: Path, src: Path, name: str, file_type: str, out_dir: Path = GGUF_DIR) -> Path:
+def convert(
+    converter: Path, src: Path, name: str, file_type: str, out_dir: Path = GGUF_DIR, extra: tuple[str, ...] = ()
+) -> Path:
     path = out_dir / f"{name}.{file_type}.gguf"
     cmd = [sys.executable, str(CONVERT_WRAPPER), "--converter", str(converter), str(src)]
-    cmd += ["--outtype", file_type.lower(), "--outfile", str(path), "--model-name", name]
+    cmd += ["--outtype", file_type.lower(), "--outfile", str(path), "--model-name", name, *extra]
     run = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"converter failed on {name} {file_type}:\n{run.stdout}\n{run.stderr}")

@@ -55,9 +55,10 @@ use std::ops::Range;
 pub struct DeltaParams {
     /// Query / key heads.
     pub n_k_heads: usize,
-    /// Value heads, a multiple of the key heads: value head `h` reads key
-    /// head `h / (n_v_heads / n_k_heads)` (Qwen3-Next's grouping).
+    /// Value heads, a multiple of the key heads, which `sharing` maps
+    /// onto them.
     pub n_v_heads: usize,
+    pub sharing: HeadSharing,
     pub dk: usize,
     pub dv: usize,
     /// Tokens per chunk (chunks start at absolute multiples of it).
@@ -66,7 +67,27 @@ pub struct DeltaParams {
     pub channel_decay: bool,
 }
 
+/// Which key head a value head reads when there are more value heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HeadSharing {
+    /// Value head `h` reads key head `h / r` (`r` = value heads per key
+    /// head): Hugging Face's order, value heads grouped by key head.
+    Grouped,
+    /// Value head `h` reads key head `h % n_k_heads`: llama.cpp's Qwen3.5
+    /// GGUF files, whose converter tiles the value heads for ggml's
+    /// broadcast.
+    Tiled,
+}
+
 impl DeltaParams {
+    /// The key head value head `h` reads.
+    pub fn k_head(&self, h: usize) -> usize {
+        match self.sharing {
+            HeadSharing::Grouped => h / (self.n_v_heads / self.n_k_heads),
+            HeadSharing::Tiled => h % self.n_k_heads,
+        }
+    }
+
     /// Checks that the shape is usable.
     ///
     /// # Errors
@@ -295,7 +316,7 @@ fn run_head(
     let (s0, rest) = state.split_at_mut(dk * dv);
     let (ks, rest) = rest.split_at_mut(c * dk);
     let (us, gs) = rest.split_at_mut(c * dv);
-    let kh = h / (p.n_v_heads / p.n_k_heads);
+    let kh = p.k_head(h);
     let mut t = seq.rows.start;
     let mut pos = seq.pos0;
     if pos == 0 {
@@ -538,7 +559,7 @@ pub fn delta_rule_ref(p: &DeltaParams, x: DeltaInputs<'_>, s: &mut [f64]) -> Vec
     let mut out = vec![0f32; n * nv * dv];
     for t in 0..n {
         for h in 0..nv {
-            let kh = h / (nv / nk);
+            let kh = p.k_head(h);
             let k = &x.k[(t * nk + kh) * dk..][..dk];
             let q = &x.q[(t * nk + kh) * dk..][..dk];
             let v = &x.v[(t * nv + h) * dv..][..dv];
@@ -746,6 +767,7 @@ mod tests {
             dv,
             chunk,
             channel_decay,
+            sharing: HeadSharing::Grouped,
         }
     }
 
@@ -789,6 +811,52 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// Tiled sharing is grouped sharing with the value heads reordered:
+    /// value head `v·nk + g` tiled is head `g·r + v` grouped, bit for bit.
+    #[test]
+    fn tiled_heads_are_grouped_heads_reordered() {
+        for cd in [false, true] {
+            let (nk, r, n) = (3, 2, 37);
+            let grouped = Case::new(params(nk, nk * r, 8, 5, 4, cd), n, 77);
+            let p = grouped.p;
+            let tp = DeltaParams {
+                sharing: HeadSharing::Tiled,
+                ..p
+            };
+            let nv = p.n_v_heads;
+            // Tiled head i is grouped head `(i % nk) · r + i / nk`.
+            let from = |i: usize| (i % nk) * r + i / nk;
+            let permute = |x: &[f32], d: usize| -> Vec<f32> {
+                let mut y = vec![0f32; x.len()];
+                for t in 0..n {
+                    for i in 0..nv {
+                        let (src, dst) = ((t * nv + from(i)) * d, (t * nv + i) * d);
+                        y[dst..dst + d].copy_from_slice(&x[src..src + d]);
+                    }
+                }
+                y
+            };
+            let tiled = Case {
+                p: tp,
+                q: grouped.q.clone(),
+                k: grouped.k.clone(),
+                v: permute(&grouped.v, p.dv),
+                beta: permute(&grouped.beta, 1),
+                g: permute(&grouped.g, p.g_dim()),
+            };
+            for tier in cpu::available_tiers() {
+                let (want, _) = grouped.run(tier, n, &[9]);
+                let (got, _) = tiled.run(tier, n, &[9]);
+                assert_eq!(got, permute(&want, p.dv), "{tier} channel decay {cd}");
+            }
+            let mut s = vec![0f64; nv * p.dk * p.dv];
+            let want = delta_rule_ref(&p, grouped.inputs(0..n), &mut s);
+            let mut s = vec![0f64; nv * p.dk * p.dv];
+            let got = delta_rule_ref(&tp, tiled.inputs(0..n), &mut s);
+            assert_eq!(got, permute(&want, p.dv));
         }
     }
 

@@ -1,7 +1,7 @@
 //! A checkpoint of either format, opened from a path: the tensors by name and
 //! where the configuration, tokenizer and chat template come from.
 
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::gguf::GgufFile;
 use crate::hf::HfDir;
 use crate::ModelError;
@@ -47,9 +47,13 @@ impl Checkpoint {
         }
     }
 
-    /// Names of the tensors of one transformer layer, in this format's scheme.
-    /// `gemma` selects Gemma's four-norm layer naming on Hugging Face files.
-    pub fn layer_names(&self, layer: usize, gemma: bool) -> LayerNames {
+    /// Names of the tensors of one transformer layer, in this format's
+    /// scheme: Gemma's four norms on Hugging Face files, and the norm
+    /// before the FFN that llama.cpp names `post_attention_norm` in its
+    /// Qwen3-Next / Qwen3.5 files.
+    pub fn layer_names(&self, layer: usize, arch: Arch) -> LayerNames {
+        let gemma = arch == Arch::Gemma3;
+        let qwen_hybrid = matches!(arch, Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe);
         match self {
             Checkpoint::Gguf(_) => {
                 let n = |s: &str| format!("blk.{layer}.{s}");
@@ -63,7 +67,11 @@ impl Checkpoint {
                     q_norm: n("attn_q_norm.weight"),
                     k_norm: n("attn_k_norm.weight"),
                     post_attn_norm: n("post_attention_norm.weight"),
-                    ffn_norm: n("ffn_norm.weight"),
+                    ffn_norm: if qwen_hybrid {
+                        n("post_attention_norm.weight")
+                    } else {
+                        n("ffn_norm.weight")
+                    },
                     post_ffn_norm: n("post_ffw_norm.weight"),
                     gate: n("ffn_gate.weight"),
                     up: n("ffn_up.weight"),

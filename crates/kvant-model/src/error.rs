@@ -28,6 +28,8 @@ pub enum ModelError {
         expected: Vec<usize>,
         actual: Vec<usize>,
     },
+    #[error("tensor `{name}` holds {why}")]
+    BadTensor { name: String, why: String },
     #[error("forward pass over zero tokens")]
     EmptyInput,
     #[error("sequence needs {needed} positions but the KV cache holds {capacity}")]

@@ -292,7 +292,7 @@ impl DecoderModel {
         };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
-            let n = ckpt.layer_names(i, cfg.gemma);
+            let n = ckpt.layer_names(i, cfg.arch);
             let gemma_norm = |name: &str| match cfg.gemma {
                 true => ld.vector(name, h).map(Some),
                 false => Ok(None),

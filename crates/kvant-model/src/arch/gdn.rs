@@ -15,6 +15,7 @@
 
 use super::loader::{check_shape, Loader};
 use super::sized;
+use crate::checkpoint::Checkpoint;
 use crate::config::{LinearConfig, LinearLayout, ModelConfig};
 use crate::kv::KvPool;
 use crate::ModelError;
@@ -88,11 +89,14 @@ impl GatedDeltaNet {
             dv: lc.v_dim,
             chunk: DELTA_CHUNK,
             channel_decay: false,
+            sharing: lc.sharing,
         }
     }
 
-    /// Loads the layer whose tensors start with `prefix` (Hugging Face
-    /// names: `{prefix}linear_attn.…`).
+    /// Loads the layer whose tensors start with `prefix`: Hugging Face
+    /// names (`{prefix}linear_attn.…`) or llama.cpp's (`{prefix}ssm_…`,
+    /// with `attn_qkv` / `attn_gate` split out of Qwen3-Next's `in_proj_qkvz`,
+    /// `−exp(A_log)` stored as `ssm_a` and the conv kernel squeezed).
     pub fn load(
         ld: &Loader<'_>,
         cfg: &ModelConfig,
@@ -102,15 +106,50 @@ impl GatedDeltaNet {
         let h = cfg.hidden;
         let (nk, nv, dk, dv) = (lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim);
         let r = nv / nk;
-        let n = |s: &str| format!("{prefix}linear_attn.{s}");
-        let (qkv, z, b, a) = match lc.layout {
-            LinearLayout::Split => (
-                ld.weight(&n("in_proj_qkv.weight"), lc.conv_dim(), h)?,
-                ld.weight(&n("in_proj_z.weight"), nv * dv, h)?,
-                ld.exact_weight(&n("in_proj_b.weight"), nv, h)?,
-                ld.exact_weight(&n("in_proj_a.weight"), nv, h)?,
-            ),
-            LinearLayout::Grouped => {
+        let gguf = matches!(ld.ckpt, Checkpoint::Gguf(_));
+        let n = |hf: &str, gg: &str| match gguf {
+            true => format!("{prefix}{gg}"),
+            false => format!("{prefix}linear_attn.{hf}"),
+        };
+        // Per key head g: [b_g (r), a_g (r)] (Qwen3-Next's `in_proj_ba`).
+        let grouped_ba = |name: &str| -> Result<(LinearWeight, LinearWeight), ModelError> {
+            let ba = ld.matrix(name, 2 * nv, h)?;
+            let part = |off: usize| -> Vec<Range<usize>> {
+                (0..nk)
+                    .map(|g| 2 * r * g + off..2 * r * g + off + r)
+                    .collect()
+            };
+            Ok((
+                LinearWeight::prepare(ba.rows_of(&part(0))?, false)?,
+                LinearWeight::prepare(ba.rows_of(&part(r))?, false)?,
+            ))
+        };
+        let split_qkvz = || -> Result<(LinearWeight, LinearWeight), ModelError> {
+            Ok((
+                ld.weight(
+                    &n("in_proj_qkv.weight", "attn_qkv.weight"),
+                    lc.conv_dim(),
+                    h,
+                )?,
+                ld.weight(&n("in_proj_z.weight", "attn_gate.weight"), nv * dv, h)?,
+            ))
+        };
+        let (qkv, z, b, a) = match (lc.layout, gguf) {
+            (LinearLayout::Split, _) => {
+                let (qkv, z) = split_qkvz()?;
+                (
+                    qkv,
+                    z,
+                    ld.exact_weight(&n("in_proj_b.weight", "ssm_beta.weight"), nv, h)?,
+                    ld.exact_weight(&n("in_proj_a.weight", "ssm_alpha.weight"), nv, h)?,
+                )
+            }
+            (LinearLayout::Grouped, true) => {
+                let (qkv, z) = split_qkvz()?;
+                let (b, a) = grouped_ba(&n("", "ssm_ba.weight"))?;
+                (qkv, z, b, a)
+            }
+            (LinearLayout::Grouped, false) => {
                 // Per key head g: [q_g (dk), k_g (dk), v_g (r·dv), z_g (r·dv)].
                 let group = 2 * dk + 2 * r * dv;
                 let part = |off: usize, len: usize| -> Vec<Range<usize>> {
@@ -122,27 +161,37 @@ impl GatedDeltaNet {
                     .into_iter()
                     .flatten()
                     .collect();
-                let qkvz = ld.matrix(&n("in_proj_qkvz.weight"), nk * group, h)?;
-                // Per key head g: [b_g (r), a_g (r)].
-                let ba = ld.matrix(&n("in_proj_ba.weight"), 2 * nv, h)?;
-                let ba_part = |off: usize| -> Vec<Range<usize>> {
-                    (0..nk)
-                        .map(|g| 2 * r * g + off..2 * r * g + off + r)
-                        .collect()
-                };
+                let qkvz = ld.matrix(&n("in_proj_qkvz.weight", ""), nk * group, h)?;
+                let (b, a) = grouped_ba(&n("in_proj_ba.weight", ""))?;
                 (
                     ld.prepare(qkvz.rows_of(&qkv_runs)?)?,
                     ld.prepare(qkvz.rows_of(&part(2 * dk + r * dv, r * dv))?)?,
-                    LinearWeight::prepare(ba.rows_of(&ba_part(0))?, false)?,
-                    LinearWeight::prepare(ba.rows_of(&ba_part(r))?, false)?,
+                    b,
+                    a,
                 )
             }
         };
-        let conv_name = n("conv1d.weight");
+        let conv_name = n("conv1d.weight", "ssm_conv1d.weight");
         let conv_t = ld.tensor(&conv_name)?;
-        check_shape(&conv_t, &conv_name, &[lc.conv_dim(), 1, lc.conv_kernel])?;
+        let conv_shape: &[usize] = match gguf {
+            true => &[lc.conv_dim(), lc.conv_kernel],
+            false => &[lc.conv_dim(), 1, lc.conv_kernel],
+        };
+        check_shape(&conv_t, &conv_name, conv_shape)?;
         let conv = super::loader::to_f32(&conv_t)?;
-        let a_log = ld.raw_vector(&n("A_log"), nv)?;
+        let neg_a = match gguf {
+            true => ld.raw_vector(&n("", "ssm_a"), nv)?,
+            false => {
+                let a_log = ld.raw_vector(&n("A_log", ""), nv)?;
+                a_log.iter().map(|x| -x.exp()).collect()
+            }
+        };
+        if let Some(bad) = neg_a.iter().find(|a| !(a.is_finite() && **a <= 0.0)) {
+            return Err(ModelError::BadTensor {
+                name: n("A_log", "ssm_a"),
+                why: format!("a decay rate of {bad} (−exp(A_log) must be finite and ≤ 0)"),
+            });
+        }
         Ok(GatedDeltaNet {
             p: Self::params(lc),
             kernel: lc.conv_kernel,
@@ -151,10 +200,10 @@ impl GatedDeltaNet {
             b,
             a,
             conv,
-            neg_a: a_log.iter().map(|x| -x.exp()).collect(),
-            dt_bias: ld.raw_vector(&n("dt_bias"), nv)?,
-            norm: ld.raw_vector(&n("norm.weight"), dv)?,
-            out: ld.weight(&n("out_proj.weight"), h, nv * dv)?,
+            neg_a,
+            dt_bias: ld.raw_vector(&n("dt_bias", "ssm_dt.bias"), nv)?,
+            norm: ld.raw_vector(&n("norm.weight", "ssm_norm.weight"), dv)?,
+            out: ld.weight(&n("out_proj.weight", "ssm_out.weight"), h, nv * dv)?,
         })
     }
 

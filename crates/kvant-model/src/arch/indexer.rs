@@ -212,7 +212,7 @@ mod tests {
             }];
             let layers = r["indexer"]["layers"].as_array().expect("layers");
             for (l, want) in layers.iter().enumerate() {
-                let prefix = ckpt.layer_names(l, false).prefix;
+                let prefix = ckpt.layer_names(l, cfg.arch).prefix;
                 let ix = Indexer::load(&ld, &cfg, &ic, q_lora, &prefix).expect("indexer");
                 let (xn, qr) = (rows(&want["xn"]), rows(&want["q_resid"]));
                 assert_eq!((xn.len(), qr.len()), (n * cfg.hidden, n * q_lora));

@@ -43,7 +43,7 @@ impl MtpModule {
         index: usize,
         prefill: MlaPrefill,
     ) -> Result<Option<Self>, ModelError> {
-        let n = ld.ckpt.layer_names(index, false);
+        let n = ld.ckpt.layer_names(index, cfg.arch);
         let p = n.prefix.clone();
         let own = |hf: &str, gguf: &str| match ld.ckpt {
             Checkpoint::Hf(_) => format!("{p}{hf}.weight"),

@@ -216,9 +216,9 @@ impl ExpertsConfig {
             }
         };
         // llama.cpp's defaults where the converter writes no key.
-        let norm_default = matches!(arch_name, "llama" | "qwen3moe");
+        let norm_default = matches!(arch_name, "llama" | "qwen3moe" | "qwen3next" | "qwen35moe");
         let shared = match arch_name {
-            "qwen2moe" => g
+            "qwen2moe" | "qwen3next" | "qwen35moe" => g
                 .get_usize(&key("expert_shared_feed_forward_length"))?
                 .filter(|&f| f > 0)
                 .map(|ff| SharedExperts { ff, gated: true }),

@@ -3,16 +3,21 @@
 //! their fixed-size recurrent state.
 
 use super::{json_usize, ConfigError, Result};
+use crate::gguf::GgufFile;
+use kvant_kernels::delta::HeadSharing;
 use serde_json::Value;
 
 /// How a checkpoint stores a linear layer's input projections.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LinearLayout {
     /// Qwen3-Next: `in_proj_qkvz` holds `[q, k, v, z]` per key head group
-    /// and `in_proj_ba` `[b, a]` per group.
+    /// and `in_proj_ba` `[b, a]` per group. llama.cpp's converter splits
+    /// the first into `attn_qkv` (`[q; k; v]`) and `attn_gate` but keeps
+    /// `ssm_ba` grouped.
     Grouped,
     /// Qwen3.5: `in_proj_qkv` (`[q; k; v]`, each all heads), `in_proj_z`,
-    /// `in_proj_b`, `in_proj_a`.
+    /// `in_proj_b`, `in_proj_a` (GGUF: `attn_qkv`, `attn_gate`,
+    /// `ssm_beta`, `ssm_alpha`).
     Split,
 }
 
@@ -28,6 +33,8 @@ pub struct LinearConfig {
     /// Per layer: linear attention (else full attention).
     pub layers: Vec<bool>,
     pub layout: LinearLayout,
+    /// The order of the value heads (every per-value-head tensor follows it).
+    pub sharing: HeadSharing,
 }
 
 impl LinearConfig {
@@ -106,6 +113,63 @@ impl LinearConfig {
             conv_kernel: json_usize(cfg, "linear_conv_kernel_dim")?.unwrap_or(4),
             layers,
             layout,
+            sharing: HeadSharing::Grouped,
+        }
+        .validate(n_layers)
+    }
+
+    /// From `{arch}.ssm.*` metadata as llama.cpp's converter writes it:
+    /// the key head size is `ssm.state_size`, the value heads' size follows
+    /// from `ssm.inner_size` (llama.cpp itself assumes the two equal); the
+    /// linear layers come from `attention.recurrent_layers` or else are
+    /// every layer but each `full_attention_interval`-th (llama.cpp's
+    /// fallback).
+    pub(super) fn from_gguf(g: &GgufFile, arch_name: &str, n_layers: usize) -> Result<Self> {
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req = |k: &str| -> Result<usize> {
+            g.get_usize(&key(k))?
+                .ok_or_else(|| ConfigError::Missing(key(k)))
+        };
+        let k_dim = req("ssm.state_size")?;
+        let (n_k_heads, n_v_heads) = (req("ssm.group_count")?, req("ssm.time_step_rank")?);
+        let inner = req("ssm.inner_size")?;
+        if n_v_heads == 0 || !inner.is_multiple_of(n_v_heads) {
+            return Err(ConfigError::Invalid {
+                key: key("ssm.inner_size"),
+                why: format!("{inner} is not a whole number of {n_v_heads} value heads"),
+            });
+        }
+        let layers = match g.get_bool_array(&key("attention.recurrent_layers"))? {
+            // MTP blocks, counted in the block count, come last.
+            Some(r) => r.iter().copied().take(n_layers).collect(),
+            None => {
+                let every = g
+                    .get_usize(&key("full_attention_interval"))?
+                    .unwrap_or(4)
+                    .max(1);
+                (0..n_layers).map(|i| (i + 1) % every != 0).collect()
+            }
+        };
+        let qwen35 = matches!(arch_name, "qwen35" | "qwen35moe");
+        LinearConfig {
+            n_k_heads,
+            n_v_heads,
+            k_dim,
+            v_dim: inner / n_v_heads,
+            conv_kernel: req("ssm.conv_kernel")?,
+            layers,
+            layout: if qwen35 {
+                LinearLayout::Split
+            } else {
+                LinearLayout::Grouped
+            },
+            // The Qwen3.5 converter tiles the value heads (when there are
+            // more of them than key heads); the Qwen3-Next one does not.
+            sharing: if qwen35 {
+                HeadSharing::Tiled
+            } else {
+                HeadSharing::Grouped
+            },
         }
         .validate(n_layers)
     }

@@ -249,6 +249,9 @@ impl ModelConfig {
             "qwen3moe" => Arch::Qwen3Moe,
             "deepseek2" => Arch::DeepseekV2,
             "deepseek32" => Arch::DeepseekV32,
+            "qwen3next" => Arch::Qwen3Next,
+            "qwen35" => Arch::Qwen35,
+            "qwen35moe" => Arch::Qwen35Moe,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -278,6 +281,13 @@ impl ModelConfig {
             }
             _ => None,
         };
+        let linear = match arch {
+            Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => {
+                Some(LinearConfig::from_gguf(g, &arch_name, n_layers)?)
+            }
+            _ => None,
+        };
+        let qwen_hybrid = linear.is_some();
         let req = |k: &str| -> Result<usize> {
             g.get_usize(&key(k))?
                 .ok_or_else(|| ConfigError::Missing(key(k)))
@@ -346,7 +356,7 @@ impl ModelConfig {
             sliding_window,
             sliding_layers,
             qkv_bias: false,
-            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
+            qk_norm: qwen_hybrid || matches!(arch, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3),
             tied_embeddings: g.tensor_info("output.weight").is_none(),
             activation: if gemma {
                 Activation::GeluTanh
@@ -359,9 +369,9 @@ impl ModelConfig {
             mla,
             indexer,
             mtp_layers,
-            linear: None,
-            attn_output_gate: false,
-            zero_centered_norms: gemma,
+            linear,
+            attn_output_gate: qwen_hybrid,
+            zero_centered_norms: gemma || qwen_hybrid,
         }
         .validate()
     }

@@ -73,6 +73,18 @@ impl GgufFile {
         }
     }
 
+    pub fn get_bool_array(&self, key: &str) -> Result<Option<&[bool]>> {
+        match self.get(key) {
+            None => Ok(None),
+            Some(Value::Array(Array::Bool(v))) => Ok(Some(v)),
+            Some(other) => Err(wrong_type(
+                key,
+                "an array of bool",
+                other.type_description(),
+            )),
+        }
+    }
+
     /// Borrowed when stored as f32, converted when stored as f64.
     pub fn get_f32_array(&self, key: &str) -> Result<Option<Cow<'_, [f32]>>> {
         match self.get(key) {
