@@ -9,6 +9,8 @@ mod common;
 use common::{fixtures, ids, open};
 use kvant_model::arch::decoder::{LoadOptions, Logits};
 use kvant_model::config::ModelConfig;
+use kvant_model::gguf::{GgufFile, GgufWriter, Value as GgufValue};
+use kvant_model::ModelError;
 use serde_json::Value;
 
 const HYBRID: [&str; 3] = ["qwen3-next", "qwen3-5", "qwen3-5-moe"];
@@ -129,4 +131,40 @@ fn malformed_linear_configs_are_errors() {
     let nested = serde_json::json!({"model_type": "qwen3_5", "text_config": text, "tie_word_embeddings": false});
     let c = ModelConfig::from_hf_json(&nested).unwrap();
     assert_eq!(c.linear.unwrap().layers, [true, true, false, true]);
+}
+
+/// llama.cpp's metadata for the hybrids, bent one key at a time: each is a
+/// config error naming the key (the tensors are not needed to see it).
+#[test]
+fn malformed_gguf_linear_metadata_is_an_error() {
+    let g = GgufFile::open(&fixtures().join("gguf/qwen3-5.F32.gguf")).unwrap();
+    let with = |key: &str, v: Option<GgufValue>| -> Result<ModelConfig, String> {
+        let mut w = GgufWriter::new();
+        for (k, old) in g.metadata() {
+            match (k == key, &v) {
+                (true, Some(new)) => w.add(k, new.clone()).unwrap(),
+                (true, None) => {}
+                (false, _) => w.add(k, old.clone()).unwrap(),
+            }
+        }
+        let file = GgufFile::from_storage(kvant_core::Storage::Owned(
+            w.to_bytes().unwrap().into(),
+        ))
+        .unwrap();
+        ModelConfig::from_gguf(&file).map_err(|e| ModelError::from(e).to_string())
+    };
+    let cfg = with("", None).expect("the fixture's own metadata");
+    let lc = cfg.linear.as_ref().expect("linear layers");
+    assert_eq!(lc.layers, [true, true, false, true]);
+    assert_eq!((lc.k_dim, lc.v_dim, lc.n_k_heads, lc.n_v_heads), (16, 8, 2, 4));
+    let err = |key: &str, v: Option<GgufValue>| with(key, v).unwrap_err();
+    assert!(err("qwen35.ssm.inner_size", Some(GgufValue::U32(30))).contains("inner_size"));
+    assert!(err("qwen35.ssm.group_count", Some(GgufValue::U32(3))).contains("not a multiple"));
+    assert!(err("qwen35.ssm.conv_kernel", Some(GgufValue::U32(1))).contains("conv_kernel"));
+    assert!(err("qwen35.ssm.state_size", None).contains("qwen35.ssm.state_size"));
+    let short = GgufValue::Array(vec![true, false].into());
+    assert!(err("qwen35.attention.recurrent_layers", Some(short)).contains("layer_types"));
+    // Without the per-layer list, every fourth layer is full attention.
+    let cfg = with("qwen35.attention.recurrent_layers", None).unwrap();
+    assert_eq!(cfg.linear.unwrap().layers, [true, true, true, false]);
 }
