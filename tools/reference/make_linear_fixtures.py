@@ -8,6 +8,12 @@
   qwen3-5/         Qwen3_5TextConfig: the same layers with Qwen3.5's separate
                    in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, dense FFN
   qwen3-5-moe/     Qwen3_5MoeTextConfig: Qwen3.5 with MoE
+  kimi-linear/     KimiLinearConfig: Kimi Delta Attention layers (separate
+                   q/k/v projections and convs, a low-rank forget gate per key
+                   channel, a low-rank sigmoid output gate) beside latent
+                   attention without positions (NoPE MLA, plain q projection),
+                   a dense first layer, then DeepSeek-V3-style MoE (sigmoid
+                   scores with a selection bias, 2 groups, a shared expert)
 
 Each holds a tiny random checkpoint (float32) and reference.json (prompt logits,
 greedy ids, perplexity) from transformers in float32, plus a `linear` section:
@@ -49,7 +55,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from transformers import Qwen3NextConfig  # noqa: E402
+from transformers import KimiLinearConfig, Qwen3NextConfig  # noqa: E402
 from transformers.models.qwen3_5 import Qwen3_5TextConfig  # noqa: E402
 from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
@@ -128,12 +134,42 @@ def _qwen3_5_moe() -> Qwen3_5MoeTextConfig:
     )
 
 
+def _kimi_linear() -> KimiLinearConfig:
+    # One value head per key head, dk = dv (KDA's shape); NoPE MLA with a
+    # rope-sized part of the key that is shared but never rotated.
+    return KimiLinearConfig(
+        **moe_models.BASE,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=len(LAYER_TYPES),
+        layer_types=LAYER_TYPES,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.446,
+        linear_num_heads=4,
+        linear_head_dim=16,
+        linear_conv_kernel_dim=4,
+    )
+
+
 # Zero-centred RMSNorms (weight 0 is the identity: the model scales by 1 + w);
 # the gated norm inside the linear layers is a plain weight (centre 1).
 SPECS = [
     tiny_models.Spec("qwen3-next", _qwen3_next, seed=602, config_form="rope_parameters", norm_center=0.0),
     tiny_models.Spec("qwen3-5", _qwen3_5, seed=602, config_form="rope_parameters", norm_center=0.0),
     tiny_models.Spec("qwen3-5-moe", _qwen3_5_moe, seed=603, config_form="rope_parameters", norm_center=0.0),
+    tiny_models.Spec("kimi-linear", _kimi_linear, seed=604, config_form="rope_parameters"),
 ]
 
 # Decays exp(g), g = -exp(A_log) * softplus(a + dt_bias): A_log uniform so that
@@ -149,7 +185,7 @@ def build(spec: tiny_models.Spec) -> torch.nn.Module:
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith("linear_attn.norm.weight"):
                 p.copy_(1.0 + tiny_models.NORM_SPREAD * torch.randn(p.shape, generator=gen))
-            elif name.endswith("linear_attn.A_log"):
+            elif name.endswith(("linear_attn.A_log", "self_attn.A_log")):
                 lo, hi = A_LOG_RANGE
                 p.copy_(lo + (hi - lo) * torch.rand(p.shape, generator=gen))
     return model
@@ -275,7 +311,7 @@ def main() -> None:
     text, ids = base.tiny_prompt(tok)
     for spec in SPECS:
         ref = make_one(spec, tok, text, ids)
-        if args.converter:
+        if args.converter and spec.name in GGUF_ARCH:
             make_gguf(spec, ref, args.converter.resolve())
 
 

@@ -111,7 +111,7 @@ def router_stats(router, h: torch.Tensor) -> tuple[RoutingStats, torch.Tensor]:
     if kind == "DeepseekV2TopkRouter" and router.topk_method != "greedy":
         raise ValueError(f"{kind} topk_method {router.topk_method} is not checked here")
     with torch.no_grad():
-        if kind in ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter"):
+        if kind in ("DeepseekV3TopkRouter", "DeepseekV32TopkRouter", "KimiLinearTopkRouter"):
             return _deepseek_v3_router(router, h)
         if kind in (
             "DeepseekV2TopkRouter",

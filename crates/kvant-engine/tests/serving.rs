@@ -78,9 +78,10 @@ fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
 /// concurrent ones, even when the step budget chunks their prompts and a
 /// small pool forces preemptions (recomputed from the prefix cache).
 /// `deepseek-v32` attends sparsely (top-8) past its 8th position, with its
-/// indexer keys in the same blocks as the latent rows. `qwen3-next` and
-/// `qwen3-5-moe` carry a recurrent state per sequence in three of their
-/// four layers (state slots, snapshots at block boundaries for the
+/// indexer keys in the same blocks as the latent rows. `qwen3-next`,
+/// `qwen3-5-moe` and `kimi-linear` (per-channel decay, latent attention in
+/// its fourth layer) carry a recurrent state per sequence in three of
+/// their four layers (state slots, snapshots at block boundaries for the
 /// prefix cache, restored after preemption).
 #[test]
 fn outputs_do_not_depend_on_load() {
@@ -91,6 +92,7 @@ fn outputs_do_not_depend_on_load() {
         "deepseek-v32",
         "qwen3-next",
         "qwen3-5-moe",
+        "kimi-linear",
     ] {
         outputs_do_not_depend_on_load_of(name);
     }

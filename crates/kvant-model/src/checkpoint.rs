@@ -80,6 +80,10 @@ impl Checkpoint {
             }
             Checkpoint::Hf(_) => {
                 let n = |s: &str| format!("model.layers.{layer}.{s}");
+                let ffn = match arch {
+                    Arch::KimiLinear => "block_sparse_moe",
+                    _ => "mlp",
+                };
                 LayerNames {
                     prefix: n(""),
                     attn_norm: n("input_layernorm.weight"),
@@ -97,9 +101,10 @@ impl Checkpoint {
                         n("post_attention_layernorm.weight")
                     },
                     post_ffn_norm: n("post_feedforward_layernorm.weight"),
-                    gate: n("mlp.gate_proj.weight"),
-                    up: n("mlp.up_proj.weight"),
-                    down: n("mlp.down_proj.weight"),
+                    // Kimi Linear keeps its dense FFN where the experts go.
+                    gate: n(&format!("{ffn}.gate_proj.weight")),
+                    up: n(&format!("{ffn}.up_proj.weight")),
+                    down: n(&format!("{ffn}.down_proj.weight")),
                 }
             }
         }

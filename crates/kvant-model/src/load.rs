@@ -56,9 +56,9 @@ pub struct ModelInfo {
     /// Sparse attention (DeepSeek-V3.2): indexer heads, key size, and the
     /// positions each token attends to.
     pub indexer: Option<(usize, usize, usize)>,
-    /// Linear attention (Gated DeltaNet): its layers, and the bytes of
-    /// state one sequence keeps over them whatever its length.
-    pub linear: Option<(usize, usize)>,
+    /// Linear attention: its layers, the bytes of state one sequence
+    /// keeps over them whatever its length, and the kind of layer.
+    pub linear: Option<(usize, usize, &'static str)>,
     /// KV cache bytes per token (f16 cache), and what caching each head's
     /// expanded keys and values would take.
     pub kv_bytes_per_token: usize,
@@ -134,9 +134,13 @@ pub fn load_parallel(
         }),
         mla_latent_dim: c.mla.map(|m| m.latent_dim()),
         indexer: c.indexer.map(|i| (i.n_heads, i.head_dim, i.topk)),
-        linear: c.linear.as_ref().map(|_| {
+        linear: c.linear.as_ref().map(|l| {
             let st = model.state_shape();
-            (st.layers, st.bytes_per_slot())
+            let kind = match l.layout {
+                crate::config::LinearLayout::Kda => "Kimi Delta Attention",
+                _ => "Gated DeltaNet",
+            };
+            (st.layers, st.bytes_per_slot(), kind)
         }),
         kv_bytes_per_token: model.kv_bytes_per_token(),
         kv_bytes_per_token_expanded: model.expanded_kv_bytes_per_token(),

@@ -108,6 +108,8 @@ fn logits_do_not_depend_on_the_batch() {
         fixtures().join("qwen3-next"),
         fixtures().join("qwen3-5"),
         fixtures().join("qwen3-5-moe"),
+        // Kimi Delta Attention: a decay per key channel.
+        fixtures().join("kimi-linear"),
     ];
     paths.extend(
         [

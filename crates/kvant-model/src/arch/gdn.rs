@@ -1,5 +1,6 @@
-//! Gated DeltaNet: the linear-attention layers of Qwen3-Next and Qwen3.5,
-//! an attention component beside multi-head and latent attention.
+//! Gated DeltaNet and Kimi Delta Attention: the linear-attention layers of
+//! Qwen3-Next / Qwen3.5 and of Kimi Linear, an attention component beside
+//! multi-head and latent attention.
 //!
 //! Per token: projections to `q`, `k`, `v` (the convolution's channels),
 //! the output gate `z`, and per value head `b` and `a`; a causal depthwise
@@ -8,6 +9,14 @@
 //! `β = sigmoid(b)` and log decay `g = −exp(A_log) · softplus(a + dt_bias)`
 //! (`kvant_kernels::delta`); a gated RMSNorm per value head
 //! (`rms_norm(o) · w · silu(z)`) and the output projection.
+//!
+//! Kimi Delta Attention differs only in its gates: `q`, `k`, `v` come from
+//! three projections (each with its conv: one depthwise conv over the
+//! three), the decay is per key channel, `g = −exp(A_log[h]) ·
+//! softplus(f_b(f_a(x)) + dt_bias)` through a low-rank pair, β =
+//! sigmoid(b_proj(x)), and the output gate is another low-rank pair behind
+//! a sigmoid (`rms_norm(o) · w · sigmoid(g_b(g_a(x)))`). The delta rule is
+//! the same kernel with `channel_decay`.
 //!
 //! What a sequence carries between forward passes is fixed in size: the
 //! convolution's last `K − 1` inputs and the delta rule's state, in the
@@ -39,25 +48,49 @@ const L2_EPS: f32 = 1e-6;
 pub(crate) struct GatedDeltaNet {
     p: DeltaParams,
     kernel: usize,
-    /// `[q; k; v]` (every head of each), then the gate `z`, `b` and `a`.
-    qkv: LinearWeight,
-    z: LinearWeight,
-    b: LinearWeight,
-    a: LinearWeight,
+    proj: Projections,
     /// `[conv_dim, K]`.
     conv: Vec<f32>,
-    /// `−exp(A_log)` and `dt_bias` per value head.
+    /// `−exp(A_log)` per value head.
     neg_a: Vec<f32>,
+    /// Added to the decay's input: per value head (Gated DeltaNet) or per
+    /// key channel of each head (KDA).
     dt_bias: Vec<f32>,
     /// The gated RMSNorm's weight, `[dv]` (a plain weight: no `1 + w`).
     norm: Vec<f32>,
     out: LinearWeight,
 }
 
+/// The input projections, by layer kind.
+enum Projections {
+    /// Gated DeltaNet: `[q; k; v]` (every head of each) in one weight,
+    /// then the output gate `z`, `b` and the decay input `a`.
+    Gdn {
+        qkv: LinearWeight,
+        z: LinearWeight,
+        b: LinearWeight,
+        a: LinearWeight,
+    },
+    /// Kimi Delta Attention: `q`, `k`, `v`, `b`, and the low-rank pairs of
+    /// the forget gate (`f_a`, `f_b`) and of the output gate (`g_a`, `g_b`).
+    Kda {
+        q: LinearWeight,
+        k: LinearWeight,
+        v: LinearWeight,
+        b: LinearWeight,
+        f: [LinearWeight; 2],
+        g: [LinearWeight; 2],
+    },
+}
+
 /// A linear layer's activations, reused across passes.
 #[derive(Default)]
 pub(crate) struct GdnScratch {
     qkv: Vec<f32>,
+    /// KDA's q, k, v before they are laid out as `[q, k, v]` rows, and its
+    /// low-rank gates' inner activations.
+    parts: [Vec<f32>; 3],
+    low: [Vec<f32>; 2],
     z: Vec<f32>,
     b: Vec<f32>,
     a: Vec<f32>,
@@ -88,7 +121,7 @@ impl GatedDeltaNet {
             dk: lc.k_dim,
             dv: lc.v_dim,
             chunk: DELTA_CHUNK,
-            channel_decay: false,
+            channel_decay: lc.layout == LinearLayout::Kda,
             sharing: lc.sharing,
         }
     }
@@ -103,6 +136,9 @@ impl GatedDeltaNet {
         lc: &LinearConfig,
         prefix: &str,
     ) -> Result<Self, ModelError> {
+        if lc.layout == LinearLayout::Kda {
+            return Self::load_kda(ld, cfg, lc, prefix);
+        }
         let h = cfg.hidden;
         let (nk, nv, dk, dv) = (lc.n_k_heads, lc.n_v_heads, lc.k_dim, lc.v_dim);
         let r = nv / nk;
@@ -149,6 +185,7 @@ impl GatedDeltaNet {
                 let (b, a) = grouped_ba(&n("", "ssm_ba.weight"))?;
                 (qkv, z, b, a)
             }
+            (LinearLayout::Kda, _) => unreachable!("KDA layers load in load_kda"),
             (LinearLayout::Grouped, false) => {
                 // Per key head g: [q_g (dk), k_g (dk), v_g (r·dv), z_g (r·dv)].
                 let group = 2 * dk + 2 * r * dv;
@@ -186,19 +223,11 @@ impl GatedDeltaNet {
                 a_log.iter().map(|x| -x.exp()).collect()
             }
         };
-        if let Some(bad) = neg_a.iter().find(|a| !(a.is_finite() && **a <= 0.0)) {
-            return Err(ModelError::BadTensor {
-                name: n("A_log", "ssm_a"),
-                why: format!("a decay rate of {bad} (−exp(A_log) must be finite and ≤ 0)"),
-            });
-        }
+        check_decay_rates(&neg_a, &n("A_log", "ssm_a"))?;
         Ok(GatedDeltaNet {
             p: Self::params(lc),
             kernel: lc.conv_kernel,
-            qkv,
-            z,
-            b,
-            a,
+            proj: Projections::Gdn { qkv, z, b, a },
             conv,
             neg_a,
             dt_bias: ld.raw_vector(&n("dt_bias", "ssm_dt.bias"), nv)?,
@@ -207,12 +236,66 @@ impl GatedDeltaNet {
         })
     }
 
+    /// A Kimi Delta Attention layer (transformers' names,
+    /// `{prefix}self_attn.…`).
+    fn load_kda(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        lc: &LinearConfig,
+        prefix: &str,
+    ) -> Result<Self, ModelError> {
+        let (h, nh, d) = (cfg.hidden, lc.n_v_heads, lc.k_dim);
+        let n = |s: &str| format!("{prefix}self_attn.{s}");
+        let w = |s: &str, rows: usize, cols: usize| ld.weight(&n(s), rows, cols);
+        // The gates' projections stay on f32 activations, as Gated
+        // DeltaNet's `b` and `a` do: they feed exponentials.
+        let exact = |s: &str, rows: usize, cols: usize| ld.exact_weight(&n(s), rows, cols);
+        let mut conv = Vec::with_capacity(3 * nh * d * lc.conv_kernel);
+        for part in ["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"] {
+            let t = ld.tensor(&n(part))?;
+            check_shape(&t, &n(part), &[nh * d, 1, lc.conv_kernel])?;
+            conv.extend(super::loader::to_f32(&t)?);
+        }
+        let a_log = ld.tensor(&n("A_log"))?;
+        check_shape(&a_log, &n("A_log"), &[1, 1, nh, 1])?;
+        let neg_a: Vec<f32> = super::loader::to_f32(&a_log)?
+            .iter()
+            .map(|x| -x.exp())
+            .collect();
+        check_decay_rates(&neg_a, &n("A_log"))?;
+        Ok(GatedDeltaNet {
+            p: Self::params(lc),
+            kernel: lc.conv_kernel,
+            proj: Projections::Kda {
+                q: w("q_proj.weight", nh * d, h)?,
+                k: w("k_proj.weight", nh * d, h)?,
+                v: w("v_proj.weight", nh * d, h)?,
+                b: exact("b_proj.weight", nh, h)?,
+                f: [
+                    exact("f_a_proj.weight", d, h)?,
+                    exact("f_b_proj.weight", nh * d, d)?,
+                ],
+                g: [
+                    w("g_a_proj.weight", d, h)?,
+                    w("g_b_proj.weight", nh * d, d)?,
+                ],
+            },
+            conv,
+            neg_a,
+            dt_bias: ld.raw_vector(&n("dt_bias"), nh * d)?,
+            norm: ld.raw_vector(&n("o_norm.weight"), d)?,
+            out: w("o_proj.weight", h, nh * d)?,
+        })
+    }
+
     /// Bytes of the layer's weights (all of them are read per token).
     pub fn byte_len(&self) -> usize {
-        [&self.qkv, &self.z, &self.b, &self.a, &self.out]
-            .iter()
-            .map(|w| w.byte_len())
-            .sum::<usize>()
+        let ws: Vec<&LinearWeight> = match &self.proj {
+            Projections::Gdn { qkv, z, b, a } => vec![qkv, z, b, a],
+            Projections::Kda { q, k, v, b, f, g } => vec![q, k, v, b, &f[0], &f[1], &g[0], &g[1]],
+        };
+        ws.iter().map(|w| w.byte_len()).sum::<usize>()
+            + self.out.byte_len()
             + 4 * (self.conv.len() + self.neg_a.len() + self.dt_bias.len() + self.norm.len())
     }
 
@@ -232,21 +315,65 @@ impl GatedDeltaNet {
         let p = &self.p;
         let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.dk, p.dv);
         let conv_dim = 2 * nk * dk + nv * dv;
+        let gd = p.g_dim();
         let qkv = sized(&mut s.qkv, n * conv_dim);
         let z = sized(&mut s.z, n * nv * dv);
         let b = sized(&mut s.b, n * nv);
-        let a = sized(&mut s.a, n * nv);
-        let ws = [&self.qkv, &self.z, &self.b, &self.a];
-        let input = LinearInput::new(xn, n, q8, &ws)?;
-        forward_batch(
-            &input,
-            &mut [
-                (&self.qkv, &mut *qkv),
-                (&self.z, &mut *z),
-                (&self.b, &mut *b),
-                (&self.a, &mut *a),
-            ],
-        )?;
+        // The decay's input: per value head, or per key channel (KDA).
+        let a = sized(&mut s.a, n * nv * gd);
+        match &self.proj {
+            Projections::Gdn {
+                qkv: wqkv,
+                z: wz,
+                b: wb,
+                a: wa,
+            } => {
+                let input = LinearInput::new(xn, n, q8, &[wqkv, wz, wb, wa])?;
+                forward_batch(
+                    &input,
+                    &mut [
+                        (wqkv, &mut *qkv),
+                        (wz, &mut *z),
+                        (wb, &mut *b),
+                        (wa, &mut *a),
+                    ],
+                )?;
+            }
+            Projections::Kda {
+                q,
+                k,
+                v,
+                b: wb,
+                f,
+                g,
+            } => {
+                let d = nv * dv;
+                let [pq, pk, pv] = &mut s.parts;
+                let (pq, pk, pv) = (sized(pq, n * d), sized(pk, n * d), sized(pv, n * d));
+                let [fl, gl] = &mut s.low;
+                let (fl, gl) = (sized(fl, n * dk), sized(gl, n * dk));
+                let input = LinearInput::new(xn, n, q8, &[q, k, v, wb, &f[0], &g[0]])?;
+                forward_batch(
+                    &input,
+                    &mut [
+                        (q, &mut *pq),
+                        (k, &mut *pk),
+                        (v, &mut *pv),
+                        (wb, &mut *b),
+                        (&f[0], &mut *fl),
+                        (&g[0], &mut *gl),
+                    ],
+                )?;
+                f[1].forward(&LinearInput::new(fl, n, q8, &[&f[1]])?, a)?;
+                g[1].forward(&LinearInput::new(gl, n, q8, &[&g[1]])?, z)?;
+                for (t, row) in qkv.chunks_exact_mut(conv_dim).enumerate() {
+                    let src = t * d..(t + 1) * d;
+                    row[..d].copy_from_slice(&pq[src.clone()]);
+                    row[d..2 * d].copy_from_slice(&pk[src.clone()]);
+                    row[2 * d..].copy_from_slice(&pv[src]);
+                }
+            }
+        }
         // The convolution, each sequence from its own tail.
         let mixed = sized(&mut s.mixed, n * conv_dim);
         let (tails, states) = ctx.pool.states_mut(ctx.index)?;
@@ -284,10 +411,13 @@ impl GatedDeltaNet {
             v[t * nv * dv..(t + 1) * nv * dv].copy_from_slice(vs);
         }
         // β and the log decay per token and value head.
-        let g = sized(&mut s.g, n * nv);
-        for (i, (g, b)) in g.iter_mut().zip(b.iter_mut()).enumerate() {
-            let h = i % nv;
-            *g = self.neg_a[h] * softplus(a[i] + self.dt_bias[h]);
+        let g = sized(&mut s.g, n * nv * gd);
+        for (i, g) in g.iter_mut().enumerate() {
+            // `dt_bias` has one value per head (gd = 1) or per head and channel.
+            let c = i % (nv * gd);
+            *g = self.neg_a[c / gd] * softplus(a[i] + self.dt_bias[c]);
+        }
+        for b in b.iter_mut() {
             *b = 1.0 / (1.0 + (-*b).exp());
         }
         let core = sized(&mut s.core, n * nv * dv);
@@ -313,13 +443,34 @@ impl GatedDeltaNet {
         for (o, zh) in core.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
             let ms = o.iter().map(|v| v * v).sum::<f32>() / dv as f32;
             let inv = 1.0 / (ms + cfg.rms_eps).sqrt();
-            for ((o, &w), &zv) in o.iter_mut().zip(&self.norm).zip(zh) {
-                *o = *o * inv * w * (zv / (1.0 + (-zv).exp()));
+            match self.proj {
+                Projections::Gdn { .. } => {
+                    for ((o, &w), &zv) in o.iter_mut().zip(&self.norm).zip(zh) {
+                        *o = *o * inv * w * (zv / (1.0 + (-zv).exp()));
+                    }
+                }
+                Projections::Kda { .. } => {
+                    for ((o, &w), &zv) in o.iter_mut().zip(&self.norm).zip(zh) {
+                        *o = *o * inv * w / (1.0 + (-zv).exp());
+                    }
+                }
             }
         }
         self.out
             .forward(&LinearInput::new(core, n, q8, &[&self.out])?, out)?;
         Ok(())
+    }
+}
+
+/// `−exp(A_log)` must be a finite rate of forgetting (≤ 0), or every
+/// state would blow up.
+fn check_decay_rates(neg_a: &[f32], name: &str) -> Result<(), ModelError> {
+    match neg_a.iter().find(|a| !(a.is_finite() && **a <= 0.0)) {
+        Some(bad) => Err(ModelError::BadTensor {
+            name: name.into(),
+            why: format!("a decay rate of {bad} (−exp(A_log) must be finite and ≤ 0)"),
+        }),
+        None => Ok(()),
     }
 }
 

@@ -151,6 +151,19 @@ impl Names {
                 ],
                 shared_gate: n("ffn_gate_inp_shexp.weight"),
             },
+            Checkpoint::Hf(_) if cfg.arch == crate::config::Arch::KimiLinear => Names {
+                router: n("block_sparse_moe.gate.weight"),
+                bias: n("block_sparse_moe.gate.e_score_correction_bias"),
+                gate: n("block_sparse_moe.experts.{e}.w1.weight"),
+                up: n("block_sparse_moe.experts.{e}.w3.weight"),
+                down: n("block_sparse_moe.experts.{e}.w2.weight"),
+                shared: [
+                    n("block_sparse_moe.shared_experts.gate_proj.weight"),
+                    n("block_sparse_moe.shared_experts.up_proj.weight"),
+                    n("block_sparse_moe.shared_experts.down_proj.weight"),
+                ],
+                shared_gate: String::new(),
+            },
             Checkpoint::Hf(_) if cfg.arch == crate::config::Arch::Mixtral => Names {
                 router: n("block_sparse_moe.gate.weight"),
                 bias: String::new(),

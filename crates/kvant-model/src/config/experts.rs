@@ -175,6 +175,62 @@ impl ExpertsConfig {
                         .collect(),
                 }
             }
+            // Kimi Linear routes as DeepSeek-V3; its config keeps Moonshot's
+            // names (transformers maps its own onto them).
+            Arch::KimiLinear => {
+                let either =
+                    |a: &str, b: &str| -> Result<Option<usize>> { Ok(int(a)?.or(int(b)?)) };
+                let reqe =
+                    |a: &str, b: &str| either(a, b)?.ok_or_else(|| ConfigError::Missing(a.into()));
+                let n = reqe("num_experts", "num_local_experts")?;
+                let ff = req("moe_intermediate_size")?;
+                let n_shared = either("num_shared_experts", "n_shared_experts")?.unwrap_or(0);
+                let norm = match cfg.get("moe_renormalize").and_then(Value::as_bool) {
+                    Some(v) => v,
+                    None => flag("norm_topk_prob", true),
+                };
+                let layers = match cfg.get("mlp_layer_types").and_then(Value::as_array) {
+                    Some(types) => types
+                        .iter()
+                        .map(|t| match t.as_str() {
+                            Some("sparse") => Ok(true),
+                            Some("dense") => Ok(false),
+                            _ => Err(ConfigError::Invalid {
+                                key: "mlp_layer_types".into(),
+                                why: format!("`{t}` is neither dense nor sparse"),
+                            }),
+                        })
+                        .collect::<Result<Vec<bool>>>()?,
+                    None => {
+                        let first_dense = int("first_k_dense_replace")?.unwrap_or(1);
+                        (0..n_layers).map(|i| i >= first_dense).collect()
+                    }
+                };
+                if layers.len() != n_layers {
+                    return Err(ConfigError::Invalid {
+                        key: "mlp_layer_types".into(),
+                        why: format!("{} entries for {n_layers} layers", layers.len()),
+                    });
+                }
+                ExpertsConfig {
+                    router: RouterParams {
+                        n_experts: n,
+                        top_k: reqe("num_experts_per_token", "num_experts_per_tok")?,
+                        scoring: Scoring::Sigmoid,
+                        norm_topk: norm,
+                        n_group: either("num_expert_group", "n_group")?.unwrap_or(1),
+                        topk_group: int("topk_group")?.unwrap_or(1),
+                        group_score: GroupScore::SumTop2,
+                        scale: num("routed_scaling_factor", 2.446),
+                    },
+                    ff,
+                    shared: (n_shared > 0).then_some(SharedExperts {
+                        ff: ff * n_shared,
+                        gated: false,
+                    }),
+                    layers,
+                }
+            }
             _ => return Ok(None),
         };
         out.validate()?;

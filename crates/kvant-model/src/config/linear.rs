@@ -19,6 +19,12 @@ pub enum LinearLayout {
     /// `in_proj_b`, `in_proj_a` (GGUF: `attn_qkv`, `attn_gate`,
     /// `ssm_beta`, `ssm_alpha`).
     Split,
+    /// Kimi Delta Attention (Kimi Linear): `q_proj`, `k_proj`, `v_proj`
+    /// with a conv each, a low-rank forget gate per key channel
+    /// (`f_a_proj`, `f_b_proj`), `b_proj`, a low-rank output gate
+    /// (`g_a_proj`, `g_b_proj`) behind a sigmoid-gated norm; one value head
+    /// per key head, `dk = dv`.
+    Kda,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -113,6 +119,82 @@ impl LinearConfig {
             conv_kernel: json_usize(cfg, "linear_conv_kernel_dim")?.unwrap_or(4),
             layers,
             layout,
+            sharing: HeadSharing::Grouped,
+        }
+        .validate(n_layers)
+    }
+
+    /// From a Kimi Linear `config.json`: transformers' `linear_num_heads`,
+    /// `linear_head_dim`, `linear_conv_kernel_dim` and `layer_types`, or
+    /// the published checkpoints' `linear_attn_config` (`num_heads`,
+    /// `head_dim`, `short_conv_kernel_size`, 1-based `kda_layers` and
+    /// `full_attn_layers`); without either list, every fourth layer from
+    /// the second is full attention (transformers' default).
+    pub(super) fn from_hf_kimi(cfg: &Value, n_layers: usize) -> Result<Self> {
+        let lac = cfg.get("linear_attn_config").filter(|v| v.is_object());
+        let key = |flat: &str, nested: &str| -> Result<Option<usize>> {
+            match (json_usize(cfg, flat)?, lac) {
+                (Some(v), _) => Ok(Some(v)),
+                (None, Some(l)) => json_usize(l, nested),
+                (None, None) => Ok(None),
+            }
+        };
+        let heads = key("linear_num_heads", "num_heads")?.unwrap_or(32);
+        let dim = key("linear_head_dim", "head_dim")?.unwrap_or(128);
+        let layers = match (cfg.get("layer_types").and_then(Value::as_array), lac) {
+            (Some(_), _) => {
+                Self::from_hf(
+                    &serde_json::json!({
+                        "layer_types": cfg["layer_types"],
+                        "linear_num_key_heads": heads,
+                        "linear_num_value_heads": heads,
+                        "linear_key_head_dim": dim,
+                        "linear_value_head_dim": dim,
+                    }),
+                    LinearLayout::Kda,
+                    n_layers,
+                )?
+                .layers
+            }
+            (None, Some(l)) => {
+                let list = |k: &str| -> Result<Vec<usize>> {
+                    l.get(k)
+                        .and_then(Value::as_array)
+                        .ok_or_else(|| ConfigError::Missing(format!("linear_attn_config.{k}")))?
+                        .iter()
+                        .map(|v| {
+                            v.as_u64()
+                                .map(|v| v as usize)
+                                .filter(|&v| (1..=n_layers).contains(&v))
+                                .ok_or_else(|| ConfigError::Invalid {
+                                    key: format!("linear_attn_config.{k}"),
+                                    why: format!("{v} is not a layer number from 1 to {n_layers}"),
+                                })
+                        })
+                        .collect()
+                };
+                let (kda, full) = (list("kda_layers")?, list("full_attn_layers")?);
+                (1..=n_layers)
+                    .map(|i| match (kda.contains(&i), full.contains(&i)) {
+                        (true, false) => Ok(true),
+                        (false, true) => Ok(false),
+                        _ => Err(ConfigError::Invalid {
+                            key: "linear_attn_config".into(),
+                            why: format!("layer {i} must be in exactly one of kda_layers and full_attn_layers"),
+                        }),
+                    })
+                    .collect::<Result<Vec<bool>>>()?
+            }
+            (None, None) => (0..n_layers).map(|i| i == 0 || i % 4 != 0).collect(),
+        };
+        LinearConfig {
+            n_k_heads: heads,
+            n_v_heads: heads,
+            k_dim: dim,
+            v_dim: dim,
+            conv_kernel: key("linear_conv_kernel_dim", "short_conv_kernel_size")?.unwrap_or(4),
+            layers,
+            layout: LinearLayout::Kda,
             sharing: HeadSharing::Grouped,
         }
         .validate(n_layers)

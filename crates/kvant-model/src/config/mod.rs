@@ -18,7 +18,7 @@ pub enum ConfigError {
     #[error(
         "unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3, gemma3, \
          mixtral, qwen2moe, qwen3moe, deepseek2, deepseek3, deepseek32, qwen3next, qwen35, \
-         qwen35moe)"
+         qwen35moe, kimi_linear)"
     )]
     UnsupportedArch(String),
     #[error(transparent)]
@@ -59,6 +59,9 @@ pub enum Arch {
     /// The same hybrid with a dense FFN (Qwen3.5) or MoE (Qwen3.5-MoE).
     Qwen35,
     Qwen35Moe,
+    /// Kimi Delta Attention layers beside latent attention without
+    /// positions (NoPE), DeepSeek-V3-style MoE (Kimi Linear).
+    KimiLinear,
 }
 
 impl Arch {
@@ -78,6 +81,7 @@ impl Arch {
             Arch::Qwen3Next => "qwen3next",
             Arch::Qwen35 => "qwen35",
             Arch::Qwen35Moe => "qwen35moe",
+            Arch::KimiLinear => "kimi_linear",
         }
     }
 }
@@ -91,6 +95,10 @@ pub struct RopeConfig {
     pub scaling: RopeScaling,
     /// Base for sliding-window layers when it differs (Gemma 3's local rope).
     pub local_theta: Option<f32>,
+    /// No positions at all (Kimi Linear's latent attention): every
+    /// frequency is zero, so the rotation is the identity (cos 0 = 1 and
+    /// sin 0 = 0 exactly) and the rope path runs unchanged.
+    pub nope: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -163,6 +171,9 @@ impl ModelConfig {
             _ => self.rope.theta,
         };
         let d = self.rope.dim;
+        if self.rope.nope {
+            return vec![0.0; d / 2];
+        }
         let mut inv: Vec<f32> = (0..d / 2)
             .map(|i| (1.0 / (theta as f64).powf((2 * i) as f64 / d as f64)) as f32)
             .collect();
@@ -352,6 +363,7 @@ impl ModelConfig {
                 style,
                 scaling,
                 local_theta: gemma.then_some(10_000.0),
+                nope: false,
             },
             sliding_window,
             sliding_layers,
@@ -419,6 +431,7 @@ impl ModelConfig {
             "qwen3_next" => Arch::Qwen3Next,
             "qwen3_5_text" => Arch::Qwen35,
             "qwen3_5_moe_text" => Arch::Qwen35Moe,
+            "kimi_linear" => Arch::KimiLinear,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
         let n_layers_hint = json_usize(cfg, "num_hidden_layers")?.unwrap_or(0);
@@ -433,12 +446,13 @@ impl ModelConfig {
                 LinearLayout::Split,
                 n_layers_hint,
             )?),
+            Arch::KimiLinear => Some(LinearConfig::from_hf_kimi(cfg, n_layers_hint)?),
             _ => None,
         };
-        let qwen_hybrid = linear.is_some();
+        let qwen_hybrid = linear.is_some() && arch != Arch::KimiLinear;
         let deepseek = matches!(
             arch,
-            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32
+            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 | Arch::KimiLinear
         );
         let mla = match deepseek {
             true => Some(MlaConfig::from_hf(cfg)?),
@@ -525,7 +539,7 @@ impl ModelConfig {
             Arch::Qwen2Moe => cfg.get("qkv_bias").and_then(Value::as_bool).unwrap_or(true),
             // DeepSeek's attention biases sit on other projections; they
             // load when present.
-            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 => false,
+            Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 | Arch::KimiLinear => false,
             _ => cfg
                 .get("attention_bias")
                 .and_then(Value::as_bool)
@@ -592,7 +606,11 @@ impl ModelConfig {
                 (None, _) => return Err(ConfigError::Missing("intermediate_size".into())),
             },
             vocab: req("vocab_size")?,
-            max_context: usize_key("max_position_embeddings")?.unwrap_or(2048),
+            // Kimi Linear's configs say `model_max_length`.
+            max_context: match usize_key("max_position_embeddings")? {
+                Some(n) => n,
+                None => usize_key("model_max_length")?.unwrap_or(2048),
+            },
             rms_eps: f32_in(cfg, "rms_norm_eps")?.unwrap_or(1e-6),
             rope: RopeConfig {
                 theta: theta.unwrap_or(10_000.0),
@@ -608,6 +626,7 @@ impl ModelConfig {
                 } else {
                     None
                 },
+                nope: arch == Arch::KimiLinear,
             },
             sliding_window,
             sliding_layers,

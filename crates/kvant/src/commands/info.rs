@@ -47,9 +47,9 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
              (indexer: {heads} heads of {dim}, one {dim}-value key per position cached)"
         );
     }
-    if let Some((layers, bytes)) = i.linear {
+    if let Some((layers, bytes, kind)) = i.linear {
         println!(
-            "linear attn     {layers} of {} layers Gated DeltaNet: {bytes} B of state per sequence, \
+            "linear attn     {layers} of {} layers {kind}: {bytes} B of state per sequence, \
              whatever its length (the KV cache above is the other layers')",
             i.layers
         );
