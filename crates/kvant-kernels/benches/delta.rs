@@ -5,6 +5,10 @@
 //! one matrix per head plus the chunk's rows, so the cost must not depend
 //! on the position).
 //!
+//! The same prefill with a decay per key channel (Kimi Delta Attention;
+//! Kimi Linear's layers have 32 heads of 128, here 16 for the same work
+//! per head).
+//!
 //! Throughput is FLOPs: twice the chunk-aligned form's multiply-adds per
 //! token and head at position `c` of its chunk, `3·dk·dv + 2·c·(dk + dv)`
 //! (two reads of the state, the fold amortised over the chunk, the
@@ -32,6 +36,12 @@ const P: DeltaParams = DeltaParams {
 
 /// Random inputs for `n` tokens: unit-norm keys, queries scaled by
 /// `1/√dk`, decays in `[-1, 0)`.
+/// Kimi Delta Attention's decay per key channel, otherwise `P`.
+const KDA: DeltaParams = DeltaParams {
+    channel_decay: true,
+    ..P
+};
+
 struct Inputs {
     q: Vec<f32>,
     k: Vec<f32>,
@@ -42,6 +52,10 @@ struct Inputs {
 
 impl Inputs {
     fn new(n: usize) -> Inputs {
+        Inputs::with(&P, n)
+    }
+
+    fn with(p: &DeltaParams, n: usize) -> Inputs {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let mut r = |len: usize, lo: f32, hi: f32| -> Vec<f32> {
             (0..len).map(|_| rng.random_range(lo..hi)).collect()
@@ -57,7 +71,7 @@ impl Inputs {
         Inputs {
             v: r(n * P.n_v_heads * P.dv, -1.0, 1.0),
             beta: r(n * P.n_v_heads, 0.0, 1.0),
-            g: r(n * P.n_v_heads, -1.0, 0.0),
+            g: r(n * p.n_v_heads * p.g_dim(), -1.0, 0.0),
             q,
             k,
         }
@@ -85,19 +99,26 @@ fn flops(pos: std::ops::Range<usize>) -> u64 {
 
 fn prefill(c: &mut Criterion) {
     let n = 512;
-    let x = Inputs::new(n);
-    let mut state = vec![0f32; P.state_len()];
-    let mut out = vec![0f32; n * P.n_v_heads * P.dv];
-    let seqs = [DeltaSeq {
-        rows: 0..n,
-        pos0: 0,
-        slot: 0,
-    }];
     let mut g = c.benchmark_group("delta rule prefill, Qwen3.5-0.8B layer, 512 tokens");
-    g.throughput(Throughput::Elements(flops(0..n)));
-    g.bench_function("elements = FLOPs", |b| {
-        b.iter(|| delta_rule(&P, black_box(x.view()), &seqs, &mut state, &mut out).expect("shape"))
-    });
+    for (name, p) in [
+        ("per-head decay (elements = FLOPs)", P),
+        ("per-channel decay, KDA (elements = FLOPs)", KDA),
+    ] {
+        let x = Inputs::with(&p, n);
+        let mut state = vec![0f32; p.state_len()];
+        let mut out = vec![0f32; n * p.n_v_heads * p.dv];
+        let seqs = [DeltaSeq {
+            rows: 0..n,
+            pos0: 0,
+            slot: 0,
+        }];
+        g.throughput(Throughput::Elements(flops(0..n)));
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                delta_rule(&p, black_box(x.view()), &seqs, &mut state, &mut out).expect("shape")
+            })
+        });
+    }
     g.finish();
 }
 
