@@ -62,6 +62,8 @@ pub(crate) struct GatedDeltaNet {
 }
 
 /// The input projections, by layer kind.
+// One per layer, inside the boxed layer: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
 enum Projections {
     /// Gated DeltaNet: `[q; k; v]` (every head of each) in one weight,
     /// then the output gate `z`, `b` and the decay input `a`.
