@@ -13,7 +13,9 @@
                    channel, a low-rank sigmoid output gate) beside latent
                    attention without positions (NoPE MLA, plain q projection),
                    a dense first layer, then DeepSeek-V3-style MoE (sigmoid
-                   scores with a selection bias, 2 groups, a shared expert)
+                   scores with a selection bias, a shared expert; one expert
+                   group, as Kimi-Linear-48B and as llama.cpp's converter
+                   assumes: it writes no group count)
 
 Each holds a tiny random checkpoint (float32) and reference.json (prompt logits,
 greedy ids, perplexity) from transformers in float32, plus a `linear` section:
@@ -29,7 +31,10 @@ strong (e^-3) to weak (e^-0.05) forgetting.
 
 With llama.cpp's converter (--converter PATH or $LLAMA_CPP_CONVERTER), each is
 also converted to GGUF F32 (gguf/{name}.F32.gguf, architectures qwen3next,
-qwen35, qwen35moe; --no-mtp, as these have no MTP layers). The converter keeps
+qwen35, qwen35moe with --no-mtp, as these have no MTP layers, and kimi-linear). The
+Kimi converter reads the published checkpoints' spelling, so it gets a copy in
+that spelling (linear_attn_config, first_k_dense_replace, the dense FFN as
+mlp.*; transformers' own save names it block_sparse_moe.*). The converter keeps
 every weight's float32 bits but stores −exp(A_log), norm weights plus one (not
 the gated norm's), a squeezed conv kernel, Qwen3-Next's in_proj_qkvz split into
 attn_qkv and attn_gate, and Qwen3.5's value heads tiled; so transformers'
@@ -154,7 +159,7 @@ def _kimi_linear() -> KimiLinearConfig:
         num_local_experts=8,
         num_experts_per_tok=2,
         n_shared_experts=1,
-        n_group=2,
+        n_group=1,
         topk_group=1,
         routed_scaling_factor=2.446,
         linear_num_heads=4,
@@ -240,7 +245,34 @@ def make_one(spec: tiny_models.Spec, tok, text: str, ids: list[int]) -> dict:
     return ref
 
 
-GGUF_ARCH = {"qwen3-next": "qwen3next", "qwen3-5": "qwen35", "qwen3-5-moe": "qwen35moe"}
+GGUF_ARCH = {"qwen3-next": "qwen3next", "qwen3-5": "qwen35", "qwen3-5-moe": "qwen35moe", "kimi-linear": "kimi-linear"}
+
+
+def published_kimi_copy(src: Path, dst: Path) -> Path:
+    """The Kimi fixture in Moonshot's spelling, which llama.cpp's converter reads."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    types = cfg.pop("layer_types")
+    cfg.pop("mlp_layer_types")
+    cfg["linear_attn_config"] = {
+        "kda_layers": [i + 1 for i, t in enumerate(types) if t == "linear_attention"],
+        "full_attn_layers": [i + 1 for i, t in enumerate(types) if t == "full_attention"],
+        "num_heads": cfg.pop("linear_num_heads"),
+        "head_dim": cfg.pop("linear_head_dim"),
+        "short_conv_kernel_size": cfg.pop("linear_conv_kernel_dim"),
+    }
+    cfg["first_k_dense_replace"] = 1
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tensors = load_file(dst / "model.safetensors")
+    dense = tuple(f"block_sparse_moe.{p}_proj.weight" for p in ("gate", "up", "down"))
+    renamed = {(k.replace("block_sparse_moe.", "mlp.") if k.endswith(dense) else k): v for k, v in tensors.items()}
+    save_file(renamed, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
 
 
 def _tiled(x: np.ndarray, nk: int, r: int, d: int) -> np.ndarray:
@@ -259,24 +291,39 @@ def check_gguf(path: Path, name: str, model: torch.nn.Module) -> None:
     t = {x.name: np.asarray(x.data).reshape([int(n) for n in reversed(x.shape)]) for x in reader.tensors}
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     c = model.config
-    nk, nv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
-    tiled = name != "qwen3-next"
-    la = "model.layers.0.linear_attn."
     # The converter's own arithmetic (torch's float32 exp, which can differ from numpy's by an ulp).
-    want_a = (-torch.exp(torch.from_numpy(sd[la + "A_log"]))).numpy()
-    if tiled:
-        want_a = _tiled(want_a, nk, nv // nk, 1)
-    checks = [
-        ("blk.0.ssm_a", want_a),
-        ("blk.2.attn_q_norm.weight", sd["model.layers.2.self_attn.q_norm.weight"] + 1),
-        ("blk.0.ssm_norm.weight", sd[la + "norm.weight"]),
-        ("blk.0.post_attention_norm.weight", sd["model.layers.0.post_attention_layernorm.weight"] + 1),
-    ]
-    if tiled:
-        checks.append(("blk.0.ssm_beta.weight", _tiled(sd[la + "in_proj_b.weight"], nk, nv // nk, 1)))
-        checks.append(("blk.0.attn_gate.weight", _tiled(sd[la + "in_proj_z.weight"], nk, nv // nk, dv)))
+    neg_exp = lambda x: (-torch.exp(torch.from_numpy(x))).numpy()  # noqa: E731
+    if name == "kimi-linear":
+        # transformers renames these modules when it loads them; the saved names are what kvant reads.
+        from safetensors.torch import load_file
+
+        sd = {k: v.numpy() for k, v in load_file(base.MODELS / name / "model.safetensors").items()}
+        sa = "model.layers.0.self_attn."
+        checks = [
+            ("blk.0.ssm_a", neg_exp(sd[sa + "A_log"])),
+            ("blk.0.ssm_norm.weight", sd[sa + "o_norm.weight"]),
+            ("blk.0.ssm_f_b.weight", sd[sa + "f_b_proj.weight"]),
+            ("blk.0.ssm_conv1d_k.weight", sd[sa + "k_conv1d.weight"]),
+            ("blk.0.ffn_norm.weight", sd["model.layers.0.post_attention_layernorm.weight"]),
+        ]
     else:
-        checks.append(("blk.0.ssm_ba.weight", sd[la + "in_proj_ba.weight"]))
+        nk, nv, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim
+        tiled = name != "qwen3-next"
+        la = "model.layers.0.linear_attn."
+        want_a = neg_exp(sd[la + "A_log"])
+        if tiled:
+            want_a = _tiled(want_a, nk, nv // nk, 1)
+        checks = [
+            ("blk.0.ssm_a", want_a),
+            ("blk.2.attn_q_norm.weight", sd["model.layers.2.self_attn.q_norm.weight"] + 1),
+            ("blk.0.ssm_norm.weight", sd[la + "norm.weight"]),
+            ("blk.0.post_attention_norm.weight", sd["model.layers.0.post_attention_layernorm.weight"] + 1),
+        ]
+        if tiled:
+            checks.append(("blk.0.ssm_beta.weight", _tiled(sd[la + "in_proj_b.weight"], nk, nv // nk, 1)))
+            checks.append(("blk.0.attn_gate.weight", _tiled(sd[la + "in_proj_z.weight"], nk, nv // nk, dv)))
+        else:
+            checks.append(("blk.0.ssm_ba.weight", sd[la + "in_proj_ba.weight"]))
     for key, want in checks:
         got = t[key].astype(np.float32).reshape(want.shape)
         if not np.array_equal(got, want.astype(np.float32)):
@@ -285,9 +332,15 @@ def check_gguf(path: Path, name: str, model: torch.nn.Module) -> None:
 
 
 def make_gguf(spec: tiny_models.Spec, ref: dict, converter: Path) -> None:
+    import tempfile
+
     src = base.MODELS / spec.name
     moe.GGUF_DIR.mkdir(parents=True, exist_ok=True)
-    path = moe.convert(converter, src, spec.name, "F32", extra=("--no-mtp",))
+    with tempfile.TemporaryDirectory() as tmp:
+        conv_src = published_kimi_copy(src, Path(tmp) / spec.name) if spec.name == "kimi-linear" else src
+        # The Qwen converters would add MTP blocks the fixtures do not have.
+        extra = () if spec.name == "kimi-linear" else ("--no-mtp",)
+        path = moe.convert(converter, conv_src, spec.name, "F32", extra=extra)
     check_gguf(path, spec.name, tiny_models.load(src))
     gref = {k: v for k, v in ref.items() if k != "linear"}
     gref["model"] = f"{spec.name}.F32"

@@ -80,8 +80,14 @@ impl Checkpoint {
             }
             Checkpoint::Hf(_) => {
                 let n = |s: &str| format!("model.layers.{layer}.{s}");
+                // transformers saves Kimi Linear's dense FFN where the
+                // experts go; the published checkpoints say `mlp`.
                 let ffn = match arch {
-                    Arch::KimiLinear => "block_sparse_moe",
+                    Arch::KimiLinear
+                        if self.has_tensor(&n("block_sparse_moe.gate_proj.weight")) =>
+                    {
+                        "block_sparse_moe"
+                    }
                     _ => "mlp",
                 };
                 LayerNames {
@@ -101,7 +107,6 @@ impl Checkpoint {
                         n("post_attention_layernorm.weight")
                     },
                     post_ffn_norm: n("post_feedforward_layernorm.weight"),
-                    // Kimi Linear keeps its dense FFN where the experts go.
                     gate: n(&format!("{ffn}.gate_proj.weight")),
                     up: n(&format!("{ffn}.up_proj.weight")),
                     down: n(&format!("{ffn}.down_proj.weight")),

@@ -238,8 +238,9 @@ impl GatedDeltaNet {
         })
     }
 
-    /// A Kimi Delta Attention layer (transformers' names,
-    /// `{prefix}self_attn.…`).
+    /// A Kimi Delta Attention layer: Hugging Face names
+    /// (`{prefix}self_attn.…`) or llama.cpp's (`attn_q`, `ssm_conv1d_q`,
+    /// `ssm_f_a`, …; `ssm_a` holds `−exp(A_log)`).
     fn load_kda(
         ld: &Loader<'_>,
         cfg: &ModelConfig,
@@ -247,46 +248,62 @@ impl GatedDeltaNet {
         prefix: &str,
     ) -> Result<Self, ModelError> {
         let (h, nh, d) = (cfg.hidden, lc.n_v_heads, lc.k_dim);
-        let n = |s: &str| format!("{prefix}self_attn.{s}");
-        let w = |s: &str, rows: usize, cols: usize| ld.weight(&n(s), rows, cols);
+        let gguf = matches!(ld.ckpt, Checkpoint::Gguf(_));
+        let n = |hf: &str, gg: &str| match gguf {
+            true => format!("{prefix}{gg}"),
+            false => format!("{prefix}self_attn.{hf}"),
+        };
+        let w = |hf: &str, gg: &str, rows: usize, cols: usize| ld.weight(&n(hf, gg), rows, cols);
         // The gates' projections stay on f32 activations, as Gated
         // DeltaNet's `b` and `a` do: they feed exponentials.
-        let exact = |s: &str, rows: usize, cols: usize| ld.exact_weight(&n(s), rows, cols);
+        let exact =
+            |hf: &str, gg: &str, rows: usize, cols: usize| ld.exact_weight(&n(hf, gg), rows, cols);
         let mut conv = Vec::with_capacity(3 * nh * d * lc.conv_kernel);
-        for part in ["q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"] {
-            let t = ld.tensor(&n(part))?;
-            check_shape(&t, &n(part), &[nh * d, 1, lc.conv_kernel])?;
+        for (hf, gg) in [
+            ("q_conv1d.weight", "ssm_conv1d_q.weight"),
+            ("k_conv1d.weight", "ssm_conv1d_k.weight"),
+            ("v_conv1d.weight", "ssm_conv1d_v.weight"),
+        ] {
+            let name = n(hf, gg);
+            let t = ld.tensor(&name)?;
+            let shape: &[usize] = match gguf {
+                true => &[1, nh * d, 1, lc.conv_kernel],
+                false => &[nh * d, 1, lc.conv_kernel],
+            };
+            check_shape(&t, &name, shape)?;
             conv.extend(super::loader::to_f32(&t)?);
         }
-        let a_log = ld.tensor(&n("A_log"))?;
-        check_shape(&a_log, &n("A_log"), &[1, 1, nh, 1])?;
-        let neg_a: Vec<f32> = super::loader::to_f32(&a_log)?
-            .iter()
-            .map(|x| -x.exp())
-            .collect();
-        check_decay_rates(&neg_a, &n("A_log"))?;
+        let a_name = n("A_log", "ssm_a");
+        let a = ld.tensor(&a_name)?;
+        check_shape(&a, &a_name, &[1, 1, nh, 1])?;
+        let a = super::loader::to_f32(&a)?;
+        let neg_a: Vec<f32> = match gguf {
+            true => a,
+            false => a.iter().map(|x| -x.exp()).collect(),
+        };
+        check_decay_rates(&neg_a, &a_name)?;
         Ok(GatedDeltaNet {
             p: Self::params(lc),
             kernel: lc.conv_kernel,
             proj: Projections::Kda {
-                q: w("q_proj.weight", nh * d, h)?,
-                k: w("k_proj.weight", nh * d, h)?,
-                v: w("v_proj.weight", nh * d, h)?,
-                b: exact("b_proj.weight", nh, h)?,
+                q: w("q_proj.weight", "attn_q.weight", nh * d, h)?,
+                k: w("k_proj.weight", "attn_k.weight", nh * d, h)?,
+                v: w("v_proj.weight", "attn_v.weight", nh * d, h)?,
+                b: exact("b_proj.weight", "ssm_beta.weight", nh, h)?,
                 f: [
-                    exact("f_a_proj.weight", d, h)?,
-                    exact("f_b_proj.weight", nh * d, d)?,
+                    exact("f_a_proj.weight", "ssm_f_a.weight", d, h)?,
+                    exact("f_b_proj.weight", "ssm_f_b.weight", nh * d, d)?,
                 ],
                 g: [
-                    w("g_a_proj.weight", d, h)?,
-                    w("g_b_proj.weight", nh * d, d)?,
+                    w("g_a_proj.weight", "ssm_g_a.weight", d, h)?,
+                    w("g_b_proj.weight", "ssm_g_b.weight", nh * d, d)?,
                 ],
             },
             conv,
             neg_a,
-            dt_bias: ld.raw_vector(&n("dt_bias"), nh * d)?,
-            norm: ld.raw_vector(&n("o_norm.weight"), d)?,
-            out: w("o_proj.weight", h, nh * d)?,
+            dt_bias: ld.raw_vector(&n("dt_bias", "ssm_dt.bias"), nh * d)?,
+            norm: ld.raw_vector(&n("o_norm.weight", "ssm_norm.weight"), d)?,
+            out: w("o_proj.weight", "attn_output.weight", h, nh * d)?,
         })
     }
 

@@ -262,6 +262,8 @@ impl ExpertsConfig {
         let scoring = match g.get_u32(&key("expert_gating_func"))? {
             // DeepSeek-V3.2 routes by sigmoid only (llama.cpp requires the key).
             None if arch_name == "deepseek32" => Scoring::Sigmoid,
+            // Kimi Linear routes by sigmoid; its converter writes no key.
+            None if arch_name == "kimi-linear" => Scoring::Sigmoid,
             None | Some(1) => Scoring::Softmax,
             Some(2) => Scoring::Sigmoid,
             Some(other) => {
@@ -272,7 +274,10 @@ impl ExpertsConfig {
             }
         };
         // llama.cpp's defaults where the converter writes no key.
-        let norm_default = matches!(arch_name, "llama" | "qwen3moe" | "qwen3next" | "qwen35moe");
+        let norm_default = matches!(
+            arch_name,
+            "llama" | "qwen3moe" | "qwen3next" | "qwen35moe" | "kimi-linear"
+        );
         let shared = match arch_name {
             "qwen2moe" | "qwen3next" | "qwen35moe" => g
                 .get_usize(&key("expert_shared_feed_forward_length"))?

@@ -200,6 +200,32 @@ impl LinearConfig {
         .validate(n_layers)
     }
 
+    /// From `kimi-linear.*` metadata as llama.cpp's converter writes it:
+    /// KDA heads are the attention heads, their size `kda.head_dim`, and a
+    /// layer is linear where its `attention.head_count_kv` entry is 0.
+    pub(super) fn from_gguf_kimi(g: &GgufFile, arch_name: &str, n_layers: usize) -> Result<Self> {
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let req = |k: &str| -> Result<usize> {
+            g.get_usize(&key(k))?
+                .ok_or_else(|| ConfigError::Missing(key(k)))
+        };
+        let kv = g
+            .get_i32_array(&key("attention.head_count_kv"))?
+            .ok_or_else(|| ConfigError::Missing(key("attention.head_count_kv")))?;
+        let (heads, dim) = (req("attention.head_count")?, req("kda.head_dim")?);
+        LinearConfig {
+            n_k_heads: heads,
+            n_v_heads: heads,
+            k_dim: dim,
+            v_dim: dim,
+            conv_kernel: req("ssm.conv_kernel")?,
+            layers: kv.iter().take(n_layers).map(|&n| n == 0).collect(),
+            layout: LinearLayout::Kda,
+            sharing: HeadSharing::Grouped,
+        }
+        .validate(n_layers)
+    }
+
     /// From `{arch}.ssm.*` metadata as llama.cpp's converter writes it:
     /// the key head size is `ssm.state_size`, the value heads' size follows
     /// from `ssm.inner_size` (llama.cpp itself assumes the two equal); the

@@ -263,6 +263,7 @@ impl ModelConfig {
             "qwen3next" => Arch::Qwen3Next,
             "qwen35" => Arch::Qwen35,
             "qwen35moe" => Arch::Qwen35Moe,
+            "kimi-linear" => Arch::KimiLinear,
             other => return Err(ConfigError::UnsupportedArch(other.into())),
         };
         let key = |k: &str| format!("{arch_name}.{k}");
@@ -283,7 +284,9 @@ impl ModelConfig {
             (a, _) => a,
         };
         let mla = match arch {
-            Arch::DeepseekV2 | Arch::DeepseekV32 => Some(MlaConfig::from_gguf(g, &arch_name)?),
+            Arch::DeepseekV2 | Arch::DeepseekV32 | Arch::KimiLinear => {
+                Some(MlaConfig::from_gguf(g, &arch_name)?)
+            }
             _ => None,
         };
         let indexer = match (arch, mla) {
@@ -296,18 +299,24 @@ impl ModelConfig {
             Arch::Qwen3Next | Arch::Qwen35 | Arch::Qwen35Moe => {
                 Some(LinearConfig::from_gguf(g, &arch_name, n_layers)?)
             }
+            Arch::KimiLinear => Some(LinearConfig::from_gguf_kimi(g, &arch_name, n_layers)?),
             _ => None,
         };
-        let qwen_hybrid = linear.is_some();
+        let qwen_hybrid = linear.is_some() && arch != Arch::KimiLinear;
         let req = |k: &str| -> Result<usize> {
             g.get_usize(&key(k))?
                 .ok_or_else(|| ConfigError::Missing(key(k)))
         };
         let hidden = req("embedding_length")?;
         let n_heads = req("attention.head_count")?;
-        let n_kv_heads = g
-            .get_usize(&key("attention.head_count_kv"))?
-            .unwrap_or(n_heads);
+        // Kimi Linear's converter writes one KV head count per layer (0
+        // marks its linear layers; latent attention has one).
+        let n_kv_heads = match arch {
+            Arch::KimiLinear => 1,
+            _ => g
+                .get_usize(&key("attention.head_count_kv"))?
+                .unwrap_or(n_heads),
+        };
         let head_dim = match (mla, g.get_usize(&key("attention.key_length"))?) {
             (Some(m), _) => m.qk_dim(),
             (None, Some(d)) => d,
@@ -363,7 +372,7 @@ impl ModelConfig {
                 style,
                 scaling,
                 local_theta: gemma.then_some(10_000.0),
-                nope: false,
+                nope: arch == Arch::KimiLinear,
             },
             sliding_window,
             sliding_layers,
