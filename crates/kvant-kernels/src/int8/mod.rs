@@ -227,15 +227,8 @@ unsafe fn tile<const T: usize>(
     ptrs: &impl Fn(usize) -> avx2::TokenPtrs,
     store: &impl Fn(usize, &[f32; GROUP]),
 ) -> usize {
-    use std::arch::x86_64::_mm256_storeu_ps;
-    let x: [avx2::TokenPtrs; T] = std::array::from_fn(|i| ptrs(t0 + i));
-    let acc = avx2::group_tile::<T>(w.format(), blk.as_ptr(), w.blocks(), &x);
-    for (i, a) in acc.iter().enumerate() {
-        let mut v = [0f32; GROUP];
-        _mm256_storeu_ps(v.as_mut_ptr(), *a);
-        store(t0 + i, &v);
-    }
-    T
+    // SAFETY: the caller's contract; AVX2, FMA and F16C are enabled here.
+    unsafe { tile_body::<T, false>(w, blk, t0, ptrs, store) }
 }
 
 /// [`tile`] on the AVX-512 VNNI kernels.
@@ -251,12 +244,38 @@ unsafe fn tile_vnni<const T: usize>(
     ptrs: &impl Fn(usize) -> avx2::TokenPtrs,
     store: &impl Fn(usize, &[f32; GROUP]),
 ) -> usize {
+    // SAFETY: the caller's contract; the VNNI features are enabled here.
+    unsafe { tile_body::<T, true>(w, blk, t0, ptrs, store) }
+}
+
+/// The body of [`tile`] and [`tile_vnni`], inlined into each so that the
+/// kernels inline with their entry point's features.
+///
+/// # Safety
+/// As for [`tile`] (with `VNNI`, [`tile_vnni`]), called only from them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_body<const T: usize, const VNNI: bool>(
+    w: &PackedMatrix,
+    blk: &[u8],
+    t0: usize,
+    ptrs: &impl Fn(usize) -> avx2::TokenPtrs,
+    store: &impl Fn(usize, &[f32; GROUP]),
+) -> usize {
     use std::arch::x86_64::_mm256_storeu_ps;
     let x: [avx2::TokenPtrs; T] = std::array::from_fn(|i| ptrs(t0 + i));
-    let acc = avx2::group_tile_vnni::<T>(w.format(), blk.as_ptr(), w.blocks(), &x);
+    let (f, b) = (w.format(), w.blocks());
+    // SAFETY: the caller's contract (and features).
+    let acc = unsafe {
+        match VNNI {
+            true => avx2::group_tile_vnni::<T>(f, blk.as_ptr(), b, &x),
+            false => avx2::group_tile::<T>(f, blk.as_ptr(), b, &x),
+        }
+    };
     for (i, a) in acc.iter().enumerate() {
         let mut v = [0f32; GROUP];
-        _mm256_storeu_ps(v.as_mut_ptr(), *a);
+        // SAFETY: `v` holds the eight lanes; the store is unaligned.
+        unsafe { _mm256_storeu_ps(v.as_mut_ptr(), *a) };
         store(t0 + i, &v);
     }
     T
