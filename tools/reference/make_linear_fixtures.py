@@ -71,7 +71,6 @@ import fixture_json  # noqa: E402
 import make_model_fixtures as base  # noqa: E402
 import make_moe_fixtures as moe  # noqa: E402
 import moe_models  # noqa: E402
-import reference_outputs  # noqa: E402
 import tiny_models  # noqa: E402
 
 LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
@@ -225,15 +224,7 @@ def make_one(spec: tiny_models.Spec, tok, text: str, ids: list[int]) -> dict:
     out = base.MODELS / spec.name
     model = build(spec)
     moe_models.save(model, out, spec.config_form, tok)
-    reloaded = tiny_models.load(out)
-    tiny_models.reload_matches(model, reloaded, torch.tensor([ids]), exact=True)
-    meta = {
-        "model": spec.name,
-        "source": "tiny random checkpoint, weights stored float32",
-        "config_form": spec.config_form,
-        "prompt_text": text,
-    }
-    ref = reference_outputs.tiny_reference(reloaded, ids, base.GREEDY_NEW, meta)
+    reloaded, ref = moe.reload_and_reference(model, spec, out, text, ids)
     notes = [f"layer_types {LAYER_TYPES}"]
     if getattr(reloaded.config, "num_experts", 0):
         ref = moe._finish(reloaded, ref, notes)

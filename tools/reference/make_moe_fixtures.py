@@ -96,6 +96,20 @@ def _finish(model: torch.nn.Module, ref: dict, notes: list[str]) -> dict:
     return out
 
 
+def reload_and_reference(model, spec: tiny_models.Spec, out: Path, text: str, ids: list[int]) -> tuple:
+    """The checkpoint saved in `out` reloaded (checked to compute exactly what `model` does) and its
+    reference outputs on `ids`; returns (reloaded, reference)."""
+    reloaded = tiny_models.load(out)
+    tiny_models.reload_matches(model, reloaded, torch.tensor([ids]), exact=True)
+    meta = {
+        "model": spec.name,
+        "source": "tiny random checkpoint, weights stored float32",
+        "config_form": spec.config_form,
+        "prompt_text": text,
+    }
+    return reloaded, reference_outputs.tiny_reference(reloaded, ids, base.GREEDY_NEW, meta)
+
+
 def make_one(spec: tiny_models.Spec, out: Path, tok: Tokenizer, text: str, ids: list[int]) -> tuple:
     """Build, save, reload and reference one checkpoint; returns (model, reference)."""
     mtp = None
@@ -106,15 +120,7 @@ def make_one(spec: tiny_models.Spec, out: Path, tok: Tokenizer, text: str, ids: 
     moe_models.save(model, out, spec.config_form, tok)
     if mtp is not None:
         mtp_reference.append_to_checkpoint(out, mtp["tensors"])
-    reloaded = tiny_models.load(out)
-    tiny_models.reload_matches(model, reloaded, torch.tensor([ids]), exact=True)
-    meta = {
-        "model": spec.name,
-        "source": "tiny random checkpoint, weights stored float32",
-        "config_form": spec.config_form,
-        "prompt_text": text,
-    }
-    ref = reference_outputs.tiny_reference(reloaded, ids, base.GREEDY_NEW, meta)
+    reloaded, ref = reload_and_reference(model, spec, out, text, ids)
     notes = []
     if mtp is not None:
         notes.append(

@@ -140,49 +140,22 @@ fn prefill(c: &mut Criterion) {
 }
 
 /// One token attending to `ctx` positions (the last `window` of them in a
-/// sliding-window layer) of f16 keys and values in blocks of 16
-/// (throughput: FLOPs, as in `prefill_case`).
+/// sliding-window layer).
 fn decode_case(c: &mut Criterion, name: &str, p: AttnParams, ctx: usize) {
-    let mut rng = ChaCha8Rng::seed_from_u64(4);
-    let kv_dim = p.n_kv_heads * p.head_dim;
-    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
-    let (k, v, q) = (
-        rand(ctx * kv_dim),
-        rand(ctx * kv_dim),
-        rand(p.n_heads * p.head_dim),
-    );
-    let mut out = vec![0f32; p.n_heads * p.v_dim];
-    let block_size = 16;
-    let table: Vec<u32> = (0..(ctx / block_size) as u32).collect();
-    let buf = |x: &[f32]| {
-        let mut b = KvBuffer::zeroed(KvDType::F16, ctx * kv_dim).expect("whole units");
-        b.store_rows(x, (block_size, p.n_kv_heads, p.head_dim), &table, 0);
-        b
-    };
-    let (kb, vb) = (buf(&k), buf(&v));
-    let layer = KvLayer {
-        k: &kb,
-        v: Some(&vb),
-        block_size,
-    };
-    let seqs = [SeqAttn {
-        rows: 0..1,
-        pos0: ctx - 1,
-        table: &table,
-    }];
-    let mut g = c.benchmark_group(format!("attention decode, {name}, {ctx} positions"));
-    let seen = p.window.map_or(ctx, |w| w.min(ctx));
-    g.throughput(Throughput::Elements(
-        (4 * p.head_dim * p.n_heads * seen) as u64,
-    ));
-    g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
-        b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
-    });
-    g.finish();
+    let group = format!("attention decode, {name}, {ctx} positions");
+    chunk_case(c, &group, p, ctx - 1, 1);
 }
 
 /// `chunk` tokens after `depth` cached ones.
 fn prefill_case(c: &mut Criterion, name: &str, p: AttnParams, depth: usize, chunk: usize) {
+    let group = format!("attention prefill, {name}, {chunk} tokens at depth {depth}");
+    chunk_case(c, &group, p, depth, chunk);
+}
+
+/// `chunk` tokens after `depth` cached ones (a whole number of blocks in
+/// all), f16 keys and values in blocks of 16; throughput is the FLOPs of
+/// the pairs each token sees.
+fn chunk_case(c: &mut Criterion, group: &str, p: AttnParams, depth: usize, chunk: usize) {
     let n = depth + chunk;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let kv_dim = p.n_kv_heads * p.head_dim;
@@ -211,12 +184,15 @@ fn prefill_case(c: &mut Criterion, name: &str, p: AttnParams, depth: usize, chun
         pos0: depth,
         table: &table,
     }];
-    // Token t sees depth + t + 1 keys.
-    let pairs: usize = (0..chunk).map(|t| depth + t + 1).sum();
+    // Token t sees depth + t + 1 keys, or the window's last ones.
+    let pairs: usize = (0..chunk)
+        .map(|t| {
+            let seen = depth + t + 1;
+            p.window.map_or(seen, |w| w.min(seen))
+        })
+        .sum();
     let flops = 4 * p.head_dim * p.n_heads * pairs;
-    let mut g = c.benchmark_group(format!(
-        "attention prefill, {name}, {chunk} tokens at depth {depth}"
-    ));
+    let mut g = c.benchmark_group(group);
     g.throughput(Throughput::Elements(flops as u64));
     g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
         b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))

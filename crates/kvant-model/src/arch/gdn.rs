@@ -218,14 +218,8 @@ impl GatedDeltaNet {
         };
         check_shape(&conv_t, &conv_name, conv_shape)?;
         let conv = super::loader::to_f32(&conv_t)?;
-        let neg_a = match gguf {
-            true => ld.raw_vector(&n("", "ssm_a"), nv)?,
-            false => {
-                let a_log = ld.raw_vector(&n("A_log", ""), nv)?;
-                a_log.iter().map(|x| -x.exp()).collect()
-            }
-        };
-        check_decay_rates(&neg_a, &n("A_log", "ssm_a"))?;
+        let a_name = n("A_log", "ssm_a");
+        let neg_a = decay_rates(ld.raw_vector(&a_name, nv)?, gguf, &a_name)?;
         Ok(GatedDeltaNet {
             p: Self::params(lc),
             kernel: lc.conv_kernel,
@@ -276,12 +270,7 @@ impl GatedDeltaNet {
         let a_name = n("A_log", "ssm_a");
         let a = ld.tensor(&a_name)?;
         check_shape(&a, &a_name, &[1, 1, nh, 1])?;
-        let a = super::loader::to_f32(&a)?;
-        let neg_a: Vec<f32> = match gguf {
-            true => a,
-            false => a.iter().map(|x| -x.exp()).collect(),
-        };
-        check_decay_rates(&neg_a, &a_name)?;
+        let neg_a = decay_rates(super::loader::to_f32(&a)?, gguf, &a_name)?;
         Ok(GatedDeltaNet {
             p: Self::params(lc),
             kernel: lc.conv_kernel,
@@ -481,15 +470,21 @@ impl GatedDeltaNet {
     }
 }
 
-/// `−exp(A_log)` must be a finite rate of forgetting (≤ 0), or every
+/// `−exp(A_log)` per head from tensor `name`'s values: `A_log` in Hugging
+/// Face files, already negated and exponentiated in llama.cpp's
+/// (`negated`). Each must be a finite rate of forgetting (≤ 0), or every
 /// state would blow up.
-fn check_decay_rates(neg_a: &[f32], name: &str) -> Result<(), ModelError> {
+fn decay_rates(values: Vec<f32>, negated: bool, name: &str) -> Result<Vec<f32>, ModelError> {
+    let neg_a = match negated {
+        true => values,
+        false => values.iter().map(|x| -x.exp()).collect(),
+    };
     match neg_a.iter().find(|a| !(a.is_finite() && **a <= 0.0)) {
         Some(bad) => Err(ModelError::BadTensor {
             name: name.into(),
             why: format!("a decay rate of {bad} (−exp(A_log) must be finite and ≤ 0)"),
         }),
-        None => Ok(()),
+        None => Ok(neg_a),
     }
 }
 
