@@ -119,6 +119,22 @@ pub(super) struct State {
     pub vt: Vec<f32>,
 }
 
+/// Where a partition's key and value tiles come from.
+#[derive(Clone, Copy)]
+pub(super) enum Tiles<'a> {
+    /// Widened from the cache tile by tile into the state's buffers (an
+    /// item alone on its KV head: the tile stays in L1).
+    Cache,
+    /// Already widened once for every item of a sweep (`super::run_sweep`):
+    /// keys (rows of `head_dim`) and stored values (rows of `v_dim`) from
+    /// position `at` on.
+    Widened {
+        at: usize,
+        k: &'a [f32],
+        v: &'a [f32],
+    },
+}
+
 /// Runs `it`'s rows over the keys of partition `part` (intersected with
 /// each row's causal / sliding-window range), leaving the state in `st.part`.
 pub(super) fn run_partition<T: KvElem>(
@@ -126,16 +142,18 @@ pub(super) fn run_partition<T: KvElem>(
     p: &AttnParams,
     seq: &SeqOperands<'_, T>,
     it: &Item,
-    part: usize,
+    (part, tiles): (usize, Tiles<'_>),
     st: &mut State,
 ) {
     let (hd, vd) = (p.head_dim, p.v_dim);
     let n_rows = it.rows();
     st.part.reset(n_rows, vd);
     st.s.resize(n_rows * KEY_TILE, 0.0);
-    st.kt.resize(KEY_TILE * hd, 0.0);
-    if seq.kv.v.is_some() {
-        st.vt.resize(KEY_TILE * vd, 0.0);
+    if let Tiles::Cache = tiles {
+        st.kt.resize(KEY_TILE * hd, 0.0);
+        if seq.kv.v.is_some() {
+            st.vt.resize(KEY_TILE * vd, 0.0);
+        }
     }
     let keys = part * PARTITION..(part + 1) * PARTITION;
     let row_keys = |r: usize| {
@@ -152,18 +170,31 @@ pub(super) fn run_partition<T: KvElem>(
     let mut j0 = lo / KEY_TILE * KEY_TILE;
     while j0 < hi {
         let tk = KEY_TILE.min(hi - j0);
-        seq.kv.widen_tile(
-            tier,
-            seq.table,
-            p.n_kv_heads,
-            (hd, vd),
-            it.kvh,
-            j0,
-            tk,
-            &mut st.kt,
-            &mut st.vt,
-        );
-        scores(tier, n_rows, &qrow, (&st.kt, hd), tk, &mut st.s);
+        let (kt, vt): (&[f32], &[f32]) = match tiles {
+            Tiles::Cache => {
+                seq.kv.widen_tile(
+                    tier,
+                    seq.table,
+                    p.n_kv_heads,
+                    (hd, vd),
+                    it.kvh,
+                    j0,
+                    tk,
+                    &mut st.kt,
+                    &mut st.vt,
+                );
+                (&st.kt, &st.vt)
+            }
+            Tiles::Widened { at, k, v } => {
+                let v = if seq.kv.v.is_some() {
+                    &v[(j0 - at) * vd..]
+                } else {
+                    &[]
+                };
+                (&k[(j0 - at) * hd..], v)
+            }
+        };
+        scores(tier, n_rows, &qrow, (kt, hd), tk, &mut st.s);
         for r in 0..n_rows {
             let rk = row_keys(r);
             // The row's own cut of the tile: up to its last visible key.
@@ -188,8 +219,8 @@ pub(super) fn run_partition<T: KvElem>(
             };
             // Latent attention reads its values from the key rows.
             let values = match seq.kv.v {
-                Some(_) => (&st.vt[..], vd),
-                None => (&st.kt[..], hd),
+                Some(_) => (vt, vd),
+                None => (kt, hd),
             };
             absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
         }

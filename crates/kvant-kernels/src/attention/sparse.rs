@@ -128,14 +128,21 @@ pub fn sparse_attention_with<T: KvElem>(
         }
         let out = DisjointSlice::new(out);
         let rows_of = |seq: usize| seqs[seq].rows.start;
-        let run = |pl: &Planned, part: usize, st: &mut State| {
+        let run = |pl: &Planned, part: usize, st: &mut State, _: Option<&_>| {
             let s = &seqs[pl.seq];
             let row = s.rows.start + pl.item.t0;
             let picked = sel.get(row).unwrap_or(&[]);
             let picked = &picked[part * PARTITION..((part + 1) * PARTITION).min(picked.len())];
             run_partition(tier, p, (q, row), kv, s.table, &pl.item, picked, st);
         };
-        execute((plan, tasks, off), (p.n_heads, vd), &run, &rows_of, &out);
+        execute(
+            (plan, tasks, off),
+            (p.n_heads, vd),
+            &run,
+            None,
+            &rows_of,
+            &out,
+        );
     });
 }
 
