@@ -123,6 +123,104 @@ fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, 
     }
 }
 
+/// Rows of [`weighted_rows_group_body`] that share each load of a value
+/// row, and the columns each keeps in registers: 3 × 32 lanes is 12 of
+/// the 16 AVX2 registers. One row alone loads a value row per FMA, and
+/// Gemma 3's 32-key value tile (32 KiB) lives in L2: the loads, not the
+/// FMAs, set the pace.
+const GROUP_ROWS: usize = 3;
+const GROUP_COLS: usize = 32;
+
+/// `acc[k·n + i] += Σ_j p[k·p_stride + j] · v[j·stride + i]` for `j < len`,
+/// rows `k` of `acc` (`n` each): [`weighted_rows_body`] for several rows
+/// of probabilities over the same value rows. Each element is the same
+/// chain of FMAs over `j` in order as there, so a row's bits do not depend
+/// on the rows beside it.
+#[inline(always)]
+fn weighted_rows_group_body<F: Fma>(
+    (p, p_stride, len): (&[f32], usize, usize),
+    v: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    n: usize,
+) {
+    let rows = acc.len() / n.max(1);
+    let mut r = 0;
+    while r < rows {
+        let g = (rows - r).min(GROUP_ROWS);
+        let p = &p[r * p_stride..];
+        let acc = &mut acc[r * n..(r + g) * n];
+        match g {
+            3 => weighted_group::<F, 3>(p, p_stride, len, v, stride, acc),
+            2 => weighted_group::<F, 2>(p, p_stride, len, v, stride, acc),
+            _ => weighted_rows_body::<F>(&p[..len], v, 0, stride, acc),
+        }
+        r += g;
+    }
+}
+
+/// `R` rows of [`weighted_rows_group_body`].
+#[inline(always)]
+fn weighted_group<F: Fma, const R: usize>(
+    p: &[f32],
+    p_stride: usize,
+    len: usize,
+    v: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+) {
+    let n = acc.len() / R;
+    // Plain loops, not `array::from_fn`: its closure was not inlined into
+    // the `avx2` function, a call per key and 19% of prefill attention.
+    let mut ps: [&[f32]; R] = [&[]; R];
+    for (k, pk) in ps.iter_mut().enumerate() {
+        *pk = &p[k * p_stride..][..len];
+    }
+    if let Some(last) = len.checked_sub(1) {
+        assert!(
+            last * stride + n <= v.len(),
+            "weighted_rows_group: rows past the end"
+        );
+    }
+    let mut c0 = 0;
+    while c0 + GROUP_COLS <= n {
+        let mut r = [[0f32; GROUP_COLS]; R];
+        for (k, rk) in r.iter_mut().enumerate() {
+            rk.copy_from_slice(&acc[k * n + c0..][..GROUP_COLS]);
+        }
+        for j in 0..len {
+            let row = &v[j * stride + c0..][..GROUP_COLS];
+            let mut w = [0f32; R];
+            for (w, pk) in w.iter_mut().zip(&ps) {
+                *w = pk[j];
+            }
+            // Column-outer: one loaded vector of the value row serves every
+            // row before the next is loaded (12 accumulators, 3 weights and
+            // 1 value vector fill the 16 registers; row-outer spilled two).
+            for (i, &x) in row.iter().enumerate() {
+                for k in 0..R {
+                    r[k][i] = F::fma(w[k], x, r[k][i]);
+                }
+            }
+        }
+        for (k, rk) in r.iter().enumerate() {
+            acc[k * n + c0..][..GROUP_COLS].copy_from_slice(rk);
+        }
+        c0 += GROUP_COLS;
+    }
+    if c0 < n {
+        for (k, pk) in ps.iter().enumerate() {
+            let a = &mut acc[k * n + c0..(k + 1) * n];
+            for (j, &w) in pk.iter().enumerate() {
+                let row = &v[j * stride + c0..][..a.len()];
+                for (a, &x) in a.iter_mut().zip(row) {
+                    *a = F::fma(w, x, *a);
+                }
+            }
+        }
+    }
+}
+
 #[inline(always)]
 fn axpy_body<F: Fma>(a: f32, x: &[f32], y: &mut [f32]) {
     for (y, &x) in y.iter_mut().zip(x) {
@@ -251,6 +349,17 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
+    pub(super) fn weighted_rows_group(
+        p: (&[f32], usize, usize),
+        v: &[f32],
+        stride: usize,
+        acc: &mut [f32],
+        n: usize,
+    ) {
+        weighted_rows_group_body::<Fused>(p, v, stride, acc, n)
+    }
+
+    #[target_feature(enable = "avx2,fma")]
     pub(super) fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
         axpy_body::<Fused>(a, x, y)
     }
@@ -306,6 +415,32 @@ pub fn weighted_rows(
             avx2::weighted_rows(p, v, base, stride, acc)
         },
         _ => weighted_rows_body::<Plain>(p, v, base, stride, acc),
+    }
+}
+
+/// [`weighted_rows`] for the `acc.len() / n` rows of `acc` (`n` each),
+/// row `k` weighting the first `len` value rows by `p[k·p_stride..][..len]`:
+/// `acc[k·n + i] += Σ_{j<len} p[k·p_stride + j] · v[j·stride + i]`. Every
+/// row's result is bit-identical to [`weighted_rows`] on that row alone;
+/// rows share each value-row load (three at a time).
+///
+/// # Panics
+/// If a row runs past the end of `v` or `p` (a bug in the calling kernel).
+pub fn weighted_rows_group(
+    tier: SimdTier,
+    (p, p_stride, len): (&[f32], usize, usize),
+    v: &[f32],
+    stride: usize,
+    acc: &mut [f32],
+    n: usize,
+) {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            avx2::weighted_rows_group((p, p_stride, len), v, stride, acc, n)
+        },
+        _ => weighted_rows_group_body::<Plain>((p, p_stride, len), v, stride, acc, n),
     }
 }
 
@@ -444,6 +579,43 @@ mod tests {
                     assert!(
                         (*a as f64 - 0.5 * w).abs() <= 1e-5 * (1.0 + w.abs()),
                         "{tier}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// Each row of `weighted_rows_group` bit-identical to `weighted_rows`
+    /// on the row alone, on every tier (row counts around the 3-row group,
+    /// widths around the 32-column block).
+    #[test]
+    fn weighted_rows_group_equals_each_row_alone() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
+        for &(rows, len, n, stride) in &[
+            (1usize, 1usize, 1usize, 1usize),
+            (2, 5, 33, 40),
+            (3, 32, 64, 64),
+            (7, 17, 95, 101),
+            (24, 32, 256, 256),
+        ] {
+            let ps = len + 3;
+            let p: Vec<f32> = (0..rows * ps).map(|_| rng.random_range(0.0..1.0)).collect();
+            let v: Vec<f32> = (0..(len - 1) * stride + n)
+                .map(|_| rng.random_range(-1.0..1.0))
+                .collect();
+            let init: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for tier in cpu::available_tiers() {
+                let mut acc = init.clone();
+                weighted_rows_group(tier, (&p, ps, len), &v, stride, &mut acc, n);
+                for r in 0..rows {
+                    let mut want = init[r * n..(r + 1) * n].to_vec();
+                    weighted_rows(tier, &p[r * ps..][..len], &v, 0, stride, &mut want);
+                    let got = &acc[r * n..(r + 1) * n];
+                    assert!(
+                        got.iter()
+                            .zip(&want)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{tier}: rows {rows}, len {len}, n {n}: row {r}"
                     );
                 }
             }

@@ -117,6 +117,8 @@ pub(super) struct State {
     /// head_dim` and `KEY_TILE × v_dim`.
     pub kt: Vec<f32>,
     pub vt: Vec<f32>,
+    /// Each row's cut of the current tile (0: the row sees none of it).
+    pub lens: Vec<usize>,
 }
 
 /// Where a partition's key and value tiles come from.
@@ -195,13 +197,16 @@ pub(super) fn run_partition<T: KvElem>(
             }
         };
         scores(tier, n_rows, &qrow, (kt, hd), tk, &mut st.s);
+        st.lens.clear();
         for r in 0..n_rows {
             let rk = row_keys(r);
             // The row's own cut of the tile: up to its last visible key.
             let len = rk.end.min(j0 + tk).saturating_sub(j0);
             if len == 0 || rk.start >= j0 + len {
+                st.lens.push(0);
                 continue;
             }
+            st.lens.push(len);
             let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + len];
             let tile_max = if rk.start <= j0 {
                 vecops::scale_max(tier, p.scale, s)
@@ -217,13 +222,14 @@ pub(super) fn run_partition<T: KvElem>(
                 }
                 m
             };
-            // Latent attention reads its values from the key rows.
-            let values = match seq.kv.v {
-                Some(_) => (vt, vd),
-                None => (kt, hd),
-            };
-            absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
+            absorb_scores(tier, s, tile_max, &mut st.part, r, vd);
         }
+        // Latent attention reads its values from the key rows.
+        let values = match seq.kv.v {
+            Some(_) => (vt, vd),
+            None => (kt, hd),
+        };
+        weigh_values(tier, (&st.s, &st.lens), values, &mut st.part, vd);
         j0 += tk;
     }
 }
@@ -243,6 +249,21 @@ pub(super) fn absorb_tile(
     r: usize,
     vd: usize,
 ) {
+    absorb_scores(tier, s, tile_max, part, r, vd);
+    let acc = &mut part.acc[r * vd..(r + 1) * vd];
+    vecops::weighted_rows(tier, s, values, 0, stride, acc);
+}
+
+/// The first half of [`absorb_tile`]: the rescale, and the tile's
+/// exponentials left in `s` for [`weigh_values`] to add.
+fn absorb_scores(
+    tier: SimdTier,
+    s: &mut [f32],
+    tile_max: f32,
+    part: &mut Partial,
+    r: usize,
+    vd: usize,
+) {
     let acc = &mut part.acc[r * vd..(r + 1) * vd];
     let m_old = part.m[r];
     let m_new = m_old.max(tile_max);
@@ -254,7 +275,38 @@ pub(super) fn absorb_tile(
     }
     part.m[r] = m_new;
     part.l[r] += vecops::exp_shifted(tier, s, m_new);
-    vecops::weighted_rows(tier, s, values, 0, stride, acc);
+}
+
+/// The second half of [`absorb_tile`] for every row of a tile: row `r`
+/// adds its first `lens[r]` probabilities (`s`, rows of [`KEY_TILE`])
+/// times the value rows into its accumulator (nothing where `lens[r]` is
+/// 0). Runs of rows with the same cut go through one
+/// [`vecops::weighted_rows_group`] call, which shares each value-row load
+/// among them and leaves every row's bits as alone: the heads of a token
+/// always share a cut, and away from the chunk's diagonal all rows do.
+fn weigh_values(
+    tier: SimdTier,
+    (s, lens): (&[f32], &[usize]),
+    (values, stride): (&[f32], usize),
+    part: &mut Partial,
+    vd: usize,
+) {
+    let mut r = 0;
+    while r < lens.len() {
+        let len = lens[r];
+        let n = lens[r..].iter().take_while(|&&l| l == len).count();
+        if len > 0 {
+            vecops::weighted_rows_group(
+                tier,
+                (&s[r * KEY_TILE..], KEY_TILE, len),
+                values,
+                stride,
+                &mut part.acc[r * vd..(r + n) * vd],
+                vd,
+            );
+        }
+        r += n;
+    }
 }
 
 /// Folds partition state `b` (one row: max, denominator, sums) into the
