@@ -125,7 +125,8 @@ pub(super) struct State {
 #[derive(Clone, Copy)]
 pub(super) enum Tiles<'a> {
     /// Widened from the cache tile by tile into the state's buffers (an
-    /// item alone on its KV head: the tile stays in L1).
+    /// item alone on its KV head, as in decode; for heads of 256 the two
+    /// f32 tiles are 64 KiB, past a 32 KiB L1).
     Cache,
     /// Already widened once for every item of a sweep (`super::run_sweep`):
     /// keys (rows of `head_dim`) and stored values (rows of `v_dim`) from
