@@ -10,6 +10,7 @@
 //! FMA (0.58 for `T = 3`), and the `4·T` accumulators hide the FMA latency.
 
 use crate::cpu::{self, SimdTier};
+use crate::lanes::Lanes;
 
 /// `Σ a[i]·b[i]` in f32 on the start-up tier.
 ///
@@ -77,44 +78,54 @@ pub fn dot_tile_f32_with<const T: usize>(
     }
 }
 
-/// `out[t * stride + j] = xs[t] · keys[j]` for the `tk` rows of `keys`
-/// (`tk × n`, one after another) against `T` vectors of `n`: the scores
-/// of an attention tile, written in place. The keys go through
-/// [`dot_tile_f32_with`]'s tile in groups of four (a short last group
-/// repeats its last key), so every pair is the same dot product as there,
-/// whatever `tk`, `T` or the pair's neighbours.
+/// `out[t * stride + j] = xs[t] · keys[j]` for the key rows `keys` (each
+/// of `n` values of any [`Lanes`] type, f16 and bf16 read as stored)
+/// against `T` vectors of `n`: the scores of an attention tile, written in
+/// place. The keys go through [`dot_tile_f32_with`]'s tile in groups of
+/// four (a short last group repeats its last key), so every pair is the
+/// same dot product as there on the key widened to f32, whatever the key
+/// count, `T` or the pair's neighbours.
+///
+/// `ahead` are rows the caller reads next (the next tile's keys, or
+/// none): while key `j` is read, the lines of `ahead[j]` are prefetched,
+/// so that a tile streamed from DRAM overlaps the previous tile's
+/// arithmetic (the hardware prefetchers lose short rows read side by side).
 ///
 /// # Panics
-/// If `keys` holds fewer than `tk` rows of `n`, a vector's length is not
-/// `n`, or `out` is too short for row `T - 1` (bugs in the calling kernel).
-pub fn dot_keys_f32_with<const T: usize>(
+/// If a key row or a vector's length is not `n`, or `out` is too short for
+/// row `T - 1` (bugs in the calling kernel).
+pub fn dot_keys_with<E: Lanes, const T: usize>(
     tier: SimdTier,
-    keys: &[f32],
-    tk: usize,
+    (keys, ahead): (&[&[E]], &[&[E]]),
     xs: [&[f32]; T],
     out: &mut [f32],
     stride: usize,
 ) {
     let n = xs.first().map_or(0, |x| x.len());
     for x in &xs {
-        assert_eq!(x.len(), n, "dot_keys_f32: length mismatch");
+        assert_eq!(x.len(), n, "dot_keys: length mismatch");
     }
-    assert!(keys.len() >= tk * n, "dot_keys_f32: too few keys");
+    for k in keys {
+        assert_eq!(k.len(), n, "dot_keys: key length mismatch");
+    }
+    let tk = keys.len();
     if tk == 0 || T == 0 {
         return;
     }
     assert!(
         out.len() >= (T - 1) * stride + tk && stride >= tk,
-        "dot_keys_f32: output too short"
+        "dot_keys: output too short"
     );
     match cpu::clamp(tier) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot_f32_with`; the lengths are checked above.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::dot_keys(keys, tk, xs, out, stride) },
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            avx2::dot_keys((keys, ahead), xs, out, stride)
+        },
         _ => {
             for (t, x) in xs.iter().enumerate() {
-                for (j, o) in out[t * stride..t * stride + tk].iter_mut().enumerate() {
-                    *o = dot_f32_scalar(&keys[j * n..(j + 1) * n], x);
+                for (o, k) in out[t * stride..t * stride + tk].iter_mut().zip(keys) {
+                    *o = dot_scalar(k, x);
                 }
             }
         }
@@ -130,24 +141,30 @@ pub fn dot_f32_ref(a: &[f32], b: &[f32]) -> f64 {
 /// the baseline ISA (SSE2 on x86-64) and which keep the rounding error of a
 /// long sum closer to that of the SIMD paths.
 fn dot_f32_scalar(a: &[f32], b: &[f32]) -> f32 {
+    dot_scalar(a, b)
+}
+
+/// [`dot_f32_scalar`] with `a` of any [`Lanes`] type, widened exactly.
+fn dot_scalar<E: Lanes>(a: &[E], b: &[f32]) -> f32 {
     let mut acc = [0f32; 8];
     let (a8, at) = a.split_at(a.len() - a.len() % 8);
     let (b8, bt) = b.split_at(a8.len());
     for (ca, cb) in a8.chunks_exact(8).zip(b8.chunks_exact(8)) {
         for k in 0..8 {
-            acc[k] += ca[k] * cb[k];
+            acc[k] += ca[k].to_f32() * cb[k];
         }
     }
-    let tail: f32 = at.iter().zip(bt).map(|(x, y)| x * y).sum();
+    let tail: f32 = at.iter().zip(bt).map(|(x, y)| x.to_f32() * y).sum();
     acc.iter().sum::<f32>() + tail
 }
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use crate::lanes::Lanes;
     use std::arch::x86_64::*;
 
     /// Horizontal sum of 8 lanes.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub(crate) fn hsum(v: __m256) -> f32 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -158,7 +175,7 @@ pub(crate) mod avx2 {
 
     /// The horizontal sums of four vectors at once (three `hadd`s and one
     /// add, instead of four separate reductions).
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub(crate) fn hsum4(v: [__m256; 4]) -> [f32; 4] {
         let s = hsum4_m128(v);
@@ -169,7 +186,7 @@ pub(crate) mod avx2 {
     }
 
     /// [`hsum4`] left in a register.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     fn hsum4_m128(v: [__m256; 4]) -> __m128 {
         let ab = _mm256_hadd_ps(v[0], v[1]);
@@ -180,7 +197,7 @@ pub(crate) mod avx2 {
 
     /// # Safety
     /// The CPU supports AVX2 and FMA, and `a.len() == b.len()`.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         let n = a.len();
         let pa = a.as_ptr();
@@ -216,7 +233,7 @@ pub(crate) mod avx2 {
 
     /// # Safety
     /// The CPU supports AVX2 and FMA, and every row has `x.len()` elements.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dot4(rows: [&[f32]; 4], x: &[f32]) -> [f32; 4] {
         let n = x.len();
         let px = x.as_ptr();
@@ -257,22 +274,32 @@ pub(crate) mod avx2 {
     /// caller's), one register each.
     ///
     /// # Safety
-    /// The CPU supports AVX2 and FMA, and every pointer reads `n` floats.
-    #[target_feature(enable = "avx2,fma")]
+    /// The CPU supports AVX2, FMA and F16C, and every pointer reads `n` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn tile_sums<const T: usize>(
-        pr: [*const f32; 4],
+    unsafe fn tile_sums<E: Lanes, const T: usize>(
+        pr: [*const E; 4],
         px: [*const f32; T],
         n: usize,
+        ahead: Option<[*const E; 4]>,
     ) -> [__m128; T] {
         let mut acc = [[_mm256_setzero_ps(); T]; 4];
         let mut i = 0;
         // SAFETY (all loads below): `i + 8 <= n` bounds every read within
         // the rows and vectors, all of length `n`.
         while i + 8 <= n {
+            if let Some(ahead) = ahead {
+                let off = i * std::mem::size_of::<E>();
+                if off % 64 < 8 * std::mem::size_of::<E>() {
+                    for p in ahead {
+                        // A hint: never faults, whatever the address.
+                        _mm_prefetch::<_MM_HINT_T1>((p as *const i8).wrapping_add(off));
+                    }
+                }
+            }
             let x = px.map(|p| unsafe { _mm256_loadu_ps(p.add(i)) });
             for (acc, p) in acc.iter_mut().zip(pr) {
-                let w = unsafe { _mm256_loadu_ps(p.add(i)) };
+                let w = unsafe { E::load8(p.add(i)) };
                 for (acc, x) in acc.iter_mut().zip(x) {
                     *acc = _mm256_fmadd_ps(w, x, *acc);
                 }
@@ -285,7 +312,7 @@ pub(crate) mod avx2 {
     /// # Safety
     /// The CPU supports AVX2 and FMA, and every row and vector has
     /// `rows[0].len()` elements.
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dot_tile<const T: usize>(
         rows: [&[f32]; 4],
         xs: [&[f32]; T],
@@ -294,7 +321,7 @@ pub(crate) mod avx2 {
         let pr = rows.map(<[f32]>::as_ptr);
         let px = xs.map(<[f32]>::as_ptr);
         // SAFETY: every row and vector has `n` elements.
-        let sums = unsafe { tile_sums(pr, px, n) };
+        let sums = unsafe { tile_sums::<f32, T>(pr, px, n, None) };
         let mut out = [[0f32; T]; 4];
         for (t, s) in sums.into_iter().enumerate() {
             let mut v = [0f32; 4];
@@ -317,28 +344,28 @@ pub(crate) mod avx2 {
     }
 
     /// # Safety
-    /// The CPU supports AVX2 and FMA; `keys` holds `tk ≥ 1` rows of `n`
-    /// (every vector's length), and `out` holds row `T - 1` of `stride ≥
-    /// tk` (see [`super::dot_keys_f32_with`]).
-    #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn dot_keys<const T: usize>(
-        keys: &[f32],
-        tk: usize,
+    /// The CPU supports AVX2, FMA and F16C; `keys` holds at least one row,
+    /// each of `n` values (every vector's length), and `out` holds row
+    /// `T - 1` of `stride ≥ keys.len()` (see [`super::dot_keys_with`]).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dot_keys<E: Lanes, const T: usize>(
+        (keys, ahead): (&[&[E]], &[&[E]]),
         xs: [&[f32]; T],
         out: &mut [f32],
         stride: usize,
     ) {
-        let n = xs[0].len();
+        let (n, tk) = (xs[0].len(), keys.len());
         let px = xs.map(<[f32]>::as_ptr);
         let po = out.as_mut_ptr();
         let tail = n / 8 * 8;
         let mut jj = 0;
         while jj < tk {
             let kn = (tk - jj).min(4);
-            // SAFETY: key `jj + min(i, kn - 1) < tk` starts a row of `n`.
-            let pr = [0, 1, 2, 3].map(|i| unsafe { keys.as_ptr().add((jj + i.min(kn - 1)) * n) });
-            // SAFETY: every pointer reads `n` floats.
-            let sums = unsafe { tile_sums(pr, px, n) };
+            let pr = [0, 1, 2, 3].map(|i| keys[jj + i.min(kn - 1)].as_ptr());
+            let pf = (jj < ahead.len())
+                .then(|| [0, 1, 2, 3].map(|i| ahead[(jj + i).min(ahead.len() - 1)].as_ptr()));
+            // SAFETY: every pointer of `pr` reads `n` values; `pf` only prefetches.
+            let sums = unsafe { tile_sums::<E, T>(pr, px, n, pf) };
             for (t, s) in sums.into_iter().enumerate() {
                 // SAFETY: `t * stride + jj + kn <= (T - 1) * stride + tk`,
                 // within `out`.
@@ -353,7 +380,7 @@ pub(crate) mod avx2 {
                 for (r, v) in v.iter_mut().enumerate().take(kn) {
                     for j in tail..n {
                         // SAFETY: `j < n`, within the key row and the vector.
-                        *v += unsafe { *pr[r].add(j) * *px[t].add(j) };
+                        *v += unsafe { (*pr[r].add(j)).to_f32() * *px[t].add(j) };
                     }
                     // SAFETY: `r < kn`: within the row's `tk` outputs.
                     unsafe { *dst.add(r) = *v };
@@ -443,31 +470,36 @@ mod tests {
     }
 
     /// The in-place key tile gives the bits of the four-row tile for every
-    /// pair, for any key count (short last groups) and vector count.
+    /// pair, for any key count (short last groups) and vector count, and
+    /// f16 and bf16 key rows read as stored give the bits of the same rows
+    /// widened to f32.
     #[test]
     fn dot_keys_equals_the_tile_bit_for_bit() {
         let mut rng = ChaCha8Rng::seed_from_u64(10);
         for tier in cpu::available_tiers() {
             for n in [1usize, 7, 8, 16, 21, 64, 131] {
                 for tk in [1usize, 3, 4, 5, 11, 32] {
-                    let keys = random(&mut rng, tk * n);
+                    // Keys that f16 and bf16 hold exactly.
+                    let keys: Vec<f32> = random(&mut rng, tk * n)
+                        .iter()
+                        .map(|&x| half::bf16::from_f32(x).to_f32())
+                        .collect();
+                    let rows: Vec<&[f32]> = keys.chunks_exact(n).collect();
                     let xs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, n)).collect();
                     let stride = tk + 3;
                     let mut out = vec![f32::NAN; 2 * stride + tk];
-                    dot_keys_f32_with(
+                    dot_keys_with(
                         tier,
-                        &keys,
-                        tk,
+                        (&rows, &rows),
                         [&xs[0][..], &xs[1], &xs[2]],
                         &mut out,
                         stride,
                     );
                     let mut one = vec![f32::NAN; tk];
-                    dot_keys_f32_with(tier, &keys, tk, [&xs[1][..]], &mut one, tk);
+                    dot_keys_with(tier, (&rows, &[]), [&xs[1][..]], &mut one, tk);
                     for j in 0..tk {
-                        let key = &keys[j * n..(j + 1) * n];
-                        let rows = [key; 4];
-                        let want = dot_tile_f32_with(tier, rows, [&xs[0][..], &xs[1], &xs[2]]);
+                        let key = rows[j];
+                        let want = dot_tile_f32_with(tier, [key; 4], [&xs[0][..], &xs[1], &xs[2]]);
                         for t in 0..3 {
                             let got = out[t * stride + j];
                             assert_eq!(
@@ -481,9 +513,31 @@ mod tests {
                     }
                     // Between rows, past `tk`: untouched.
                     assert!(out[tk..stride].iter().all(|v| v.is_nan()));
+                    let f16: Vec<half::f16> =
+                        keys.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    let bf16: Vec<half::bf16> =
+                        keys.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                    let xs3 = [&xs[0][..], &xs[1], &xs[2]];
+                    let mut got = vec![f32::NAN; 2 * stride + tk];
+                    let f16_rows: Vec<&[half::f16]> = f16.chunks_exact(n).collect();
+                    dot_keys_with(tier, (&f16_rows, &[]), xs3, &mut got, stride);
+                    // f16 rounds some bf16 values (fewer exponent bits): compare
+                    // with its own widening.
+                    let widened: Vec<f32> = f16.iter().map(|h| h.to_f32()).collect();
+                    let wrows: Vec<&[f32]> = widened.chunks_exact(n).collect();
+                    let mut want = vec![f32::NAN; 2 * stride + tk];
+                    dot_keys_with(tier, (&wrows, &wrows[..1]), xs3, &mut want, stride);
+                    assert_eq!(bits(&got), bits(&want), "{tier} f16 n {n} tk {tk}");
+                    let bf16_rows: Vec<&[half::bf16]> = bf16.chunks_exact(n).collect();
+                    dot_keys_with(tier, (&bf16_rows, &bf16_rows), xs3, &mut got, stride);
+                    assert_eq!(bits(&got), bits(&out), "{tier} bf16 n {n} tk {tk}");
                 }
             }
         }
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod error;
 pub mod f16pack;
 pub mod group;
 pub mod int8;
+pub mod lanes;
 pub mod linear;
 pub mod matmul;
 pub mod moe;

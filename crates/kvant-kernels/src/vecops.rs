@@ -9,6 +9,7 @@
 //! is a libm call per value.
 
 use crate::cpu::{self, SimdTier};
+use crate::lanes::Lanes;
 
 /// `a·b + c`, fused where the tier has FMA.
 pub(crate) trait Fma {
@@ -86,136 +87,23 @@ fn exp_shifted_body<F: Fma>(s: &mut [f32], m: f32) -> f32 {
     sum
 }
 
-/// Accumulator values kept in registers while every row adds into them:
-/// 8 registers of 8 lanes, so 8 independent FMA chains cover the FMA
-/// latency (one chain would run at a fifth of the FMA rate).
-const BLOCK: usize = 64;
-
+/// `acc[k·n + i] += Σ_j p[k·p_stride + j] · rows[j][i]` for `j <
+/// rows.len()`: several rows of probabilities weighting the same value
+/// rows, each value widened exactly. Each element is one chain of FMAs
+/// over `j` in order, so a row's bits do not depend on the rows beside it
+/// or on the values' stored type.
 #[inline(always)]
-fn weighted_rows_body<F: Fma>(p: &[f32], v: &[f32], base: usize, stride: usize, acc: &mut [f32]) {
-    let n = acc.len();
-    if let Some(last) = p.len().checked_sub(1) {
-        // Bounds once, so the loops below index without checks.
-        assert!(
-            base + last * stride + n <= v.len(),
-            "weighted_rows: rows past the end"
-        );
-    }
-    let mut blocks = acc.chunks_exact_mut(BLOCK);
-    let mut c0 = 0;
-    for a in &mut blocks {
-        let mut r: [f32; BLOCK] = std::array::from_fn(|i| a[i]);
-        for (j, &w) in p.iter().enumerate() {
-            let row = &v[base + j * stride + c0..][..BLOCK];
-            for i in 0..BLOCK {
-                r[i] = F::fma(w, row[i], r[i]);
-            }
-        }
-        a.copy_from_slice(&r);
-        c0 += BLOCK;
-    }
-    let tail = blocks.into_remainder();
-    for (j, &w) in p.iter().enumerate() {
-        let row = &v[base + j * stride + c0..][..tail.len()];
-        for (a, &x) in tail.iter_mut().zip(row) {
-            *a = F::fma(w, x, *a);
-        }
-    }
-}
-
-/// Rows of [`weighted_rows_group_body`] that share each load of a value
-/// row, and the columns each keeps in registers: 3 × 32 lanes is 12 of
-/// the 16 AVX2 registers. One row alone loads a value row per FMA, and
-/// Gemma 3's 32-key value tile (32 KiB) lives in L2: the loads, not the
-/// FMAs, set the pace.
-const GROUP_ROWS: usize = 3;
-const GROUP_COLS: usize = 32;
-
-/// `acc[k·n + i] += Σ_j p[k·p_stride + j] · v[j·stride + i]` for `j < len`,
-/// rows `k` of `acc` (`n` each): [`weighted_rows_body`] for several rows
-/// of probabilities over the same value rows. Each element is the same
-/// chain of FMAs over `j` in order as there, so a row's bits do not depend
-/// on the rows beside it.
-#[inline(always)]
-fn weighted_rows_group_body<F: Fma>(
-    (p, p_stride, len): (&[f32], usize, usize),
-    v: &[f32],
-    stride: usize,
+fn weighted_rows_group_body<E: Lanes, F: Fma>(
+    (p, p_stride): (&[f32], usize),
+    rows: &[&[E]],
     acc: &mut [f32],
     n: usize,
 ) {
-    let rows = acc.len() / n.max(1);
-    let mut r = 0;
-    while r < rows {
-        let g = (rows - r).min(GROUP_ROWS);
-        let p = &p[r * p_stride..];
-        let acc = &mut acc[r * n..(r + g) * n];
-        match g {
-            3 => weighted_group::<F, 3>(p, p_stride, len, v, stride, acc),
-            2 => weighted_group::<F, 2>(p, p_stride, len, v, stride, acc),
-            _ => weighted_rows_body::<F>(&p[..len], v, 0, stride, acc),
-        }
-        r += g;
-    }
-}
-
-/// `R` rows of [`weighted_rows_group_body`].
-#[inline(always)]
-fn weighted_group<F: Fma, const R: usize>(
-    p: &[f32],
-    p_stride: usize,
-    len: usize,
-    v: &[f32],
-    stride: usize,
-    acc: &mut [f32],
-) {
-    let n = acc.len() / R;
-    // Plain loops, not `array::from_fn`: its closure was not inlined into
-    // the `avx2` function, a call per key and 19% of prefill attention.
-    let mut ps: [&[f32]; R] = [&[]; R];
-    for (k, pk) in ps.iter_mut().enumerate() {
-        *pk = &p[k * p_stride..][..len];
-    }
-    if let Some(last) = len.checked_sub(1) {
-        assert!(
-            last * stride + n <= v.len(),
-            "weighted_rows_group: rows past the end"
-        );
-    }
-    let mut c0 = 0;
-    while c0 + GROUP_COLS <= n {
-        let mut r = [[0f32; GROUP_COLS]; R];
-        for (k, rk) in r.iter_mut().enumerate() {
-            rk.copy_from_slice(&acc[k * n + c0..][..GROUP_COLS]);
-        }
-        for j in 0..len {
-            let row = &v[j * stride + c0..][..GROUP_COLS];
-            let mut w = [0f32; R];
-            for (w, pk) in w.iter_mut().zip(&ps) {
-                *w = pk[j];
-            }
-            // Column-outer: one loaded vector of the value row serves every
-            // row before the next is loaded (12 accumulators, 3 weights and
-            // 1 value vector fill the 16 registers; row-outer spilled two).
-            for (i, &x) in row.iter().enumerate() {
-                for k in 0..R {
-                    r[k][i] = F::fma(w[k], x, r[k][i]);
-                }
-            }
-        }
-        for (k, rk) in r.iter().enumerate() {
-            acc[k * n + c0..][..GROUP_COLS].copy_from_slice(rk);
-        }
-        c0 += GROUP_COLS;
-    }
-    if c0 < n {
-        for (k, pk) in ps.iter().enumerate() {
-            let a = &mut acc[k * n + c0..(k + 1) * n];
-            for (j, &w) in pk.iter().enumerate() {
-                let row = &v[j * stride + c0..][..a.len()];
-                for (a, &x) in a.iter_mut().zip(row) {
-                    *a = F::fma(w, x, *a);
-                }
+    for (k, acc) in acc.chunks_exact_mut(n.max(1)).enumerate() {
+        let p = &p[k * p_stride..][..rows.len()];
+        for (&w, row) in p.iter().zip(rows) {
+            for (a, x) in acc.iter_mut().zip(&row[..n]) {
+                *a = F::fma(w, x.to_f32(), *a);
             }
         }
     }
@@ -343,20 +231,122 @@ mod avx2 {
         exp_shifted_body::<Fused>(s, m)
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn weighted_rows(p: &[f32], v: &[f32], base: usize, stride: usize, acc: &mut [f32]) {
-        weighted_rows_body::<Fused>(p, v, base, stride, acc)
+    /// Rows of [`weighted_rows_group`] that share each load of a value
+    /// vector, by how many are left: three (12 accumulators, 3 weights and
+    /// 1 value vector fill the 16 registers; a fourth row would spill),
+    /// two and two rather than three and one (each pass over the value
+    /// rows converts them again, and a lone row loads a value vector per
+    /// FMA), else all of them.
+    fn group_rows(left: usize) -> usize {
+        match left {
+            4 => 2,
+            _ => left.min(3),
+        }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) fn weighted_rows_group(
-        p: (&[f32], usize, usize),
-        v: &[f32],
-        stride: usize,
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; the slices are as
+    /// [`super::weighted_rows_group`] checks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn weighted_rows_group<E: Lanes>(
+        (p, p_stride): (&[f32], usize),
+        (rows, ahead): (&[&[E]], &[&[E]]),
         acc: &mut [f32],
         n: usize,
     ) {
-        weighted_rows_group_body::<Fused>(p, v, stride, acc, n)
+        let n_rows = acc.len() / n;
+        let mut r = 0;
+        while r < n_rows {
+            let g = group_rows(n_rows - r);
+            let (p, acc) = (&p[r * p_stride..], &mut acc[r * n..(r + g) * n]);
+            // The first group's pass prefetches; later ones find the lines requested.
+            let ahead = if r == 0 { ahead } else { &[] };
+            // SAFETY: `acc` holds `g` rows of `n`; the caller's contract.
+            unsafe {
+                match g {
+                    3 => weighted_group::<E, 3, 4>((p, p_stride), (rows, ahead), acc, n),
+                    2 => weighted_group::<E, 2, 4>((p, p_stride), (rows, ahead), acc, n),
+                    _ => weighted_group::<E, 1, 8>((p, p_stride), (rows, ahead), acc, n),
+                }
+            }
+            r += g;
+        }
+    }
+
+    /// `R` rows of [`weighted_rows_group`], `C` vectors of columns in
+    /// registers at a time (then one vector, then single columns).
+    ///
+    /// # Safety
+    /// As [`weighted_rows_group`], and `acc` holds `R` rows of `n`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    unsafe fn weighted_group<E: Lanes, const R: usize, const C: usize>(
+        (p, p_stride): (&[f32], usize),
+        (rows, ahead): (&[&[E]], &[&[E]]),
+        acc: &mut [f32],
+        n: usize,
+    ) {
+        use std::arch::x86_64::*;
+        let len = rows.len();
+        let mut ps = [p.as_ptr(); R];
+        for (k, pk) in ps.iter_mut().enumerate() {
+            *pk = p[k * p_stride..][..len].as_ptr();
+        }
+        let pa = acc.as_mut_ptr();
+        let mut c0 = 0;
+        // SAFETY (every access below): column `c0 + 8·c + 8 <= n` within
+        // each accumulator row (`R` rows of `n`) and value row (checked to
+        // hold `n` values); weight `j < len` within each weight row.
+        macro_rules! columns {
+            ($c:expr) => {
+                while c0 + 8 * $c <= n {
+                    let mut a = [[_mm256_setzero_ps(); $c]; R];
+                    for (k, ak) in a.iter_mut().enumerate() {
+                        for (c, v) in ak.iter_mut().enumerate() {
+                            *v = unsafe { _mm256_loadu_ps(pa.add(k * n + c0 + 8 * c)) };
+                        }
+                    }
+                    for (j, row) in rows.iter().enumerate() {
+                        let mut w = [_mm256_setzero_ps(); R];
+                        for (w, pk) in w.iter_mut().zip(ps) {
+                            *w = _mm256_set1_ps(unsafe { *pk.add(j) });
+                        }
+                        let vp = row.as_ptr();
+                        if let Some(next) = ahead.get(j) {
+                            let at = (next.as_ptr() as *const i8)
+                                .wrapping_add(c0 * std::mem::size_of::<E>());
+                            for off in (0..8 * $c * std::mem::size_of::<E>()).step_by(64) {
+                                // A hint: never faults, whatever the address.
+                                _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(off));
+                            }
+                        }
+                        for c in 0..$c {
+                            let x = unsafe { E::load8(vp.add(c0 + 8 * c)) };
+                            for (ak, w) in a.iter_mut().zip(w) {
+                                ak[c] = _mm256_fmadd_ps(w, x, ak[c]);
+                            }
+                        }
+                    }
+                    for (k, ak) in a.iter().enumerate() {
+                        for (c, v) in ak.iter().enumerate() {
+                            unsafe { _mm256_storeu_ps(pa.add(k * n + c0 + 8 * c), *v) };
+                        }
+                    }
+                    c0 += 8 * $c;
+                }
+            };
+        }
+        columns!(C);
+        columns!(1);
+        for i in c0..n {
+            for (k, pk) in ps.iter().enumerate() {
+                let mut a = unsafe { *pa.add(k * n + i) };
+                for (j, row) in rows.iter().enumerate() {
+                    a = unsafe { *pk.add(j) }.mul_add(row[i].to_f32(), a);
+                }
+                unsafe { *pa.add(k * n + i) = a };
+            }
+        }
     }
 
     #[target_feature(enable = "avx2,fma")]
@@ -395,52 +385,53 @@ pub fn exp_shifted(tier: SimdTier, s: &mut [f32], m: f32) -> f32 {
     }
 }
 
-/// `acc[i] += Σ_j p[j] · v[base + j·stride + i]`: the probability-weighted
-/// sum of `p.len()` rows of `v` spaced `stride` apart.
+/// The probability-weighted sums of value rows for the `acc.len() / n`
+/// rows of `acc` (`n` each) over the value rows `rows` (the first `n`
+/// values of each, of any [`Lanes`] type: f16 and bf16 are read as
+/// stored), row `k` weighting them by `p[k·p_stride..][..rows.len()]`:
+/// `acc[k·n + i] += Σ_j p[k·p_stride + j] · rows[j][i]`, each element one
+/// chain of multiply-adds (fused where the tier has FMA) over `j` in
+/// order. So every row's result is bit-identical to that row alone, and
+/// to the values widened to f32 first; rows share each value-vector load
+/// (up to three at a time).
+///
+/// `ahead` are rows the caller reads next (the next tile's values, or
+/// none), prefetched while the rows at the same index are read (as in
+/// [`crate::dot::dot_keys_with`]).
 ///
 /// # Panics
-/// If a row runs past the end of `v` (a bug in the calling kernel).
-pub fn weighted_rows(
+/// If a value row is shorter than `n` or `p` too short for its rows (a
+/// bug in the calling kernel).
+pub fn weighted_rows_group<E: Lanes>(
     tier: SimdTier,
-    p: &[f32],
-    v: &[f32],
-    base: usize,
-    stride: usize,
-    acc: &mut [f32],
-) {
-    match cpu::clamp(tier) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `exp_shifted`.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-            avx2::weighted_rows(p, v, base, stride, acc)
-        },
-        _ => weighted_rows_body::<Plain>(p, v, base, stride, acc),
-    }
-}
-
-/// [`weighted_rows`] for the `acc.len() / n` rows of `acc` (`n` each),
-/// row `k` weighting the first `len` value rows by `p[k·p_stride..][..len]`:
-/// `acc[k·n + i] += Σ_{j<len} p[k·p_stride + j] · v[j·stride + i]`. Every
-/// row's result is bit-identical to [`weighted_rows`] on that row alone;
-/// rows share each value-row load (three at a time).
-///
-/// # Panics
-/// If a row runs past the end of `v` or `p` (a bug in the calling kernel).
-pub fn weighted_rows_group(
-    tier: SimdTier,
-    (p, p_stride, len): (&[f32], usize, usize),
-    v: &[f32],
-    stride: usize,
+    (p, p_stride): (&[f32], usize),
+    (rows, ahead): (&[&[E]], &[&[E]]),
     acc: &mut [f32],
     n: usize,
 ) {
+    if n == 0 || rows.is_empty() {
+        return;
+    }
+    let n_rows = acc.len() / n;
+    assert_eq!(acc.len(), n_rows * n, "weighted_rows_group: ragged rows");
+    assert!(
+        rows.iter().all(|r| r.len() >= n),
+        "weighted_rows_group: value rows too short"
+    );
+    if n_rows > 0 {
+        assert!(
+            (n_rows - 1) * p_stride + rows.len() <= p.len(),
+            "weighted_rows_group: weights past the end"
+        );
+    }
     match cpu::clamp(tier) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `exp_shifted`.
+        // SAFETY: the clamped tier has AVX2, FMA and F16C; the lengths are
+        // checked above.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-            avx2::weighted_rows_group((p, p_stride, len), v, stride, acc, n)
+            avx2::weighted_rows_group((p, p_stride), (rows, ahead), acc, n)
         },
-        _ => weighted_rows_group_body::<Plain>((p, p_stride, len), v, stride, acc, n),
+        _ => weighted_rows_group_body::<E, Plain>((p, p_stride), rows, acc, n),
     }
 }
 
@@ -547,7 +538,7 @@ mod tests {
     }
 
     #[test]
-    fn weighted_rows_and_scale_match_scalar_loops() {
+    fn weighted_rows_group_and_scale_match_f64() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(6);
         for &(n, rows, stride) in &[
             (1usize, 1usize, 1usize),
@@ -568,9 +559,10 @@ mod tests {
                             .sum::<f64>()
                 })
                 .collect();
+            let v_rows: Vec<&[f32]> = (0..rows).map(|j| &v[2 + j * stride..][..n]).collect();
             for tier in cpu::available_tiers() {
                 let mut acc = init.clone();
-                weighted_rows(tier, &p, &v, 2, stride, &mut acc);
+                weighted_rows_group(tier, (&p, 0), (&v_rows, &v_rows), &mut acc, n);
                 for (a, w) in acc.iter().zip(&want) {
                     assert!((*a as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "{tier}");
                 }
@@ -585,9 +577,12 @@ mod tests {
         }
     }
 
-    /// Each row of `weighted_rows_group` bit-identical to `weighted_rows`
-    /// on the row alone, on every tier (row counts around the 3-row group,
-    /// widths around the 32-column block).
+    /// Each row of `weighted_rows_group` bit-identical to one chain of
+    /// multiply-adds per element over the value rows in order (fused on
+    /// the SIMD tiers), and so to the row alone, on every tier (row counts
+    /// around the 3-row group, widths around the 32- and 64-column
+    /// blocks); f16 and bf16 value rows read as stored bit-identical to
+    /// the same rows widened to f32.
     #[test]
     fn weighted_rows_group_equals_each_row_alone() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(9);
@@ -595,29 +590,59 @@ mod tests {
             (1usize, 1usize, 1usize, 1usize),
             (2, 5, 33, 40),
             (3, 32, 64, 64),
+            (4, 9, 71, 72),
+            (5, 3, 130, 130),
             (7, 17, 95, 101),
             (24, 32, 256, 256),
         ] {
             let ps = len + 3;
             let p: Vec<f32> = (0..rows * ps).map(|_| rng.random_range(0.0..1.0)).collect();
+            // Values f16 holds exactly, so that all three types store the same.
             let v: Vec<f32> = (0..(len - 1) * stride + n)
-                .map(|_| rng.random_range(-1.0..1.0))
+                .map(|_| half::f16::from_f32(rng.random_range(-1.0..1.0)).to_f32())
                 .collect();
+            let v_rows: Vec<&[f32]> = (0..len).map(|j| &v[j * stride..][..n]).collect();
+            let f16: Vec<half::f16> = v.iter().map(|&x| half::f16::from_f32(x)).collect();
+            let f16_rows: Vec<&[half::f16]> = (0..len).map(|j| &f16[j * stride..][..n]).collect();
+            let bf16: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            let bf16_rows: Vec<&[half::bf16]> =
+                (0..len).map(|j| &bf16[j * stride..][..n]).collect();
             let init: Vec<f32> = (0..rows * n).map(|_| rng.random_range(-1.0..1.0)).collect();
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             for tier in cpu::available_tiers() {
                 let mut acc = init.clone();
-                weighted_rows_group(tier, (&p, ps, len), &v, stride, &mut acc, n);
+                weighted_rows_group(tier, (&p, ps), (&v_rows, &v_rows[..1]), &mut acc, n);
                 for r in 0..rows {
                     let mut want = init[r * n..(r + 1) * n].to_vec();
-                    weighted_rows(tier, &p[r * ps..][..len], &v, 0, stride, &mut want);
-                    let got = &acc[r * n..(r + 1) * n];
-                    assert!(
-                        got.iter()
-                            .zip(&want)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    for (i, a) in want.iter_mut().enumerate() {
+                        for (j, &w) in p[r * ps..][..len].iter().enumerate() {
+                            let x = v[j * stride + i];
+                            *a = match tier {
+                                SimdTier::Scalar => w * x + *a,
+                                _ => w.mul_add(x, *a),
+                            };
+                        }
+                    }
+                    let mut alone = init[r * n..(r + 1) * n].to_vec();
+                    weighted_rows_group(tier, (&p[r * ps..], ps), (&v_rows, &[]), &mut alone, n);
+                    assert_eq!(bits(&alone), bits(&want), "{tier}: alone, n {n}");
+                    assert_eq!(
+                        bits(&acc[r * n..(r + 1) * n]),
+                        bits(&want),
                         "{tier}: rows {rows}, len {len}, n {n}: row {r}"
                     );
                 }
+                let mut got = init.clone();
+                weighted_rows_group(tier, (&p, ps), (&f16_rows, &[]), &mut got, n);
+                assert_eq!(bits(&got), bits(&acc), "{tier} f16: rows {rows}, n {n}");
+                let mut got = init.clone();
+                weighted_rows_group(tier, (&p, ps), (&bf16_rows, &bf16_rows), &mut got, n);
+                // bf16 rounds f16's values: compare with its own widening.
+                let widened: Vec<f32> = bf16.iter().map(|h| h.to_f32()).collect();
+                let w_rows: Vec<&[f32]> = (0..len).map(|j| &widened[j * stride..][..n]).collect();
+                let mut want = init.clone();
+                weighted_rows_group(tier, (&p, ps), (&w_rows, &[]), &mut want, n);
+                assert_eq!(bits(&got), bits(&want), "{tier} bf16: rows {rows}, n {n}");
             }
         }
     }

@@ -355,7 +355,9 @@ fn score_range<T: KvElem>(
     while j0 < range.end {
         let tk = KEY_TILE.min(range.end - j0);
         keys.widen_tile(tier, table, 1, (hd, hd), 0, j0, tk, kt, &mut []);
-        scores(tier, nh, &qrow, (&kt[..], hd), tk, st);
+        let rows: [&[f32]; KEY_TILE] =
+            std::array::from_fn(|i| if i < tk { &kt[i * hd..][..hd] } else { &[] });
+        scores(tier, nh, &qrow, (&rows[..tk], &[]), st);
         combine_heads(p.scale, &st[..], &w[..nh], &mut idx[..tk]);
         for (jj, &score) in idx[..tk].iter().enumerate() {
             stream.push(Cand {

@@ -39,6 +39,7 @@ use crate::error::{checked_mul, KernelError};
 use crate::quant::RowKernel;
 use half::slice::HalfFloatSliceExt;
 use kvant_core::DType;
+use std::any::TypeId;
 
 /// The element types a KV cache can hold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -312,7 +313,51 @@ pub struct KvBlocks<'a, T> {
     pub block_size: usize,
 }
 
-impl<T: KvElem> KvBlocks<'_, T> {
+impl<'a, T: KvElem> KvBlocks<'a, T> {
+    /// The same blocks as units of `E`, when `E` is `T` (how a kernel
+    /// generic over the cache type picks a path written for one type).
+    pub(super) fn cast<E: KvElem>(&self) -> Option<KvBlocks<'a, E>> {
+        if TypeId::of::<T>() != TypeId::of::<E>() {
+            return None;
+        }
+        let cast = |s: &'a [T]| {
+            // SAFETY: `E` is `T` (same `TypeId`), so the slice is
+            // reinterpreted as itself.
+            unsafe { std::slice::from_raw_parts(s.as_ptr() as *const E, s.len()) }
+        };
+        Some(KvBlocks {
+            k: cast(self.k),
+            v: self.v.map(cast),
+            block_size: self.block_size,
+        })
+    }
+
+    /// The stored key row (`head_dim / VALUES` units) and value row
+    /// (`v_dim / VALUES` units; empty when the values are in the keys) of
+    /// KV head `h` at position `j` of the sequence whose blocks are `table`.
+    pub(super) fn rows_at(
+        &self,
+        table: &[u32],
+        n_kv_heads: usize,
+        (hd, vd): (usize, usize),
+        h: usize,
+        j: usize,
+    ) -> (&'a [T], &'a [T]) {
+        let bs = self.block_size;
+        let (ku, vu) = (hd / T::VALUES, vd / T::VALUES);
+        let (b, row) = (table[j / bs] as usize, h * bs + j % bs);
+        let src = (b * n_kv_heads * bs + row) * ku;
+        let k = &self.k[src..src + ku];
+        let v = match self.v {
+            Some(v) => {
+                let src = (b * n_kv_heads * bs + row) * vu;
+                &v[src..src + vu]
+            }
+            None => &[],
+        };
+        (k, v)
+    }
+
     /// Units per block of rows of `dim` values.
     pub(super) fn block_units(&self, n_kv_heads: usize, dim: usize) -> usize {
         n_kv_heads * self.block_size * (dim / T::VALUES)

@@ -21,7 +21,8 @@
 use super::kv::{KvBlocks, KvElem};
 use super::AttnParams;
 use crate::cpu::SimdTier;
-use crate::dot::dot_keys_f32_with;
+use crate::dot::dot_keys_with;
+use crate::lanes::Lanes;
 use crate::vecops;
 use std::ops::Range;
 
@@ -114,7 +115,8 @@ pub(super) struct State {
     /// Scores of the current tile, `rows × KEY_TILE`.
     pub s: Vec<f32>,
     /// The tile's keys and (stored) values widened to f32, `KEY_TILE ×
-    /// head_dim` and `KEY_TILE × v_dim`.
+    /// head_dim` and `KEY_TILE × v_dim`, for the cache types attention
+    /// cannot read as stored (the quantized blocks).
     pub kt: Vec<f32>,
     pub vt: Vec<f32>,
     /// Each row's cut of the current tile (0: the row sees none of it).
@@ -124,9 +126,12 @@ pub(super) struct State {
 /// Where a partition's key and value tiles come from.
 #[derive(Clone, Copy)]
 pub(super) enum Tiles<'a> {
-    /// Widened from the cache tile by tile into the state's buffers (an
-    /// item alone on its KV head, as in decode; for heads of 256 the two
-    /// f32 tiles are 64 KiB, past a 32 KiB L1).
+    /// The cache itself (an item alone on its KV head, as in decode): f32,
+    /// f16 and bf16 rows are read as stored, every value widened in
+    /// registers where it is used; the quantized blocks are widened tile
+    /// by tile into the state's buffers. Widening f16 tiles into buffers
+    /// was half of a Gemma 3 decode step's attention at 32k positions
+    /// (two 32 KiB f32 tiles written and read back per 32 keys).
     Cache,
     /// Already widened once for every item of a sweep (`super::run_sweep`):
     /// keys (rows of `head_dim`) and stored values (rows of `v_dim`) from
@@ -136,6 +141,149 @@ pub(super) enum Tiles<'a> {
         k: &'a [f32],
         v: &'a [f32],
     },
+}
+
+/// The key rows and value rows of one tile (at most [`KEY_TILE`] each).
+type TileRows<'a, E> = ([&'a [E]; KEY_TILE], [&'a [E]; KEY_TILE]);
+
+/// The next tile's key and value rows (or none), prefetched while a tile runs.
+type Ahead<'s, 'a, E> = (&'s [&'a [E]], &'s [&'a [E]]);
+
+/// The rows of `tk` keys from `at` in widened f32 buffers (keys of `hd`
+/// values, stored values of `vd`; `latent`: the values are the keys' first
+/// `vd`).
+fn widened_rows<'a>(
+    (k, v): (&'a [f32], &'a [f32]),
+    (hd, vd): (usize, usize),
+    latent: bool,
+    (at, tk): (usize, usize),
+) -> TileRows<'a, f32> {
+    let mut rows: TileRows<'a, f32> = ([&[]; KEY_TILE], [&[]; KEY_TILE]);
+    for i in 0..tk {
+        let key = &k[(at + i) * hd..][..hd];
+        rows.0[i] = key;
+        rows.1[i] = if latent {
+            &key[..vd]
+        } else {
+            &v[(at + i) * vd..][..vd]
+        };
+    }
+    rows
+}
+
+/// What every tile of one item's partition shares: its query rows and
+/// each row's visible keys.
+pub(super) struct Rows<'a> {
+    pub n: usize,
+    pub q: &'a dyn Fn(usize) -> &'a [f32],
+    pub keys: &'a dyn Fn(usize) -> Range<usize>,
+}
+
+/// The keys of one tile read from the cache: a run of `len` positions
+/// from `j0` (dense attention), or the selected positions of sparse
+/// attention, all visible.
+#[derive(Clone, Copy)]
+pub(super) enum Keys<'a> {
+    Run { j0: usize, len: usize },
+    Picked(&'a [u32]),
+}
+
+impl Keys<'_> {
+    fn len(self) -> usize {
+        match self {
+            Keys::Run { len, .. } => len,
+            Keys::Picked(ps) => ps.len(),
+        }
+    }
+
+    fn pos(self, i: usize) -> usize {
+        match self {
+            Keys::Run { j0, .. } => j0 + i,
+            Keys::Picked(ps) => ps[i] as usize,
+        }
+    }
+
+    /// The position each row's visible range is cut against
+    /// ([`run_tile`]'s `j0`): the run's first; for picked keys 0, with
+    /// rows that see every key.
+    fn cut(self) -> usize {
+        match self {
+            Keys::Run { j0, .. } => j0,
+            Keys::Picked(_) => 0,
+        }
+    }
+}
+
+/// Runs the rows over tiles of keys of KV head `kvh` read from the cache
+/// (each tile's `Keys`), leaving the state in `st.part` (which the caller
+/// has reset): f32, f16 and bf16 rows as stored, the block types widened
+/// tile by tile into `st.kt` and `st.vt`.
+pub(super) fn run_cached<'k, T: KvElem>(
+    tier: SimdTier,
+    p: &AttnParams,
+    rows: &Rows<'_>,
+    (kv, table, kvh): (&KvBlocks<'_, T>, &[u32], usize),
+    tiles: impl Iterator<Item = Keys<'k>>,
+    st: &mut State,
+) {
+    let (hd, vd) = (p.head_dim, p.v_dim);
+    let latent = kv.v.is_none();
+    let State {
+        part,
+        s,
+        kt,
+        vt,
+        lens,
+    } = st;
+    let mut state = (part, &mut s[..], lens);
+    macro_rules! as_stored {
+        ($($e:ty),*) => {$(
+            if let Some(kv) = kv.cast::<$e>() {
+                let rows_of = |keys: Keys<'_>| {
+                    let mut t: TileRows<'_, $e> = ([&[]; KEY_TILE], [&[]; KEY_TILE]);
+                    for i in 0..keys.len() {
+                        let (k, v) = kv.rows_at(table, p.n_kv_heads, (hd, vd), kvh, keys.pos(i));
+                        t.0[i] = k;
+                        t.1[i] = if latent { &k[..vd] } else { v };
+                    }
+                    (t, keys.len())
+                };
+                // Each tile runs while the next one's rows are prefetched
+                // into L2 (see `run_tile`).
+                let mut tiles = tiles.map(|k| (k, rows_of(k))).peekable();
+                while let Some((keys, (t, _))) = tiles.next() {
+                    let ahead = tiles
+                        .peek()
+                        .map_or((&[][..], &[][..]), |(_, (n, len))| (&n.0[..*len], &n.1[..*len]));
+                    run_tile(tier, p, rows, (keys.cut(), keys.len()), (&t, ahead), &mut state);
+                }
+                return;
+            }
+        )*};
+    }
+    as_stored!(half::f16, half::bf16, f32);
+    kt.resize(KEY_TILE * hd, 0.0);
+    if !latent {
+        vt.resize(KEY_TILE * vd, 0.0);
+    }
+    for keys in tiles {
+        let tk = keys.len();
+        match keys {
+            Keys::Run { j0, len } => {
+                kv.widen_tile(tier, table, p.n_kv_heads, (hd, vd), kvh, j0, len, kt, vt)
+            }
+            Keys::Picked(ps) => kv.widen_rows(tier, table, p.n_kv_heads, (hd, vd), kvh, ps, kt, vt),
+        }
+        let t = widened_rows((kt, vt), (hd, vd), latent, (0, tk));
+        run_tile(
+            tier,
+            p,
+            rows,
+            (keys.cut(), tk),
+            (&t, (&[], &[])),
+            &mut state,
+        );
+    }
 }
 
 /// Runs `it`'s rows over the keys of partition `part` (intersected with
@@ -152,12 +300,6 @@ pub(super) fn run_partition<T: KvElem>(
     let n_rows = it.rows();
     st.part.reset(n_rows, vd);
     st.s.resize(n_rows * KEY_TILE, 0.0);
-    if let Tiles::Cache = tiles {
-        st.kt.resize(KEY_TILE * hd, 0.0);
-        if seq.kv.v.is_some() {
-            st.vt.resize(KEY_TILE * vd, 0.0);
-        }
-    }
     let keys = part * PARTITION..(part + 1) * PARTITION;
     let row_keys = |r: usize| {
         let kr = seq.row_keys(p, it, r);
@@ -169,94 +311,86 @@ pub(super) fn run_partition<T: KvElem>(
         let (t, h) = it.row(r);
         &seq.q[(t * p.n_heads + h) * hd..][..hd]
     };
+    let rows = Rows {
+        n: n_rows,
+        q: &qrow,
+        keys: &row_keys,
+    };
     // Tiles start at absolute multiples of KEY_TILE (see the module doc).
-    let mut j0 = lo / KEY_TILE * KEY_TILE;
-    while j0 < hi {
-        let tk = KEY_TILE.min(hi - j0);
-        let (kt, vt): (&[f32], &[f32]) = match tiles {
-            Tiles::Cache => {
-                seq.kv.widen_tile(
-                    tier,
-                    seq.table,
-                    p.n_kv_heads,
-                    (hd, vd),
-                    it.kvh,
-                    j0,
-                    tk,
-                    &mut st.kt,
-                    &mut st.vt,
-                );
-                (&st.kt, &st.vt)
+    let runs = (lo / KEY_TILE * KEY_TILE..hi)
+        .step_by(KEY_TILE)
+        .map(|j0| (j0, KEY_TILE.min(hi - j0)));
+    match tiles {
+        Tiles::Widened { at, k, v } => {
+            let mut state = (&mut st.part, &mut st.s[..], &mut st.lens);
+            for (j0, tk) in runs {
+                let t = widened_rows((k, v), (hd, vd), seq.kv.v.is_none(), (j0 - at, tk));
+                run_tile(tier, p, &rows, (j0, tk), (&t, (&[], &[])), &mut state);
             }
-            Tiles::Widened { at, k, v } => {
-                let v = if seq.kv.v.is_some() {
-                    &v[(j0 - at) * vd..]
-                } else {
-                    &[]
-                };
-                (&k[(j0 - at) * hd..], v)
-            }
-        };
-        scores(tier, n_rows, &qrow, (kt, hd), tk, &mut st.s);
-        st.lens.clear();
-        for r in 0..n_rows {
-            let rk = row_keys(r);
-            // The row's own cut of the tile: up to its last visible key.
-            let len = rk.end.min(j0 + tk).saturating_sub(j0);
-            if len == 0 || rk.start >= j0 + len {
-                st.lens.push(0);
-                continue;
-            }
-            st.lens.push(len);
-            let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + len];
-            let tile_max = if rk.start <= j0 {
-                vecops::scale_max(tier, p.scale, s)
-            } else {
-                let mut m = f32::NEG_INFINITY;
-                for (j, x) in (j0..).zip(s.iter_mut()) {
-                    if j >= rk.start {
-                        *x *= p.scale;
-                        m = m.max(*x);
-                    } else {
-                        *x = f32::NEG_INFINITY;
-                    }
-                }
-                m
-            };
-            absorb_scores(tier, s, tile_max, &mut st.part, r, vd);
         }
-        // Latent attention reads its values from the key rows.
-        let values = match seq.kv.v {
-            Some(_) => (vt, vd),
-            None => (kt, hd),
-        };
-        weigh_values(tier, (&st.s, &st.lens), values, &mut st.part, vd);
-        j0 += tk;
+        Tiles::Cache => {
+            let tiles = runs.map(|(j0, len)| Keys::Run { j0, len });
+            run_cached(tier, p, &rows, (seq.kv, seq.table, it.kvh), tiles, st);
+        }
     }
 }
 
-/// Folds one tile into row `r` of `part`: `s` holds the row's scaled
-/// scores of the tile's first `s.len()` keys (`-inf` where masked), whose
-/// largest is `tile_max`, and `values` the tile's value rows (`stride`
-/// apart, the first `vd` of each). Rescales what was accumulated when the
-/// running maximum moves, then adds the tile's exponentials and weighted
-/// values: the one update every attention kernel here shares.
-pub(super) fn absorb_tile(
+/// One tile of [`run_partition`]: the `tk` keys from `j0` (rows `t`)
+/// against every row, the online softmax, and the weighted values, while
+/// the rows `ahead` (the next tile's keys and values, read from DRAM) are
+/// prefetched into L2, a line for each line of the tile read. A decode
+/// step streams its cache once, and the hardware prefetchers lose rows
+/// read side by side: Gemma 3's global layer at 32k positions (32 MB of
+/// f16) took 4.8 / 6.0 / 6.1 ms without the prefetches, 3.8 / 4.8 / 4.6
+/// with them one tile ahead and 5.4 / 5.1 / 4.9 two tiles ahead (three
+/// alternated rounds on a noisy Zen 3 VM, 2 threads); into L1
+/// (`prefetcht0`) they evicted the tile being read (4.25 ms against 3.6).
+fn run_tile<E: Lanes>(
     tier: SimdTier,
-    s: &mut [f32],
-    tile_max: f32,
-    (values, stride): (&[f32], usize),
-    part: &mut Partial,
-    r: usize,
-    vd: usize,
+    p: &AttnParams,
+    rows: &Rows<'_>,
+    (j0, tk): (usize, usize),
+    ((krows, vrows), ahead): (&TileRows<'_, E>, Ahead<'_, '_, E>),
+    (part, s, lens): &mut (&mut Partial, &mut [f32], &mut Vec<usize>),
 ) {
-    absorb_scores(tier, s, tile_max, part, r, vd);
-    let acc = &mut part.acc[r * vd..(r + 1) * vd];
-    vecops::weighted_rows(tier, s, values, 0, stride, acc);
+    let vd = p.v_dim;
+    scores(tier, rows.n, rows.q, (&krows[..tk], ahead.0), s);
+    lens.clear();
+    for r in 0..rows.n {
+        let rk = (rows.keys)(r);
+        // The row's own cut of the tile: up to its last visible key.
+        let len = rk.end.min(j0 + tk).saturating_sub(j0);
+        if len == 0 || rk.start >= j0 + len {
+            lens.push(0);
+            continue;
+        }
+        lens.push(len);
+        let s = &mut s[r * KEY_TILE..r * KEY_TILE + len];
+        let tile_max = if rk.start <= j0 {
+            vecops::scale_max(tier, p.scale, s)
+        } else {
+            let mut m = f32::NEG_INFINITY;
+            for (j, x) in (j0..).zip(s.iter_mut()) {
+                if j >= rk.start {
+                    *x *= p.scale;
+                    m = m.max(*x);
+                } else {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+            m
+        };
+        absorb_scores(tier, s, tile_max, part, r, vd);
+    }
+    weigh_values(tier, (s, lens), (&vrows[..tk], ahead.1), part, vd);
 }
 
-/// The first half of [`absorb_tile`]: the rescale, and the tile's
-/// exponentials left in `s` for [`weigh_values`] to add.
+/// Folds a tile's scores into row `r` of `part`: `s` holds the row's
+/// scaled scores of the tile's first `s.len()` keys (`-inf` where masked),
+/// whose largest is `tile_max`. Rescales what was accumulated when the
+/// running maximum moves and leaves the tile's exponentials in `s` for
+/// [`weigh_values`] to add: the one update every attention kernel here
+/// shares.
 fn absorb_scores(
     tier: SimdTier,
     s: &mut [f32],
@@ -278,17 +412,17 @@ fn absorb_scores(
     part.l[r] += vecops::exp_shifted(tier, s, m_new);
 }
 
-/// The second half of [`absorb_tile`] for every row of a tile: row `r`
+/// The weighted values of [`absorb_scores`]' exponentials for every row of a tile: row `r`
 /// adds its first `lens[r]` probabilities (`s`, rows of [`KEY_TILE`])
 /// times the value rows into its accumulator (nothing where `lens[r]` is
 /// 0). Runs of rows with the same cut go through one
 /// [`vecops::weighted_rows_group`] call, which shares each value-row load
 /// among them and leaves every row's bits as alone: the heads of a token
 /// always share a cut, and away from the chunk's diagonal all rows do.
-fn weigh_values(
+fn weigh_values<E: Lanes>(
     tier: SimdTier,
     (s, lens): (&[f32], &[usize]),
-    (values, stride): (&[f32], usize),
+    (values, mut ahead): (&[&[E]], &[&[E]]),
     part: &mut Partial,
     vd: usize,
 ) {
@@ -299,12 +433,12 @@ fn weigh_values(
         if len > 0 {
             vecops::weighted_rows_group(
                 tier,
-                (&s[r * KEY_TILE..], KEY_TILE, len),
-                values,
-                stride,
+                (&s[r * KEY_TILE..], KEY_TILE),
+                (&values[..len], ahead),
                 &mut part.acc[r * vd..(r + n) * vd],
                 vd,
             );
+            ahead = &[];
         }
         r += n;
     }
@@ -340,38 +474,37 @@ pub(super) fn fold(
     }
 }
 
-/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's `tk` keys (`kt`,
-/// rows of `hd`). Every pair goes through the same 4-key dot tile (one
-/// accumulator per pair), whatever the row and key counts: a short last
-/// group repeats its last key, odd rows use a narrower tile. That makes
-/// each score independent of its neighbours (batch invariance). The
-/// scores are written in place, three rows at a time (through a copy of
-/// each tile's results, this was a quarter of prefill attention's time at
-/// depth 4096: stores forwarded to mismatched loads).
-pub(super) fn scores<'a>(
+/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's key rows `keys`
+/// (f32, or f16 / bf16 as stored). Every pair goes through the same 4-key
+/// dot tile (one accumulator per pair), whatever the row and key counts: a
+/// short last group repeats its last key, odd rows use a narrower tile.
+/// That makes each score independent of its neighbours (batch invariance).
+/// The scores are written in place, up to three rows at a time, four rows
+/// as two and two (each pass converts the keys again; a lone row loads a
+/// key vector per FMA). Through a copy of each tile's results, this was a
+/// quarter of prefill attention's time at depth 4096: stores forwarded to
+/// mismatched loads.
+pub(super) fn scores<'a, E: Lanes>(
     tier: SimdTier,
     n_rows: usize,
-    qrow: &impl Fn(usize) -> &'a [f32],
-    (kt, hd): (&[f32], usize),
-    tk: usize,
+    qrow: &dyn Fn(usize) -> &'a [f32],
+    (keys, ahead): (&[&[E]], &[&[E]]),
     s: &mut [f32],
 ) {
-    let keys = &kt[..tk * hd];
     let mut r = 0;
     while r < n_rows {
         let out = &mut s[r * KEY_TILE..];
-        match n_rows - r {
-            1 => dot_keys_f32_with(tier, keys, tk, [qrow(r)], out, KEY_TILE),
-            2 => dot_keys_f32_with(tier, keys, tk, [qrow(r), qrow(r + 1)], out, KEY_TILE),
-            _ => dot_keys_f32_with(
-                tier,
-                keys,
-                tk,
-                [qrow(r), qrow(r + 1), qrow(r + 2)],
-                out,
-                KEY_TILE,
-            ),
+        let g = match n_rows - r {
+            4 => 2,
+            left => left.min(3),
+        };
+        // The first pass prefetches the rows ahead; later ones find them requested.
+        let k = (keys, if r == 0 { ahead } else { &[] });
+        match g {
+            1 => dot_keys_with(tier, k, [qrow(r)], out, KEY_TILE),
+            2 => dot_keys_with(tier, k, [qrow(r), qrow(r + 1)], out, KEY_TILE),
+            _ => dot_keys_with(tier, k, [qrow(r), qrow(r + 1), qrow(r + 2)], out, KEY_TILE),
         }
-        r += (n_rows - r).min(3);
+        r += g;
     }
 }

@@ -4,18 +4,17 @@
 //!
 //! The arithmetic is the dense kernel's: the same 4-key dot tile per
 //! (row, key) pair, the same online-softmax tile update
-//! ([`super::rows::absorb_tile`]), over the selected positions in ascending
+//! ([`super::rows::run_cached`]), over the selected positions in ascending
 //! order in tiles of [`KEY_TILE`]. A token's result therefore depends only
 //! on its query and its selected rows (batch invariance), and the work of
 //! a token is `O(topk)` whatever the context.
 
 use super::indexer::TopK;
 use super::kv::{self, KvBlocks, KvElem, KvLayer};
-use super::rows::{absorb_tile, scores, Item, State, KEY_TILE, PARTITION};
+use super::rows::{run_cached, Item, Keys, Rows, State, KEY_TILE, PARTITION};
 use super::{execute, AttnParams, Planned, SeqAttn, MAX_ROWS, PLAN};
 use crate::cpu::{self, SimdTier};
 use crate::pool::DisjointSlice;
-use crate::vecops;
 
 /// Attention of the query tokens that `sel` marks sparse, each over its
 /// selected positions only, on the start-up tier; rows of other tokens in
@@ -161,35 +160,17 @@ fn run_partition<T: KvElem>(
 ) {
     let (hd, vd, hs) = (p.head_dim, p.v_dim, it.hs);
     let qrow = |r: usize| &q[(row * p.n_heads + it.h0 + r) * hd..][..hd];
+    // Every selected key is visible to every head of the token.
+    let every = |_: usize| 0..usize::MAX;
+    let rows = Rows {
+        n: hs,
+        q: &qrow,
+        keys: &every,
+    };
     st.part.reset(hs, vd);
     st.s.resize(hs * KEY_TILE, 0.0);
-    st.kt.resize(KEY_TILE * hd, 0.0);
-    if kv.v.is_some() {
-        st.vt.resize(KEY_TILE * vd, 0.0);
-    }
-    for tile in picked.chunks(KEY_TILE) {
-        let tk = tile.len();
-        kv.widen_rows(
-            tier,
-            table,
-            p.n_kv_heads,
-            (hd, vd),
-            it.kvh,
-            tile,
-            &mut st.kt,
-            &mut st.vt,
-        );
-        scores(tier, hs, &qrow, (&st.kt, hd), tk, &mut st.s);
-        for r in 0..hs {
-            let s = &mut st.s[r * KEY_TILE..r * KEY_TILE + tk];
-            let tile_max = vecops::scale_max(tier, p.scale, s);
-            let values = match kv.v {
-                Some(_) => (&st.vt[..], vd),
-                None => (&st.kt[..], hd),
-            };
-            absorb_tile(tier, s, tile_max, values, &mut st.part, r, vd);
-        }
-    }
+    let tiles = picked.chunks(KEY_TILE).map(Keys::Picked);
+    run_cached(tier, p, &rows, (kv, table, it.kvh), tiles, st);
 }
 
 #[cfg(test)]
