@@ -332,30 +332,30 @@ impl<'a, T: KvElem> KvBlocks<'a, T> {
         })
     }
 
-    /// The stored key row (`head_dim / VALUES` units) and value row
-    /// (`v_dim / VALUES` units; empty when the values are in the keys) of
-    /// KV head `h` at position `j` of the sequence whose blocks are `table`.
-    pub(super) fn rows_at(
+    /// The stored key rows (`head_dim / VALUES` units each) and value
+    /// rows (`v_dim / VALUES` units each; none when the values are in the
+    /// keys) of KV head `h` from position `j` of the sequence whose blocks
+    /// are `table`, to the end of `j`'s block or `max` rows, and how many
+    /// rows that is: the rows one contiguous read gives.
+    pub(super) fn rows_from(
         &self,
         table: &[u32],
         n_kv_heads: usize,
         (hd, vd): (usize, usize),
         h: usize,
-        j: usize,
-    ) -> (&'a [T], &'a [T]) {
+        (j, max): (usize, usize),
+    ) -> (&'a [T], &'a [T], usize) {
         let bs = self.block_size;
         let (ku, vu) = (hd / T::VALUES, vd / T::VALUES);
-        let (b, row) = (table[j / bs] as usize, h * bs + j % bs);
-        let src = (b * n_kv_heads * bs + row) * ku;
-        let k = &self.k[src..src + ku];
+        let (b, slot) = (table[j / bs] as usize, j % bs);
+        let run = (bs - slot).min(max);
+        let row = b * n_kv_heads * bs + h * bs + slot;
+        let k = &self.k[row * ku..(row + run) * ku];
         let v = match self.v {
-            Some(v) => {
-                let src = (b * n_kv_heads * bs + row) * vu;
-                &v[src..src + vu]
-            }
+            Some(v) => &v[row * vu..(row + run) * vu],
             None => &[],
         };
-        (k, v)
+        (k, v, run)
     }
 
     /// Units per block of rows of `dim` values.

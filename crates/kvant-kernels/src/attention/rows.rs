@@ -239,25 +239,7 @@ pub(super) fn run_cached<'k, T: KvElem>(
     macro_rules! as_stored {
         ($($e:ty),*) => {$(
             if let Some(kv) = kv.cast::<$e>() {
-                let rows_of = |keys: Keys<'_>| {
-                    let mut t: TileRows<'_, $e> = ([&[]; KEY_TILE], [&[]; KEY_TILE]);
-                    for i in 0..keys.len() {
-                        let (k, v) = kv.rows_at(table, p.n_kv_heads, (hd, vd), kvh, keys.pos(i));
-                        t.0[i] = k;
-                        t.1[i] = if latent { &k[..vd] } else { v };
-                    }
-                    (t, keys.len())
-                };
-                // Each tile runs while the next one's rows are prefetched
-                // into L2 (see `run_tile`).
-                let mut tiles = tiles.map(|k| (k, rows_of(k))).peekable();
-                while let Some((keys, (t, _))) = tiles.next() {
-                    let ahead = tiles
-                        .peek()
-                        .map_or((&[][..], &[][..]), |(_, (n, len))| (&n.0[..*len], &n.1[..*len]));
-                    run_tile(tier, p, rows, (keys.cut(), keys.len()), (&t, ahead), &mut state);
-                }
-                return;
+                return run_stored(tier, p, rows, (&kv, table, kvh), tiles, &mut state);
             }
         )*};
     }
@@ -283,6 +265,78 @@ pub(super) fn run_cached<'k, T: KvElem>(
             (&t, (&[], &[])),
             &mut state,
         );
+    }
+}
+
+/// [`run_cached`] for a cache whose units are values (f32, f16, bf16):
+/// each tile's rows are read as stored, while the next tile's are
+/// prefetched into L2 (see [`run_tile`]).
+fn run_stored<'k, E: KvElem + Lanes>(
+    tier: SimdTier,
+    p: &AttnParams,
+    rows: &Rows<'_>,
+    (kv, table, kvh): (&KvBlocks<'_, E>, &[u32], usize),
+    tiles: impl Iterator<Item = Keys<'k>>,
+    state: &mut (&mut Partial, &mut [f32], &mut Vec<usize>),
+) {
+    let dims = (p.head_dim, p.v_dim);
+    let mut bufs: [TileRows<'_, E>; 2] = [([&[]; KEY_TILE], [&[]; KEY_TILE]); 2];
+    let mut tiles = tiles.peekable();
+    if let Some(&first) = tiles.peek() {
+        stored_rows(kv, (table, p.n_kv_heads, dims, kvh), first, &mut bufs[0]);
+    }
+    let mut cur = 0;
+    while let Some(keys) = tiles.next() {
+        let next = tiles.peek().copied();
+        if let Some(next) = next {
+            stored_rows(
+                kv,
+                (table, p.n_kv_heads, dims, kvh),
+                next,
+                &mut bufs[1 - cur],
+            );
+        }
+        let a = &bufs[1 - cur];
+        let n = next.map_or(0, |k| k.len());
+        let ahead = (&a.0[..n], &a.1[..n]);
+        run_tile(
+            tier,
+            p,
+            rows,
+            (keys.cut(), keys.len()),
+            (&bufs[cur], ahead),
+            state,
+        );
+        cur = 1 - cur;
+    }
+}
+
+/// The stored rows of `keys` into `t`, one contiguous run per block
+/// crossed (for latent attention the values are the keys' first `v_dim`).
+fn stored_rows<'a, E: KvElem>(
+    kv: &KvBlocks<'a, E>,
+    (table, n_kv_heads, (hd, vd), kvh): (&[u32], usize, (usize, usize), usize),
+    keys: Keys<'_>,
+    t: &mut TileRows<'a, E>,
+) {
+    let (ku, vu) = (hd / E::VALUES, vd / E::VALUES);
+    let latent = kv.v.is_none();
+    let mut i = 0;
+    while i < keys.len() {
+        let max = match keys {
+            Keys::Run { len, .. } => len - i,
+            Keys::Picked(_) => 1,
+        };
+        let (k, v, run) = kv.rows_from(table, n_kv_heads, (hd, vd), kvh, (keys.pos(i), max));
+        for (r, key) in k.chunks_exact(ku).enumerate() {
+            t.0[i + r] = key;
+            t.1[i + r] = if latent {
+                &key[..vu]
+            } else {
+                &v[r * vu..(r + 1) * vu]
+            };
+        }
+        i += run;
     }
 }
 
