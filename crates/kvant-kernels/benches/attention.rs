@@ -12,6 +12,13 @@
 //! multiply-adds ×2 (q·k and p·v: `4 · head_dim` FLOPs per visible pair
 //! and head), to hold against the cores' FMA peak.
 //!
+//! A whole decode step's attention over every layer (Gemma 3's three
+//! global layers at 32k positions, SmolLM2's 30 at 8192), each layer's
+//! cache its own contiguous block as the CLI holds it: more than the
+//! last-level cache, so this is the DRAM stream of a decode step at depth
+//! (one layer's 32 MB alone stays partly in a 32 MB L3); throughput is the
+//! bytes read.
+//!
 //! `KVANT_THREADS=1 cargo bench -p kvant-kernels --bench attention`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
@@ -138,6 +145,56 @@ fn prefill(c: &mut Criterion) {
     };
     decode_case(c, "gemma3 sliding window 512", local, 1024);
     decode_case(c, "gemma3 sliding window 512", local, 32768);
+    // A whole decode step's attention, every layer with its own cache, as
+    // the CLI holds it (one contiguous block per layer): more bytes than
+    // the last-level cache holds, so this is the DRAM stream a decode step
+    // at depth reads (one layer's 32 MB alone stays partly in a 32 MB L3).
+    layers_case(c, "gemma3 global layers", gemma, 32768, 3);
+    layers_case(c, "smollm2", smol, 8192, 30);
+}
+
+/// One token attending to `ctx` positions in each of `layers` layers,
+/// f16 caches of one contiguous block each; throughput is the bytes read.
+fn layers_case(c: &mut Criterion, name: &str, p: AttnParams, ctx: usize, layers: usize) {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let kv_dim = p.n_kv_heads * p.head_dim;
+    let dims = (ctx, p.n_kv_heads, p.head_dim);
+    let table = [0u32];
+    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+    let caches: Vec<(KvBuffer, KvBuffer)> = (0..layers)
+        .map(|_| {
+            let mut k = KvBuffer::zeroed(KvDType::F16, ctx * kv_dim).expect("whole units");
+            let mut v = KvBuffer::zeroed(KvDType::F16, ctx * kv_dim).expect("whole units");
+            k.store_rows(&rand(ctx * kv_dim), dims, &table, 0);
+            v.store_rows(&rand(ctx * kv_dim), dims, &table, 0);
+            (k, v)
+        })
+        .collect();
+    let q = rand(p.n_heads * p.head_dim);
+    let mut out = vec![0f32; p.n_heads * p.v_dim];
+    let seqs = [SeqAttn {
+        rows: 0..1,
+        pos0: ctx - 1,
+        table: &table,
+    }];
+    let bytes: usize = caches.iter().map(|(k, v)| k.bytes() + v.bytes()).sum();
+    let mut g = c.benchmark_group(format!(
+        "attention decode step, {name}, {layers} layers x {ctx} positions"
+    ));
+    g.throughput(Throughput::Bytes(bytes as u64));
+    g.bench_function("f16, contiguous", |b| {
+        b.iter(|| {
+            for (k, v) in &caches {
+                let layer = KvLayer {
+                    k,
+                    v: Some(v),
+                    block_size: ctx,
+                };
+                attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out);
+            }
+        })
+    });
+    g.finish();
 }
 
 /// One token attending to `ctx` positions (the last `window` of them in a

@@ -399,6 +399,17 @@ pub(super) fn run_partition<T: KvElem>(
 /// with them one tile ahead and 5.4 / 5.1 / 4.9 two tiles ahead (three
 /// alternated rounds on a noisy Zen 3 VM, 2 threads); into L1
 /// (`prefetcht0`) they evicted the tile being read (4.25 ms against 3.6).
+///
+/// Tried and dropped: kernels for few rows that read the rows two at a
+/// time front to back (keys two at a time into `2·R` accumulators, values
+/// with the accumulators in L1), the order a bare read streams fastest in
+/// (11.6–11.9 GB/s on one thread, against 7.6–8.3 for four rows side by
+/// side and 6.3–6.7 for the value tile's column blocks). A whole decode
+/// step (`benches/attention.rs`, `decode step`, 2 threads, three
+/// alternated rounds) was no faster: Gemma 3 8.8 / 7.5 / 8.6 GiB/s against
+/// 7.9 / 6.8 / 7.4, SmolLM2 7.9 / 7.4 / 9.4 against 9.6 / 7.9 / 9.3. The
+/// step is bound by its arithmetic per byte as much as by its reads (one
+/// thread: 3.9 GiB/s for Gemma 3, where a bare read gets 12).
 fn run_tile<E: Lanes>(
     tier: SimdTier,
     p: &AttnParams,
