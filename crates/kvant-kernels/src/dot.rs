@@ -10,7 +10,7 @@
 //! FMA (0.58 for `T = 3`), and the `4·T` accumulators hide the FMA latency.
 
 use crate::cpu::{self, SimdTier};
-use crate::lanes::Lanes;
+use crate::lanes::{with_rows, Lanes, RowSet};
 
 /// `Σ a[i]·b[i]` in f32 on the start-up tier.
 ///
@@ -78,8 +78,9 @@ pub fn dot_tile_f32_with<const T: usize>(
     }
 }
 
-/// `out[t * stride + j] = xs[t] · keys[j]` for the key rows `keys` (each
-/// of `n` values of any [`Lanes`] type, f16 and bf16 read as stored)
+/// `out[t * stride + j] = xs[t] · keys[j]` for the key rows `keys` (the
+/// first `n` values of each, of any [`Lanes`] type, f16 and bf16 read as
+/// stored)
 /// against `T` vectors of `n`: the scores of an attention tile, written in
 /// place. The keys go through [`dot_tile_f32_with`]'s tile in groups of
 /// four (a short last group repeats its last key), so every pair is the
@@ -92,11 +93,11 @@ pub fn dot_tile_f32_with<const T: usize>(
 /// arithmetic (the hardware prefetchers lose short rows read side by side).
 ///
 /// # Panics
-/// If a key row or a vector's length is not `n`, or `out` is too short for
-/// row `T - 1` (bugs in the calling kernel).
+/// If a vector's length is not `n`, the keys are narrower, or `out` is too
+/// short for row `T - 1` (bugs in the calling kernel).
 pub fn dot_keys_with<E: Lanes, const T: usize>(
     tier: SimdTier,
-    (keys, ahead): (&[&[E]], &[&[E]]),
+    (keys, ahead): (RowSet<'_, '_, E>, &[&[E]]),
     xs: [&[f32]; T],
     out: &mut [f32],
     stride: usize,
@@ -105,9 +106,7 @@ pub fn dot_keys_with<E: Lanes, const T: usize>(
     for x in &xs {
         assert_eq!(x.len(), n, "dot_keys: length mismatch");
     }
-    for k in keys {
-        assert_eq!(k.len(), n, "dot_keys: key length mismatch");
-    }
+    let keys = keys.narrow(n);
     let tk = keys.len();
     if tk == 0 || T == 0 {
         return;
@@ -119,13 +118,13 @@ pub fn dot_keys_with<E: Lanes, const T: usize>(
     match cpu::clamp(tier) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot_f32_with`; the lengths are checked above.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-            avx2::dot_keys((keys, ahead), xs, out, stride)
-        },
+        SimdTier::Avx2 | SimdTier::Avx512 => with_rows!(keys, k => unsafe {
+            avx2::dot_keys((k, tk, ahead), xs, out, stride)
+        }),
         _ => {
             for (t, x) in xs.iter().enumerate() {
-                for (o, k) in out[t * stride..t * stride + tk].iter_mut().zip(keys) {
-                    *o = dot_scalar(k, x);
+                for (j, o) in out[t * stride..t * stride + tk].iter_mut().enumerate() {
+                    *o = dot_scalar(keys.row(j), x);
                 }
             }
         }
@@ -160,7 +159,7 @@ fn dot_scalar<E: Lanes>(a: &[E], b: &[f32]) -> f32 {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use crate::lanes::Lanes;
+    use crate::lanes::{Lanes, RowPtrs};
     use std::arch::x86_64::*;
 
     /// Horizontal sum of 8 lanes.
@@ -277,18 +276,18 @@ pub(crate) mod avx2 {
     /// The CPU supports AVX2, FMA and F16C, and every pointer reads `n` values.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn tile_sums<E: Lanes, const T: usize>(
+    unsafe fn tile_sums<E: Lanes, const T: usize, const PF: bool>(
         pr: [*const E; 4],
         px: [*const f32; T],
         n: usize,
-        ahead: Option<[*const E; 4]>,
+        ahead: [*const E; 4],
     ) -> [__m128; T] {
         let mut acc = [[_mm256_setzero_ps(); T]; 4];
         let mut i = 0;
         // SAFETY (all loads below): `i + 8 <= n` bounds every read within
         // the rows and vectors, all of length `n`.
         while i + 8 <= n {
-            if let Some(ahead) = ahead {
+            if PF {
                 let off = i * std::mem::size_of::<E>();
                 if off % 64 < 8 * std::mem::size_of::<E>() {
                     for p in ahead {
@@ -321,7 +320,7 @@ pub(crate) mod avx2 {
         let pr = rows.map(<[f32]>::as_ptr);
         let px = xs.map(<[f32]>::as_ptr);
         // SAFETY: every row and vector has `n` elements.
-        let sums = unsafe { tile_sums::<f32, T>(pr, px, n, None) };
+        let sums = unsafe { tile_sums::<f32, T, false>(pr, px, n, pr) };
         let mut out = [[0f32; T]; 4];
         for (t, s) in sums.into_iter().enumerate() {
             let mut v = [0f32; 4];
@@ -348,24 +347,33 @@ pub(crate) mod avx2 {
     /// each of `n` values (every vector's length), and `out` holds row
     /// `T - 1` of `stride ≥ keys.len()` (see [`super::dot_keys_with`]).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn dot_keys<E: Lanes, const T: usize>(
-        (keys, ahead): (&[&[E]], &[&[E]]),
+    pub(crate) unsafe fn dot_keys<'a, E: Lanes + 'a, P: RowPtrs<'a, E>, const T: usize>(
+        (keys, tk, ahead): (P, usize, &[&[E]]),
         xs: [&[f32]; T],
         out: &mut [f32],
         stride: usize,
     ) {
-        let (n, tk) = (xs[0].len(), keys.len());
+        let n = xs[0].len();
         let px = xs.map(<[f32]>::as_ptr);
         let po = out.as_mut_ptr();
         let tail = n / 8 * 8;
         let mut jj = 0;
         while jj < tk {
             let kn = (tk - jj).min(4);
-            let pr = [0, 1, 2, 3].map(|i| keys[jj + i.min(kn - 1)].as_ptr());
-            let pf = (jj < ahead.len())
-                .then(|| [0, 1, 2, 3].map(|i| ahead[(jj + i).min(ahead.len() - 1)].as_ptr()));
-            // SAFETY: every pointer of `pr` reads `n` values; `pf` only prefetches.
-            let sums = unsafe { tile_sums::<E, T>(pr, px, n, pf) };
+            // Rows below `tk`, the set's length: each reads `n` values.
+            let pr = [0, 1, 2, 3].map(|i| keys.ptr(jj + i.min(kn - 1)));
+            // SAFETY: every pointer of `pr` reads `n` values (the rows'
+            // width); the rows ahead are only prefetched.
+            let sums = unsafe {
+                match jj < ahead.len() {
+                    true => {
+                        let pf =
+                            [0, 1, 2, 3].map(|i| ahead[(jj + i).min(ahead.len() - 1)].as_ptr());
+                        tile_sums::<E, T, true>(pr, px, n, pf)
+                    }
+                    false => tile_sums::<E, T, false>(pr, px, n, pr),
+                }
+            };
             for (t, s) in sums.into_iter().enumerate() {
                 // SAFETY: `t * stride + jj + kn <= (T - 1) * stride + tk`,
                 // within `out`.
@@ -490,13 +498,19 @@ mod tests {
                     let mut out = vec![f32::NAN; 2 * stride + tk];
                     dot_keys_with(
                         tier,
-                        (&rows, &rows),
+                        (RowSet::strided(&keys, n, tk, n), &rows),
                         [&xs[0][..], &xs[1], &xs[2]],
                         &mut out,
                         stride,
                     );
                     let mut one = vec![f32::NAN; tk];
-                    dot_keys_with(tier, (&rows, &[]), [&xs[1][..]], &mut one, tk);
+                    dot_keys_with(
+                        tier,
+                        (RowSet::gathered(&rows, n), &[]),
+                        [&xs[1][..]],
+                        &mut one,
+                        tk,
+                    );
                     for j in 0..tk {
                         let key = rows[j];
                         let want = dot_tile_f32_with(tier, [key; 4], [&xs[0][..], &xs[1], &xs[2]]);
@@ -520,16 +534,34 @@ mod tests {
                     let xs3 = [&xs[0][..], &xs[1], &xs[2]];
                     let mut got = vec![f32::NAN; 2 * stride + tk];
                     let f16_rows: Vec<&[half::f16]> = f16.chunks_exact(n).collect();
-                    dot_keys_with(tier, (&f16_rows, &[]), xs3, &mut got, stride);
+                    dot_keys_with(
+                        tier,
+                        (RowSet::gathered(&f16_rows, n), &f16_rows),
+                        xs3,
+                        &mut got,
+                        stride,
+                    );
                     // f16 rounds some bf16 values (fewer exponent bits): compare
                     // with its own widening.
                     let widened: Vec<f32> = f16.iter().map(|h| h.to_f32()).collect();
                     let wrows: Vec<&[f32]> = widened.chunks_exact(n).collect();
                     let mut want = vec![f32::NAN; 2 * stride + tk];
-                    dot_keys_with(tier, (&wrows, &wrows[..1]), xs3, &mut want, stride);
+                    dot_keys_with(
+                        tier,
+                        (RowSet::gathered(&wrows, n), &wrows[..1]),
+                        xs3,
+                        &mut want,
+                        stride,
+                    );
                     assert_eq!(bits(&got), bits(&want), "{tier} f16 n {n} tk {tk}");
                     let bf16_rows: Vec<&[half::bf16]> = bf16.chunks_exact(n).collect();
-                    dot_keys_with(tier, (&bf16_rows, &bf16_rows), xs3, &mut got, stride);
+                    dot_keys_with(
+                        tier,
+                        (RowSet::gathered(&bf16_rows, n), &bf16_rows),
+                        xs3,
+                        &mut got,
+                        stride,
+                    );
                     assert_eq!(bits(&got), bits(&out), "{tier} bf16 n {n} tk {tk}");
                 }
             }

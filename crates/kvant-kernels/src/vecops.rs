@@ -9,7 +9,7 @@
 //! is a libm call per value.
 
 use crate::cpu::{self, SimdTier};
-use crate::lanes::Lanes;
+use crate::lanes::{with_rows, Lanes, RowPtrs, RowSet};
 
 /// `a·b + c`, fused where the tier has FMA.
 pub(crate) trait Fma {
@@ -95,15 +95,111 @@ fn exp_shifted_body<F: Fma>(s: &mut [f32], m: f32) -> f32 {
 #[inline(always)]
 fn weighted_rows_group_body<E: Lanes, F: Fma>(
     (p, p_stride): (&[f32], usize),
-    rows: &[&[E]],
+    rows: RowSet<'_, '_, E>,
     acc: &mut [f32],
     n: usize,
 ) {
     for (k, acc) in acc.chunks_exact_mut(n.max(1)).enumerate() {
         let p = &p[k * p_stride..][..rows.len()];
-        for (&w, row) in p.iter().zip(rows) {
-            for (a, x) in acc.iter_mut().zip(&row[..n]) {
+        for (j, &w) in p.iter().enumerate() {
+            for (a, x) in acc.iter_mut().zip(rows.row(j)) {
                 *a = F::fma(w, x.to_f32(), *a);
+            }
+        }
+    }
+}
+
+/// Rows of [`weighted_f32_body`] that share each load of a value row,
+/// and the columns each keeps in registers: 3 × 32 lanes is 12 of the 16
+/// AVX2 registers; a row alone keeps 64 (8 FMA chains cover the latency).
+/// Gemma 3's 32-key value tile (32 KiB) lives in L2: the loads, not the
+/// FMAs, set the pace.
+const GROUP_ROWS: usize = 3;
+const GROUP_COLS: usize = 32;
+const SINGLE_COLS: usize = 64;
+
+/// [`weighted_rows_group_body`] over f32 value rows as plain loops the
+/// compiler vectorizes (the prompt path, over tiles widened once per
+/// sweep): the same blocking written with intrinsics spilled and ran the
+/// prompt's attention 4–7% slower (one thread, 128 tokens after 2048).
+#[inline(always)]
+fn weighted_f32_body<'a, E: Lanes + 'a, F: Fma, P: RowPtrs<'a, E>>(
+    (p, p_stride): (&[f32], usize),
+    (rows, len): (P, usize),
+    acc: &mut [f32],
+    n: usize,
+) {
+    let n_rows = acc.len() / n.max(1);
+    let mut r = 0;
+    while r < n_rows {
+        let g = (n_rows - r).min(GROUP_ROWS);
+        let p = &p[r * p_stride..];
+        let acc = &mut acc[r * n..(r + g) * n];
+        let rows = (rows, len);
+        match g {
+            3 => weighted_f32_group::<E, F, P, 3, GROUP_COLS>((p, p_stride), rows, acc),
+            2 => weighted_f32_group::<E, F, P, 2, GROUP_COLS>((p, p_stride), rows, acc),
+            _ => weighted_f32_group::<E, F, P, 1, SINGLE_COLS>((p, p_stride), rows, acc),
+        }
+        r += g;
+    }
+}
+
+/// `R` rows of [`weighted_f32_body`], `C` columns at a time.
+#[inline(always)]
+fn weighted_f32_group<
+    'a,
+    E: Lanes + 'a,
+    F: Fma,
+    P: RowPtrs<'a, E>,
+    const R: usize,
+    const C: usize,
+>(
+    (p, p_stride): (&[f32], usize),
+    (rows, len): (P, usize),
+    acc: &mut [f32],
+) {
+    let n = acc.len() / R;
+    // Plain loops, not `array::from_fn`: its closure was not inlined into
+    // the `avx2` function, a call per key and 19% of prefill attention.
+    let mut ps: [&[f32]; R] = [&[]; R];
+    for (k, pk) in ps.iter_mut().enumerate() {
+        *pk = &p[k * p_stride..][..len];
+    }
+    let mut c0 = 0;
+    while c0 + C <= n {
+        let mut r = [[0f32; C]; R];
+        for (k, rk) in r.iter_mut().enumerate() {
+            rk.copy_from_slice(&acc[k * n + c0..][..C]);
+        }
+        for j in 0..len {
+            let row = &rows.row(j)[c0..][..C];
+            let mut w = [0f32; R];
+            for (w, pk) in w.iter_mut().zip(&ps) {
+                *w = pk[j];
+            }
+            // Column-outer: one loaded vector of the value row serves every
+            // row before the next is loaded (12 accumulators, 3 weights and
+            // 1 value vector fill the 16 registers; row-outer spilled two).
+            for (i, x) in row.iter().enumerate() {
+                for k in 0..R {
+                    r[k][i] = F::fma(w[k], x.to_f32(), r[k][i]);
+                }
+            }
+        }
+        for (k, rk) in r.iter().enumerate() {
+            acc[k * n + c0..][..C].copy_from_slice(rk);
+        }
+        c0 += C;
+    }
+    if c0 < n {
+        for (k, pk) in ps.iter().enumerate() {
+            let a = &mut acc[k * n + c0..(k + 1) * n];
+            for (j, &w) in pk.iter().enumerate() {
+                let row = &rows.row(j)[c0..][..a.len()];
+                for (a, x) in a.iter_mut().zip(row) {
+                    *a = F::fma(w, x.to_f32(), *a);
+                }
             }
         }
     }
@@ -225,6 +321,7 @@ fn scale_body(a: f32, y: &mut [f32]) {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::*;
+    use crate::lanes::RowPtrs;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn exp_shifted(s: &mut [f32], m: f32) -> f32 {
@@ -248,12 +345,15 @@ mod avx2 {
     /// The CPU supports AVX2, FMA and F16C; the slices are as
     /// [`super::weighted_rows_group`] checks.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn weighted_rows_group<E: Lanes>(
+    pub(super) unsafe fn weighted_rows_group<'a, E: Lanes + 'a, P: RowPtrs<'a, E>>(
         (p, p_stride): (&[f32], usize),
-        (rows, ahead): (&[&[E]], &[&[E]]),
+        (rows, len, ahead): (P, usize, &[&[E]]),
         acc: &mut [f32],
         n: usize,
     ) {
+        if E::F32 {
+            return weighted_f32_body::<E, Fused, P>((p, p_stride), (rows, len), acc, n);
+        }
         let n_rows = acc.len() / n;
         let mut r = 0;
         while r < n_rows {
@@ -261,12 +361,13 @@ mod avx2 {
             let (p, acc) = (&p[r * p_stride..], &mut acc[r * n..(r + g) * n]);
             // The first group's pass prefetches; later ones find the lines requested.
             let ahead = if r == 0 { ahead } else { &[] };
+            let rows = (rows, len, ahead);
             // SAFETY: `acc` holds `g` rows of `n`; the caller's contract.
             unsafe {
                 match g {
-                    3 => weighted_group::<E, 3, 4>((p, p_stride), (rows, ahead), acc, n),
-                    2 => weighted_group::<E, 2, 4>((p, p_stride), (rows, ahead), acc, n),
-                    _ => weighted_group::<E, 1, 8>((p, p_stride), (rows, ahead), acc, n),
+                    3 => weighted_group::<E, P, 3, 4>((p, p_stride), rows, acc, n),
+                    2 => weighted_group::<E, P, 2, 4>((p, p_stride), rows, acc, n),
+                    _ => weighted_group::<E, P, 1, 8>((p, p_stride), rows, acc, n),
                 }
             }
             r += g;
@@ -280,14 +381,19 @@ mod avx2 {
     /// As [`weighted_rows_group`], and `acc` holds `R` rows of `n`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    unsafe fn weighted_group<E: Lanes, const R: usize, const C: usize>(
+    unsafe fn weighted_group<
+        'a,
+        E: Lanes + 'a,
+        P: RowPtrs<'a, E>,
+        const R: usize,
+        const C: usize,
+    >(
         (p, p_stride): (&[f32], usize),
-        (rows, ahead): (&[&[E]], &[&[E]]),
+        (rows, len, ahead): (P, usize, &[&[E]]),
         acc: &mut [f32],
         n: usize,
     ) {
         use std::arch::x86_64::*;
-        let len = rows.len();
         let mut ps = [p.as_ptr(); R];
         for (k, pk) in ps.iter_mut().enumerate() {
             *pk = p[k * p_stride..][..len].as_ptr();
@@ -306,7 +412,8 @@ mod avx2 {
                             *v = unsafe { _mm256_loadu_ps(pa.add(k * n + c0 + 8 * c)) };
                         }
                     }
-                    for (j, row) in rows.iter().enumerate() {
+                    for j in 0..len {
+                        let row = rows.row(j);
                         let mut w = [_mm256_setzero_ps(); R];
                         for (w, pk) in w.iter_mut().zip(ps) {
                             *w = _mm256_set1_ps(unsafe { *pk.add(j) });
@@ -341,8 +448,8 @@ mod avx2 {
         for i in c0..n {
             for (k, pk) in ps.iter().enumerate() {
                 let mut a = unsafe { *pa.add(k * n + i) };
-                for (j, row) in rows.iter().enumerate() {
-                    a = unsafe { *pk.add(j) }.mul_add(row[i].to_f32(), a);
+                for j in 0..len {
+                    a = unsafe { *pk.add(j) }.mul_add(rows.row(j)[i].to_f32(), a);
                 }
                 unsafe { *pa.add(k * n + i) = a };
             }
@@ -405,7 +512,7 @@ pub fn exp_shifted(tier: SimdTier, s: &mut [f32], m: f32) -> f32 {
 pub fn weighted_rows_group<E: Lanes>(
     tier: SimdTier,
     (p, p_stride): (&[f32], usize),
-    (rows, ahead): (&[&[E]], &[&[E]]),
+    (rows, ahead): (RowSet<'_, '_, E>, &[&[E]]),
     acc: &mut [f32],
     n: usize,
 ) {
@@ -414,10 +521,7 @@ pub fn weighted_rows_group<E: Lanes>(
     }
     let n_rows = acc.len() / n;
     assert_eq!(acc.len(), n_rows * n, "weighted_rows_group: ragged rows");
-    assert!(
-        rows.iter().all(|r| r.len() >= n),
-        "weighted_rows_group: value rows too short"
-    );
+    let rows = rows.narrow(n);
     if n_rows > 0 {
         assert!(
             (n_rows - 1) * p_stride + rows.len() <= p.len(),
@@ -428,9 +532,9 @@ pub fn weighted_rows_group<E: Lanes>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the clamped tier has AVX2, FMA and F16C; the lengths are
         // checked above.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-            avx2::weighted_rows_group((p, p_stride), (rows, ahead), acc, n)
-        },
+        SimdTier::Avx2 | SimdTier::Avx512 => with_rows!(rows, r => unsafe {
+            avx2::weighted_rows_group((p, p_stride), (r, rows.len(), ahead), acc, n)
+        }),
         _ => weighted_rows_group_body::<E, Plain>((p, p_stride), rows, acc, n),
     }
 }
@@ -562,7 +666,13 @@ mod tests {
             let v_rows: Vec<&[f32]> = (0..rows).map(|j| &v[2 + j * stride..][..n]).collect();
             for tier in cpu::available_tiers() {
                 let mut acc = init.clone();
-                weighted_rows_group(tier, (&p, 0), (&v_rows, &v_rows), &mut acc, n);
+                weighted_rows_group(
+                    tier,
+                    (&p, 0),
+                    (RowSet::gathered(&v_rows, n), &v_rows),
+                    &mut acc,
+                    n,
+                );
                 for (a, w) in acc.iter().zip(&want) {
                     assert!((*a as f64 - w).abs() <= 1e-5 * (1.0 + w.abs()), "{tier}");
                 }
@@ -611,7 +721,13 @@ mod tests {
             let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             for tier in cpu::available_tiers() {
                 let mut acc = init.clone();
-                weighted_rows_group(tier, (&p, ps), (&v_rows, &v_rows[..1]), &mut acc, n);
+                weighted_rows_group(
+                    tier,
+                    (&p, ps),
+                    (RowSet::gathered(&v_rows, n), &v_rows[..1]),
+                    &mut acc,
+                    n,
+                );
                 for r in 0..rows {
                     let mut want = init[r * n..(r + 1) * n].to_vec();
                     for (i, a) in want.iter_mut().enumerate() {
@@ -624,7 +740,13 @@ mod tests {
                         }
                     }
                     let mut alone = init[r * n..(r + 1) * n].to_vec();
-                    weighted_rows_group(tier, (&p[r * ps..], ps), (&v_rows, &[]), &mut alone, n);
+                    weighted_rows_group(
+                        tier,
+                        (&p[r * ps..], ps),
+                        (RowSet::gathered(&v_rows, n), &[]),
+                        &mut alone,
+                        n,
+                    );
                     assert_eq!(bits(&alone), bits(&want), "{tier}: alone, n {n}");
                     assert_eq!(
                         bits(&acc[r * n..(r + 1) * n]),
@@ -633,15 +755,33 @@ mod tests {
                     );
                 }
                 let mut got = init.clone();
-                weighted_rows_group(tier, (&p, ps), (&f16_rows, &[]), &mut got, n);
+                weighted_rows_group(
+                    tier,
+                    (&p, ps),
+                    (RowSet::gathered(&f16_rows, n), &[]),
+                    &mut got,
+                    n,
+                );
                 assert_eq!(bits(&got), bits(&acc), "{tier} f16: rows {rows}, n {n}");
                 let mut got = init.clone();
-                weighted_rows_group(tier, (&p, ps), (&bf16_rows, &bf16_rows), &mut got, n);
+                weighted_rows_group(
+                    tier,
+                    (&p, ps),
+                    (RowSet::strided(&bf16, stride, len, n), &bf16_rows),
+                    &mut got,
+                    n,
+                );
                 // bf16 rounds f16's values: compare with its own widening.
                 let widened: Vec<f32> = bf16.iter().map(|h| h.to_f32()).collect();
                 let w_rows: Vec<&[f32]> = (0..len).map(|j| &widened[j * stride..][..n]).collect();
                 let mut want = init.clone();
-                weighted_rows_group(tier, (&p, ps), (&w_rows, &[]), &mut want, n);
+                weighted_rows_group(
+                    tier,
+                    (&p, ps),
+                    (RowSet::gathered(&w_rows, n), &[]),
+                    &mut want,
+                    n,
+                );
                 assert_eq!(bits(&got), bits(&want), "{tier} bf16: rows {rows}, n {n}");
             }
         }

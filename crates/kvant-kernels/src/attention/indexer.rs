@@ -25,6 +25,7 @@ use super::kv::{self, KvBlocks, KvElem, KvLayer};
 use super::rows::{scores, KEY_TILE};
 use super::SeqAttn;
 use crate::cpu::{self, SimdTier};
+use crate::lanes::RowSet;
 use crate::pool::{self, DisjointSlice};
 use std::cell::RefCell;
 use std::cmp::Ordering;
@@ -355,9 +356,8 @@ fn score_range<T: KvElem>(
     while j0 < range.end {
         let tk = KEY_TILE.min(range.end - j0);
         keys.widen_tile(tier, table, 1, (hd, hd), 0, j0, tk, kt, &mut []);
-        let rows: [&[f32]; KEY_TILE] =
-            std::array::from_fn(|i| if i < tk { &kt[i * hd..][..hd] } else { &[] });
-        scores(tier, nh, &qrow, (&rows[..tk], &[]), st);
+        let rows = RowSet::strided(&kt[..], hd, tk, hd);
+        scores(tier, (nh, qrow), (rows, &[]), st);
         combine_heads(p.scale, &st[..], &w[..nh], &mut idx[..tk]);
         for (jj, &score) in idx[..tk].iter().enumerate() {
             stream.push(Cand {

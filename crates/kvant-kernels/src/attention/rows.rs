@@ -19,10 +19,10 @@
 //! batch of 64, after a chunked prefill or after a prefix-cache hit.
 
 use super::kv::{KvBlocks, KvElem};
-use super::AttnParams;
+use super::{AttnParams, MAX_ROWS};
 use crate::cpu::SimdTier;
 use crate::dot::dot_keys_with;
-use crate::lanes::Lanes;
+use crate::lanes::{Lanes, RowSet};
 use crate::vecops;
 use std::ops::Range;
 
@@ -149,34 +149,38 @@ type TileRows<'a, E> = ([&'a [E]; KEY_TILE], [&'a [E]; KEY_TILE]);
 /// The next tile's key and value rows (or none), prefetched while a tile runs.
 type Ahead<'s, 'a, E> = (&'s [&'a [E]], &'s [&'a [E]]);
 
-/// The rows of `tk` keys from `at` in widened f32 buffers (keys of `hd`
-/// values, stored values of `vd`; `latent`: the values are the keys' first
-/// `vd`).
+/// A tile's key and value rows.
+type TileSet<'s, 'a, E> = (RowSet<'s, 'a, E>, RowSet<'s, 'a, E>);
+
+/// The rows of `tk` keys from row `at` of widened f32 buffers (keys of
+/// `hd` values, stored values of `vd`; `latent`: the values are the keys'
+/// first `vd`).
 fn widened_rows<'a>(
     (k, v): (&'a [f32], &'a [f32]),
     (hd, vd): (usize, usize),
     latent: bool,
     (at, tk): (usize, usize),
-) -> TileRows<'a, f32> {
-    let mut rows: TileRows<'a, f32> = ([&[]; KEY_TILE], [&[]; KEY_TILE]);
-    for i in 0..tk {
-        let key = &k[(at + i) * hd..][..hd];
-        rows.0[i] = key;
-        rows.1[i] = if latent {
-            &key[..vd]
-        } else {
-            &v[(at + i) * vd..][..vd]
-        };
-    }
-    rows
+) -> TileSet<'a, 'a, f32> {
+    let keys = &k[at * hd..];
+    let values = match latent {
+        true => RowSet::strided(keys, hd, tk, vd),
+        false => RowSet::strided(&v[at * vd..], vd, tk, vd),
+    };
+    (RowSet::strided(keys, hd, tk, hd), values)
 }
 
 /// What every tile of one item's partition shares: its query rows and
 /// each row's visible keys.
-pub(super) struct Rows<'a> {
-    pub n: usize,
-    pub q: &'a dyn Fn(usize) -> &'a [f32],
-    pub keys: &'a dyn Fn(usize) -> Range<usize>,
+pub(super) struct Rows<'s, 'a> {
+    pub q: &'s [&'a [f32]],
+    /// Each row's visible keys `(start, end)`.
+    pub keys: &'s [(usize, usize)],
+}
+
+impl Rows<'_, '_> {
+    pub fn n(&self) -> usize {
+        self.q.len()
+    }
 }
 
 /// The keys of one tile read from the cache: a run of `len` positions
@@ -214,14 +218,24 @@ impl Keys<'_> {
     }
 }
 
+/// Items of at most this many rows read f32, f16 and bf16 rows as stored
+/// (see [`run_cached`]). The kernels widen a stored row once per group of
+/// up to three rows, so a prompt item of 24 rows (the last items of a
+/// chunk run alone, not in sweeps) would widen every key eight times:
+/// that made prefill attention 10–15% slower than widening each tile
+/// once (one thread, 128 tokens after 2048, SmolLM2's and Gemma 3's
+/// shapes). Up to four rows (two groups) reading as stored is faster.
+const STORED_ROWS: usize = 4;
+
 /// Runs the rows over tiles of keys of KV head `kvh` read from the cache
 /// (each tile's `Keys`), leaving the state in `st.part` (which the caller
-/// has reset): f32, f16 and bf16 rows as stored, the block types widened
+/// has reset): for items of at most [`STORED_ROWS`] rows (decode) f32,
+/// f16 and bf16 rows as stored, else (and for the block types) widened
 /// tile by tile into `st.kt` and `st.vt`.
 pub(super) fn run_cached<'k, T: KvElem>(
     tier: SimdTier,
     p: &AttnParams,
-    rows: &Rows<'_>,
+    rows: &Rows<'_, '_>,
     (kv, table, kvh): (&KvBlocks<'_, T>, &[u32], usize),
     tiles: impl Iterator<Item = Keys<'k>>,
     st: &mut State,
@@ -243,7 +257,9 @@ pub(super) fn run_cached<'k, T: KvElem>(
             }
         )*};
     }
-    as_stored!(half::f16, half::bf16, f32);
+    if rows.n() <= STORED_ROWS {
+        as_stored!(half::f16, half::bf16, f32);
+    }
     kt.resize(KEY_TILE * hd, 0.0);
     if !latent {
         vt.resize(KEY_TILE * vd, 0.0);
@@ -257,14 +273,7 @@ pub(super) fn run_cached<'k, T: KvElem>(
             Keys::Picked(ps) => kv.widen_rows(tier, table, p.n_kv_heads, (hd, vd), kvh, ps, kt, vt),
         }
         let t = widened_rows((kt, vt), (hd, vd), latent, (0, tk));
-        run_tile(
-            tier,
-            p,
-            rows,
-            (keys.cut(), tk),
-            (&t, (&[], &[])),
-            &mut state,
-        );
+        run_tile(tier, p, rows, (keys.cut(), tk), (t, (&[], &[])), &mut state);
     }
 }
 
@@ -274,7 +283,7 @@ pub(super) fn run_cached<'k, T: KvElem>(
 fn run_stored<'k, E: KvElem + Lanes>(
     tier: SimdTier,
     p: &AttnParams,
-    rows: &Rows<'_>,
+    rows: &Rows<'_, '_>,
     (kv, table, kvh): (&KvBlocks<'_, E>, &[u32], usize),
     tiles: impl Iterator<Item = Keys<'k>>,
     state: &mut (&mut Partial, &mut [f32], &mut Vec<usize>),
@@ -296,17 +305,14 @@ fn run_stored<'k, E: KvElem + Lanes>(
                 &mut bufs[1 - cur],
             );
         }
-        let a = &bufs[1 - cur];
+        let (a, t, tk) = (&bufs[1 - cur], &bufs[cur], keys.len());
         let n = next.map_or(0, |k| k.len());
         let ahead = (&a.0[..n], &a.1[..n]);
-        run_tile(
-            tier,
-            p,
-            rows,
-            (keys.cut(), keys.len()),
-            (&bufs[cur], ahead),
-            state,
+        let set = (
+            RowSet::gathered(&t.0[..tk], p.head_dim),
+            RowSet::gathered(&t.1[..tk], p.v_dim),
         );
+        run_tile(tier, p, rows, (keys.cut(), tk), (set, ahead), state);
         cur = 1 - cur;
     }
 }
@@ -359,16 +365,19 @@ pub(super) fn run_partition<T: KvElem>(
         let kr = seq.row_keys(p, it, r);
         kr.start.max(keys.start)..kr.end.min(keys.end)
     };
-    let lo = (0..n_rows).map(|r| row_keys(r).start).min().unwrap_or(0);
-    let hi = (0..n_rows).map(|r| row_keys(r).end).max().unwrap_or(0);
-    let qrow = |r: usize| {
+    let mut qs: [&[f32]; MAX_ROWS] = [&[]; MAX_ROWS];
+    let mut ks = [(0, 0); MAX_ROWS];
+    for r in 0..n_rows {
         let (t, h) = it.row(r);
-        &seq.q[(t * p.n_heads + h) * hd..][..hd]
-    };
+        qs[r] = &seq.q[(t * p.n_heads + h) * hd..][..hd];
+        let kr = row_keys(r);
+        ks[r] = (kr.start, kr.end);
+    }
+    let lo = ks[..n_rows].iter().map(|k| k.0).min().unwrap_or(0);
+    let hi = ks[..n_rows].iter().map(|k| k.1).max().unwrap_or(0);
     let rows = Rows {
-        n: n_rows,
-        q: &qrow,
-        keys: &row_keys,
+        q: &qs[..n_rows],
+        keys: &ks[..n_rows],
     };
     // Tiles start at absolute multiples of KEY_TILE (see the module doc).
     let runs = (lo / KEY_TILE * KEY_TILE..hi)
@@ -379,7 +388,7 @@ pub(super) fn run_partition<T: KvElem>(
             let mut state = (&mut st.part, &mut st.s[..], &mut st.lens);
             for (j0, tk) in runs {
                 let t = widened_rows((k, v), (hd, vd), seq.kv.v.is_none(), (j0 - at, tk));
-                run_tile(tier, p, &rows, (j0, tk), (&t, (&[], &[])), &mut state);
+                run_tile(tier, p, &rows, (j0, tk), (t, (&[], &[])), &mut state);
             }
         }
         Tiles::Cache => {
@@ -413,16 +422,16 @@ pub(super) fn run_partition<T: KvElem>(
 fn run_tile<E: Lanes>(
     tier: SimdTier,
     p: &AttnParams,
-    rows: &Rows<'_>,
+    rows: &Rows<'_, '_>,
     (j0, tk): (usize, usize),
-    ((krows, vrows), ahead): (&TileRows<'_, E>, Ahead<'_, '_, E>),
+    ((keys, values), ahead): (TileSet<'_, '_, E>, Ahead<'_, '_, E>),
     (part, s, lens): &mut (&mut Partial, &mut [f32], &mut Vec<usize>),
 ) {
     let vd = p.v_dim;
-    scores(tier, rows.n, rows.q, (&krows[..tk], ahead.0), s);
+    scores(tier, (rows.n(), |r| rows.q[r]), (keys, ahead.0), s);
     lens.clear();
-    for r in 0..rows.n {
-        let rk = (rows.keys)(r);
+    for (r, &(start, end)) in rows.keys.iter().enumerate() {
+        let rk = start..end;
         // The row's own cut of the tile: up to its last visible key.
         let len = rk.end.min(j0 + tk).saturating_sub(j0);
         if len == 0 || rk.start >= j0 + len {
@@ -447,7 +456,7 @@ fn run_tile<E: Lanes>(
         };
         absorb_scores(tier, s, tile_max, part, r, vd);
     }
-    weigh_values(tier, (s, lens), (&vrows[..tk], ahead.1), part, vd);
+    weigh_values(tier, (s, lens), (values, ahead.1), part, vd);
 }
 
 /// Folds a tile's scores into row `r` of `part`: `s` holds the row's
@@ -487,7 +496,7 @@ fn absorb_scores(
 fn weigh_values<E: Lanes>(
     tier: SimdTier,
     (s, lens): (&[f32], &[usize]),
-    (values, mut ahead): (&[&[E]], &[&[E]]),
+    (values, mut ahead): (RowSet<'_, '_, E>, &[&[E]]),
     part: &mut Partial,
     vd: usize,
 ) {
@@ -499,7 +508,7 @@ fn weigh_values<E: Lanes>(
             vecops::weighted_rows_group(
                 tier,
                 (&s[r * KEY_TILE..], KEY_TILE),
-                (&values[..len], ahead),
+                (values.head(len), ahead),
                 &mut part.acc[r * vd..(r + n) * vd],
                 vd,
             );
@@ -549,11 +558,10 @@ pub(super) fn fold(
 /// key vector per FMA). Through a copy of each tile's results, this was a
 /// quarter of prefill attention's time at depth 4096: stores forwarded to
 /// mismatched loads.
-pub(super) fn scores<'a, E: Lanes>(
+pub(super) fn scores<'q, E: Lanes>(
     tier: SimdTier,
-    n_rows: usize,
-    qrow: &dyn Fn(usize) -> &'a [f32],
-    (keys, ahead): (&[&[E]], &[&[E]]),
+    (n_rows, qrow): (usize, impl Fn(usize) -> &'q [f32]),
+    (keys, ahead): (RowSet<'_, '_, E>, &[&[E]]),
     s: &mut [f32],
 ) {
     let mut r = 0;

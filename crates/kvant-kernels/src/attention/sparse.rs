@@ -159,13 +159,15 @@ fn run_partition<T: KvElem>(
     st: &mut State,
 ) {
     let (hd, vd, hs) = (p.head_dim, p.v_dim, it.hs);
-    let qrow = |r: usize| &q[(row * p.n_heads + it.h0 + r) * hd..][..hd];
+    let mut qs: [&[f32]; MAX_ROWS] = [&[]; MAX_ROWS];
+    for (r, qr) in qs[..hs].iter_mut().enumerate() {
+        *qr = &q[(row * p.n_heads + it.h0 + r) * hd..][..hd];
+    }
     // Every selected key is visible to every head of the token.
-    let every = |_: usize| 0..usize::MAX;
+    let every = [(0, usize::MAX); MAX_ROWS];
     let rows = Rows {
-        n: hs,
-        q: &qrow,
-        keys: &every,
+        q: &qs[..hs],
+        keys: &every[..hs],
     };
     st.part.reset(hs, vd);
     st.s.resize(hs * KEY_TILE, 0.0);
