@@ -9,10 +9,12 @@
 //! never materialising a score row. A decode step of one sequence has one
 //! item per KV head, fewer than the pool has threads, so its partitions are
 //! spread over tasks whose partial states `(max, denominator, weighted sum)`
-//! are folded afterwards, as FlashDecoding does on a GPU. A prefill chunk
-//! has many items per KV head: they run in sweeps, key partition outer,
-//! so each partition of the cache is widened to f32 once for all of a
-//! sweep's items rather than once per item. How the work is split never
+//! are folded afterwards, as FlashDecoding does on a GPU; its items read
+//! an f16, bf16 or f32 cache as stored (each value widened in registers)
+//! and prefetch the next tile while a tile runs. A prefill chunk has many
+//! items per KV head: they run in sweeps, key partition outer, so each
+//! partition of the cache is widened to f32 once for all of a sweep's
+//! items rather than once per item. How the work is split or read never
 //! changes a result (see `rows`' batch invariance).
 
 pub mod indexer;
