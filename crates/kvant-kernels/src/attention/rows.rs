@@ -398,14 +398,14 @@ pub(super) fn run_partition<T: KvElem>(
     }
 }
 
-/// One tile of [`run_partition`]: the `tk` keys from `j0` (rows `t`)
-/// against every row, the online softmax, and the weighted values, while
-/// the rows `ahead` (the next tile's keys and values, read from DRAM) are
-/// prefetched into L2, a line for each line of the tile read. A decode
-/// step streams its cache once, and the hardware prefetchers lose rows
-/// read side by side: Gemma 3's global layer at 32k positions (32 MB of
-/// f16) took 4.8 / 6.0 / 6.1 ms without the prefetches, 3.8 / 4.8 / 4.6
-/// with them one tile ahead and 5.4 / 5.1 / 4.9 two tiles ahead (three
+/// One tile of [`run_partition`]: the `tk` keys from `j0` (their key and
+/// value rows) against every row, the online softmax, and the weighted
+/// values, while the rows `ahead` (the next tile's keys and values, read
+/// from DRAM) are prefetched into L2, a line for each line of the tile
+/// read. A decode step streams its cache once, and the hardware prefetchers
+/// lose rows read side by side: Gemma 3's global layer at 32k positions (32
+/// MB of f16) took 4.8 / 6.0 / 6.1 ms without the prefetches, 3.8 / 4.8 /
+/// 4.6 with them one tile ahead and 5.4 / 5.1 / 4.9 two tiles ahead (three
 /// alternated rounds on a noisy Zen 3 VM, 2 threads); into L1
 /// (`prefetcht0`) they evicted the tile being read (4.25 ms against 3.6).
 ///
