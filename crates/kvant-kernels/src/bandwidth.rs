@@ -30,38 +30,65 @@ const BLOCK_BYTES: usize = std::mem::size_of::<Block>();
 /// blocks, at least one per thread). Pass a buffer far over the last-level
 /// cache (callers use 256 MiB) to measure DRAM rather than cache.
 /// `threads` and `repeats` of 0 count as 1.
+///
+/// A pass lasts from the first reader's start to the last reader's end,
+/// each stamped by the reader itself around its read: a stamp taken late
+/// (a reader descheduled) can only lengthen the pass. A separate timing
+/// thread, as this probe had, is one thread more than the cores when
+/// `threads` is all of them, and when it was scheduled after the readers
+/// had started, its pass came out short: `kvant bench` on 2 cores reported
+/// 41 to 2704 GB/s across runs of one machine.
 pub fn measure_read_bandwidth(bytes: usize, threads: usize, repeats: usize) -> f64 {
     let threads = threads.max(1);
+    let repeats = repeats.max(1);
     let n_blocks = (bytes / BLOCK_BYTES).max(threads);
     // Writing every block commits the pages before any pass is timed.
     let buffer: Vec<Block> = (0..n_blocks).map(|i| Block([i as u64; 16])).collect();
     let slices: Vec<&[Block]> = buffer.chunks(n_blocks.div_ceil(threads)).collect();
     let read_bytes = (n_blocks * BLOCK_BYTES) as f64;
-    // Every reader plus this thread, which times the span between barriers.
-    let barrier = Barrier::new(slices.len() + 1);
-    let mut best = 0f64;
-    std::thread::scope(|s| {
-        for slice in &slices {
-            let barrier = &barrier;
-            s.spawn(move || {
-                for _ in 0..repeats.max(1) {
-                    barrier.wait();
-                    black_box(checksum(slice));
-                    barrier.wait();
-                }
-            });
-        }
-        for _ in 0..repeats.max(1) {
-            barrier.wait();
-            let t0 = Instant::now();
-            barrier.wait();
-            let secs = t0.elapsed().as_secs_f64();
-            if secs > 0.0 {
-                best = best.max(read_bytes / secs);
-            }
-        }
+    let barrier = Barrier::new(slices.len());
+    // Per reader, per pass: (start, end).
+    let stamps: Vec<Vec<(Instant, Instant)>> = std::thread::scope(|s| {
+        let readers: Vec<_> = slices
+            .iter()
+            .map(|slice| {
+                let barrier = &barrier;
+                s.spawn(move || {
+                    (0..repeats)
+                        .map(|_| {
+                            barrier.wait();
+                            let t0 = Instant::now();
+                            black_box(checksum(slice));
+                            let t1 = Instant::now();
+                            // No pass starts before every reader has ended.
+                            barrier.wait();
+                            (t0, t1)
+                        })
+                        .collect()
+                })
+            })
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| r.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
     });
-    best
+    (0..repeats)
+        .filter_map(|pass| pass_seconds(stamps.iter().map(|r| r[pass])))
+        .map(|secs| read_bytes / secs)
+        .fold(0.0, f64::max)
+}
+
+/// A pass's length: from the earliest start to the latest end of its
+/// readers' `(start, end)` stamps; `None` when it took no measurable time.
+fn pass_seconds(stamps: impl Iterator<Item = (Instant, Instant)>) -> Option<f64> {
+    let (mut first, mut last): (Option<Instant>, Option<Instant>) = (None, None);
+    for (t0, t1) in stamps {
+        first = Some(first.map_or(t0, |f| f.min(t0)));
+        last = Some(last.map_or(t1, |l| l.max(t1)));
+    }
+    let secs = last?.saturating_duration_since(first?).as_secs_f64();
+    (secs > 0.0).then_some(secs)
 }
 
 /// The wrapping sum of every `u64` in `blocks`, read with the widest loads
@@ -147,5 +174,17 @@ mod tests {
         // A buffer smaller than one block per thread still reads something.
         let bw = measure_read_bandwidth(10, 4, 1);
         assert!(bw.is_finite() && bw > 0.0, "tiny buffer: {bw}");
+    }
+
+    #[test]
+    fn a_pass_spans_its_first_start_to_its_last_end() {
+        use std::time::Duration;
+        let t = Instant::now();
+        let at = |ms: u64| t + Duration::from_millis(ms);
+        // Readers that started and ended at different times.
+        let secs = pass_seconds([(at(5), at(40)), (at(2), at(30)), (at(9), at(12))].into_iter());
+        assert_eq!(secs, Some(0.038));
+        assert_eq!(pass_seconds([(at(3), at(3))].into_iter()), None);
+        assert_eq!(pass_seconds(std::iter::empty()), None);
     }
 }
