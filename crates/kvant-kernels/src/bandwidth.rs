@@ -81,13 +81,10 @@ pub fn measure_read_bandwidth(bytes: usize, threads: usize, repeats: usize) -> f
 
 /// A pass's length: from the earliest start to the latest end of its
 /// readers' `(start, end)` stamps; `None` when it took no measurable time.
-fn pass_seconds(stamps: impl Iterator<Item = (Instant, Instant)>) -> Option<f64> {
-    let (mut first, mut last): (Option<Instant>, Option<Instant>) = (None, None);
-    for (t0, t1) in stamps {
-        first = Some(first.map_or(t0, |f| f.min(t0)));
-        last = Some(last.map_or(t1, |l| l.max(t1)));
-    }
-    let secs = last?.saturating_duration_since(first?).as_secs_f64();
+fn pass_seconds(stamps: impl Iterator<Item = (Instant, Instant)> + Clone) -> Option<f64> {
+    let first = stamps.clone().map(|s| s.0).min()?;
+    let last = stamps.map(|s| s.1).max()?;
+    let secs = last.saturating_duration_since(first).as_secs_f64();
     (secs > 0.0).then_some(secs)
 }
 
