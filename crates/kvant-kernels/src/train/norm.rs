@@ -1002,7 +1002,7 @@ fn rms_fwd_ref_impl<E: Elem>(
     let n = a.cols;
     let wf = widen(w);
     let mut yr = vec![0f64; n];
-    for i in 0..rows {
+    for (i, r_out) in rstd.iter_mut().enumerate() {
         let e = i * n..(i + 1) * n;
         let mut xr = widen(&x[e.clone()]);
         if let (Some(res), Some(s)) = (res, sum.as_deref_mut()) {
@@ -1012,7 +1012,7 @@ fn rms_fwd_ref_impl<E: Elem>(
                 *v = t.to_f32() as f64;
             }
         }
-        rstd[i] = rms_row_f64(&xr, &wf, &a, &round_ref::<E>, &mut yr) as f32;
+        *r_out = rms_row_f64(&xr, &wf, &a, &round_ref::<E>, &mut yr) as f32;
         for (o, v) in y[e].iter_mut().zip(&yr) {
             *o = E::from_f32(*v as f32);
         }
@@ -1072,10 +1072,10 @@ fn rms_bwd_ref_impl<E: Elem>(
     let wf = widen(w);
     let mut dwf = vec![0f64; n];
     let mut dxr = vec![0f64; n];
-    for i in 0..rows {
+    for (i, &r) in rstd.iter().enumerate() {
         let e = i * n..(i + 1) * n;
         let (dyr, xr) = (widen(&dy[e.clone()]), widen(&x[e.clone()]));
-        let r = rstd[i] as f64;
+        let r = r as f64;
         rms_row_bwd_f64((&dyr, &xr, &wf), r, &a, &round_ref::<E>, &mut dxr, &mut dwf);
         for (j, o) in dx[e.clone()].iter_mut().enumerate() {
             let extra = dsum.map_or(0.0, |d| d[e.start + j].to_f32() as f64);
