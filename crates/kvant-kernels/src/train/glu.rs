@@ -19,6 +19,7 @@
 use crate::cpu::{self, SimdTier};
 use crate::error::check_len;
 use crate::pool::{self, DisjointSlice};
+use crate::train::norm::store;
 use crate::train::Elem;
 use crate::vecops::{exp, Fma, Plain};
 use crate::KernelError;
@@ -89,12 +90,12 @@ fn fwd_body<E: Elem, F: Fma>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) {
     match kind {
         Glu::Swi => {
             for ((o, x), y) in c.iter_mut().zip(a).zip(b) {
-                *o = E::from_f32(act::<F>(Glu::Swi, x.to_f32()) * y.to_f32());
+                *o = store::<E>(act::<F>(Glu::Swi, x.to_f32()) * y.to_f32());
             }
         }
         Glu::GeTanh => {
             for ((o, x), y) in c.iter_mut().zip(a).zip(b) {
-                *o = E::from_f32(act::<F>(Glu::GeTanh, x.to_f32()) * y.to_f32());
+                *o = store::<E>(act::<F>(Glu::GeTanh, x.to_f32()) * y.to_f32());
             }
         }
     }
@@ -105,8 +106,8 @@ fn bwd_body<E: Elem, F: Fma>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
     let step = |d: &E, x: &mut E, y: &mut E, kind: Glu| {
         let (d, xa, yb) = (d.to_f32(), x.to_f32(), y.to_f32());
         let (f, g) = act_grad::<F>(kind, xa);
-        *x = E::from_f32(d * yb * g);
-        *y = E::from_f32(d * f);
+        *x = store::<E>(d * yb * g);
+        *y = store::<E>(d * f);
     };
     match kind {
         Glu::Swi => {

@@ -71,87 +71,253 @@ const MAX_CHUNKS: usize = 64;
 /// is a sizeable part of the work.
 const MIN_CHUNK_ELEMS: usize = 16 * 1024;
 
-/// Partial sums per accumulator array: 2 × 16 lanes keeps a few FMA chains
-/// in flight on AVX2 and AVX-512 alike.
-const L: usize = 16;
-
-#[inline(always)]
-fn hsum(a: [f32; L], b: [f32; L]) -> f32 {
-    let mut s = [0f32; L];
-    for k in 0..L {
-        s[k] = a[k] + b[k];
-    }
-    let mut w = L;
-    while w > 1 {
-        w /= 2;
-        for k in 0..w {
-            s[k] += s[k + w];
-        }
-    }
-    s[0]
+/// The reductions of the row kernels, per tier. Plain loops over an f32
+/// sum and a bf16 row vectorized 2 lanes wide with the accumulators
+/// spilled (LayerNorm forward and RMSNorm backward in bf16 ran at 4–5 GB/s
+/// on 2 threads), so the AVX2 tier loads 8 lanes at a time with
+/// [`Lanes::load8`](crate::lanes::Lanes::load8) into four accumulators.
+/// Each sum is in a fixed order for a given length.
+pub(crate) trait Kern {
+    type F: Fma;
+    /// `Σ a·b`.
+    ///
+    /// # Safety
+    /// The CPU supports the tier this type stands for.
+    unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32;
+    /// `Σ a·(b − m)`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn dot_dev<A: Elem, B: Elem>(a: &[A], b: &[B], m: f32) -> f32;
+    /// `Σ a`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn sum<E: Elem>(a: &[E]) -> f32;
+    /// `Σ (a − m)²`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32;
 }
 
-/// `Σ f(a_j)·f(b_j)` in 32 partial sums.
-#[inline(always)]
-fn dot<F: Fma, A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
-    let (mut s0, mut s1) = ([0f32; L], [0f32; L]);
-    let mut ia = a.chunks_exact(2 * L);
-    let mut ib = b.chunks_exact(2 * L);
-    for (ca, cb) in (&mut ia).zip(&mut ib) {
-        for k in 0..L {
-            s0[k] = F::fma(ca[k].to_f32(), cb[k].to_f32(), s0[k]);
-            s1[k] = F::fma(ca[L + k].to_f32(), cb[L + k].to_f32(), s1[k]);
+/// Portable loops.
+pub(crate) struct Scalar;
+
+impl Kern for Scalar {
+    type F = Plain;
+    unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut ia = a.chunks_exact(8);
+        let mut ib = b.chunks_exact(8);
+        for (ca, cb) in (&mut ia).zip(&mut ib) {
+            for k in 0..8 {
+                acc[k] += ca[k].to_f32() * cb[k].to_f32();
+            }
         }
+        let mut s = hsum8(acc);
+        for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
+            s += x.to_f32() * y.to_f32();
+        }
+        s
     }
-    let mut s = hsum(s0, s1);
-    for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
-        s = F::fma(x.to_f32(), y.to_f32(), s);
+
+    unsafe fn dot_dev<A: Elem, B: Elem>(a: &[A], b: &[B], m: f32) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut ia = a.chunks_exact(8);
+        let mut ib = b.chunks_exact(8);
+        for (ca, cb) in (&mut ia).zip(&mut ib) {
+            for k in 0..8 {
+                acc[k] += ca[k].to_f32() * (cb[k].to_f32() - m);
+            }
+        }
+        let mut s = hsum8(acc);
+        for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
+            s += x.to_f32() * (y.to_f32() - m);
+        }
+        s
     }
-    s
+
+    unsafe fn sum<E: Elem>(a: &[E]) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut it = a.chunks_exact(8);
+        for c in &mut it {
+            for k in 0..8 {
+                acc[k] += c[k].to_f32();
+            }
+        }
+        let mut s = hsum8(acc);
+        for x in it.remainder() {
+            s += x.to_f32();
+        }
+        s
+    }
+
+    unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut it = a.chunks_exact(8);
+        for c in &mut it {
+            for k in 0..8 {
+                let d = c[k].to_f32() - m;
+                acc[k] += d * d;
+            }
+        }
+        let mut s = hsum8(acc);
+        for x in it.remainder() {
+            let d = x.to_f32() - m;
+            s += d * d;
+        }
+        s
+    }
 }
 
-/// `Σ (a_j − m)²` in 32 partial sums.
-#[inline(always)]
-fn sum_sq_dev<F: Fma, E: Elem>(a: &[E], m: f32) -> f32 {
-    let (mut s0, mut s1) = ([0f32; L], [0f32; L]);
-    let mut it = a.chunks_exact(2 * L);
-    for c in &mut it {
-        for k in 0..L {
-            let (u, v) = (c[k].to_f32() - m, c[L + k].to_f32() - m);
-            s0[k] = F::fma(u, u, s0[k]);
-            s1[k] = F::fma(v, v, s1[k]);
-        }
-    }
-    let mut s = hsum(s0, s1);
-    for x in it.remainder() {
-        let u = x.to_f32() - m;
-        s = F::fma(u, u, s);
-    }
-    s
+fn hsum8(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 }
 
-/// `Σ a_j` in 32 partial sums.
-#[inline(always)]
-fn sum<E: Elem>(a: &[E]) -> f32 {
-    let (mut s0, mut s1) = ([0f32; L], [0f32; L]);
-    let mut it = a.chunks_exact(2 * L);
-    for c in &mut it {
-        for k in 0..L {
-            s0[k] += c[k].to_f32();
-            s1[k] += c[L + k].to_f32();
+/// AVX2 + FMA + F16C (also the AVX-512 tier's reductions: these loops
+/// are load-bound).
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Avx;
+
+#[cfg(target_arch = "x86_64")]
+mod avx_red {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        // SAFETY: AVX (caller's contract); `a` holds eight floats.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        hsum8(a)
+    }
+
+    /// `Σ f(a_j, b_j)` with `f` one FMA step on 8 lanes, four chains.
+    #[inline(always)]
+    pub(super) unsafe fn reduce2<A: Elem, B: Elem>(
+        a: &[A],
+        b: &[B],
+        step: impl Fn(__m256, __m256, __m256) -> __m256,
+        tail: impl Fn(f32, f32) -> f32,
+    ) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: AVX2/FMA/F16C by the caller's contract; every load reads
+        // 8 values at j + k·8 + 8 <= n.
+        unsafe {
+            let mut s = [_mm256_setzero_ps(); 4];
+            let mut j = 0;
+            while j + 32 <= n {
+                for (k, acc) in s.iter_mut().enumerate() {
+                    let o = j + 8 * k;
+                    *acc = step(A::load8(pa.add(o)), B::load8(pb.add(o)), *acc);
+                }
+                j += 32;
+            }
+            while j + 8 <= n {
+                s[0] = step(A::load8(pa.add(j)), B::load8(pb.add(j)), s[0]);
+                j += 8;
+            }
+            let mut t = hsum(_mm256_add_ps(
+                _mm256_add_ps(s[0], s[1]),
+                _mm256_add_ps(s[2], s[3]),
+            ));
+            for k in j..n {
+                t += tail(a[k].to_f32(), b[k].to_f32());
+            }
+            t
         }
     }
-    let mut s = hsum(s0, s1);
-    for x in it.remainder() {
-        s += x.to_f32();
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kern for Avx {
+    type F = crate::vecops::Fused;
+
+    #[inline(always)]
+    unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2, FMA, F16C).
+        unsafe { avx_red::reduce2(a, b, |x, y, s| _mm256_fmadd_ps(x, y, s), |x, y| x * y) }
     }
-    s
+
+    #[inline(always)]
+    unsafe fn dot_dev<A: Elem, B: Elem>(a: &[A], b: &[B], m: f32) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2, FMA, F16C).
+        unsafe {
+            let mv = _mm256_set1_ps(m);
+            avx_red::reduce2(
+                a,
+                b,
+                |x, y, s| _mm256_fmadd_ps(x, _mm256_sub_ps(y, mv), s),
+                |x, y| x * (y - m),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn sum<E: Elem>(a: &[E]) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; `a` is read twice as the second
+        // operand and ignored.
+        unsafe { avx_red::reduce2(a, a, |x, _, s| _mm256_add_ps(x, s), |x, _| x) }
+    }
+
+    #[inline(always)]
+    unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: as in `sum`.
+        unsafe {
+            let mv = _mm256_set1_ps(m);
+            avx_red::reduce2(
+                a,
+                a,
+                |x, _, s| {
+                    let d = _mm256_sub_ps(x, mv);
+                    _mm256_fmadd_ps(d, d, s)
+                },
+                |x, _| (x - m) * (x - m),
+            )
+        }
+    }
 }
 
 /// `v` rounded to `E` and back (identity for f32).
 #[inline(always)]
 fn round<E: Elem>(v: f32) -> f32 {
-    E::from_f32(v).to_f32()
+    store::<E>(v).to_f32()
+}
+
+/// `E::from_f32(v)`, bit for bit, in a form the compiler vectorizes: half's
+/// bf16 rounding returns early for NaN, which kept every loop storing bf16
+/// scalar (RMSNorm forward ran at 8 GB/s on 2 threads instead of 25).
+#[inline(always)]
+pub(crate) fn store<E: Elem>(v: f32) -> E {
+    use std::any::TypeId;
+    if TypeId::of::<E>() == TypeId::of::<half::bf16>() {
+        let h = half::bf16::from_bits(bf16_bits(v));
+        // SAFETY: E is bf16 (same TypeId), so this copies a bf16 into a bf16.
+        unsafe { std::mem::transmute_copy::<half::bf16, E>(&h) }
+    } else {
+        E::from_f32(v)
+    }
+}
+
+/// Round to nearest even to bf16, NaN quieted (half's `f32_to_bf16`),
+/// without branches: `x + 0x7fff + lsb` carries into bit 16 exactly when
+/// the dropped half is above the tie, or at it with the kept lsb odd.
+#[inline(always)]
+fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
 }
 
 // ---------------------------------------------------------------- RMSNorm
@@ -159,7 +325,7 @@ fn round<E: Elem>(v: f32) -> f32 {
 /// Forward of a chunk of rows: `rstd.len()` rows. With `res`, `sum` is
 /// written first (`x + res` rounded) and normalized.
 #[inline(always)]
-fn rms_fwd_rows<E: Elem, F: Fma>(
+fn rms_fwd_rows<E: Elem, K: Kern>(
     a: &RmsNormArgs,
     (x, res): (&[E], Option<&[E]>),
     w: &[E],
@@ -174,25 +340,27 @@ fn rms_fwd_rows<E: Elem, F: Fma>(
             (Some(res), Some(sum)) => {
                 let sr = &mut sum[i * n..][..n];
                 for ((s, u), v) in sr.iter_mut().zip(xr).zip(&res[i * n..][..n]) {
-                    *s = E::from_f32(u.to_f32() + v.to_f32());
+                    *s = store::<E>(u.to_f32() + v.to_f32());
                 }
                 sr
             }
             _ => xr,
         };
-        let r = 1.0 / (dot::<F, E, E>(src, src) / n as f32 + a.eps).sqrt();
+        // SAFETY (every `K::` call below): bodies run with `K` only inside
+        // the tier's wrapper, entered after `cpu::clamp` checked the CPU.
+        let r = 1.0 / (unsafe { K::dot(src, src) } / n as f32 + a.eps).sqrt();
         *r_out = r;
         let off = a.offset;
         match a.casting {
             RmsCasting::Llama => {
                 for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
                     let h = round::<E>(v.to_f32() * r);
-                    *o = E::from_f32(h * (off + wv.to_f32()));
+                    *o = store::<E>(h * (off + wv.to_f32()));
                 }
             }
             RmsCasting::Gemma => {
                 for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
-                    *o = E::from_f32(v.to_f32() * r * (off + wv.to_f32()));
+                    *o = store::<E>(v.to_f32() * r * (off + wv.to_f32()));
                 }
             }
         }
@@ -203,7 +371,7 @@ fn rms_fwd_rows<E: Elem, F: Fma>(
 /// weight gradient, `g` is scratch of `cols`.
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn rms_bwd_rows<E: Elem, F: Fma>(
+fn rms_bwd_rows<E: Elem, K: Kern>(
     a: &RmsNormArgs,
     (dy, dsum): (&[E], Option<&[E]>),
     x: &[E],
@@ -224,27 +392,28 @@ fn rms_bwd_rows<E: Elem, F: Fma>(
             let p = d.to_f32() * (a.offset + wv.to_f32());
             *gv = if llama { round::<E>(p) } else { p };
         }
-        let c = r * r * r * dot::<F, f32, E>(g, xr) / n as f32;
+        // SAFETY: as in `rms_fwd_rows`.
+        let c = r * r * r * unsafe { K::dot(&*g, xr) } / n as f32;
         match dsum {
             Some(ds) => {
                 let dsr = &ds[i * n..][..n];
                 for ((o, gv), (v, d)) in dxr.iter_mut().zip(&*g).zip(xr.iter().zip(dsr)) {
-                    *o = E::from_f32(F::fma(r, *gv, -c * v.to_f32()) + d.to_f32());
+                    *o = store::<E>(K::F::fma(r, *gv, -c * v.to_f32()) + d.to_f32());
                 }
             }
             None => {
                 for ((o, gv), v) in dxr.iter_mut().zip(&*g).zip(xr) {
-                    *o = E::from_f32(F::fma(r, *gv, -c * v.to_f32()));
+                    *o = store::<E>(K::F::fma(r, *gv, -c * v.to_f32()));
                 }
             }
         }
         if llama {
             for ((acc, d), v) in dw.iter_mut().zip(dyr).zip(xr) {
-                *acc = F::fma(d.to_f32(), round::<E>(v.to_f32() * r), *acc);
+                *acc = K::F::fma(d.to_f32(), round::<E>(v.to_f32() * r), *acc);
             }
         } else {
             for ((acc, d), v) in dw.iter_mut().zip(dyr).zip(xr) {
-                *acc = F::fma(d.to_f32(), v.to_f32() * r, *acc);
+                *acc = K::F::fma(d.to_f32(), v.to_f32() * r, *acc);
             }
         }
     }
@@ -254,7 +423,7 @@ fn rms_bwd_rows<E: Elem, F: Fma>(
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn ln_fwd_rows<E: Elem, F: Fma>(
+fn ln_fwd_rows<E: Elem, K: Kern>(
     x: &[E],
     w: &[E],
     b: &[E],
@@ -266,18 +435,20 @@ fn ln_fwd_rows<E: Elem, F: Fma>(
 ) {
     for (i, (m_out, r_out)) in mean.iter_mut().zip(rstd.iter_mut()).enumerate() {
         let xr = &x[i * n..][..n];
-        let m = sum(xr) / n as f32;
-        let r = 1.0 / (sum_sq_dev::<F, E>(xr, m) / n as f32 + eps).sqrt();
+        // SAFETY: as in `rms_fwd_rows`. Two passes (mean, then squared
+        // deviations from it) as torch: the row is in L1 for the second.
+        let m = unsafe { K::sum(xr) } / n as f32;
+        let r = 1.0 / (unsafe { K::sq_dev(xr, m) } / n as f32 + eps).sqrt();
         (*m_out, *r_out) = (m, r);
         for ((o, v), (wv, bv)) in y[i * n..][..n].iter_mut().zip(xr).zip(w.iter().zip(b)) {
-            *o = E::from_f32(F::fma((v.to_f32() - m) * r, wv.to_f32(), bv.to_f32()));
+            *o = store::<E>(K::F::fma((v.to_f32() - m) * r, wv.to_f32(), bv.to_f32()));
         }
     }
 }
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-fn ln_bwd_rows<E: Elem, F: Fma>(
+fn ln_bwd_rows<E: Elem, K: Kern>(
     dy: &[E],
     x: &[E],
     w: &[E],
@@ -290,40 +461,20 @@ fn ln_bwd_rows<E: Elem, F: Fma>(
     for (i, (&m, &r)) in mean.iter().zip(rstd).enumerate() {
         let dyr = &dy[i * n..][..n];
         let xr = &x[i * n..][..n];
-        // Pass 1: g = dy·w (kept), Σ g and Σ g·x̂.
-        let (mut sg, mut sgx) = ([0f32; L], [0f32; L]);
-        let mut ig = g.chunks_exact_mut(L);
-        let mut idy = dyr.chunks_exact(L);
-        let mut iw = w.chunks_exact(L);
-        let mut ix = xr.chunks_exact(L);
-        for (((cg, cd), cw), cx) in (&mut ig).zip(&mut idy).zip(&mut iw).zip(&mut ix) {
-            for k in 0..L {
-                let gv = cd[k].to_f32() * cw[k].to_f32();
-                cg[k] = gv;
-                sg[k] += gv;
-                sgx[k] = F::fma(gv, (cx[k].to_f32() - m) * r, sgx[k]);
-            }
-        }
-        let (mut tg, mut tgx) = (hsum(sg, [0.0; L]), hsum(sgx, [0.0; L]));
-        for (((gv, d), wv), v) in ig
-            .into_remainder()
-            .iter_mut()
-            .zip(idy.remainder())
-            .zip(iw.remainder())
-            .zip(ix.remainder())
-        {
+        // g = dy·w (kept), then Σ g and Σ g·x̂ = r·Σ g·(x − μ).
+        for ((gv, d), wv) in g.iter_mut().zip(dyr).zip(w) {
             *gv = d.to_f32() * wv.to_f32();
-            tg += *gv;
-            tgx = F::fma(*gv, (v.to_f32() - m) * r, tgx);
         }
+        // SAFETY: as in `rms_fwd_rows`.
+        let (tg, tgx) = unsafe { (K::sum(&*g), r * K::dot_dev(&*g, xr, m)) };
         let (mg, mgx) = (tg / n as f32, tgx / n as f32);
         for ((o, gv), v) in dx[i * n..][..n].iter_mut().zip(&*g).zip(xr) {
             let xh = (v.to_f32() - m) * r;
-            *o = E::from_f32(r * (gv - mg - xh * mgx));
+            *o = store::<E>(r * (gv - mg - xh * mgx));
         }
         for (((aw, ab), d), v) in dw.iter_mut().zip(db.iter_mut()).zip(dyr).zip(xr) {
             let d = d.to_f32();
-            *aw = F::fma(d, (v.to_f32() - m) * r, *aw);
+            *aw = K::F::fma(d, (v.to_f32() - m) * r, *aw);
             *ab += d;
         }
     }
@@ -331,77 +482,85 @@ fn ln_bwd_rows<E: Elem, F: Fma>(
 
 // ------------------------------------------------------- tiers per chunk
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::*;
-    use crate::vecops::Fused;
+/// The row kernels compiled for one tier: the same generic bodies, with
+/// the tier's features enabled so the compiler vectorizes them 8 (AVX2) or
+/// 16 (AVX-512) lanes wide.
+macro_rules! tier_kernels {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $name {
+            use super::*;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn rms_fwd<E: Elem>(
-        a: &RmsNormArgs,
-        x: (&[E], Option<&[E]>),
-        w: &[E],
-        y: (&mut [E], Option<&mut [E]>),
-        rstd: &mut [f32],
-    ) {
-        rms_fwd_rows::<E, Fused>(a, x, w, y, rstd)
-    }
+            #[target_feature(enable = $features)]
+            pub(super) fn rms_fwd<E: Elem>(
+                a: &RmsNormArgs,
+                x: (&[E], Option<&[E]>),
+                w: &[E],
+                y: (&mut [E], Option<&mut [E]>),
+                rstd: &mut [f32],
+            ) {
+                rms_fwd_rows::<E, Avx>(a, x, w, y, rstd)
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rms_bwd<E: Elem>(
-        a: &RmsNormArgs,
-        dy: (&[E], Option<&[E]>),
-        x: &[E],
-        w: &[E],
-        rstd: &[f32],
-        dx: &mut [E],
-        dw: &mut [f32],
-        g: &mut [f32],
-    ) {
-        rms_bwd_rows::<E, Fused>(a, dy, x, w, rstd, dx, dw, g)
-    }
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn rms_bwd<E: Elem>(
+                a: &RmsNormArgs,
+                dy: (&[E], Option<&[E]>),
+                x: &[E],
+                w: &[E],
+                rstd: &[f32],
+                dx: &mut [E],
+                dw: &mut [f32],
+                g: &mut [f32],
+            ) {
+                rms_bwd_rows::<E, Avx>(a, dy, x, w, rstd, dx, dw, g)
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn ln_fwd<E: Elem>(
-        x: &[E],
-        w: &[E],
-        b: &[E],
-        n: usize,
-        eps: f32,
-        y: &mut [E],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-    ) {
-        ln_fwd_rows::<E, Fused>(x, w, b, n, eps, y, mean, rstd)
-    }
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn ln_fwd<E: Elem>(
+                x: &[E],
+                w: &[E],
+                b: &[E],
+                n: usize,
+                eps: f32,
+                y: &mut [E],
+                mean: &mut [f32],
+                rstd: &mut [f32],
+            ) {
+                ln_fwd_rows::<E, Avx>(x, w, b, n, eps, y, mean, rstd)
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn ln_bwd<E: Elem>(
-        dy: &[E],
-        x: &[E],
-        w: &[E],
-        ms: (&[f32], &[f32]),
-        n: usize,
-        dx: &mut [E],
-        dwb: (&mut [f32], &mut [f32]),
-        g: &mut [f32],
-    ) {
-        ln_bwd_rows::<E, Fused>(dy, x, w, ms, n, dx, dwb, g)
-    }
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn ln_bwd<E: Elem>(
+                dy: &[E],
+                x: &[E],
+                w: &[E],
+                ms: (&[f32], &[f32]),
+                n: usize,
+                dx: &mut [E],
+                dwb: (&mut [f32], &mut [f32]),
+                g: &mut [f32],
+            ) {
+                ln_bwd_rows::<E, Avx>(dy, x, w, ms, n, dx, dwb, g)
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn add_partials(
-        parts: &[f32],
-        stride: usize,
-        cols: std::ops::Range<usize>,
-        out: &mut [f32],
-    ) {
-        super::add_partials_body(parts, stride, cols, out)
-    }
+            #[target_feature(enable = $features)]
+            pub(super) fn add_partials(
+                parts: &[f32],
+                stride: usize,
+                cols: std::ops::Range<usize>,
+                out: &mut [f32],
+            ) {
+                super::add_partials_body(parts, stride, cols, out)
+            }
+        }
+    };
 }
+tier_kernels!(avx2, "avx2,fma,f16c");
+tier_kernels!(avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
 
 /// `out[j − lo] = Σ_c parts[c·stride + j]` over `j` in `cols`, chunks in order.
 #[inline(always)]
@@ -430,7 +589,10 @@ fn add_partials(pool: &ThreadPool, tier: SimdTier, parts: &[f32], cols: usize, o
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::add_partials(parts, cols, r, o) },
+            SimdTier::Avx2 => unsafe { avx2::add_partials(parts, cols, r, o) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::add_partials(parts, cols, r, o) },
             _ => add_partials_body(parts, cols, r, o),
         }
     });
@@ -577,8 +739,11 @@ pub(crate) fn rms_fwd_in<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::rms_fwd(&a, xs, w, (yc, sc), rc) },
-            _ => rms_fwd_rows::<E, Plain>(&a, xs, w, (yc, sc), rc),
+            SimdTier::Avx2 => unsafe { avx2::rms_fwd(&a, xs, w, (yc, sc), rc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::rms_fwd(&a, xs, w, (yc, sc), rc) },
+            _ => rms_fwd_rows::<E, Scalar>(&a, xs, w, (yc, sc), rc),
         }
     });
     Ok(())
@@ -698,10 +863,11 @@ pub(crate) fn rms_bwd_in<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                avx2::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g)
-            },
-            _ => rms_bwd_rows::<E, Plain>(&a, dys, xc, w, rc, dxc, pc, &mut g),
+            SimdTier::Avx2 => unsafe { avx2::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
+            _ => rms_bwd_rows::<E, Scalar>(&a, dys, xc, w, rc, dxc, pc, &mut g),
         }
     });
     add_partials(pool, tier, &parts, n, dw);
@@ -762,10 +928,11 @@ pub fn layer_norm_fwd_with<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                avx2::ln_fwd(xc, w, b, cols, eps, yc, mc, rc)
-            },
-            _ => ln_fwd_rows::<E, Plain>(xc, w, b, cols, eps, yc, mc, rc),
+            SimdTier::Avx2 => unsafe { avx2::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
+            _ => ln_fwd_rows::<E, Scalar>(xc, w, b, cols, eps, yc, mc, rc),
         }
     });
     Ok(())
@@ -877,10 +1044,11 @@ pub(crate) fn ln_bwd_in<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                avx2::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g)
-            },
-            _ => ln_bwd_rows::<E, Plain>(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g),
+            SimdTier::Avx2 => unsafe { avx2::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
+            _ => ln_bwd_rows::<E, Scalar>(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g),
         }
     });
     // Sum the dw rows (even) and db rows (odd) in chunk order: viewed with
@@ -1641,6 +1809,30 @@ pub(crate) mod tests {
             assert_eq!(bits(&o.1), bits(&outs[0].1));
             assert_eq!(bits(&o.3), bits(&outs[0].3));
             assert_eq!(bits(&o.4), bits(&outs[0].4));
+        }
+    }
+
+    /// The vectorizable bf16 store rounds as half does, bit for bit, on
+    /// every class (ties both ways, overflow to infinity, NaN, subnormal).
+    #[test]
+    fn store_rounds_like_half() {
+        let mut rng = ChaCha8Rng::seed_from_u64(16);
+        let mut xs: Vec<u32> = (0..200_000).map(|_| rng.random()).collect();
+        for hi in [
+            0u32, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
+        ] {
+            for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                xs.push(hi << 16 | lo);
+            }
+        }
+        for x in xs {
+            let v = f32::from_bits(x);
+            assert_eq!(
+                store::<bf16>(v).to_bits(),
+                bf16::from_f32(v).to_bits(),
+                "{x:#x}"
+            );
+            assert_eq!(store::<f32>(v).to_bits(), x);
         }
     }
 
