@@ -5,15 +5,22 @@
 //! read it against `cargo bench -p kvant-kernels --bench bandwidth`.
 //!
 //! `cargo bench -p kvant-kernels --bench train_rows`
+//!
+//! - `TRAIN_ROWS=norm,rope,glu` picks families (default all); `hot` adds
+//!   the norms on 16 rows (in L2: the compute ceiling, not a bandwidth);
+//! - `TRAIN_ROWS_CPU=1` skips criterion and runs each case on one thread,
+//!   printing GB per second of that thread's CPU time (from
+//!   `/proc/thread-self/schedstat`), a figure other processes sharing
+//!   the cores do not move (they do move wall-clock GB/s).
 
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion, Throughput};
+use criterion::{BatchSize, Criterion, Throughput};
 use half::bf16;
 use kvant_kernels::pool;
 use kvant_kernels::train::glu::{glu_bwd, glu_fwd, Glu};
 use kvant_kernels::train::norm::*;
 use kvant_kernels::train::rope::{rope_apply, RopeLayout, RopeShape};
 use kvant_kernels::train::Elem;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const THREADS: usize = 2;
 
@@ -27,11 +34,95 @@ fn data<E: Elem>(n: usize, seed: u32) -> Vec<E> {
         .collect()
 }
 
-fn norms<E: Elem>(c: &mut Criterion, name: &str, rows: usize) {
+/// Where a case runs: criterion, or the CPU-time loop.
+trait Runner {
+    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut());
+    /// `setup` (untimed) before every `f`.
+    fn case_batched(
+        &mut self,
+        group: &str,
+        name: &str,
+        bytes: u64,
+        setup: &mut dyn FnMut(),
+        f: &mut dyn FnMut(),
+    );
+}
+
+struct Crit<'a>(&'a mut Criterion);
+
+impl Runner for Crit<'_> {
+    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut()) {
+        let mut g = self.0.benchmark_group(group);
+        g.throughput(Throughput::BytesDecimal(bytes));
+        g.bench_function(name, |b| b.iter(&mut *f));
+        g.finish();
+    }
+
+    fn case_batched(
+        &mut self,
+        group: &str,
+        name: &str,
+        bytes: u64,
+        setup: &mut dyn FnMut(),
+        f: &mut dyn FnMut(),
+    ) {
+        let mut g = self.0.benchmark_group(group);
+        g.throughput(Throughput::BytesDecimal(bytes));
+        g.bench_function(name, |b| {
+            b.iter_batched(&mut *setup, |()| f(), BatchSize::PerIteration)
+        });
+        g.finish();
+    }
+}
+
+/// This thread's CPU time in ns (first field of schedstat).
+fn cpu_ns() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+struct CpuTime;
+
+impl Runner for CpuTime {
+    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut()) {
+        self.case_batched(group, name, bytes, &mut || {}, f)
+    }
+
+    fn case_batched(
+        &mut self,
+        group: &str,
+        name: &str,
+        bytes: u64,
+        setup: &mut dyn FnMut(),
+        f: &mut dyn FnMut(),
+    ) {
+        setup();
+        f();
+        let (mut cpu, mut wall, mut reps) = (0u64, Duration::ZERO, 0u64);
+        while wall < Duration::from_secs(1) || reps < 3 {
+            setup();
+            let (c0, w0) = (cpu_ns(), Instant::now());
+            f();
+            cpu += cpu_ns() - c0;
+            wall += w0.elapsed();
+            reps += 1;
+        }
+        let gb = (bytes * reps) as f64 / 1e9;
+        println!(
+            "{group}/{name}: {:.2} GB/s of CPU time, {:.2} GB/s wall (1 thread, {reps} runs)",
+            gb / (cpu as f64 / 1e9),
+            gb / wall.as_secs_f64()
+        );
+    }
+}
+
+fn norms<E: Elem>(r: &mut dyn Runner, name: &str, rows: usize) {
     let cols = 4096usize;
     let n = rows * cols;
     let sz = std::mem::size_of::<E>() as u64;
-    let mut g = c.benchmark_group(format!("train_rows/{name}/norm {rows}x{cols}"));
+    let group = format!("train_rows/{name}/norm {rows}x{cols}");
     let x: Vec<E> = data(n, 1);
     let res: Vec<E> = data(n, 2);
     let dy: Vec<E> = data(n, 3);
@@ -45,49 +136,43 @@ fn norms<E: Elem>(c: &mut Criterion, name: &str, rows: usize) {
         offset: 0.0,
         casting: RmsCasting::Llama,
     };
-    let bytes = |tensors: u64| Throughput::BytesDecimal(tensors * n as u64 * sz);
-    g.throughput(bytes(2));
-    g.bench_function("rms fwd", |b| {
-        b.iter(|| rms_norm_fwd(&x, &w, a, &mut y, &mut rstd).unwrap())
-    });
     let gemma = RmsNormArgs {
         offset: 1.0,
         casting: RmsCasting::Gemma,
         ..a
     };
-    g.bench_function("rms fwd gemma", |b| {
-        b.iter(|| rms_norm_fwd(&x, &w, gemma, &mut y, &mut rstd).unwrap())
+    let bytes = |tensors: u64| tensors * n as u64 * sz;
+    r.case(&group, "rms fwd", bytes(2), &mut || {
+        rms_norm_fwd(&x, &w, a, &mut y, &mut rstd).unwrap()
     });
-    g.throughput(bytes(3));
-    g.bench_function("rms bwd", |b| {
-        b.iter(|| rms_norm_bwd(&dy, &x, &w, &rstd, a, &mut dx, &mut dw).unwrap())
+    r.case(&group, "rms fwd gemma", bytes(2), &mut || {
+        rms_norm_fwd(&x, &w, gemma, &mut y, &mut rstd).unwrap()
     });
-    g.throughput(bytes(4));
-    g.bench_function("add+rms fwd", |b| {
-        b.iter(|| add_rms_norm_fwd(&x, &res, &w, a, &mut y, &mut s, &mut rstd).unwrap())
+    r.case(&group, "rms bwd", bytes(3), &mut || {
+        rms_norm_bwd(&dy, &x, &w, &rstd, a, &mut dx, &mut dw).unwrap()
     });
-    g.bench_function("add+rms bwd", |b| {
-        b.iter(|| add_rms_norm_bwd(&dy, &res, &x, &w, &rstd, a, &mut dx, &mut dw).unwrap())
+    r.case(&group, "rms bwd gemma", bytes(3), &mut || {
+        rms_norm_bwd(&dy, &x, &w, &rstd, gemma, &mut dx, &mut dw).unwrap()
     });
-    g.throughput(bytes(2));
-    g.bench_function("layernorm fwd", |b| {
-        b.iter(|| layer_norm_fwd(&x, &w, &w, cols, 1e-5, &mut y, &mut mean, &mut rstd).unwrap())
+    r.case(&group, "add+rms fwd", bytes(4), &mut || {
+        add_rms_norm_fwd(&x, &res, &w, a, &mut y, &mut s, &mut rstd).unwrap()
     });
-    g.throughput(bytes(3));
-    g.bench_function("layernorm bwd", |b| {
-        b.iter(|| {
-            layer_norm_bwd(&dy, &x, &w, &mean, &rstd, cols, &mut dx, &mut dw, &mut db).unwrap()
-        })
+    r.case(&group, "add+rms bwd", bytes(4), &mut || {
+        add_rms_norm_bwd(&dy, &res, &x, &w, &rstd, a, &mut dx, &mut dw).unwrap()
     });
-    g.finish();
+    r.case(&group, "layernorm fwd", bytes(2), &mut || {
+        layer_norm_fwd(&x, &w, &w, cols, 1e-5, &mut y, &mut mean, &mut rstd).unwrap()
+    });
+    r.case(&group, "layernorm bwd", bytes(3), &mut || {
+        layer_norm_bwd(&dy, &x, &w, &mean, &rstd, cols, &mut dx, &mut dw, &mut db).unwrap()
+    });
 }
 
-fn rope<E: Elem>(c: &mut Criterion, name: &str) {
+fn rope<E: Elem>(r: &mut dyn Runner, name: &str) {
     let (bt, h, s, d) = (4usize, 32usize, 512usize, 128usize);
     let n = bt * h * s * d;
     let sz = std::mem::size_of::<E>() as u64;
-    let mut g = c.benchmark_group(format!("train_rows/{name}/rope [{bt},{h},{s},{d}]"));
-    g.throughput(Throughput::BytesDecimal(2 * n as u64 * sz));
+    let group = format!("train_rows/{name}/rope [{bt},{h},{s},{d}]");
     let mut x: Vec<E> = data(n, 1);
     let cos: Vec<E> = data(s * d / 2, 2);
     let sin: Vec<E> = data(s * d / 2, 3);
@@ -101,8 +186,8 @@ fn rope<E: Elem>(c: &mut Criterion, name: &str) {
         per_batch_tables: false,
         layout: RopeLayout::HalfSplit,
     };
-    // The rotations keep |x| (up to the random tables' scale), so x is
-    // rotated in place again and again.
+    // x is rotated in place again and again; forward then backward keeps
+    // its values where they started (up to rounding).
     for (label, sh) in [
         ("half-split", shape),
         (
@@ -122,74 +207,89 @@ fn rope<E: Elem>(c: &mut Criterion, name: &str) {
     ] {
         for inverse in [false, true] {
             let dir = if inverse { "bwd" } else { "fwd" };
-            g.bench_function(format!("{label} {dir}"), |b| {
-                b.iter(|| rope_apply(&mut x, &cos, &sin, &sh, inverse).unwrap())
-            });
+            r.case(
+                &group,
+                &format!("{label} {dir}"),
+                2 * n as u64 * sz,
+                &mut || rope_apply(&mut x, &cos, &sin, &sh, inverse).unwrap(),
+            );
         }
     }
-    g.finish();
 }
 
-fn glu<E: Elem>(c: &mut Criterion, name: &str) {
+fn glu<E: Elem>(r: &mut dyn Runner, name: &str) {
     let (rows, cols) = (4096usize, 11008usize);
     let n = rows * cols;
     let sz = std::mem::size_of::<E>() as u64;
-    let mut g = c.benchmark_group(format!("train_rows/{name}/glu {rows}x{cols}"));
+    let group = format!("train_rows/{name}/glu {rows}x{cols}");
     let a: Vec<E> = data(n, 1);
     let bv: Vec<E> = data(n, 2);
     let dc: Vec<E> = data(n, 3);
     let mut out: Vec<E> = data(n, 4);
+    let xy = std::cell::RefCell::new((a.clone(), bv.clone()));
     for kind in [Glu::Swi, Glu::GeTanh] {
-        g.throughput(Throughput::BytesDecimal(3 * n as u64 * sz));
-        g.bench_function(format!("{kind:?} fwd"), |b| {
-            b.iter(|| glu_fwd(kind, &a, &bv, &mut out).unwrap())
-        });
+        r.case(
+            &group,
+            &format!("{kind:?} fwd"),
+            3 * n as u64 * sz,
+            &mut || glu_fwd(kind, &a, &bv, &mut out).unwrap(),
+        );
         // Reads dc, a, b; writes da, db over a, b. The inputs are restored
         // (untimed) before every run: gradients written over them would
         // shrink towards subnormals.
-        g.throughput(Throughput::BytesDecimal(5 * n as u64 * sz));
-        g.bench_function(format!("{kind:?} bwd"), |b| {
-            b.iter_batched_ref(
-                || (a.clone(), bv.clone()),
-                |(x, y)| glu_bwd(kind, &dc, x, y).unwrap(),
-                BatchSize::PerIteration,
-            )
-        });
+        r.case_batched(
+            &group,
+            &format!("{kind:?} bwd"),
+            5 * n as u64 * sz,
+            &mut || {
+                let (x, y) = &mut *xy.borrow_mut();
+                x.copy_from_slice(&a);
+                y.copy_from_slice(&bv);
+            },
+            &mut || {
+                let (x, y) = &mut *xy.borrow_mut();
+                glu_bwd(kind, &dc, x, y).unwrap()
+            },
+        );
     }
-    g.finish();
 }
 
-fn all(c: &mut Criterion) {
-    if let Err(e) = pool::set_global_threads(THREADS) {
-        eprintln!("train_rows: {e}");
-    }
+fn all(r: &mut dyn Runner) {
     let only = std::env::var("TRAIN_ROWS").unwrap_or_default();
     let on = |k: &str| only.is_empty() || only.split(',').any(|o| o == k);
     if on("norm") {
-        norms::<f32>(c, "f32", 4096);
-        norms::<bf16>(c, "bf16", 4096);
+        norms::<f32>(r, "f32", 4096);
+        norms::<bf16>(r, "bf16", 4096);
     }
-    // In cache (L2): the kernels' compute ceiling, not a bandwidth figure.
     if only.split(',').any(|o| o == "hot") {
-        norms::<f32>(c, "f32 in cache", 16);
-        norms::<bf16>(c, "bf16 in cache", 16);
+        norms::<f32>(r, "f32 in cache", 16);
+        norms::<bf16>(r, "bf16 in cache", 16);
     }
     if on("rope") {
-        rope::<f32>(c, "f32");
-        rope::<bf16>(c, "bf16");
+        rope::<f32>(r, "f32");
+        rope::<bf16>(r, "bf16");
     }
     if on("glu") {
-        glu::<f32>(c, "f32");
-        glu::<bf16>(c, "bf16");
+        glu::<f32>(r, "f32");
+        glu::<bf16>(r, "bf16");
     }
 }
 
-criterion_group! {
-    name = benches;
-    config = Criterion::default()
+fn main() {
+    let cpu_mode = std::env::var("TRAIN_ROWS_CPU").is_ok_and(|v| v == "1");
+    let threads = if cpu_mode { 1 } else { THREADS };
+    if let Err(e) = pool::set_global_threads(threads) {
+        eprintln!("train_rows: {e}");
+    }
+    if cpu_mode {
+        all(&mut CpuTime);
+        return;
+    }
+    let mut c = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2))
-        .sample_size(10);
-    targets = all
+        .sample_size(10)
+        .configure_from_args();
+    all(&mut Crit(&mut c));
+    c.final_summary();
 }
-criterion_main!(benches);

@@ -123,21 +123,28 @@ fn bwd_body<E: Elem, F: Fma>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::*;
-    use crate::vecops::Fused;
+/// The elementwise loops compiled for one tier (8 or 16 lanes).
+macro_rules! tier_kernels {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $name {
+            use super::*;
+            use crate::vecops::Fused;
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) {
-        fwd_body::<E, Fused>(kind, a, b, c)
-    }
+            #[target_feature(enable = $features)]
+            pub(super) fn fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) {
+                fwd_body::<E, Fused>(kind, a, b, c)
+            }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn bwd<E: Elem>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
-        bwd_body::<E, Fused>(kind, dc, a, b)
-    }
+            #[target_feature(enable = $features)]
+            pub(super) fn bwd<E: Elem>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
+                bwd_body::<E, Fused>(kind, dc, a, b)
+            }
+        }
+    };
 }
+tier_kernels!(avx2, "avx2,fma,f16c");
+tier_kernels!(avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
 
 /// `c = act(a)·b` elementwise.
 pub fn glu_fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) -> Result<(), KernelError> {
@@ -165,7 +172,10 @@ pub fn glu_fwd_with<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::fwd(kind, a, b, c) },
+            SimdTier::Avx2 => unsafe { avx2::fwd(kind, a, b, c) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::fwd(kind, a, b, c) },
             _ => fwd_body::<E, Plain>(kind, a, b, c),
         }
     });
@@ -198,7 +208,10 @@ pub fn glu_bwd_with<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::bwd(kind, dc, a, b) },
+            SimdTier::Avx2 => unsafe { avx2::bwd(kind, dc, a, b) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::bwd(kind, dc, a, b) },
             _ => bwd_body::<E, Plain>(kind, dc, a, b),
         }
     });

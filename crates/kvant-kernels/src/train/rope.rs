@@ -189,6 +189,19 @@ fn rotate_rows_avx2<E: Elem>(
     rotate_rows::<E, crate::vecops::Fused>(x, t, s, p, rows, sg)
 }
 
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+fn rotate_rows_avx512<E: Elem>(
+    x: &DisjointSlice<'_, E>,
+    t: (&[E], &[E]),
+    s: &RopeShape,
+    p: &Plan,
+    rows: std::ops::Range<usize>,
+    sg: f32,
+) {
+    rotate_rows::<E, crate::vecops::Fused>(x, t, s, p, rows, sg)
+}
+
 /// In place: pair (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) with cos/sin of index i = pair index;
 /// backward = the same with sin negated (`inverse = true`). Errors if the strided extent leaves `x`
 /// or if two (batch, head, seq) rows overlap (check the strides describe non-overlapping rows, any order).
@@ -224,9 +237,10 @@ pub fn rope_apply_with<E: Elem>(
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                rotate_rows_avx2(&xs, (cos, sin), s, &p, rows, sg)
-            },
+            SimdTier::Avx2 => unsafe { rotate_rows_avx2(&xs, (cos, sin), s, &p, rows, sg) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { rotate_rows_avx512(&xs, (cos, sin), s, &p, rows, sg) },
             _ => rotate_rows::<E, Plain>(&xs, (cos, sin), s, &p, rows, sg),
         }
     });
