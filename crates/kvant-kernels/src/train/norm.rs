@@ -99,6 +99,18 @@ pub(crate) trait Kern {
     /// # Safety
     /// As [`Kern::dot`].
     unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32;
+    /// RMSNorm backward's first pass: `g = dy·(off + w)` (rounded to `E`
+    /// when `ROUND`) written to `g`; returns `Σ g·x`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn g_dot<E: Elem, const ROUND: bool>(
+        dy: &[E],
+        w: &[E],
+        off: f32,
+        x: &[E],
+        g: &mut [f32],
+    ) -> f32;
 }
 
 /// Portable loops.
@@ -169,6 +181,21 @@ impl Kern for Scalar {
         }
         s
     }
+
+    unsafe fn g_dot<E: Elem, const ROUND: bool>(
+        dy: &[E],
+        w: &[E],
+        off: f32,
+        x: &[E],
+        g: &mut [f32],
+    ) -> f32 {
+        for ((gv, d), wv) in g.iter_mut().zip(dy).zip(w) {
+            let p = d.to_f32() * (off + wv.to_f32());
+            *gv = if ROUND { round::<E>(p) } else { p };
+        }
+        // SAFETY: the scalar tier runs anywhere.
+        unsafe { Self::dot(&*g, x) }
+    }
 }
 
 fn hsum8(a: [f32; 8]) -> f32 {
@@ -191,6 +218,46 @@ mod avx_red {
         // SAFETY: AVX (caller's contract); `a` holds eight floats.
         unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
         hsum8(a)
+    }
+
+    /// Each lane rounded to bf16 and widened back: [`store`] then
+    /// `to_f32`, 8 lanes at a time (NaN quieted, as half does).
+    #[inline(always)]
+    pub(super) unsafe fn round_bf16(v: __m256) -> __m256 {
+        // SAFETY: AVX2 (caller's contract); register operations only.
+        unsafe {
+            let x = _mm256_castps_si256(v);
+            let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let r = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
+            let r = _mm256_and_si256(r, hi);
+            let q = _mm256_and_si256(_mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000)), hi);
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan)
+        }
+    }
+
+    /// One 8-lane step of [`Kern::g_dot`]: `g = dy·(off + w)` at `j`
+    /// (rounded when `ROUND`), stored, and `acc + g·x`. A plain function
+    /// (inlined always): the same code in a closure was not inlined under
+    /// the Llama rounding and ran its intrinsics as calls, 15× slower.
+    #[inline(always)]
+    pub(super) unsafe fn g_step<E: Elem, const ROUND: bool>(
+        (dy, w, x, g): (*const E, *const E, *const E, *mut f32),
+        offv: __m256,
+        j: usize,
+        acc: __m256,
+    ) -> __m256 {
+        // SAFETY: AVX2/FMA/F16C and 8 values at `j` in each (caller's contract).
+        unsafe {
+            let mut gv =
+                _mm256_mul_ps(E::load8(dy.add(j)), _mm256_add_ps(offv, E::load8(w.add(j))));
+            if ROUND && !E::F32 {
+                gv = round_bf16(gv);
+            }
+            _mm256_storeu_ps(g.add(j), gv);
+            _mm256_fmadd_ps(gv, E::load8(x.add(j)), acc)
+        }
     }
 
     /// `Σ f(a_j, b_j)` with `f` one FMA step on 8 lanes, four chains.
@@ -280,6 +347,49 @@ impl Kern for Avx {
                 },
                 |x, _| (x - m) * (x - m),
             )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn g_dot<E: Elem, const ROUND: bool>(
+        dy: &[E],
+        w: &[E],
+        off: f32,
+        x: &[E],
+        g: &mut [f32],
+    ) -> f32 {
+        use std::arch::x86_64::*;
+        let n = g.len().min(dy.len()).min(w.len()).min(x.len());
+        // SAFETY: AVX2/FMA/F16C by the caller's contract; every load and
+        // store covers 8 values at j + 8 <= n.
+        unsafe {
+            let offv = _mm256_set1_ps(off);
+            let (pd, pw, px, pg) = (dy.as_ptr(), w.as_ptr(), x.as_ptr(), g.as_mut_ptr());
+            let step =
+                |j: usize, acc: __m256| avx_red::g_step::<E, ROUND>((pd, pw, px, pg), offv, j, acc);
+            // Two chains in registers (an indexed array of them lived on
+            // the stack: 12% of the backward's time).
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut j = 0;
+            while j + 16 <= n {
+                a0 = step(j, a0);
+                a1 = step(j + 8, a1);
+                j += 16;
+            }
+            if j + 8 <= n {
+                a0 = step(j, a0);
+                j += 8;
+            }
+            let acc = [a0, a1];
+            let mut a = [0f32; 8];
+            _mm256_storeu_ps(a.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1]));
+            let mut t = hsum8(a);
+            for k in j..n {
+                let p = dy[k].to_f32() * (off + w[k].to_f32());
+                g[k] = if ROUND { round::<E>(p) } else { p };
+                t += g[k] * x[k].to_f32();
+            }
+            t
         }
     }
 }
@@ -388,34 +498,47 @@ fn rms_bwd_rows<E: Elem, K: Kern>(
         let xr = &x[i * n..][..n];
         let dxr = &mut dx[i * n..][..n];
         // g = dy·(offset + w), torch's bf16 product under Llama casting.
-        for ((gv, d), wv) in g.iter_mut().zip(dyr).zip(w) {
-            let p = d.to_f32() * (a.offset + wv.to_f32());
-            *gv = if llama { round::<E>(p) } else { p };
-        }
         // SAFETY: as in `rms_fwd_rows`.
-        let c = r * r * r * unsafe { K::dot(&*g, xr) } / n as f32;
-        match dsum {
-            Some(ds) => {
-                let dsr = &ds[i * n..][..n];
-                for ((o, gv), (v, d)) in dxr.iter_mut().zip(&*g).zip(xr.iter().zip(dsr)) {
-                    *o = store::<E>(K::F::fma(r, *gv, -c * v.to_f32()) + d.to_f32());
-                }
+        let sgx = unsafe {
+            match llama {
+                true => K::g_dot::<E, true>(dyr, w, a.offset, xr, g),
+                false => K::g_dot::<E, false>(dyr, w, a.offset, xr, g),
             }
-            None => {
-                for ((o, gv), v) in dxr.iter_mut().zip(&*g).zip(xr) {
-                    *o = store::<E>(K::F::fma(r, *gv, -c * v.to_f32()));
-                }
-            }
+        };
+        let c = r * r * r * sgx / n as f32;
+        let rows = (dyr, xr, &*g);
+        let dsr = dsum.map(|d| &d[i * n..][..n]);
+        match (llama, dsr) {
+            (true, Some(d)) => rms_dx_dw::<E, K, true, true>(rows, d, (r, c), dxr, dw),
+            (true, None) => rms_dx_dw::<E, K, true, false>(rows, dyr, (r, c), dxr, dw),
+            (false, Some(d)) => rms_dx_dw::<E, K, false, true>(rows, d, (r, c), dxr, dw),
+            (false, None) => rms_dx_dw::<E, K, false, false>(rows, dyr, (r, c), dxr, dw),
         }
-        if llama {
-            for ((acc, d), v) in dw.iter_mut().zip(dyr).zip(xr) {
-                *acc = K::F::fma(d.to_f32(), round::<E>(v.to_f32() * r), *acc);
-            }
-        } else {
-            for ((acc, d), v) in dw.iter_mut().zip(dyr).zip(xr) {
-                *acc = K::F::fma(d.to_f32(), v.to_f32() * r, *acc);
-            }
+    }
+}
+
+/// RMSNorm backward's second pass over a row, one loop: `dx = r·g − c·x
+/// (+ dsum)` and `dw += dy·h`, `h = x·r` (rounded to `E` under Llama
+/// casting, as torch's saved bf16 `h`). Each is a compile-time variant.
+#[inline(always)]
+fn rms_dx_dw<E: Elem, K: Kern, const LLAMA: bool, const DSUM: bool>(
+    (dy, x, g): (&[E], &[E], &[f32]),
+    dsum: &[E],
+    (r, c): (f32, f32),
+    dx: &mut [E],
+    dw: &mut [f32],
+) {
+    let n = dx.len();
+    let (dy, x, g, dsum, dw) = (&dy[..n], &x[..n], &g[..n], &dsum[..n], &mut dw[..n]);
+    for j in 0..n {
+        let v = x[j].to_f32();
+        let mut d = K::F::fma(r, g[j], -c * v);
+        if DSUM {
+            d += dsum[j].to_f32();
         }
+        dx[j] = store::<E>(d);
+        let h = if LLAMA { round::<E>(v * r) } else { v * r };
+        dw[j] = K::F::fma(dy[j].to_f32(), h, dw[j]);
     }
 }
 
