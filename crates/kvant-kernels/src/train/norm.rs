@@ -591,14 +591,16 @@ fn ln_bwd_rows<E: Elem, K: Kern>(
         // SAFETY: as in `rms_fwd_rows`.
         let (tg, tgx) = unsafe { (K::sum(&*g), r * K::dot_dev(&*g, xr, m)) };
         let (mg, mgx) = (tg / n as f32, tgx / n as f32);
-        for ((o, gv), v) in dx[i * n..][..n].iter_mut().zip(&*g).zip(xr) {
-            let xh = (v.to_f32() - m) * r;
-            *o = store::<E>(r * (gv - mg - xh * mgx));
-        }
-        for (((aw, ab), d), v) in dw.iter_mut().zip(db.iter_mut()).zip(dyr).zip(xr) {
-            let d = d.to_f32();
-            *aw = K::F::fma(d, (v.to_f32() - m) * r, *aw);
-            *ab += d;
+        // dx, dw and db in one loop (two loops: LayerNorm backward ran at
+        // 52% of the bandwidth in f32).
+        let (dxr, gr) = (&mut dx[i * n..][..n], &g[..n]);
+        let (dyr, xr, dw, db) = (&dyr[..n], &xr[..n], &mut dw[..n], &mut db[..n]);
+        for j in 0..n {
+            let xh = (xr[j].to_f32() - m) * r;
+            dxr[j] = store::<E>(r * (gr[j] - mg - xh * mgx));
+            let d = dyr[j].to_f32();
+            dw[j] = K::F::fma(d, xh, dw[j]);
+            db[j] += d;
         }
     }
 }
@@ -1940,7 +1942,8 @@ pub(crate) mod tests {
     #[test]
     fn store_rounds_like_half() {
         let mut rng = ChaCha8Rng::seed_from_u64(16);
-        let mut xs: Vec<u32> = (0..200_000).map(|_| rng.random()).collect();
+        // The special patterns first: the 8-lane check below drops a tail.
+        let mut xs: Vec<u32> = Vec::new();
         for hi in [
             0u32, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
         ] {
@@ -1948,7 +1951,8 @@ pub(crate) mod tests {
                 xs.push(hi << 16 | lo);
             }
         }
-        for x in xs {
+        xs.extend((0..200_000).map(|_| rng.random::<u32>()));
+        for &x in &xs {
             let v = f32::from_bits(x);
             assert_eq!(
                 store::<bf16>(v).to_bits(),
@@ -1956,6 +1960,23 @@ pub(crate) mod tests {
                 "{x:#x}"
             );
             assert_eq!(store::<f32>(v).to_bits(), x);
+        }
+        // The 8-lane rounding of the AVX2 backward, against the same.
+        #[cfg(target_arch = "x86_64")]
+        if cpu::detected_tier() >= SimdTier::Avx2 {
+            for c in xs.chunks_exact(8) {
+                let mut got = [0f32; 8];
+                // SAFETY: AVX2 was detected; `c` and `got` hold 8 values.
+                unsafe {
+                    use std::arch::x86_64::*;
+                    let v = _mm256_loadu_ps(c.as_ptr() as *const f32);
+                    _mm256_storeu_ps(got.as_mut_ptr(), avx_red::round_bf16(v));
+                }
+                for (g, x) in got.iter().zip(c) {
+                    let want = bf16::from_f32(f32::from_bits(*x)).to_f32();
+                    assert_eq!(g.to_bits(), want.to_bits(), "{x:#x}");
+                }
+            }
         }
     }
 
