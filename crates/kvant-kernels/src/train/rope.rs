@@ -17,6 +17,12 @@
 //! backward beyond the tables, and every value is computed in f32 and
 //! rounded once (torch's bf16 `q·cos + rotate_half(q)·sin` rounds each
 //! product and the sum).
+//!
+//! Rows are visited in memory order (innermost stride first), so a
+//! `[b, s, h, d]` tensor viewed as `[b, h, s, d]` streams like a
+//! contiguous one. Measured on `[4, 32, 512, 128]` (2 threads, shared
+//! Zen 4 VM, read probe 21–29 GB/s; the tensor is 17–34 MB, partly in the
+//! 32 MB L3 between runs): f32 37–39 GB/s, bf16 23–30 GB/s.
 
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul};
