@@ -49,3 +49,7 @@ pub enum Reduction {
     /// Sum divided by the number of rows that count (not ignored).
     Mean,
 }
+
+pub mod glu;
+pub mod norm;
+pub mod rope;

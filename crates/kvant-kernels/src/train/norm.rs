@@ -1,0 +1,2025 @@
+//! RMSNorm (plain and fused with the residual add) and LayerNorm, forward
+//! and backward, over rows of `cols` values.
+//!
+//! RMSNorm, with `s = offset + w` and `r = 1/sqrt(mean(x²) + eps)`:
+//! - forward `y = x·r·s`; `r` is saved per row (f32) for the backward;
+//! - backward `g = dy·s`, `dx = r·g − x·r³·(Σ g·x)/N`, `dw = Σ_rows dy·x·r`.
+//!
+//! Casting ([`RmsCasting`]) says where bf16 rounds, as in Liger:
+//! - `Llama` (Hugging Face `LlamaRMSNorm`): `h = (x·r)` rounded to the input
+//!   type, `y = round(h·s)` (torch's bf16 `w * h` is the exact f32 product
+//!   rounded once); the backward follows torch's autograd through that
+//!   graph: `g = round(dy·s)`, `dw = Σ dy·h`, the rest in f32;
+//! - `Gemma`: everything in f32, `y` rounded once; `g` and `dw` unrounded.
+//!
+//! Fused add: `sum = round(x + residual)`, `y = rmsnorm(sum)`; backward
+//! `ds = round(dsum + dx_norm)`, the gradient of both `x` and `residual`.
+//!
+//! LayerNorm, `x̂ = (x − μ)·r`, `r = 1/sqrt(var + eps)` (biased variance):
+//! - forward `y = x̂·w + b`, `μ` and `r` saved per row;
+//! - backward `g = dy·w`, `dx = r·(g − mean(g) − x̂·mean(g·x̂))`,
+//!   `dw = Σ dy·x̂`, `db = Σ dy`.
+//!
+//! Rows are split over the pool in chunks whose size depends on the shape
+//! only ([`row_chunk`]); each chunk sums its weight gradient into its own
+//! f32 partial and the partials are added in chunk order, so `dw` and
+//! `db` do not depend on the thread count. Rows stay in L1 between the
+//! passes over them (a 4096-wide bf16 row is 8 KiB), so each element is
+//! read from memory once.
+//!
+//! Measured (`cargo bench --bench train_rows`, 4096×4096, 2 threads of a
+//! shared Zen 4 VM whose read probe gave 21–29 GB/s around the run; bytes
+//! read + written): f32 forward 29–32 GB/s, backward 22–25 (LayerNorm
+//! 16); bf16 forward 23–33, backward 15–18 (LayerNorm 14). The bf16
+//! backward is bound by the conversions (7 GB/s per thread of CPU time).
+
+use crate::cpu::{self, SimdTier};
+use crate::error::{check_len, checked_mul};
+use crate::pool::{self, DisjointSlice, ThreadPool};
+use crate::train::Elem;
+use crate::vecops::{Fma, Plain};
+use crate::KernelError;
+
+/// Where RMSNorm rounds to the input type (no effect on f32).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RmsCasting {
+    /// Hugging Face Llama: x·rstd computed in f32, rounded to the input type, then times the weight (product rounded).
+    Llama,
+    /// Gemma: everything in f32 ((offset + w) included), the result rounded once.
+    Gemma,
+}
+
+/// Options of the RMSNorm kernels.
+#[derive(Clone, Copy, Debug)]
+pub struct RmsNormArgs {
+    /// Values per row (the weight's length).
+    pub cols: usize,
+    pub eps: f32,
+    /// Added to the weight: 1.0 for Gemma's `(1 + w)`, else 0.
+    pub offset: f32,
+    pub casting: RmsCasting,
+}
+
+/// Rows per chunk of work: at most [`MAX_CHUNKS`] chunks, and at least
+/// [`MIN_CHUNK_ELEMS`] values each so that a small call runs as one chunk,
+/// serially. Depends on the shape only, never on the thread count, so the
+/// weight gradients' partial sums are the same on any pool.
+pub(crate) fn row_chunk(rows: usize, cols: usize) -> usize {
+    rows.div_ceil(MAX_CHUNKS)
+        .max(MIN_CHUNK_ELEMS.div_ceil(cols.max(1)))
+        .max(1)
+}
+
+/// Enough chunks to balance 2–16 threads; 64 partial rows of 4096 f32
+/// weight gradients are 1 MiB, 3% of a 4096×4096 bf16 backward's traffic.
+const MAX_CHUNKS: usize = 64;
+/// 16 Ki values (32–64 KiB) per chunk: below that a pool hand-out (~1 µs)
+/// is a sizeable part of the work.
+const MIN_CHUNK_ELEMS: usize = 16 * 1024;
+
+/// The reductions of the row kernels, per tier. Plain loops over an f32
+/// sum and a bf16 row vectorized 2 lanes wide with the accumulators
+/// spilled (LayerNorm forward and RMSNorm backward in bf16 ran at 4–5 GB/s
+/// on 2 threads), so the AVX2 tier loads 8 lanes at a time with
+/// [`Lanes::load8`](crate::lanes::Lanes::load8) into four accumulators.
+/// Each sum is in a fixed order for a given length.
+pub(crate) trait Kern {
+    type F: Fma;
+    /// `Σ a·b`.
+    ///
+    /// # Safety
+    /// The CPU supports the tier this type stands for.
+    unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32;
+    /// `Σ a·(b − m)`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn dot_dev<A: Elem, B: Elem>(a: &[A], b: &[B], m: f32) -> f32;
+    /// `Σ a`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn sum<E: Elem>(a: &[E]) -> f32;
+    /// `Σ (a − m)²`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32;
+    /// RMSNorm backward's first pass: `g = dy·(off + w)` (rounded to `E`
+    /// when `ROUND`) written to `g`; returns `Σ g·x`.
+    ///
+    /// # Safety
+    /// As [`Kern::dot`].
+    unsafe fn g_dot<E: Elem, const ROUND: bool>(
+        dy: &[E],
+        w: &[E],
+        off: f32,
+        x: &[E],
+        g: &mut [f32],
+    ) -> f32;
+}
+
+/// Portable loops.
+pub(crate) struct Scalar;
+
+impl Kern for Scalar {
+    type F = Plain;
+    unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut ia = a.chunks_exact(8);
+        let mut ib = b.chunks_exact(8);
+        for (ca, cb) in (&mut ia).zip(&mut ib) {
+            for k in 0..8 {
+                acc[k] += ca[k].to_f32() * cb[k].to_f32();
+            }
+        }
+        let mut s = hsum8(acc);
+        for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
+            s += x.to_f32() * y.to_f32();
+        }
+        s
+    }
+
+    unsafe fn dot_dev<A: Elem, B: Elem>(a: &[A], b: &[B], m: f32) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut ia = a.chunks_exact(8);
+        let mut ib = b.chunks_exact(8);
+        for (ca, cb) in (&mut ia).zip(&mut ib) {
+            for k in 0..8 {
+                acc[k] += ca[k].to_f32() * (cb[k].to_f32() - m);
+            }
+        }
+        let mut s = hsum8(acc);
+        for (x, y) in ia.remainder().iter().zip(ib.remainder()) {
+            s += x.to_f32() * (y.to_f32() - m);
+        }
+        s
+    }
+
+    unsafe fn sum<E: Elem>(a: &[E]) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut it = a.chunks_exact(8);
+        for c in &mut it {
+            for k in 0..8 {
+                acc[k] += c[k].to_f32();
+            }
+        }
+        let mut s = hsum8(acc);
+        for x in it.remainder() {
+            s += x.to_f32();
+        }
+        s
+    }
+
+    unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32 {
+        let mut acc = [0f32; 8];
+        let mut it = a.chunks_exact(8);
+        for c in &mut it {
+            for k in 0..8 {
+                let d = c[k].to_f32() - m;
+                acc[k] += d * d;
+            }
+        }
+        let mut s = hsum8(acc);
+        for x in it.remainder() {
+            let d = x.to_f32() - m;
+            s += d * d;
+        }
+        s
+    }
+
+    unsafe fn g_dot<E: Elem, const ROUND: bool>(
+        dy: &[E],
+        w: &[E],
+        off: f32,
+        x: &[E],
+        g: &mut [f32],
+    ) -> f32 {
+        for ((gv, d), wv) in g.iter_mut().zip(dy).zip(w) {
+            let p = d.to_f32() * (off + wv.to_f32());
+            *gv = if ROUND { round::<E>(p) } else { p };
+        }
+        // SAFETY: the scalar tier runs anywhere.
+        unsafe { Self::dot(&*g, x) }
+    }
+}
+
+fn hsum8(a: [f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+}
+
+/// AVX2 + FMA + F16C (also the AVX-512 tier's reductions: these loops
+/// are load-bound).
+#[cfg(target_arch = "x86_64")]
+pub(crate) struct Avx;
+
+#[cfg(target_arch = "x86_64")]
+mod avx_red {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        // SAFETY: AVX (caller's contract); `a` holds eight floats.
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        hsum8(a)
+    }
+
+    /// Each lane rounded to bf16 and widened back: [`store`] then
+    /// `to_f32`, 8 lanes at a time (NaN quieted, as half does).
+    #[inline(always)]
+    pub(super) unsafe fn round_bf16(v: __m256) -> __m256 {
+        // SAFETY: AVX2 (caller's contract); register operations only.
+        unsafe {
+            let x = _mm256_castps_si256(v);
+            let hi = _mm256_set1_epi32(0xffff_0000u32 as i32);
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let r = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
+            let r = _mm256_and_si256(r, hi);
+            let q = _mm256_and_si256(_mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000)), hi);
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v);
+            _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan)
+        }
+    }
+
+    /// One 8-lane step of [`Kern::g_dot`]: `g = dy·(off + w)` at `j`
+    /// (rounded when `ROUND`), stored, and `acc + g·x`. A plain function
+    /// (inlined always): the same code in a closure was not inlined under
+    /// the Llama rounding and ran its intrinsics as calls, 15× slower.
+    #[inline(always)]
+    pub(super) unsafe fn g_step<E: Elem, const ROUND: bool>(
+        (dy, w, x, g): (*const E, *const E, *const E, *mut f32),
+        offv: __m256,
+        j: usize,
+        acc: __m256,
+    ) -> __m256 {
+        // SAFETY: AVX2/FMA/F16C and 8 values at `j` in each (caller's contract).
+        unsafe {
+            let mut gv =
+                _mm256_mul_ps(E::load8(dy.add(j)), _mm256_add_ps(offv, E::load8(w.add(j))));
+            if ROUND && !E::F32 {
+                gv = round_bf16(gv);
+            }
+            _mm256_storeu_ps(g.add(j), gv);
+            _mm256_fmadd_ps(gv, E::load8(x.add(j)), acc)
+        }
+    }
+
+    /// `Σ f(a_j, b_j)` with `f` one FMA step on 8 lanes, four chains.
+    #[inline(always)]
+    pub(super) unsafe fn reduce2<A: Elem, B: Elem>(
+        a: &[A],
+        b: &[B],
+        step: impl Fn(__m256, __m256, __m256) -> __m256,
+        tail: impl Fn(f32, f32) -> f32,
+    ) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        // SAFETY: AVX2/FMA/F16C by the caller's contract; every load reads
+        // 8 values at j + k·8 + 8 <= n.
+        unsafe {
+            let mut s = [_mm256_setzero_ps(); 4];
+            let mut j = 0;
+            while j + 32 <= n {
+                for (k, acc) in s.iter_mut().enumerate() {
+                    let o = j + 8 * k;
+                    *acc = step(A::load8(pa.add(o)), B::load8(pb.add(o)), *acc);
+                }
+                j += 32;
+            }
+            while j + 8 <= n {
+                s[0] = step(A::load8(pa.add(j)), B::load8(pb.add(j)), s[0]);
+                j += 8;
+            }
+            let mut t = hsum(_mm256_add_ps(
+                _mm256_add_ps(s[0], s[1]),
+                _mm256_add_ps(s[2], s[3]),
+            ));
+            for k in j..n {
+                t += tail(a[k].to_f32(), b[k].to_f32());
+            }
+            t
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+impl Kern for Avx {
+    type F = crate::vecops::Fused;
+
+    #[inline(always)]
+    unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2, FMA, F16C).
+        unsafe { avx_red::reduce2(a, b, |x, y, s| _mm256_fmadd_ps(x, y, s), |x, y| x * y) }
+    }
+
+    #[inline(always)]
+    unsafe fn dot_dev<A: Elem, B: Elem>(a: &[A], b: &[B], m: f32) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX2, FMA, F16C).
+        unsafe {
+            let mv = _mm256_set1_ps(m);
+            avx_red::reduce2(
+                a,
+                b,
+                |x, y, s| _mm256_fmadd_ps(x, _mm256_sub_ps(y, mv), s),
+                |x, y| x * (y - m),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn sum<E: Elem>(a: &[E]) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; `a` is read twice as the second
+        // operand and ignored.
+        unsafe { avx_red::reduce2(a, a, |x, _, s| _mm256_add_ps(x, s), |x, _| x) }
+    }
+
+    #[inline(always)]
+    unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32 {
+        use std::arch::x86_64::*;
+        // SAFETY: as in `sum`.
+        unsafe {
+            let mv = _mm256_set1_ps(m);
+            avx_red::reduce2(
+                a,
+                a,
+                |x, _, s| {
+                    let d = _mm256_sub_ps(x, mv);
+                    _mm256_fmadd_ps(d, d, s)
+                },
+                |x, _| (x - m) * (x - m),
+            )
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn g_dot<E: Elem, const ROUND: bool>(
+        dy: &[E],
+        w: &[E],
+        off: f32,
+        x: &[E],
+        g: &mut [f32],
+    ) -> f32 {
+        use std::arch::x86_64::*;
+        let n = g.len().min(dy.len()).min(w.len()).min(x.len());
+        // SAFETY: AVX2/FMA/F16C by the caller's contract; every load and
+        // store covers 8 values at j + 8 <= n.
+        unsafe {
+            let offv = _mm256_set1_ps(off);
+            let (pd, pw, px, pg) = (dy.as_ptr(), w.as_ptr(), x.as_ptr(), g.as_mut_ptr());
+            let step =
+                |j: usize, acc: __m256| avx_red::g_step::<E, ROUND>((pd, pw, px, pg), offv, j, acc);
+            // Two chains in registers (an indexed array of them lived on
+            // the stack: 12% of the backward's time).
+            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+            let mut j = 0;
+            while j + 16 <= n {
+                a0 = step(j, a0);
+                a1 = step(j + 8, a1);
+                j += 16;
+            }
+            if j + 8 <= n {
+                a0 = step(j, a0);
+                j += 8;
+            }
+            let acc = [a0, a1];
+            let mut a = [0f32; 8];
+            _mm256_storeu_ps(a.as_mut_ptr(), _mm256_add_ps(acc[0], acc[1]));
+            let mut t = hsum8(a);
+            for k in j..n {
+                let p = dy[k].to_f32() * (off + w[k].to_f32());
+                g[k] = if ROUND { round::<E>(p) } else { p };
+                t += g[k] * x[k].to_f32();
+            }
+            t
+        }
+    }
+}
+
+/// `v` rounded to `E` and back (identity for f32).
+#[inline(always)]
+fn round<E: Elem>(v: f32) -> f32 {
+    store::<E>(v).to_f32()
+}
+
+/// `E::from_f32(v)`, bit for bit, in a form the compiler vectorizes: half's
+/// bf16 rounding returns early for NaN, which kept every loop storing bf16
+/// scalar (RMSNorm forward ran at 8 GB/s on 2 threads instead of 25).
+#[inline(always)]
+pub(crate) fn store<E: Elem>(v: f32) -> E {
+    use std::any::TypeId;
+    if TypeId::of::<E>() == TypeId::of::<half::bf16>() {
+        let h = half::bf16::from_bits(bf16_bits(v));
+        // SAFETY: E is bf16 (same TypeId), so this copies a bf16 into a bf16.
+        unsafe { std::mem::transmute_copy::<half::bf16, E>(&h) }
+    } else {
+        E::from_f32(v)
+    }
+}
+
+/// Round to nearest even to bf16, NaN quieted (half's `f32_to_bf16`),
+/// without branches: `x + 0x7fff + lsb` carries into bit 16 exactly when
+/// the dropped half is above the tie, or at it with the kept lsb odd.
+#[inline(always)]
+fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+/// Forward of a chunk of rows: `rstd.len()` rows. With `res`, `sum` is
+/// written first (`x + res` rounded) and normalized.
+#[inline(always)]
+fn rms_fwd_rows<E: Elem, K: Kern>(
+    a: &RmsNormArgs,
+    (x, res): (&[E], Option<&[E]>),
+    w: &[E],
+    (y, mut sum): (&mut [E], Option<&mut [E]>),
+    rstd: &mut [f32],
+) {
+    let n = a.cols;
+    for (i, r_out) in rstd.iter_mut().enumerate() {
+        let xr = &x[i * n..][..n];
+        let yr = &mut y[i * n..][..n];
+        let src: &[E] = match (res, sum.as_deref_mut()) {
+            (Some(res), Some(sum)) => {
+                let sr = &mut sum[i * n..][..n];
+                for ((s, u), v) in sr.iter_mut().zip(xr).zip(&res[i * n..][..n]) {
+                    *s = store::<E>(u.to_f32() + v.to_f32());
+                }
+                sr
+            }
+            _ => xr,
+        };
+        // SAFETY (every `K::` call below): bodies run with `K` only inside
+        // the tier's wrapper, entered after `cpu::clamp` checked the CPU.
+        let r = 1.0 / (unsafe { K::dot(src, src) } / n as f32 + a.eps).sqrt();
+        *r_out = r;
+        let off = a.offset;
+        match a.casting {
+            RmsCasting::Llama => {
+                for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
+                    let h = round::<E>(v.to_f32() * r);
+                    *o = store::<E>(h * (off + wv.to_f32()));
+                }
+            }
+            RmsCasting::Gemma => {
+                for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
+                    *o = store::<E>(v.to_f32() * r * (off + wv.to_f32()));
+                }
+            }
+        }
+    }
+}
+
+/// Backward of a chunk of rows; `dw` (cols) accumulates this chunk's
+/// weight gradient, `g` is scratch of `cols`.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn rms_bwd_rows<E: Elem, K: Kern>(
+    a: &RmsNormArgs,
+    (dy, dsum): (&[E], Option<&[E]>),
+    x: &[E],
+    w: &[E],
+    rstd: &[f32],
+    dx: &mut [E],
+    dw: &mut [f32],
+    g: &mut [f32],
+) {
+    let n = a.cols;
+    let llama = a.casting == RmsCasting::Llama;
+    for (i, &r) in rstd.iter().enumerate() {
+        let dyr = &dy[i * n..][..n];
+        let xr = &x[i * n..][..n];
+        let dxr = &mut dx[i * n..][..n];
+        // g = dy·(offset + w), torch's bf16 product under Llama casting.
+        // SAFETY: as in `rms_fwd_rows`.
+        let sgx = unsafe {
+            match llama {
+                true => K::g_dot::<E, true>(dyr, w, a.offset, xr, g),
+                false => K::g_dot::<E, false>(dyr, w, a.offset, xr, g),
+            }
+        };
+        let c = r * r * r * sgx / n as f32;
+        let rows = (dyr, xr, &*g);
+        let dsr = dsum.map(|d| &d[i * n..][..n]);
+        match (llama, dsr) {
+            (true, Some(d)) => rms_dx_dw::<E, K, true, true>(rows, d, (r, c), dxr, dw),
+            (true, None) => rms_dx_dw::<E, K, true, false>(rows, dyr, (r, c), dxr, dw),
+            (false, Some(d)) => rms_dx_dw::<E, K, false, true>(rows, d, (r, c), dxr, dw),
+            (false, None) => rms_dx_dw::<E, K, false, false>(rows, dyr, (r, c), dxr, dw),
+        }
+    }
+}
+
+/// RMSNorm backward's second pass over a row, one loop: `dx = r·g − c·x
+/// (+ dsum)` and `dw += dy·h`, `h = x·r` (rounded to `E` under Llama
+/// casting, as torch's saved bf16 `h`). Each is a compile-time variant.
+#[inline(always)]
+fn rms_dx_dw<E: Elem, K: Kern, const LLAMA: bool, const DSUM: bool>(
+    (dy, x, g): (&[E], &[E], &[f32]),
+    dsum: &[E],
+    (r, c): (f32, f32),
+    dx: &mut [E],
+    dw: &mut [f32],
+) {
+    let n = dx.len();
+    let (dy, x, g, dsum, dw) = (&dy[..n], &x[..n], &g[..n], &dsum[..n], &mut dw[..n]);
+    for j in 0..n {
+        let v = x[j].to_f32();
+        let mut d = K::F::fma(r, g[j], -c * v);
+        if DSUM {
+            d += dsum[j].to_f32();
+        }
+        dx[j] = store::<E>(d);
+        let h = if LLAMA { round::<E>(v * r) } else { v * r };
+        dw[j] = K::F::fma(dy[j].to_f32(), h, dw[j]);
+    }
+}
+
+// ---------------------------------------------------------------- LayerNorm
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn ln_fwd_rows<E: Elem, K: Kern>(
+    x: &[E],
+    w: &[E],
+    b: &[E],
+    n: usize,
+    eps: f32,
+    y: &mut [E],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) {
+    for (i, (m_out, r_out)) in mean.iter_mut().zip(rstd.iter_mut()).enumerate() {
+        let xr = &x[i * n..][..n];
+        // SAFETY: as in `rms_fwd_rows`. Two passes (mean, then squared
+        // deviations from it) as torch: the row is in L1 for the second.
+        let m = unsafe { K::sum(xr) } / n as f32;
+        let r = 1.0 / (unsafe { K::sq_dev(xr, m) } / n as f32 + eps).sqrt();
+        (*m_out, *r_out) = (m, r);
+        for ((o, v), (wv, bv)) in y[i * n..][..n].iter_mut().zip(xr).zip(w.iter().zip(b)) {
+            *o = store::<E>(K::F::fma((v.to_f32() - m) * r, wv.to_f32(), bv.to_f32()));
+        }
+    }
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn ln_bwd_rows<E: Elem, K: Kern>(
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    (mean, rstd): (&[f32], &[f32]),
+    n: usize,
+    dx: &mut [E],
+    (dw, db): (&mut [f32], &mut [f32]),
+    g: &mut [f32],
+) {
+    for (i, (&m, &r)) in mean.iter().zip(rstd).enumerate() {
+        let dyr = &dy[i * n..][..n];
+        let xr = &x[i * n..][..n];
+        // g = dy·w (kept), then Σ g and Σ g·x̂ = r·Σ g·(x − μ).
+        for ((gv, d), wv) in g.iter_mut().zip(dyr).zip(w) {
+            *gv = d.to_f32() * wv.to_f32();
+        }
+        // SAFETY: as in `rms_fwd_rows`.
+        let (tg, tgx) = unsafe { (K::sum(&*g), r * K::dot_dev(&*g, xr, m)) };
+        let (mg, mgx) = (tg / n as f32, tgx / n as f32);
+        // dx, dw and db in one loop (two loops: LayerNorm backward ran at
+        // 52% of the bandwidth in f32).
+        let (dxr, gr) = (&mut dx[i * n..][..n], &g[..n]);
+        let (dyr, xr, dw, db) = (&dyr[..n], &xr[..n], &mut dw[..n], &mut db[..n]);
+        for j in 0..n {
+            let xh = (xr[j].to_f32() - m) * r;
+            dxr[j] = store::<E>(r * (gr[j] - mg - xh * mgx));
+            let d = dyr[j].to_f32();
+            dw[j] = K::F::fma(d, xh, dw[j]);
+            db[j] += d;
+        }
+    }
+}
+
+// ------------------------------------------------------- tiers per chunk
+
+/// The row kernels compiled for one tier: the same generic bodies, with
+/// the tier's features enabled so the compiler vectorizes them 8 (AVX2) or
+/// 16 (AVX-512) lanes wide.
+macro_rules! tier_kernels {
+    ($name:ident, $features:literal) => {
+        #[cfg(target_arch = "x86_64")]
+        mod $name {
+            use super::*;
+
+            #[target_feature(enable = $features)]
+            pub(super) fn rms_fwd<E: Elem>(
+                a: &RmsNormArgs,
+                x: (&[E], Option<&[E]>),
+                w: &[E],
+                y: (&mut [E], Option<&mut [E]>),
+                rstd: &mut [f32],
+            ) {
+                rms_fwd_rows::<E, Avx>(a, x, w, y, rstd)
+            }
+
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn rms_bwd<E: Elem>(
+                a: &RmsNormArgs,
+                dy: (&[E], Option<&[E]>),
+                x: &[E],
+                w: &[E],
+                rstd: &[f32],
+                dx: &mut [E],
+                dw: &mut [f32],
+                g: &mut [f32],
+            ) {
+                rms_bwd_rows::<E, Avx>(a, dy, x, w, rstd, dx, dw, g)
+            }
+
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn ln_fwd<E: Elem>(
+                x: &[E],
+                w: &[E],
+                b: &[E],
+                n: usize,
+                eps: f32,
+                y: &mut [E],
+                mean: &mut [f32],
+                rstd: &mut [f32],
+            ) {
+                ln_fwd_rows::<E, Avx>(x, w, b, n, eps, y, mean, rstd)
+            }
+
+            #[target_feature(enable = $features)]
+            #[allow(clippy::too_many_arguments)]
+            pub(super) fn ln_bwd<E: Elem>(
+                dy: &[E],
+                x: &[E],
+                w: &[E],
+                ms: (&[f32], &[f32]),
+                n: usize,
+                dx: &mut [E],
+                dwb: (&mut [f32], &mut [f32]),
+                g: &mut [f32],
+            ) {
+                ln_bwd_rows::<E, Avx>(dy, x, w, ms, n, dx, dwb, g)
+            }
+
+            #[target_feature(enable = $features)]
+            pub(super) fn add_partials(
+                parts: &[f32],
+                stride: usize,
+                cols: std::ops::Range<usize>,
+                out: &mut [f32],
+            ) {
+                super::add_partials_body(parts, stride, cols, out)
+            }
+        }
+    };
+}
+tier_kernels!(avx2, "avx2,fma,f16c");
+tier_kernels!(avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
+
+/// `out[j − lo] = Σ_c parts[c·stride + j]` over `j` in `cols`, chunks in order.
+#[inline(always)]
+fn add_partials_body(parts: &[f32], stride: usize, cols: std::ops::Range<usize>, out: &mut [f32]) {
+    out.fill(0.0);
+    for p in parts.chunks_exact(stride) {
+        for (o, v) in out.iter_mut().zip(&p[cols.clone()]) {
+            *o += v;
+        }
+    }
+}
+
+/// Sums `parts` (`chunks × cols`) over the chunks, in chunk order, into
+/// `out`, the columns split over the pool.
+fn add_partials(pool: &ThreadPool, tier: SimdTier, parts: &[f32], cols: usize, out: &mut [f32]) {
+    let col_chunk = if parts.len() <= MIN_CHUNK_ELEMS {
+        cols.max(1)
+    } else {
+        1024
+    };
+    let out_s = DisjointSlice::new(out);
+    pool.run(cols.div_ceil(col_chunk), &|t| {
+        let r = t * col_chunk..((t + 1) * col_chunk).min(cols);
+        // SAFETY: tasks own disjoint column ranges.
+        let o = unsafe { out_s.range(r.clone()) };
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
+            SimdTier::Avx2 => unsafe { avx2::add_partials(parts, cols, r, o) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::add_partials(parts, cols, r, o) },
+            _ => add_partials_body(parts, cols, r, o),
+        }
+    });
+}
+
+// ---------------------------------------------------------------- checks
+
+fn check_rows(op: &'static str, x_len: usize, cols: usize, eps: f32) -> Result<usize, KernelError> {
+    if cols == 0 {
+        return Err(KernelError::InvalidShape {
+            op,
+            why: "cols must be at least 1".into(),
+        });
+    }
+    if !(eps.is_finite() && eps >= 0.0) {
+        return Err(KernelError::InvalidShape {
+            op,
+            why: format!("eps must be finite and >= 0, got {eps}"),
+        });
+    }
+    if !x_len.is_multiple_of(cols) {
+        return Err(KernelError::InvalidShape {
+            op,
+            why: format!("{x_len} values are not whole rows of {cols}"),
+        });
+    }
+    Ok(x_len / cols)
+}
+
+fn check_offset(op: &'static str, a: &RmsNormArgs) -> Result<(), KernelError> {
+    if a.offset.is_finite() {
+        Ok(())
+    } else {
+        Err(KernelError::InvalidShape {
+            op,
+            why: format!("offset must be finite, got {}", a.offset),
+        })
+    }
+}
+
+// ------------------------------------------------------------- public API
+
+/// y = x·rstd·(offset + w) per row of `cols`; rstd[row] = 1/sqrt(mean(x²) + eps) saved for backward.
+pub fn rms_norm_fwd<E: Elem>(
+    x: &[E],
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    rms_fwd_in(pool::global(), cpu::tier(), x, None, w, a, y, None, rstd)
+}
+
+/// [`rms_norm_fwd`] on a given tier (lowered to one the CPU supports).
+pub fn rms_norm_fwd_with<E: Elem>(
+    tier: SimdTier,
+    x: &[E],
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    rms_fwd_in(pool::global(), tier, x, None, w, a, y, None, rstd)
+}
+
+/// Fused residual add + RMSNorm: s = x + residual (rounded to E, returned as `sum`), y = rmsnorm(s).
+pub fn add_rms_norm_fwd<E: Elem>(
+    x: &[E],
+    residual: &[E],
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    sum: &mut [E],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    add_rms_norm_fwd_with(cpu::tier(), x, residual, w, a, y, sum, rstd)
+}
+
+/// [`add_rms_norm_fwd`] on a given tier.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_fwd_with<E: Elem>(
+    tier: SimdTier,
+    x: &[E],
+    residual: &[E],
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    sum: &mut [E],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("add_rms_norm residual", x.len(), residual.len())?;
+    rms_fwd_in(
+        pool::global(),
+        tier,
+        x,
+        Some(residual),
+        w,
+        a,
+        y,
+        Some(sum),
+        rstd,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rms_fwd_in<E: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    x: &[E],
+    res: Option<&[E]>,
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    sum: Option<&mut [E]>,
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rms_norm_fwd";
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, &a)?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm y", x.len(), y.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    if let Some(s) = &sum {
+        check_len("add_rms_norm sum", x.len(), s.len())?;
+    }
+    let tier = cpu::clamp(tier);
+    let n = a.cols;
+    let cr = row_chunk(rows, n);
+    let y_s = DisjointSlice::new(y);
+    let r_s = DisjointSlice::new(rstd);
+    let s_s = sum.map(DisjointSlice::new);
+    pool.run(rows.div_ceil(cr), &|c| {
+        let rr = c * cr..((c + 1) * cr).min(rows);
+        let er = rr.start * n..rr.end * n;
+        let xs = (&x[er.clone()], res.map(|r| &r[er.clone()]));
+        // SAFETY: chunk `c` owns rows `rr` (elements `er`) of every output.
+        let (yc, rc, sc) = unsafe {
+            (
+                y_s.range(er.clone()),
+                r_s.range(rr.clone()),
+                s_s.as_ref().map(|s| s.range(er.clone())),
+            )
+        };
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
+            SimdTier::Avx2 => unsafe { avx2::rms_fwd(&a, xs, w, (yc, sc), rc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::rms_fwd(&a, xs, w, (yc, sc), rc) },
+            _ => rms_fwd_rows::<E, Scalar>(&a, xs, w, (yc, sc), rc),
+        }
+    });
+    Ok(())
+}
+
+/// dx (rows×cols) and dw (cols, f32, overwritten with the sum over rows).
+pub fn rms_norm_bwd<E: Elem>(
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    dx: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    rms_bwd_in(pool::global(), cpu::tier(), dy, None, x, w, rstd, a, dx, dw)
+}
+
+/// [`rms_norm_bwd`] on a given tier.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_bwd_with<E: Elem>(
+    tier: SimdTier,
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    dx: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    rms_bwd_in(pool::global(), tier, dy, None, x, w, rstd, a, dx, dw)
+}
+
+/// Backward given dy and dsum (the gradient flowing into `sum` from elsewhere): ds = dsum + d(rmsnorm)/ds; ds is the gradient of both x and residual (written once into `ds`).
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bwd<E: Elem>(
+    dy: &[E],
+    dsum: &[E],
+    sum: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    ds: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    add_rms_norm_bwd_with(cpu::tier(), dy, dsum, sum, w, rstd, a, ds, dw)
+}
+
+/// [`add_rms_norm_bwd`] on a given tier.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bwd_with<E: Elem>(
+    tier: SimdTier,
+    dy: &[E],
+    dsum: &[E],
+    sum: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    ds: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("add_rms_norm dsum", sum.len(), dsum.len())?;
+    rms_bwd_in(
+        pool::global(),
+        tier,
+        dy,
+        Some(dsum),
+        sum,
+        w,
+        rstd,
+        a,
+        ds,
+        dw,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn rms_bwd_in<E: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    dy: &[E],
+    dsum: Option<&[E]>,
+    x: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    dx: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rms_norm_bwd";
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, &a)?;
+    check_len("rms_norm dy", x.len(), dy.len())?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    check_len("rms_norm dx", x.len(), dx.len())?;
+    check_len("rms_norm dw", a.cols, dw.len())?;
+    let tier = cpu::clamp(tier);
+    let n = a.cols;
+    let cr = row_chunk(rows, n);
+    let chunks = rows.div_ceil(cr);
+    if chunks == 0 {
+        dw.fill(0.0);
+        return Ok(());
+    }
+    let mut parts = vec![0f32; checked_mul(op, chunks, n)?];
+    let p_s = DisjointSlice::new(&mut parts);
+    let dx_s = DisjointSlice::new(dx);
+    pool.run(chunks, &|c| {
+        let rr = c * cr..((c + 1) * cr).min(rows);
+        let er = rr.start * n..rr.end * n;
+        let dys = (&dy[er.clone()], dsum.map(|d| &d[er.clone()]));
+        let mut g = vec![0f32; n];
+        // SAFETY: chunk `c` owns rows `rr` of dx and partial row `c`.
+        let (dxc, pc) = unsafe { (dx_s.range(er.clone()), p_s.range(c * n..(c + 1) * n)) };
+        let (xc, rc) = (&x[er], &rstd[rr]);
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
+            SimdTier::Avx2 => unsafe { avx2::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
+            _ => rms_bwd_rows::<E, Scalar>(&a, dys, xc, w, rc, dxc, pc, &mut g),
+        }
+    });
+    add_partials(pool, tier, &parts, n, dw);
+    Ok(())
+}
+
+/// LayerNorm with weight and bias; mean and rstd saved per row.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_fwd<E: Elem>(
+    x: &[E],
+    w: &[E],
+    b: &[E],
+    cols: usize,
+    eps: f32,
+    y: &mut [E],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    layer_norm_fwd_with(cpu::tier(), x, w, b, cols, eps, y, mean, rstd)
+}
+
+/// [`layer_norm_fwd`] on a given tier.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_fwd_with<E: Elem>(
+    tier: SimdTier,
+    x: &[E],
+    w: &[E],
+    b: &[E],
+    cols: usize,
+    eps: f32,
+    y: &mut [E],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    let rows = check_rows("layer_norm_fwd", x.len(), cols, eps)?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm bias", cols, b.len())?;
+    check_len("layer_norm y", x.len(), y.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    let tier = cpu::clamp(tier);
+    let cr = row_chunk(rows, cols);
+    let y_s = DisjointSlice::new(y);
+    let m_s = DisjointSlice::new(mean);
+    let r_s = DisjointSlice::new(rstd);
+    pool::global().run(rows.div_ceil(cr), &|c| {
+        let rr = c * cr..((c + 1) * cr).min(rows);
+        let er = rr.start * cols..rr.end * cols;
+        // SAFETY: chunk `c` owns rows `rr` of every output.
+        let (yc, mc, rc) = unsafe {
+            (
+                y_s.range(er.clone()),
+                m_s.range(rr.clone()),
+                r_s.range(rr.clone()),
+            )
+        };
+        let xc = &x[er];
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
+            SimdTier::Avx2 => unsafe { avx2::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
+            _ => ln_fwd_rows::<E, Scalar>(xc, w, b, cols, eps, yc, mc, rc),
+        }
+    });
+    Ok(())
+}
+
+/// dx (rows×cols), dw and db (cols, f32, overwritten with the sums over rows).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_bwd<E: Elem>(
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    mean: &[f32],
+    rstd: &[f32],
+    cols: usize,
+    dx: &mut [E],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
+    ln_bwd_in(
+        pool::global(),
+        cpu::tier(),
+        dy,
+        x,
+        w,
+        (mean, rstd),
+        cols,
+        dx,
+        dw,
+        db,
+    )
+}
+
+/// [`layer_norm_bwd`] on a given tier.
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_bwd_with<E: Elem>(
+    tier: SimdTier,
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    mean: &[f32],
+    rstd: &[f32],
+    cols: usize,
+    dx: &mut [E],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
+    ln_bwd_in(
+        pool::global(),
+        tier,
+        dy,
+        x,
+        w,
+        (mean, rstd),
+        cols,
+        dx,
+        dw,
+        db,
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ln_bwd_in<E: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    (mean, rstd): (&[f32], &[f32]),
+    cols: usize,
+    dx: &mut [E],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "layer_norm_bwd";
+    let rows = check_rows(op, x.len(), cols, 0.0)?;
+    check_len("layer_norm dy", x.len(), dy.len())?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    check_len("layer_norm dx", x.len(), dx.len())?;
+    check_len("layer_norm dw", cols, dw.len())?;
+    check_len("layer_norm db", cols, db.len())?;
+    let tier = cpu::clamp(tier);
+    let n = cols;
+    let cr = row_chunk(rows, n);
+    let chunks = rows.div_ceil(cr);
+    if chunks == 0 {
+        dw.fill(0.0);
+        db.fill(0.0);
+        return Ok(());
+    }
+    // Partial rows: dw for chunk c at 2c, db at 2c + 1.
+    let mut parts = vec![0f32; checked_mul(op, 2 * chunks, n)?];
+    let p_s = DisjointSlice::new(&mut parts);
+    let dx_s = DisjointSlice::new(dx);
+    pool.run(chunks, &|c| {
+        let rr = c * cr..((c + 1) * cr).min(rows);
+        let er = rr.start * n..rr.end * n;
+        let mut g = vec![0f32; n];
+        // SAFETY: chunk `c` owns rows `rr` of dx and partial rows 2c, 2c+1.
+        let (dxc, pw, pb) = unsafe {
+            (
+                dx_s.range(er.clone()),
+                p_s.range(2 * c * n..(2 * c + 1) * n),
+                p_s.range((2 * c + 1) * n..(2 * c + 2) * n),
+            )
+        };
+        let (dyc, xc, ms) = (&dy[er.clone()], &x[er], (&mean[rr.clone()], &rstd[rr]));
+        match tier {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
+            SimdTier::Avx2 => unsafe { avx2::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
+            SimdTier::Avx512 => unsafe { avx512::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
+            _ => ln_bwd_rows::<E, Scalar>(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g),
+        }
+    });
+    // Sum the dw rows (even) and db rows (odd) in chunk order: viewed with
+    // stride 2n, column j < n is dw and n + j is db.
+    let mut both = vec![0f32; 2 * n];
+    add_partials(pool, tier, &parts, 2 * n, &mut both);
+    dw.copy_from_slice(&both[..n]);
+    db.copy_from_slice(&both[n..]);
+    Ok(())
+}
+
+// ------------------------------------------------------------ references
+
+/// Rounding of an f64 to `E` (through f32) and back, for the references.
+fn round_ref<E: Elem>(v: f64) -> f64 {
+    E::from_f32(v as f32).to_f32() as f64
+}
+
+fn widen<E: Elem>(v: &[E]) -> Vec<f64> {
+    v.iter().map(|x| x.to_f32() as f64).collect()
+}
+
+/// One RMSNorm row in f64; returns rstd. `rnd` rounds to the input type
+/// where Llama casting does (the identity for the gradient check).
+pub(crate) fn rms_row_f64(
+    x: &[f64],
+    w: &[f64],
+    a: &RmsNormArgs,
+    rnd: &dyn Fn(f64) -> f64,
+    y: &mut [f64],
+) -> f64 {
+    let n = x.len() as f64;
+    let r = 1.0 / (x.iter().map(|v| v * v).sum::<f64>() / n + a.eps as f64).sqrt();
+    let off = a.offset as f64;
+    for ((o, v), wv) in y.iter_mut().zip(x).zip(w) {
+        *o = match a.casting {
+            RmsCasting::Llama => rnd(v * r) * (off + wv),
+            RmsCasting::Gemma => v * r * (off + wv),
+        };
+    }
+    r
+}
+
+/// One RMSNorm row's backward in f64: writes dx, adds to dw.
+pub(crate) fn rms_row_bwd_f64(
+    (dy, x, w): (&[f64], &[f64], &[f64]),
+    r: f64,
+    a: &RmsNormArgs,
+    rnd: &dyn Fn(f64) -> f64,
+    dx: &mut [f64],
+    dw: &mut [f64],
+) {
+    let n = x.len() as f64;
+    let llama = a.casting == RmsCasting::Llama;
+    let off = a.offset as f64;
+    let g: Vec<f64> = dy
+        .iter()
+        .zip(w)
+        .map(|(d, wv)| {
+            if llama {
+                rnd(d * (off + wv))
+            } else {
+                d * (off + wv)
+            }
+        })
+        .collect();
+    let sgx: f64 = g.iter().zip(x).map(|(g, v)| g * v).sum();
+    for j in 0..x.len() {
+        dx[j] = r * g[j] - x[j] * r * r * r * sgx / n;
+        let h = if llama { rnd(x[j] * r) } else { x[j] * r };
+        dw[j] += dy[j] * h;
+    }
+}
+
+/// f64 reference of [`rms_norm_fwd`].
+pub fn rms_norm_fwd_ref<E: Elem>(
+    x: &[E],
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    rms_fwd_ref_impl(x, None, w, a, y, None, rstd)
+}
+
+/// f64 reference of [`add_rms_norm_fwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_fwd_ref<E: Elem>(
+    x: &[E],
+    residual: &[E],
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    sum: &mut [E],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("add_rms_norm residual", x.len(), residual.len())?;
+    rms_fwd_ref_impl(x, Some(residual), w, a, y, Some(sum), rstd)
+}
+
+fn rms_fwd_ref_impl<E: Elem>(
+    x: &[E],
+    res: Option<&[E]>,
+    w: &[E],
+    a: RmsNormArgs,
+    y: &mut [E],
+    mut sum: Option<&mut [E]>,
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rms_norm_fwd_ref";
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, &a)?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm y", x.len(), y.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    if let Some(s) = &sum {
+        check_len("add_rms_norm sum", x.len(), s.len())?;
+    }
+    let n = a.cols;
+    let wf = widen(w);
+    let mut yr = vec![0f64; n];
+    for (i, r_out) in rstd.iter_mut().enumerate() {
+        let e = i * n..(i + 1) * n;
+        let mut xr = widen(&x[e.clone()]);
+        if let (Some(res), Some(s)) = (res, sum.as_deref_mut()) {
+            for (j, v) in xr.iter_mut().enumerate() {
+                let t = E::from_f32((*v + res[e.start + j].to_f32() as f64) as f32);
+                s[e.start + j] = t;
+                *v = t.to_f32() as f64;
+            }
+        }
+        *r_out = rms_row_f64(&xr, &wf, &a, &round_ref::<E>, &mut yr) as f32;
+        for (o, v) in y[e].iter_mut().zip(&yr) {
+            *o = E::from_f32(*v as f32);
+        }
+    }
+    Ok(())
+}
+
+/// f64 reference of [`rms_norm_bwd`] (with the saved f32 rstd).
+pub fn rms_norm_bwd_ref<E: Elem>(
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    dx: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    rms_bwd_ref_impl(dy, None, x, w, rstd, a, dx, dw)
+}
+
+/// f64 reference of [`add_rms_norm_bwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_bwd_ref<E: Elem>(
+    dy: &[E],
+    dsum: &[E],
+    sum: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    ds: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("add_rms_norm dsum", sum.len(), dsum.len())?;
+    rms_bwd_ref_impl(dy, Some(dsum), sum, w, rstd, a, ds, dw)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rms_bwd_ref_impl<E: Elem>(
+    dy: &[E],
+    dsum: Option<&[E]>,
+    x: &[E],
+    w: &[E],
+    rstd: &[f32],
+    a: RmsNormArgs,
+    dx: &mut [E],
+    dw: &mut [f32],
+) -> Result<(), KernelError> {
+    let op = "rms_norm_bwd_ref";
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, &a)?;
+    check_len("rms_norm dy", x.len(), dy.len())?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    check_len("rms_norm dx", x.len(), dx.len())?;
+    check_len("rms_norm dw", a.cols, dw.len())?;
+    let n = a.cols;
+    let wf = widen(w);
+    let mut dwf = vec![0f64; n];
+    let mut dxr = vec![0f64; n];
+    for (i, &r) in rstd.iter().enumerate() {
+        let e = i * n..(i + 1) * n;
+        let (dyr, xr) = (widen(&dy[e.clone()]), widen(&x[e.clone()]));
+        let r = r as f64;
+        rms_row_bwd_f64((&dyr, &xr, &wf), r, &a, &round_ref::<E>, &mut dxr, &mut dwf);
+        for (j, o) in dx[e.clone()].iter_mut().enumerate() {
+            let extra = dsum.map_or(0.0, |d| d[e.start + j].to_f32() as f64);
+            *o = E::from_f32((dxr[j] + extra) as f32);
+        }
+    }
+    for (o, v) in dw.iter_mut().zip(&dwf) {
+        *o = *v as f32;
+    }
+    Ok(())
+}
+
+/// One LayerNorm row in f64; returns (mean, rstd).
+pub(crate) fn ln_row_f64(x: &[f64], w: &[f64], b: &[f64], eps: f64, y: &mut [f64]) -> (f64, f64) {
+    let n = x.len() as f64;
+    let m = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - m) * (v - m)).sum::<f64>() / n;
+    let r = 1.0 / (var + eps).sqrt();
+    for ((o, v), (wv, bv)) in y.iter_mut().zip(x).zip(w.iter().zip(b)) {
+        *o = (v - m) * r * wv + bv;
+    }
+    (m, r)
+}
+
+/// One LayerNorm row's backward in f64: writes dx, adds to dw and db.
+pub(crate) fn ln_row_bwd_f64(
+    (dy, x, w): (&[f64], &[f64], &[f64]),
+    (m, r): (f64, f64),
+    dx: &mut [f64],
+    dw: &mut [f64],
+    db: &mut [f64],
+) {
+    let n = x.len() as f64;
+    let xh: Vec<f64> = x.iter().map(|v| (v - m) * r).collect();
+    let g: Vec<f64> = dy.iter().zip(w).map(|(d, wv)| d * wv).collect();
+    let mg = g.iter().sum::<f64>() / n;
+    let mgx = g.iter().zip(&xh).map(|(g, h)| g * h).sum::<f64>() / n;
+    for j in 0..x.len() {
+        dx[j] = r * (g[j] - mg - xh[j] * mgx);
+        dw[j] += dy[j] * xh[j];
+        db[j] += dy[j];
+    }
+}
+
+/// f64 reference of [`layer_norm_fwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_fwd_ref<E: Elem>(
+    x: &[E],
+    w: &[E],
+    b: &[E],
+    cols: usize,
+    eps: f32,
+    y: &mut [E],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    let rows = check_rows("layer_norm_fwd_ref", x.len(), cols, eps)?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm bias", cols, b.len())?;
+    check_len("layer_norm y", x.len(), y.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    let (wf, bf) = (widen(w), widen(b));
+    let mut yr = vec![0f64; cols];
+    for i in 0..rows {
+        let e = i * cols..(i + 1) * cols;
+        let (m, r) = ln_row_f64(&widen(&x[e.clone()]), &wf, &bf, eps as f64, &mut yr);
+        (mean[i], rstd[i]) = (m as f32, r as f32);
+        for (o, v) in y[e].iter_mut().zip(&yr) {
+            *o = E::from_f32(*v as f32);
+        }
+    }
+    Ok(())
+}
+
+/// f64 reference of [`layer_norm_bwd`] (with the saved f32 mean and rstd).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_norm_bwd_ref<E: Elem>(
+    dy: &[E],
+    x: &[E],
+    w: &[E],
+    mean: &[f32],
+    rstd: &[f32],
+    cols: usize,
+    dx: &mut [E],
+    dw: &mut [f32],
+    db: &mut [f32],
+) -> Result<(), KernelError> {
+    let rows = check_rows("layer_norm_bwd_ref", x.len(), cols, 0.0)?;
+    check_len("layer_norm dy", x.len(), dy.len())?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    check_len("layer_norm dx", x.len(), dx.len())?;
+    check_len("layer_norm dw", cols, dw.len())?;
+    check_len("layer_norm db", cols, db.len())?;
+    let wf = widen(w);
+    let (mut dwf, mut dbf, mut dxr) = (vec![0f64; cols], vec![0f64; cols], vec![0f64; cols]);
+    for i in 0..rows {
+        let e = i * cols..(i + 1) * cols;
+        let (dyr, xr) = (widen(&dy[e.clone()]), widen(&x[e.clone()]));
+        let mr = (mean[i] as f64, rstd[i] as f64);
+        ln_row_bwd_f64((&dyr, &xr, &wf), mr, &mut dxr, &mut dwf, &mut dbf);
+        for (o, v) in dx[e].iter_mut().zip(&dxr) {
+            *o = E::from_f32(*v as f32);
+        }
+    }
+    for (o, v) in dw.iter_mut().zip(&dwf) {
+        *o = *v as f32;
+    }
+    for (o, v) in db.iter_mut().zip(&dbf) {
+        *o = *v as f32;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    pub(crate) fn rand_vec<E: Elem>(rng: &mut ChaCha8Rng, n: usize, lo: f32, hi: f32) -> Vec<E> {
+        (0..n)
+            .map(|_| E::from_f32(rng.random_range(lo..hi)))
+            .collect()
+    }
+
+    pub(crate) fn nans<E: Elem>(n: usize) -> Vec<E> {
+        vec![E::from_f32(f32::NAN); n]
+    }
+
+    pub(crate) fn f32s<E: Elem>(v: &[E]) -> Vec<f32> {
+        v.iter().map(|x| x.to_f32()).collect()
+    }
+
+    /// `|got − want| ≤ rtol·|want| + atol·max|want|` element by element
+    /// (NaN fails: outputs are poisoned with NaN before each call).
+    pub(crate) fn assert_close(what: &str, got: &[f32], want: &[f32], tol: (f32, f32)) {
+        assert_close_scaled(what, got, want, tol, max_abs(want))
+    }
+
+    pub(crate) fn max_abs(v: &[f32]) -> f32 {
+        v.iter().fold(0f32, |m, x| m.max(x.abs()))
+    }
+
+    /// As [`assert_close`] with `atol·scale`, for outputs that cancel
+    /// (dx = r·g − c·x): `scale` is the size of the terms.
+    pub(crate) fn assert_close_scaled(
+        what: &str,
+        got: &[f32],
+        want: &[f32],
+        (rtol, atol): (f32, f32),
+        scale: f32,
+    ) {
+        assert_eq!(got.len(), want.len(), "{what}: lengths");
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            let err = (g - w).abs();
+            assert!(
+                err <= rtol * w.abs() + atol * scale + 1e-30,
+                "{what}[{i}]: {g} vs {w} (scale {scale})"
+            );
+        }
+    }
+
+    /// Fast path vs f64 reference. f32: sums of up to 4096 f32 terms and
+    /// the cancellation in dx (r·g − c·x) carry ~1e-6 of the terms'
+    /// magnitude. bf16: where the f32 and f64 values straddle a rounding
+    /// boundary one rounding flips by one ulp (2^-8 relative), Llama's two
+    /// roundings (and the rounded dy·w in its backward) by up to two; the
+    /// absolute part covers dx's cancellation after a flipped g.
+    pub(crate) fn tol<E: Elem>() -> (f32, f32) {
+        if E::F32 {
+            (2e-5, 2e-5)
+        } else {
+            (1.0 / 128.0, 1.0 / 256.0)
+        }
+    }
+
+    const SHAPES: [(usize, usize); 7] = [
+        (1, 1),
+        (7, 31),
+        (123, 7),
+        (3, 123),
+        (5, 1000),
+        (2, 33),
+        (64, 4096),
+    ];
+
+    fn rms_case<E: Elem>(
+        rng: &mut ChaCha8Rng,
+        rows: usize,
+        cols: usize,
+        a: RmsNormArgs,
+        add: bool,
+    ) {
+        let n = rows * cols;
+        let x: Vec<E> = rand_vec(rng, n, -2.0, 2.0);
+        let res: Vec<E> = rand_vec(rng, n, -2.0, 2.0);
+        let w: Vec<E> = rand_vec(rng, cols, -1.5, 1.5);
+        let dy: Vec<E> = rand_vec(rng, n, -1.0, 1.0);
+        let dsum: Vec<E> = rand_vec(rng, n, -1.0, 1.0);
+        let (mut y0, mut s0, mut r0) = (nans::<E>(n), nans::<E>(n), vec![f32::NAN; rows]);
+        if add {
+            add_rms_norm_fwd_ref(&x, &res, &w, a, &mut y0, &mut s0, &mut r0).unwrap();
+        } else {
+            rms_norm_fwd_ref(&x, &w, a, &mut y0, &mut r0).unwrap();
+        }
+        let (mut dx0, mut dw0) = (nans::<E>(n), vec![f32::NAN; cols]);
+        let src = if add { &s0 } else { &x };
+        if add {
+            add_rms_norm_bwd_ref(&dy, &dsum, src, &w, &r0, a, &mut dx0, &mut dw0).unwrap();
+        } else {
+            rms_norm_bwd_ref(&dy, src, &w, &r0, a, &mut dx0, &mut dw0).unwrap();
+        }
+        let t = tol::<E>();
+        let sw: Vec<f32> = w.iter().map(|v| a.offset + v.to_f32()).collect();
+        let dx_scale = max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&sw) + max_abs(&f32s(&dsum));
+        let what = format!(
+            "{rows}x{cols} {a:?} add={add} {}",
+            std::any::type_name::<E>()
+        );
+        for tier in cpu::available_tiers() {
+            let (mut y, mut s, mut r) = (nans::<E>(n), nans::<E>(n), vec![f32::NAN; rows]);
+            if add {
+                add_rms_norm_fwd_with(tier, &x, &res, &w, a, &mut y, &mut s, &mut r).unwrap();
+                assert_close(&format!("sum {what} {tier}"), &f32s(&s), &f32s(&s0), t);
+            } else {
+                rms_norm_fwd_with(tier, &x, &w, a, &mut y, &mut r).unwrap();
+            }
+            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
+            assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-5, 0.0));
+            let (mut dx, mut dw) = (nans::<E>(n), vec![f32::NAN; cols]);
+            if add {
+                add_rms_norm_bwd_with(tier, &dy, &dsum, src, &w, &r0, a, &mut dx, &mut dw).unwrap();
+            } else {
+                rms_norm_bwd_with(tier, &dy, src, &w, &r0, a, &mut dx, &mut dw).unwrap();
+            }
+            assert_close_scaled(
+                &format!("dx {what} {tier}"),
+                &f32s(&dx),
+                &f32s(&dx0),
+                t,
+                dx_scale,
+            );
+            assert_close(&format!("dw {what} {tier}"), &dw, &dw0, t);
+        }
+    }
+
+    fn args(cols: usize, casting: RmsCasting) -> Vec<RmsNormArgs> {
+        let offset = match casting {
+            RmsCasting::Llama => 0.0,
+            RmsCasting::Gemma => 1.0,
+        };
+        vec![
+            RmsNormArgs {
+                cols,
+                eps: 1e-6,
+                offset,
+                casting,
+            },
+            // A large eps (and the other offset) moves every value.
+            RmsNormArgs {
+                cols,
+                eps: 0.5,
+                offset: 1.0 - offset,
+                casting,
+            },
+        ]
+    }
+
+    #[test]
+    fn rms_norm_every_tier_matches_the_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        for (rows, cols) in SHAPES {
+            for casting in [RmsCasting::Llama, RmsCasting::Gemma] {
+                for a in args(cols, casting) {
+                    for add in [false, true] {
+                        rms_case::<f32>(&mut rng, rows, cols, a, add);
+                        rms_case::<bf16>(&mut rng, rows, cols, a, add);
+                    }
+                }
+            }
+        }
+    }
+
+    /// torch's Llama bf16 forward, spelled out: `h = (x.float()*rstd).to(bf16); y = w * h`.
+    #[test]
+    fn llama_bf16_rounds_like_torch() {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        let cols = 77;
+        let x: Vec<bf16> = rand_vec(&mut rng, 3 * cols, -3.0, 3.0);
+        let w: Vec<bf16> = rand_vec(&mut rng, cols, -2.0, 2.0);
+        let a = RmsNormArgs {
+            cols,
+            eps: 1e-5,
+            offset: 0.0,
+            casting: RmsCasting::Llama,
+        };
+        let (mut y, mut r) = (nans::<bf16>(x.len()), vec![0f32; 3]);
+        rms_norm_fwd(&x, &w, a, &mut y, &mut r).unwrap();
+        for (i, row) in x.chunks(cols).enumerate() {
+            for (j, v) in row.iter().enumerate() {
+                let h = bf16::from_f32(v.to_f32() * r[i]);
+                let want = bf16::from_f32(w[j].to_f32() * h.to_f32());
+                assert_eq!(y[i * cols + j], want, "row {i} col {j}");
+            }
+        }
+    }
+
+    #[test]
+    fn layer_norm_every_tier_matches_the_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(13);
+        for (rows, cols) in SHAPES {
+            for eps in [1e-5f32, 0.5] {
+                ln_case::<f32>(&mut rng, rows, cols, eps);
+                ln_case::<bf16>(&mut rng, rows, cols, eps);
+            }
+        }
+    }
+
+    fn ln_case<E: Elem>(rng: &mut ChaCha8Rng, rows: usize, cols: usize, eps: f32) {
+        let n = rows * cols;
+        // An offset mean, so that (x − μ) matters.
+        let x: Vec<E> = rand_vec(rng, n, 1.0, 4.0);
+        let w: Vec<E> = rand_vec(rng, cols, -1.5, 1.5);
+        let b: Vec<E> = rand_vec(rng, cols, -1.0, 1.0);
+        let dy: Vec<E> = rand_vec(rng, n, -1.0, 1.0);
+        let (mut y0, mut m0, mut r0) = (nans::<E>(n), vec![f32::NAN; rows], vec![f32::NAN; rows]);
+        layer_norm_fwd_ref(&x, &w, &b, cols, eps, &mut y0, &mut m0, &mut r0).unwrap();
+        let (mut dx0, mut dw0, mut db0) =
+            (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
+        layer_norm_bwd_ref(&dy, &x, &w, &m0, &r0, cols, &mut dx0, &mut dw0, &mut db0).unwrap();
+        let t = tol::<E>();
+        let dx_scale = 3.0 * max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&f32s(&w));
+        let what = format!("{rows}x{cols} eps {eps} {}", std::any::type_name::<E>());
+        for tier in cpu::available_tiers() {
+            let (mut y, mut m, mut r) = (nans::<E>(n), vec![f32::NAN; rows], vec![f32::NAN; rows]);
+            layer_norm_fwd_with(tier, &x, &w, &b, cols, eps, &mut y, &mut m, &mut r).unwrap();
+            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
+            assert_close(&format!("mean {what} {tier}"), &m, &m0, (1e-5, 0.0));
+            // rstd of a constant row (cols 1) is 1/sqrt(eps): exact enough.
+            assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-4, 0.0));
+            let (mut dx, mut dw, mut db) =
+                (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
+            layer_norm_bwd_with(tier, &dy, &x, &w, &m0, &r0, cols, &mut dx, &mut dw, &mut db)
+                .unwrap();
+            assert_close_scaled(
+                &format!("dx {what} {tier}"),
+                &f32s(&dx),
+                &f32s(&dx0),
+                t,
+                dx_scale,
+            );
+            assert_close(&format!("dw {what} {tier}"), &dw, &dw0, t);
+            assert_close(&format!("db {what} {tier}"), &db, &db0, t);
+        }
+    }
+
+    /// Central differences of `Σ gy·y` (f64, step 1e-6: truncation ~1e-12,
+    /// cancellation ~1e-10 relative) against the reference gradients.
+    #[test]
+    fn reference_gradients_match_finite_differences() {
+        let mut rng = ChaCha8Rng::seed_from_u64(14);
+        let (rows, cols) = (3, 5);
+        let rv = |rng: &mut ChaCha8Rng, n: usize| -> Vec<f64> {
+            (0..n).map(|_| rng.random_range(-1.5..1.5)).collect()
+        };
+        let id = |v: f64| v;
+        let h = 1e-6;
+        let check = |what: &str, fd: f64, an: f64| {
+            assert!(
+                (fd - an).abs() <= 1e-6 * (1.0 + an.abs()),
+                "{what}: fd {fd} vs {an}"
+            );
+        };
+        for (casting, offset) in [(RmsCasting::Llama, 0.0), (RmsCasting::Gemma, 1.0)] {
+            let a = RmsNormArgs {
+                cols,
+                eps: 1e-2,
+                offset,
+                casting,
+            };
+            let (x, w, gy, gs) = (
+                rv(&mut rng, rows * cols),
+                rv(&mut rng, cols),
+                rv(&mut rng, rows * cols),
+                rv(&mut rng, rows * cols),
+            );
+            // Loss of the fused add with residual 0.3·x (a second path
+            // into the sum): L = Σ gy·rms(s) + Σ gs·s, s = x + res.
+            let res: Vec<f64> = rv(&mut rng, rows * cols);
+            let loss = |x: &[f64], w: &[f64]| -> f64 {
+                let mut y = vec![0.0; cols];
+                let mut l = 0.0;
+                for i in 0..rows {
+                    let s: Vec<f64> = (0..cols)
+                        .map(|j| x[i * cols + j] + res[i * cols + j])
+                        .collect();
+                    rms_row_f64(&s, w, &a, &id, &mut y);
+                    for j in 0..cols {
+                        l += gy[i * cols + j] * y[j] + gs[i * cols + j] * s[j];
+                    }
+                }
+                l
+            };
+            let (mut dx, mut dw) = (vec![0.0; rows * cols], vec![0.0; cols]);
+            let mut y = vec![0.0; cols];
+            for i in 0..rows {
+                let e = i * cols..(i + 1) * cols;
+                let s: Vec<f64> = e.clone().map(|k| x[k] + res[k]).collect();
+                let r = rms_row_f64(&s, &w, &a, &id, &mut y);
+                rms_row_bwd_f64(
+                    (&gy[e.clone()], &s, &w),
+                    r,
+                    &a,
+                    &id,
+                    &mut dx[e.clone()],
+                    &mut dw,
+                );
+                for k in e {
+                    dx[k] += gs[k];
+                }
+            }
+            for k in 0..rows * cols {
+                let (mut xp, mut xm) = (x.clone(), x.clone());
+                xp[k] += h;
+                xm[k] -= h;
+                check(
+                    &format!("rms {casting:?} dx[{k}]"),
+                    (loss(&xp, &w) - loss(&xm, &w)) / (2.0 * h),
+                    dx[k],
+                );
+            }
+            for j in 0..cols {
+                let (mut wp, mut wm) = (w.clone(), w.clone());
+                wp[j] += h;
+                wm[j] -= h;
+                check(
+                    &format!("rms {casting:?} dw[{j}]"),
+                    (loss(&x, &wp) - loss(&x, &wm)) / (2.0 * h),
+                    dw[j],
+                );
+            }
+        }
+        // LayerNorm.
+        let (x, w, b, gy) = (
+            rv(&mut rng, rows * cols),
+            rv(&mut rng, cols),
+            rv(&mut rng, cols),
+            rv(&mut rng, rows * cols),
+        );
+        let loss = |x: &[f64], w: &[f64], b: &[f64]| -> f64 {
+            let mut y = vec![0.0; cols];
+            let mut l = 0.0;
+            for i in 0..rows {
+                ln_row_f64(&x[i * cols..(i + 1) * cols], w, b, 1e-2, &mut y);
+                l += (0..cols).map(|j| gy[i * cols + j] * y[j]).sum::<f64>();
+            }
+            l
+        };
+        let (mut dx, mut dw, mut db) = (vec![0.0; rows * cols], vec![0.0; cols], vec![0.0; cols]);
+        let mut y = vec![0.0; cols];
+        for i in 0..rows {
+            let e = i * cols..(i + 1) * cols;
+            let mr = ln_row_f64(&x[e.clone()], &w, &b, 1e-2, &mut y);
+            ln_row_bwd_f64(
+                (&gy[e.clone()], &x[e.clone()], &w),
+                mr,
+                &mut dx[e],
+                &mut dw,
+                &mut db,
+            );
+        }
+        for k in 0..rows * cols {
+            let (mut xp, mut xm) = (x.clone(), x.clone());
+            xp[k] += h;
+            xm[k] -= h;
+            check(
+                &format!("ln dx[{k}]"),
+                (loss(&xp, &w, &b) - loss(&xm, &w, &b)) / (2.0 * h),
+                dx[k],
+            );
+        }
+        for j in 0..cols {
+            let (mut wp, mut wm, mut bp, mut bm) = (w.clone(), w.clone(), b.clone(), b.clone());
+            wp[j] += h;
+            wm[j] -= h;
+            bp[j] += h;
+            bm[j] -= h;
+            check(
+                &format!("ln dw[{j}]"),
+                (loss(&x, &wp, &b) - loss(&x, &wm, &b)) / (2.0 * h),
+                dw[j],
+            );
+            check(
+                &format!("ln db[{j}]"),
+                (loss(&x, &w, &bp) - loss(&x, &w, &bm)) / (2.0 * h),
+                db[j],
+            );
+        }
+    }
+
+    /// Weight gradients are bit-identical on 1, 2 and 3 threads: the row
+    /// chunks (4 here) and their order do not depend on the pool.
+    #[test]
+    fn weight_gradients_do_not_depend_on_the_thread_count() {
+        let mut rng = ChaCha8Rng::seed_from_u64(15);
+        let (rows, cols) = (300usize, 200usize);
+        assert!(rows.div_ceil(row_chunk(rows, cols)) > 2);
+        let x: Vec<bf16> = rand_vec(&mut rng, rows * cols, -2.0, 2.0);
+        let dy: Vec<bf16> = rand_vec(&mut rng, rows * cols, -2.0, 2.0);
+        let w: Vec<bf16> = rand_vec(&mut rng, cols, -2.0, 2.0);
+        let rstd: Vec<f32> = (0..rows).map(|_| rng.random_range(0.5..2.0)).collect();
+        let mean: Vec<f32> = (0..rows).map(|_| rng.random_range(-0.5..0.5)).collect();
+        let a = RmsNormArgs {
+            cols,
+            eps: 1e-6,
+            offset: 0.0,
+            casting: RmsCasting::Gemma,
+        };
+        let mut outs = Vec::new();
+        for threads in [1, 2, 3] {
+            let pool = ThreadPool::new(threads).unwrap();
+            let (mut dx, mut dw) = (nans::<bf16>(rows * cols), vec![f32::NAN; cols]);
+            rms_bwd_in(
+                &pool,
+                cpu::tier(),
+                &dy,
+                None,
+                &x,
+                &w,
+                &rstd,
+                a,
+                &mut dx,
+                &mut dw,
+            )
+            .unwrap();
+            let (mut dx2, mut dw2, mut db2) = (
+                nans::<bf16>(rows * cols),
+                vec![f32::NAN; cols],
+                vec![f32::NAN; cols],
+            );
+            ln_bwd_in(
+                &pool,
+                cpu::tier(),
+                &dy,
+                &x,
+                &w,
+                (&mean, &rstd),
+                cols,
+                &mut dx2,
+                &mut dw2,
+                &mut db2,
+            )
+            .unwrap();
+            outs.push((dx, dw, dx2, dw2, db2));
+        }
+        for o in &outs[1..] {
+            assert!(o.0 == outs[0].0 && o.2 == outs[0].2);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&o.1), bits(&outs[0].1));
+            assert_eq!(bits(&o.3), bits(&outs[0].3));
+            assert_eq!(bits(&o.4), bits(&outs[0].4));
+        }
+    }
+
+    /// The vectorizable bf16 store rounds as half does, bit for bit, on
+    /// every class (ties both ways, overflow to infinity, NaN, subnormal).
+    #[test]
+    fn store_rounds_like_half() {
+        let mut rng = ChaCha8Rng::seed_from_u64(16);
+        // The special patterns first: the 8-lane check below drops a tail.
+        let mut xs: Vec<u32> = Vec::new();
+        for hi in [
+            0u32, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
+        ] {
+            for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                xs.push(hi << 16 | lo);
+            }
+        }
+        xs.extend((0..200_000).map(|_| rng.random::<u32>()));
+        for &x in &xs {
+            let v = f32::from_bits(x);
+            assert_eq!(
+                store::<bf16>(v).to_bits(),
+                bf16::from_f32(v).to_bits(),
+                "{x:#x}"
+            );
+            assert_eq!(store::<f32>(v).to_bits(), x);
+        }
+        // The 8-lane rounding of the AVX2 backward, against the same.
+        #[cfg(target_arch = "x86_64")]
+        if cpu::detected_tier() >= SimdTier::Avx2 {
+            for c in xs.chunks_exact(8) {
+                let mut got = [0f32; 8];
+                // SAFETY: AVX2 was detected; `c` and `got` hold 8 values.
+                unsafe {
+                    use std::arch::x86_64::*;
+                    let v = _mm256_loadu_ps(c.as_ptr() as *const f32);
+                    _mm256_storeu_ps(got.as_mut_ptr(), avx_red::round_bf16(v));
+                }
+                for (g, x) in got.iter().zip(c) {
+                    let want = bf16::from_f32(f32::from_bits(*x)).to_f32();
+                    assert_eq!(g.to_bits(), want.to_bits(), "{x:#x}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let x = vec![1f32; 12];
+        let w = vec![1f32; 4];
+        let a = RmsNormArgs {
+            cols: 4,
+            eps: 1e-6,
+            offset: 0.0,
+            casting: RmsCasting::Llama,
+        };
+        let (mut y, mut r) = (vec![0f32; 12], vec![0f32; 3]);
+        assert!(rms_norm_fwd(&x, &w, a, &mut y, &mut r).is_ok());
+        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { cols: 0, ..a }, &mut y, &mut r).is_err());
+        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { cols: 5, ..a }, &mut y, &mut r).is_err());
+        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { eps: f32::NAN, ..a }, &mut y, &mut r).is_err());
+        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { eps: -1.0, ..a }, &mut y, &mut r).is_err());
+        assert!(rms_norm_fwd(&x, &w[..3], a, &mut y, &mut r).is_err());
+        assert!(rms_norm_fwd(&x, &w, a, &mut y[..11], &mut r).is_err());
+        assert!(rms_norm_fwd(&x, &w, a, &mut y, &mut r[..2]).is_err());
+        assert!(rms_norm_fwd_ref(&x, &w, a, &mut y, &mut r[..2]).is_err());
+        let (mut s, mut dx, mut dw) = (vec![0f32; 12], vec![0f32; 12], vec![0f32; 4]);
+        assert!(add_rms_norm_fwd(&x, &x[..8], &w, a, &mut y, &mut s, &mut r).is_err());
+        assert!(add_rms_norm_fwd(&x, &x, &w, a, &mut y, &mut s[..8], &mut r).is_err());
+        assert!(rms_norm_bwd(&x, &x, &w, &r, a, &mut dx, &mut dw[..3]).is_err());
+        assert!(rms_norm_bwd(&x[..8], &x, &w, &r, a, &mut dx, &mut dw).is_err());
+        assert!(add_rms_norm_bwd(&x, &x[..4], &x, &w, &r, a, &mut dx, &mut dw).is_err());
+        let (mut m, mut db) = (vec![0f32; 3], vec![0f32; 4]);
+        assert!(layer_norm_fwd(&x, &w, &w[..2], 4, 1e-5, &mut y, &mut m, &mut r).is_err());
+        assert!(layer_norm_fwd(&x, &w, &w, 4, 1e-5, &mut y, &mut m[..1], &mut r).is_err());
+        assert!(layer_norm_bwd(&x, &x, &w, &m, &r, 4, &mut dx, &mut dw, &mut db[..1]).is_err());
+        assert!(layer_norm_bwd(&x, &x, &w, &m, &r, 0, &mut dx, &mut dw, &mut db).is_err());
+        // Zero rows is fine and zeroes the weight gradient.
+        let mut dw = vec![f32::NAN; 4];
+        rms_norm_bwd::<f32>(&[], &[], &w, &[], a, &mut [], &mut dw).unwrap();
+        assert_eq!(dw, vec![0.0; 4]);
+    }
+}
