@@ -49,3 +49,5 @@ pub enum Reduction {
     /// Sum divided by the number of rows that count (not ignored).
     Mean,
 }
+
+pub mod cross_entropy;
