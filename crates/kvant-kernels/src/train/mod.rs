@@ -51,3 +51,4 @@ pub enum Reduction {
 }
 
 pub mod cross_entropy;
+pub mod distill;
