@@ -52,3 +52,4 @@ pub enum Reduction {
 
 pub mod cross_entropy;
 pub mod distill;
+pub mod linear_ce;
