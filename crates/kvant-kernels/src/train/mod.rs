@@ -50,6 +50,9 @@ pub enum Reduction {
     Mean,
 }
 
+pub mod cross_entropy;
+pub mod distill;
 pub mod glu;
+pub mod linear_ce;
 pub mod norm;
 pub mod rope;

@@ -1,0 +1,864 @@
+//! Cross-entropy over logits, with its gradient written into the logits
+//! in the same call (Liger's trick: nothing the size of the logits is
+//! allocated or saved).
+//!
+//! For a row `x` (length `V`) with target `y`, softcap `c`, smoothing `ε`
+//! and z-loss scale `s`:
+//! - `z_j = c·tanh(x_j/c)` (or `z = x` without a softcap);
+//! - `lse = log Σ_j e^{z_j}`, `p_j = e^{z_j − lse}`;
+//! - `loss = (1−ε)(lse − z_y) + ε(lse − Σ_j z_j / V) + s·lse²` (torch's
+//!   label smoothing: `(1−ε)·nll + ε·mean_j(−log p_j)`; Liger's z-loss);
+//! - `∂loss/∂z_j = p_j(1 + 2s·lse) − ε/V − (1−ε)[j = y]`, times
+//!   `∂z_j/∂x_j = 1 − (z_j/c)²` with a softcap.
+//!
+//! Each row is read twice (pass 1: max, sum of exponentials and sum of
+//! `z`, block by block so a block of 256 values is widened once into an L1
+//! buffer and the running sum is rescaled once per block instead of per
+//! value; pass 2: the gradient) and written once. Rows are independent and
+//! the totals are summed over rows in row order (f64), so no result
+//! depends on the thread count or on how rows are split into tasks.
+
+use crate::cpu::{self, SimdTier};
+use crate::error::{check_len, checked_mul};
+use crate::pool::{self, DisjointSlice, ThreadPool};
+#[cfg(target_arch = "x86_64")]
+use crate::vecops::Fused;
+use crate::vecops::{exp, Fma, Plain};
+use crate::KernelError;
+
+use super::{Elem, Reduction};
+
+/// Options of [`cross_entropy_fwd`], torch's and Liger's.
+#[derive(Clone, Copy, Debug)]
+pub struct CeOptions {
+    /// Rows whose target equals this count for nothing (loss and gradient 0).
+    pub ignore_index: i64,
+    /// torch semantics: `(1−ε)·nll + ε·mean_j(−log p_j)`; in `0..=1`.
+    pub label_smoothing: f32,
+    /// `lse_square_scale`: adds `z_loss·lse²` per counted row (Liger).
+    pub z_loss: f32,
+    /// `logits ← cap·tanh(logits/cap)` first (Gemma 2); `cap > 0`.
+    pub softcap: Option<f32>,
+    pub reduction: Reduction,
+}
+
+impl Default for CeOptions {
+    fn default() -> Self {
+        CeOptions {
+            ignore_index: -100,
+            label_smoothing: 0.0,
+            z_loss: 0.0,
+            softcap: None,
+            reduction: Reduction::Mean,
+        }
+    }
+}
+
+/// What [`cross_entropy_fwd`] returns besides the per-row losses.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CeTotals {
+    /// The reduced loss including the z-loss (Mean: divided by `counted`,
+    /// NaN when no row counts, as torch; Sum and None: the sum).
+    pub loss: f32,
+    /// The z-loss part, reduced the same way.
+    pub z_loss: f32,
+    /// Rows whose target is not `ignore_index`.
+    pub counted: usize,
+}
+
+/// Values of one block of pass 1: widened once into a stack buffer (1 KiB, in L1).
+const BLOCK: usize = 256;
+
+/// Options turned into what the row loop needs.
+#[derive(Clone, Copy)]
+pub(crate) struct Prepared {
+    eps: f32,
+    z_loss: f32,
+    cap: Option<f32>,
+}
+
+impl Prepared {
+    pub(crate) fn new(o: &CeOptions) -> Result<Prepared, KernelError> {
+        let bad = |why: String| KernelError::InvalidShape {
+            op: "cross_entropy",
+            why,
+        };
+        if !(0.0..=1.0).contains(&o.label_smoothing) {
+            return Err(bad(format!(
+                "label_smoothing {} is not in 0..=1",
+                o.label_smoothing
+            )));
+        }
+        if !o.z_loss.is_finite() {
+            return Err(bad(format!("z_loss {} is not finite", o.z_loss)));
+        }
+        if let Some(c) = o.softcap {
+            if !(c > 0.0 && c.is_finite()) {
+                return Err(bad(format!("softcap {c} is not a positive number")));
+            }
+        }
+        Ok(Prepared {
+            eps: o.label_smoothing,
+            z_loss: o.z_loss,
+            cap: o.softcap,
+        })
+    }
+}
+
+/// Checks the targets (each in `0..vocab` or `ignore_index`) and counts
+/// the rows that count.
+pub(crate) fn count_targets(
+    targets: &[i64],
+    vocab: usize,
+    ignore_index: i64,
+) -> Result<usize, KernelError> {
+    let mut counted = 0;
+    for &t in targets {
+        if t == ignore_index {
+            continue;
+        }
+        if t < 0 {
+            return Err(KernelError::InvalidShape {
+                op: "cross_entropy",
+                why: format!("target {t} is neither in 0..{vocab} nor ignore_index {ignore_index}"),
+            });
+        }
+        if t as u64 >= vocab as u64 {
+            return Err(KernelError::IndexOutOfRange {
+                what: "cross-entropy target",
+                index: t as usize,
+                len: vocab,
+            });
+        }
+        counted += 1;
+    }
+    Ok(counted)
+}
+
+/// `c·tanh(x/c)` through the vectorizable exponential (`tanh u = 1 − 2/(e^{2u}+1)`).
+#[inline(always)]
+fn capped<F: Fma>(x: f32, cap: Option<f32>) -> f32 {
+    match cap {
+        None => x,
+        Some(c) => c * (1.0 - 2.0 / (exp::<F>(2.0 * x / c) + 1.0)),
+    }
+}
+
+/// The row's bits if `E` is bf16.
+#[inline(always)]
+fn as_bf16_bits<E: Elem>(row: &mut [E]) -> Option<&mut [u16]> {
+    if std::any::TypeId::of::<E>() != std::any::TypeId::of::<half::bf16>() {
+        return None;
+    }
+    // SAFETY: `E` is `half::bf16`, a `repr(transparent)` `u16`: same size,
+    // alignment and validity; the borrow of `row` moves into the result.
+    Some(unsafe { std::slice::from_raw_parts_mut(row.as_mut_ptr() as *mut u16, row.len()) })
+}
+
+/// `v` rounded to bf16 bits, to nearest even, NaN kept quiet: the bits
+/// `half::bf16::from_f32` gives, without branches.
+#[inline(always)]
+fn round_bf16(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
+}
+
+/// One row's loss and z-loss term; with `grad = Some(scale)` the row is
+/// overwritten with `scale · ∂loss/∂x`.
+#[inline(always)]
+fn row_body<E: Elem, F: Fma>(
+    row: &mut [E],
+    target: usize,
+    p: Prepared,
+    grad: Option<f32>,
+) -> (f32, f32) {
+    let vocab = row.len();
+    let mut buf = [0f32; BLOCK];
+    let (mut m, mut s, mut sum_z) = (f32::NEG_INFINITY, 0f32, 0f32);
+    for chunk in row.chunks(BLOCK) {
+        let b = &mut buf[..chunk.len()];
+        for (d, x) in b.iter_mut().zip(chunk.iter()) {
+            *d = capped::<F>(x.to_f32(), p.cap);
+        }
+        let mut mx = [f32::NEG_INFINITY; 8];
+        let mut sz = [0f32; 8];
+        let mut it = b.chunks_exact(8);
+        for c in &mut it {
+            for ((l, z), &v) in mx.iter_mut().zip(sz.iter_mut()).zip(c) {
+                *l = if v > *l { v } else { *l };
+                *z += v;
+            }
+        }
+        for (i, &v) in it.remainder().iter().enumerate() {
+            mx[i] = if v > mx[i] { v } else { mx[i] };
+            sz[i] += v;
+        }
+        let bm = mx.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+        sum_z += sz.iter().sum::<f32>();
+        if bm > m {
+            s *= exp::<F>(m - bm);
+            m = bm;
+        }
+        let mut se = [0f32; 8];
+        let mut it = b.chunks_exact(8);
+        for c in &mut it {
+            for (l, &v) in se.iter_mut().zip(c) {
+                *l += exp::<F>(v - m);
+            }
+        }
+        for &v in it.remainder() {
+            se[0] += exp::<F>(v - m);
+        }
+        s += se.iter().sum::<f32>();
+    }
+    let lse = m + s.ln();
+    let zy = capped::<F>(row[target].to_f32(), p.cap);
+    let zl = p.z_loss * lse * lse;
+    let loss = lse - (1.0 - p.eps) * zy - p.eps * sum_z / vocab as f32 + zl;
+    if let Some(scale) = grad {
+        let a = scale * (1.0 + 2.0 * p.z_loss * lse);
+        let b = scale * p.eps / vocab as f32;
+        let one = |x: f32| -> f32 {
+            let z = capped::<F>(x, p.cap);
+            let g = F::fma(a, exp::<F>(z - lse), -b);
+            match p.cap {
+                None => g,
+                Some(c) => {
+                    let t = z / c;
+                    g * (1.0 - t * t)
+                }
+            }
+        };
+        if let Some(bits) = as_bf16_bits(row) {
+            // bf16 through a select the compiler vectorizes (half's
+            // `from_f32` branches per value: bf16 rows ran slower than f32).
+            for b in bits.iter_mut() {
+                *b = round_bf16(one(f32::from_bits((*b as u32) << 16)));
+            }
+        } else {
+            for x in row.iter_mut() {
+                *x = E::from_f32(one(x.to_f32()));
+            }
+        }
+        // The target's gradient once more in f32 (no bf16 cancellation).
+        let py = exp::<F>(zy - lse);
+        let mut g = a * py - b - scale * (1.0 - p.eps);
+        if let Some(c) = p.cap {
+            let t = zy / c;
+            g *= 1.0 - t * t;
+        }
+        row[target] = E::from_f32(g);
+    }
+    (loss, zl)
+}
+
+/// Rows of one task: losses (and z-loss terms) per row; ignored rows 0.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn rows_body<E: Elem, F: Fma>(
+    logits: &mut [E],
+    targets: &[i64],
+    vocab: usize,
+    p: Prepared,
+    ignore_index: i64,
+    grad: Option<f32>,
+    row_scale: Option<&[f32]>,
+    losses: &mut [f32],
+    zs: &mut [f32],
+) {
+    for (i, (row, &t)) in logits.chunks_exact_mut(vocab).zip(targets).enumerate() {
+        if t == ignore_index {
+            losses[i] = 0.0;
+            zs[i] = 0.0;
+            if grad.is_some() {
+                row.fill(E::from_f32(0.0));
+            }
+            continue;
+        }
+        let g = grad.map(|s| row_scale.map_or(s, |r| s * r[i]));
+        let (l, z) = row_body::<E, F>(row, t as usize, p, g);
+        losses[i] = l;
+        zs[i] = z;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+fn rows_avx2<E: Elem>(
+    logits: &mut [E],
+    targets: &[i64],
+    vocab: usize,
+    p: Prepared,
+    ignore_index: i64,
+    grad: Option<f32>,
+    row_scale: Option<&[f32]>,
+    losses: &mut [f32],
+    zs: &mut [f32],
+) {
+    rows_body::<E, Fused>(
+        logits,
+        targets,
+        vocab,
+        p,
+        ignore_index,
+        grad,
+        row_scale,
+        losses,
+        zs,
+    )
+}
+
+/// The row loop on a tier; arguments already checked.
+#[allow(clippy::too_many_arguments)]
+fn rows_with<E: Elem>(
+    tier: SimdTier,
+    logits: &mut [E],
+    targets: &[i64],
+    vocab: usize,
+    p: Prepared,
+    ignore_index: i64,
+    grad: Option<f32>,
+    row_scale: Option<&[f32]>,
+    losses: &mut [f32],
+    zs: &mut [f32],
+) {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            rows_avx2(
+                logits,
+                targets,
+                vocab,
+                p,
+                ignore_index,
+                grad,
+                row_scale,
+                losses,
+                zs,
+            )
+        },
+        _ => rows_body::<E, Plain>(
+            logits,
+            targets,
+            vocab,
+            p,
+            ignore_index,
+            grad,
+            row_scale,
+            losses,
+            zs,
+        ),
+    }
+}
+
+/// Rows per task: enough tasks to balance 2–64 threads, rows independent,
+/// so the split changes no result.
+fn tasks_for(rows: usize, pool: &ThreadPool) -> usize {
+    rows.min(pool.threads() * 4).max(1)
+}
+
+/// The checked, parallel row loop shared with the fused linear
+/// cross-entropy: `grad` is the scale of the gradient of every counted
+/// row (times `row_scale[i]`); `zs` receives each row's z-loss term.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn ce_rows<E: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    logits: &mut [E],
+    targets: &[i64],
+    vocab: usize,
+    p: Prepared,
+    ignore_index: i64,
+    grad: Option<f32>,
+    row_scale: Option<&[f32]>,
+    losses: &mut [f32],
+    zs: &mut [f32],
+) {
+    let rows = targets.len();
+    let tasks = tasks_for(rows, pool);
+    let lg = DisjointSlice::new(logits);
+    let ls = DisjointSlice::new(losses);
+    let zz = DisjointSlice::new(zs);
+    pool.run(tasks, &|t| {
+        let r = pool::chunk(rows, tasks, 1, t);
+        // SAFETY: task `t` alone owns rows `r` of each slice (`chunk`
+        // ranges are disjoint), and the lengths were checked by the caller.
+        let (l, lo, z) = unsafe {
+            (
+                lg.range(r.start * vocab..r.end * vocab),
+                ls.range(r.clone()),
+                zz.range(r.clone()),
+            )
+        };
+        rows_with(
+            tier,
+            l,
+            &targets[r.clone()],
+            vocab,
+            p,
+            ignore_index,
+            grad,
+            row_scale.map(|s| &s[r.clone()]),
+            lo,
+            z,
+        );
+    });
+}
+
+/// The gradient scale a reduction gives every counted row.
+pub(crate) fn grad_scale(reduction: Reduction, counted: usize) -> f32 {
+    match reduction {
+        Reduction::Mean if counted > 0 => 1.0 / counted as f32,
+        Reduction::Mean => 0.0,
+        Reduction::Sum | Reduction::None => 1.0,
+    }
+}
+
+/// Totals from per-row losses and z-loss terms, summed in row order (f64).
+pub(crate) fn totals(losses: &[f32], zs: &[f32], counted: usize, reduction: Reduction) -> CeTotals {
+    let l: f64 = losses.iter().map(|&v| v as f64).sum();
+    let z: f64 = zs.iter().map(|&v| v as f64).sum();
+    let d = match reduction {
+        Reduction::Mean => counted as f64,
+        _ => 1.0,
+    };
+    CeTotals {
+        loss: (l / d) as f32,
+        z_loss: (z / d) as f32,
+        counted,
+    }
+}
+
+/// Cross-entropy of `logits` `[rows, vocab]` against `targets` `[rows]`.
+///
+/// Writes per-row losses (0 for ignored rows; with z-loss included) into
+/// `losses` and, if `want_grad`, overwrites `logits` with the gradient of
+/// the reduced loss (Mean: divided by `counted`; Sum: unscaled; None:
+/// `d(row loss)/d(logits)`, which backward multiplies per row by
+/// grad_output): two reads and one write of the logits. A target outside
+/// `0..vocab` that is not `ignore_index` is an error before anything is
+/// written.
+pub fn cross_entropy_fwd<E: Elem>(
+    logits: &mut [E],
+    targets: &[i64],
+    vocab: usize,
+    o: &CeOptions,
+    losses: &mut [f32],
+    want_grad: bool,
+) -> Result<CeTotals, KernelError> {
+    cross_entropy_fwd_in(
+        pool::global(),
+        cpu::tier(),
+        logits,
+        targets,
+        vocab,
+        o,
+        losses,
+        want_grad,
+    )
+}
+
+/// [`cross_entropy_fwd`] on a given pool and tier (lowered to one the CPU supports).
+#[allow(clippy::too_many_arguments)]
+pub fn cross_entropy_fwd_in<E: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    logits: &mut [E],
+    targets: &[i64],
+    vocab: usize,
+    o: &CeOptions,
+    losses: &mut [f32],
+    want_grad: bool,
+) -> Result<CeTotals, KernelError> {
+    let rows = targets.len();
+    if vocab == 0 && rows > 0 {
+        return Err(KernelError::InvalidShape {
+            op: "cross_entropy",
+            why: "vocab is 0".into(),
+        });
+    }
+    check_len(
+        "cross-entropy logits",
+        checked_mul("cross_entropy", rows, vocab)?,
+        logits.len(),
+    )?;
+    check_len("cross-entropy losses", rows, losses.len())?;
+    let p = Prepared::new(o)?;
+    let counted = count_targets(targets, vocab, o.ignore_index)?;
+    let grad = want_grad.then(|| grad_scale(o.reduction, counted));
+    let mut zs = vec![0f32; rows];
+    ce_rows(
+        pool,
+        tier,
+        logits,
+        targets,
+        vocab,
+        p,
+        o.ignore_index,
+        grad,
+        None,
+        losses,
+        &mut zs,
+    );
+    Ok(totals(losses, &zs, counted, o.reduction))
+}
+
+/// The f64 reference's results.
+#[derive(Clone, Debug)]
+pub struct CeRef {
+    pub losses: Vec<f64>,
+    pub z_losses: Vec<f64>,
+    /// Reduced as [`CeTotals::loss`] / [`CeTotals::z_loss`].
+    pub loss: f64,
+    pub z_loss: f64,
+    pub counted: usize,
+    /// Gradient of the reduced loss (None: of each row's loss).
+    pub grad: Vec<f64>,
+}
+
+/// Scalar f64 reference of [`cross_entropy_fwd`], straight from the formulas.
+pub fn cross_entropy_ref(
+    logits: &[f64],
+    targets: &[i64],
+    vocab: usize,
+    o: &CeOptions,
+) -> Result<CeRef, KernelError> {
+    let rows = targets.len();
+    check_len(
+        "cross-entropy logits",
+        checked_mul("cross_entropy", rows, vocab)?,
+        logits.len(),
+    )?;
+    Prepared::new(o)?;
+    let counted = count_targets(targets, vocab, o.ignore_index)?;
+    let eps = o.label_smoothing as f64;
+    let s = o.z_loss as f64;
+    let v = vocab as f64;
+    let mut r = CeRef {
+        losses: vec![0.0; rows],
+        z_losses: vec![0.0; rows],
+        loss: 0.0,
+        z_loss: 0.0,
+        counted,
+        grad: vec![0.0; rows * vocab],
+    };
+    let scale = match o.reduction {
+        Reduction::Mean => 1.0 / counted.max(1) as f64,
+        _ => 1.0,
+    };
+    for (i, &t) in targets.iter().enumerate() {
+        if t == o.ignore_index {
+            continue;
+        }
+        let x = &logits[i * vocab..(i + 1) * vocab];
+        let z: Vec<f64> = x
+            .iter()
+            .map(|&x| match o.softcap {
+                Some(c) => c as f64 * (x / c as f64).tanh(),
+                None => x,
+            })
+            .collect();
+        let m = z.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let lse = m + z.iter().map(|&z| (z - m).exp()).sum::<f64>().ln();
+        let y = t as usize;
+        let nll = lse - z[y];
+        let smooth = z.iter().map(|&z| lse - z).sum::<f64>() / v;
+        let zl = s * lse * lse;
+        r.losses[i] = (1.0 - eps) * nll + eps * smooth + zl;
+        r.z_losses[i] = zl;
+        for (j, &zj) in z.iter().enumerate() {
+            let p = (zj - lse).exp();
+            let mut g = p * (1.0 + 2.0 * s * lse) - eps / v;
+            if j == y {
+                g -= 1.0 - eps;
+            }
+            if let Some(c) = o.softcap {
+                g *= 1.0 - (zj / c as f64).powi(2);
+            }
+            r.grad[i * vocab + j] = g * scale;
+        }
+    }
+    let d = match o.reduction {
+        Reduction::Mean => counted as f64,
+        _ => 1.0,
+    };
+    r.loss = r.losses.iter().sum::<f64>() / d;
+    r.z_loss = r.z_losses.iter().sum::<f64>() / d;
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn options() -> Vec<CeOptions> {
+        let mut v = Vec::new();
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            v.push(CeOptions {
+                reduction,
+                ..Default::default()
+            });
+            v.push(CeOptions {
+                ignore_index: -100,
+                label_smoothing: 0.1,
+                z_loss: 1e-4,
+                softcap: Some(30.0),
+                reduction,
+            });
+        }
+        v.push(CeOptions {
+            label_smoothing: 0.1,
+            ..Default::default()
+        });
+        v.push(CeOptions {
+            softcap: Some(5.0),
+            z_loss: 1e-2,
+            ..Default::default()
+        });
+        v
+    }
+
+    fn data(rng: &mut ChaCha8Rng, rows: usize, vocab: usize, scale: f32) -> (Vec<f32>, Vec<i64>) {
+        let x = (0..rows * vocab)
+            .map(|_| rng.random_range(-scale..scale))
+            .collect();
+        let t = (0..rows)
+            .map(|_| {
+                if rng.random_bool(0.3) {
+                    -100
+                } else {
+                    rng.random_range(0..vocab as i64)
+                }
+            })
+            .collect();
+        (x, t)
+    }
+
+    /// Every tier, f32 and bf16, against the f64 reference on the same
+    /// (already rounded) inputs. f32: the polynomial exp (~2e-7) and f32
+    /// sums over ≤ 32000 values keep losses within 2e-5 relative and
+    /// gradients within 1e-6 · scale absolute (probabilities ≤ 1). bf16:
+    /// losses are f32 internally (same bound); the stored gradient is
+    /// rounded once, 2^-8 relative, plus the same absolute slack.
+    fn check<E: Elem>(rows: usize, vocab: usize, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (x, t) = data(&mut rng, rows, vocab, 8.0);
+        let xe: Vec<E> = x.iter().map(|&v| E::from_f32(v)).collect();
+        let x64: Vec<f64> = xe.iter().map(|v| v.to_f32() as f64).collect();
+        let rel = if E::F32 { 0.0 } else { 1.0 / 256.0 };
+        for o in options() {
+            let want = cross_entropy_ref(&x64, &t, vocab, &o).unwrap();
+            let gs = match o.reduction {
+                Reduction::Mean => 1.0 / want.counted.max(1) as f64,
+                _ => 1.0,
+            };
+            for tier in cpu::available_tiers() {
+                let mut g = xe.clone();
+                let mut losses = vec![f32::NAN; rows];
+                let tot = cross_entropy_fwd_in(
+                    pool::global(),
+                    tier,
+                    &mut g,
+                    &t,
+                    vocab,
+                    &o,
+                    &mut losses,
+                    true,
+                )
+                .unwrap();
+                assert_eq!(tot.counted, want.counted);
+                for (i, (&l, &w)) in losses.iter().zip(&want.losses).enumerate() {
+                    assert!(
+                        (l as f64 - w).abs() <= 2e-5 * w.abs().max(1.0),
+                        "{tier} {o:?} row {i}: {l} vs {w}"
+                    );
+                }
+                if want.counted > 0 || o.reduction != Reduction::Mean {
+                    assert!(
+                        (tot.loss as f64 - want.loss).abs() <= 2e-5 * want.loss.abs().max(1.0),
+                        "{tier} {o:?}: {} vs {}",
+                        tot.loss,
+                        want.loss
+                    );
+                    assert!((tot.z_loss as f64 - want.z_loss).abs() <= 1e-6 + 1e-5 * want.z_loss);
+                }
+                for (k, (&gv, &w)) in g.iter().zip(&want.grad).enumerate() {
+                    let gv = gv.to_f32() as f64;
+                    assert!(
+                        (gv - w).abs() <= 1e-6 * gs + rel * w.abs(),
+                        "{tier} {o:?} elem {k}: {gv} vs {w}"
+                    );
+                }
+                // Without the gradient the logits stay as they were.
+                let mut same = xe.clone();
+                let mut l2 = vec![f32::NAN; rows];
+                cross_entropy_fwd_in(
+                    pool::global(),
+                    tier,
+                    &mut same,
+                    &t,
+                    vocab,
+                    &o,
+                    &mut l2,
+                    false,
+                )
+                .unwrap();
+                assert!(same
+                    .iter()
+                    .zip(&xe)
+                    .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits()));
+                assert_eq!(l2, losses);
+            }
+        }
+    }
+
+    #[test]
+    fn matches_the_reference_on_odd_shapes() {
+        for (i, &(rows, vocab)) in [(1, 1), (1, 7), (7, 31), (5, 123), (3, 257), (9, 41)]
+            .iter()
+            .enumerate()
+        {
+            check::<f32>(rows, vocab, i as u64);
+            check::<bf16>(rows, vocab, 100 + i as u64);
+        }
+    }
+
+    #[test]
+    fn matches_the_reference_at_a_realistic_vocab() {
+        check::<f32>(6, 32000, 7);
+        check::<bf16>(3, 32000, 8);
+    }
+
+    /// Central differences of the reference's losses (f64, h = 1e-6) agree
+    /// with its analytic gradient to 1e-6 (the truncation error is h²·f‴).
+    #[test]
+    fn reference_gradient_matches_finite_differences() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (rows, vocab) = (3, 5);
+        let x: Vec<f64> = (0..rows * vocab)
+            .map(|_| rng.random_range(-3.0..3.0))
+            .collect();
+        let t = vec![2, -100, 4];
+        for o in options() {
+            let r = cross_entropy_ref(&x, &t, vocab, &o).unwrap();
+            for k in 0..x.len() {
+                let h = 1e-6;
+                let (mut a, mut b) = (x.clone(), x.clone());
+                a[k] += h;
+                b[k] -= h;
+                let fa = cross_entropy_ref(&a, &t, vocab, &o).unwrap();
+                let fb = cross_entropy_ref(&b, &t, vocab, &o).unwrap();
+                let fd = match o.reduction {
+                    Reduction::None => (fa.losses[k / vocab] - fb.losses[k / vocab]) / (2.0 * h),
+                    _ => (fa.loss - fb.loss) / (2.0 * h),
+                };
+                assert!(
+                    (fd - r.grad[k]).abs() < 1e-6,
+                    "{o:?} {k}: {fd} vs {}",
+                    r.grad[k]
+                );
+            }
+        }
+    }
+
+    /// Rows are independent and totals summed in row order: 1 and 3
+    /// threads give the same bits.
+    #[test]
+    fn thread_count_does_not_change_the_result() {
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let (rows, vocab) = (37, 1001);
+        let (x, t) = data(&mut rng, rows, vocab, 5.0);
+        let o = options()[1];
+        let one = ThreadPool::new(1).unwrap();
+        let three = ThreadPool::new(3).unwrap();
+        let run = |pool: &ThreadPool| {
+            let mut g = x.clone();
+            let mut l = vec![0f32; rows];
+            let tot = cross_entropy_fwd_in(pool, cpu::tier(), &mut g, &t, vocab, &o, &mut l, true)
+                .unwrap();
+            (g, l, tot.loss.to_bits())
+        };
+        assert_eq!(run(&one), run(&three));
+    }
+
+    #[test]
+    fn bf16_rounding_is_halfs() {
+        let mut rng = ChaCha8Rng::seed_from_u64(12);
+        let mut xs: Vec<u32> = (0..100_000).map(|_| rng.random()).collect();
+        xs.extend([
+            0,
+            0x8000_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0x7f80_0001,
+        ]);
+        xs.extend([
+            0x7f7f_ffff,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x0000_8000,
+        ]);
+        for x in xs {
+            let v = f32::from_bits(x);
+            assert_eq!(round_bf16(v), bf16::from_f32(v).to_bits(), "{x:#x}");
+        }
+    }
+
+    #[test]
+    fn mean_with_every_row_ignored_is_nan_with_zero_gradient() {
+        let mut x = vec![1f32; 6];
+        let mut l = vec![f32::NAN; 2];
+        let o = CeOptions::default();
+        let t = cross_entropy_fwd(&mut x, &[-100, -100], 3, &o, &mut l, true).unwrap();
+        assert!(t.loss.is_nan());
+        assert_eq!(t.counted, 0);
+        assert_eq!(x, vec![0.0; 6]);
+        assert_eq!(l, vec![0.0; 2]);
+    }
+
+    #[test]
+    fn bad_arguments_are_errors_before_anything_is_written() {
+        let o = CeOptions::default();
+        let mut x = vec![1f32; 6];
+        let mut l = vec![f32::NAN; 2];
+        for t in [[0i64, 3], [-1, 0], [0, i64::MAX]] {
+            assert!(cross_entropy_fwd(&mut x, &t, 3, &o, &mut l, true).is_err());
+            assert_eq!(x, vec![1.0; 6]);
+            assert!(l.iter().all(|v| v.is_nan()));
+        }
+        assert!(cross_entropy_fwd(&mut x, &[0, 1], 4, &o, &mut l, true).is_err());
+        assert!(cross_entropy_fwd(&mut x, &[0], 3, &o, &mut l, true).is_err());
+        assert!(cross_entropy_fwd(&mut x, &[0, 1], 0, &o, &mut l, true).is_err());
+        assert!(cross_entropy_fwd(&mut x, &[0, 1], usize::MAX, &o, &mut l, true).is_err());
+        for bad in [
+            CeOptions {
+                label_smoothing: 1.5,
+                ..o
+            },
+            CeOptions {
+                softcap: Some(0.0),
+                ..o
+            },
+            CeOptions {
+                z_loss: f32::NAN,
+                ..o
+            },
+        ] {
+            assert!(cross_entropy_fwd(&mut x, &[0, 1], 3, &bad, &mut l, true).is_err());
+        }
+        assert_eq!(x, vec![1.0; 6]);
+    }
+}

@@ -1,0 +1,1070 @@
+//! Fused linear cross-entropy and fused linear JSD (Liger's
+//! `LigerFusedLinearCrossEntropy` / `LigerFusedLinearJSD`): the LM head's
+//! product and the loss in row chunks, so the `[n, v]` logits never exist.
+//!
+//! Per chunk of rows `c`: `L_c = x_c·Wᵀ (+ b)` (f32, accumulated in f32
+//! whatever the input type) → the cross-entropy row loop of
+//! [`super::cross_entropy`] overwrites `L_c` with `G_c = ∂loss/∂L_c`
+//! (times `row_scale`) → `dx_c = G_c·W`, `dW += G_cᵀ·x_c` (f32),
+//! `db += Σ_rows G_c`. All gradients are made in the forward; for
+//! reduction None, Python calls this again in backward with `row_scale` =
+//! grad_output. The JSD variant does the same with two heads: student and
+//! teacher logits divided by the temperature `T`, log-softmax, JSD with
+//! `beta` (gradient `g` w.r.t. the student's log-probabilities), then back
+//! through the log-softmax, `dz = (g − softmax·Σg)/T`, into the student's
+//! `dx` and `dW` only.
+//!
+//! Chunks have fixed boundaries (from the shapes, see [`chunk_rows`]) and
+//! `dW`/`db` are summed chunk by chunk in order, each GEMM element one
+//! chain over `k` in order, so nothing depends on the thread count.
+//!
+//! TEMPORARY: the GEMM here is a private, simple blocked one with the
+//! signature of `train::gemm::gemm` (being written on branch `wt-gemm`);
+//! it is to be swapped for that one.
+
+use std::ops::Range;
+
+use crate::cpu::{self, SimdTier};
+use crate::error::{check_len, checked_mul};
+use crate::lanes::Lanes;
+use crate::pool::{self, DisjointSlice, ThreadPool};
+#[cfg(target_arch = "x86_64")]
+use crate::vecops::Fused;
+use crate::vecops::{exp, Fma, Plain};
+use crate::KernelError;
+
+use super::cross_entropy::{
+    ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared,
+};
+use super::distill::jsd_rows_in;
+use super::Elem;
+
+// ---------------------------------------------------------------------
+// Temporary GEMM (same API as `train::gemm`), to be replaced.
+
+/// A strided view of a matrix: element `(i, j)` at `data[i·rs + j·cs]`.
+/// (Temporary, see the module doc; public for the bench.)
+#[doc(hidden)]
+#[derive(Clone, Copy)]
+pub struct MatRef<'a, T> {
+    data: &'a [T],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a, T> MatRef<'a, T> {
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
+        assert!(data.len() >= rows * cols, "MatRef: data too short");
+        MatRef {
+            data,
+            rows,
+            cols,
+            rs: cols,
+            cs: 1,
+        }
+    }
+
+    pub fn t(self) -> Self {
+        MatRef {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+}
+
+/// Columns of `B` (rows of `W`) per block of the dot form: 64 rows of 512
+/// values are 128 KiB, kept in L2 while every row of `A` passes them.
+const NB: usize = 64;
+/// Rows of `B` per block of the axpy form (the same reasoning).
+const KB: usize = 64;
+
+#[inline(always)]
+fn gemm_rows<A: Lanes, B: Lanes, F: Fma>(
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    r: Range<usize>,
+    alpha: f32,
+    beta: f32,
+) {
+    let (k, n) = (a.cols, b.cols);
+    for i in 0..r.len() {
+        let row = &mut c[i * ldc..i * ldc + n];
+        if beta == 0.0 {
+            row.fill(0.0);
+        } else if beta != 1.0 {
+            row.iter_mut().for_each(|v| *v *= beta);
+        }
+    }
+    if b.cs == 1 {
+        // c[i, :] += alpha·a[i, k]·b[k, :], k in blocks kept in cache.
+        for k0 in (0..k).step_by(KB) {
+            let k1 = (k0 + KB).min(k);
+            for (ii, i) in r.clone().enumerate() {
+                let row = &mut c[ii * ldc..ii * ldc + n];
+                for kk in k0..k1 {
+                    let av = alpha * a.data[i * a.rs + kk * a.cs].to_f32();
+                    let br = &b.data[kk * b.rs..kk * b.rs + n];
+                    for (cv, bv) in row.iter_mut().zip(br) {
+                        *cv = F::fma(av, bv.to_f32(), *cv);
+                    }
+                }
+            }
+        }
+    } else {
+        // c[i, j] += alpha·dot(a[i, :], b[:, j]), b's columns in blocks.
+        for j0 in (0..n).step_by(NB) {
+            let j1 = (j0 + NB).min(n);
+            for (ii, i) in r.clone().enumerate() {
+                for j in j0..j1 {
+                    let mut l = [0f32; 8];
+                    let mut kk = 0;
+                    if a.cs == 1 && b.rs == 1 {
+                        let ar = &a.data[i * a.rs..i * a.rs + k];
+                        let bc = &b.data[j * b.cs..j * b.cs + k];
+                        let mut ca = ar.chunks_exact(8);
+                        let mut cb = bc.chunks_exact(8);
+                        for (x, y) in (&mut ca).zip(&mut cb) {
+                            for ((lv, xv), yv) in l.iter_mut().zip(x).zip(y) {
+                                *lv = F::fma(xv.to_f32(), yv.to_f32(), *lv);
+                            }
+                        }
+                        kk = k - ca.remainder().len();
+                    }
+                    let mut s = (l[0] + l[4]) + (l[1] + l[5]) + ((l[2] + l[6]) + (l[3] + l[7]));
+                    for q in kk..k {
+                        s = F::fma(
+                            a.data[i * a.rs + q * a.cs].to_f32(),
+                            b.data[q * b.rs + j * b.cs].to_f32(),
+                            s,
+                        );
+                    }
+                    c[ii * ldc + j] += alpha * s;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn gemm_rows_avx2<A: Lanes, B: Lanes>(
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    r: Range<usize>,
+    alpha: f32,
+    beta: f32,
+) {
+    gemm_rows::<A, B, Fused>(a, b, c, ldc, r, alpha, beta)
+}
+
+/// `C = beta·C + alpha·A·B` (`A` `[m×k]`, `B` `[k×n]`, `C` row-major f32
+/// with leading dimension `ldc`; beta 0: `C` not read), rows of `C` in
+/// parallel, each element one chain over `k` in order.
+///
+/// # Panics
+/// If the shapes do not fit (the callers here check theirs).
+#[doc(hidden)]
+pub fn gemm<A: Lanes, B: Lanes>(
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) {
+    gemm_in(pool::global(), cpu::tier(), a, b, c, ldc, alpha, beta)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_in<A: Lanes, B: Lanes>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) {
+    let (m, n) = (a.rows, b.cols);
+    assert_eq!(a.cols, b.rows, "gemm: inner dimensions");
+    assert!(
+        ldc >= n && (m == 0 || (m - 1) * ldc + n <= c.len()),
+        "gemm: C"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let tasks = m.min(pool.threads() * 4);
+    let cs = DisjointSlice::new(c);
+    pool.run(tasks, &|t| {
+        let r = pool::chunk(m, tasks, 1, t);
+        if r.is_empty() {
+            return;
+        }
+        // SAFETY: task `t` alone owns rows `r` of C (`chunk` ranges are disjoint).
+        let cr = unsafe { cs.range(r.start * ldc..((r.end - 1) * ldc + n)) };
+        match cpu::clamp(tier) {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
+            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+                gemm_rows_avx2(a, b, cr, ldc, r, alpha, beta)
+            },
+            _ => gemm_rows::<A, B, Plain>(a, b, cr, ldc, r, alpha, beta),
+        }
+    });
+}
+
+// ---------------------------------------------------------------------
+
+/// Gradients [`linear_cross_entropy`] writes.
+pub struct LinearCeGrads<'a, E> {
+    /// `[n, h]`.
+    pub dx: &'a mut [E],
+    /// `[v, h]`, overwritten.
+    pub dw: &'a mut [f32],
+    /// `[v]`, overwritten.
+    pub dbias: Option<&'a mut [f32]>,
+}
+
+/// Most f32 values a chunk's logits hold: 64 MiB.
+const CHUNK_CAP: usize = 16 << 20;
+/// Fewest rows a chunk has (unless `n` is smaller).
+const MIN_CHUNK_ROWS: usize = 64;
+
+/// Rows per chunk: the chunk's f32 logits hold about `n·h` values (no more
+/// than `x` itself, Liger's budget) or [`CHUNK_CAP`], whichever is smaller;
+/// at (n, h, v) = (8192, 4096, 128256) that is 130 rows, 64 MiB instead of
+/// 4.2 GB of logits. At least [`MIN_CHUNK_ROWS`] rows: every chunk streams
+/// all of `W` three times (logits, `dx`, `dW`: `3·v·h` values for `6·c·v·h`
+/// flops), so a chunk of `c` rows does `2c` flops per value of `W` read: 128
+/// per f32 value (32 per byte) at 64 rows, above what 2–16 cores do per
+/// byte of DRAM bandwidth, where Liger's budget alone gives 16 rows at
+/// (1024, 512, 32000), 8 flops per byte, bound by reading `W`.
+pub fn chunk_rows(n: usize, h: usize, v: usize) -> usize {
+    let budget = n.saturating_mul(h).min(CHUNK_CAP);
+    (budget / v.max(1)).max(MIN_CHUNK_ROWS).min(n).max(1)
+}
+
+/// Fused linear cross-entropy: `x` `[n, h]` times `w` `[v, h]`ᵀ (+ `bias`
+/// `[v]`) → cross-entropy per row as [`super::cross_entropy::cross_entropy_fwd`],
+/// in row chunks ([`chunk_rows`]) so the `[n, v]` logits never exist.
+/// With `grads`, `dx_c = G_c·W`, `dW = Σ G_cᵀ·x_c` (f32), `dbias = Σ G_c`
+/// in the same pass; `row_scale` (`[n]`) multiplies row i's gradient.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_cross_entropy<E: Elem>(
+    x: &[E],
+    w: &[E],
+    bias: Option<&[E]>,
+    targets: &[i64],
+    hidden: usize,
+    vocab: usize,
+    o: &CeOptions,
+    row_scale: Option<&[f32]>,
+    losses: &mut [f32],
+    grads: Option<LinearCeGrads<'_, E>>,
+) -> Result<CeTotals, KernelError> {
+    let n = targets.len();
+    linear_cross_entropy_with_chunk(
+        chunk_rows(n, hidden, vocab),
+        x,
+        w,
+        bias,
+        targets,
+        hidden,
+        vocab,
+        o,
+        row_scale,
+        losses,
+        grads,
+    )
+}
+
+/// [`linear_cross_entropy`] with a given number of rows per chunk (tests).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_cross_entropy_with_chunk<E: Elem>(
+    chunk: usize,
+    x: &[E],
+    w: &[E],
+    bias: Option<&[E]>,
+    targets: &[i64],
+    hidden: usize,
+    vocab: usize,
+    o: &CeOptions,
+    row_scale: Option<&[f32]>,
+    losses: &mut [f32],
+    mut grads: Option<LinearCeGrads<'_, E>>,
+) -> Result<CeTotals, KernelError> {
+    const OP: &str = "linear_cross_entropy";
+    let n = targets.len();
+    let (h, v) = (hidden, vocab);
+    if v == 0 || chunk == 0 {
+        return Err(KernelError::InvalidShape {
+            op: OP,
+            why: format!("vocab {v} and chunk rows {chunk} must be positive"),
+        });
+    }
+    check_len("linear-ce x", checked_mul(OP, n, h)?, x.len())?;
+    check_len("linear-ce w", checked_mul(OP, v, h)?, w.len())?;
+    checked_mul(OP, chunk.min(n.max(1)), v)?;
+    if let Some(b) = bias {
+        check_len("linear-ce bias", v, b.len())?;
+    }
+    check_len("linear-ce losses", n, losses.len())?;
+    if let Some(r) = row_scale {
+        check_len("linear-ce row_scale", n, r.len())?;
+    }
+    if let Some(g) = &grads {
+        check_len("linear-ce dx", n * h, g.dx.len())?;
+        check_len("linear-ce dw", v * h, g.dw.len())?;
+        if let Some(db) = &g.dbias {
+            check_len("linear-ce dbias", v, db.len())?;
+        }
+    }
+    let p = Prepared::new(o)?;
+    let counted = count_targets(targets, v, o.ignore_index)?;
+    let scale = grad_scale(o.reduction, counted);
+    let (pool, tier) = (pool::global(), cpu::tier());
+    let chunk = chunk.min(n.max(1));
+    let mut logits = vec![0f32; chunk * v];
+    let mut dxc = vec![0f32; if grads.is_some() { chunk * h } else { 0 }];
+    let mut zs = vec![0f32; n];
+    if let Some(g) = grads.as_mut() {
+        g.dw.fill(0.0);
+        if let Some(db) = g.dbias.as_deref_mut() {
+            db.fill(0.0);
+        }
+    }
+    let wm = MatRef::row_major(w, v, h);
+    for c0 in (0..n).step_by(chunk) {
+        let c1 = (c0 + chunk).min(n);
+        let cr = c1 - c0;
+        let lg = &mut logits[..cr * v];
+        let xc = MatRef::row_major(&x[c0 * h..c1 * h], cr, h);
+        let beta = match bias {
+            Some(b) => {
+                fill_rows(pool, lg, v, b);
+                1.0
+            }
+            None => 0.0,
+        };
+        gemm_in(pool, tier, xc, wm.t(), lg, v, 1.0, beta);
+        ce_rows(
+            pool,
+            tier,
+            lg,
+            &targets[c0..c1],
+            v,
+            p,
+            o.ignore_index,
+            grads.is_some().then_some(scale),
+            row_scale.map(|r| &r[c0..c1]),
+            &mut losses[c0..c1],
+            &mut zs[c0..c1],
+        );
+        if let Some(g) = grads.as_mut() {
+            let gm = MatRef::row_major(&*lg, cr, v);
+            let dx = &mut dxc[..cr * h];
+            gemm_in(pool, tier, gm, wm, dx, h, 1.0, 0.0);
+            for (d, s) in g.dx[c0 * h..c1 * h].iter_mut().zip(dx.iter()) {
+                *d = E::from_f32(*s);
+            }
+            gemm_in(pool, tier, gm.t(), xc, g.dw, h, 1.0, 1.0);
+            if let Some(db) = g.dbias.as_deref_mut() {
+                for row in lg.chunks_exact(v) {
+                    for (d, s) in db.iter_mut().zip(row) {
+                        *d += s;
+                    }
+                }
+            }
+        }
+    }
+    Ok(totals(losses, &zs, counted, o.reduction))
+}
+
+/// Every row of `rows` (`width` each) set to `src` widened, in parallel.
+fn fill_rows<E: Lanes>(pool: &ThreadPool, rows: &mut [f32], width: usize, src: &[E]) {
+    let n = rows.len() / width;
+    let tasks = n.min(pool.threads() * 4).max(1);
+    let d = DisjointSlice::new(rows);
+    pool.run(tasks, &|t| {
+        let r = pool::chunk(n, tasks, 1, t);
+        // SAFETY: task `t` alone owns rows `r` (`chunk` ranges are disjoint).
+        let out = unsafe { d.range(r.start * width..r.end * width) };
+        for row in out.chunks_exact_mut(width) {
+            for (o, s) in row.iter_mut().zip(src) {
+                *o = s.to_f32();
+            }
+        }
+    });
+}
+
+#[inline(always)]
+fn log_softmax_body<F: Fma>(rows: &mut [f32], v: usize, inv_t: f32) {
+    for row in rows.chunks_exact_mut(v) {
+        let mut m = f32::NEG_INFINITY;
+        for z in row.iter_mut() {
+            *z *= inv_t;
+            m = if *z > m { *z } else { m };
+        }
+        let mut l = [0f32; 8];
+        let mut it = row.chunks_exact(8);
+        for c in &mut it {
+            for (a, &z) in l.iter_mut().zip(c) {
+                *a += exp::<F>(z - m);
+            }
+        }
+        let mut s: f32 = l.iter().sum();
+        for &z in it.remainder() {
+            s += exp::<F>(z - m);
+        }
+        let lse = m + s.ln();
+        row.iter_mut().for_each(|z| *z -= lse);
+    }
+}
+
+/// `dz = (g − e^{log q}·Σg)/T` in place of `g`, row by row.
+#[inline(always)]
+fn softmax_back_body<F: Fma>(g: &mut [f32], logq: &[f32], v: usize, inv_t: f32) {
+    for (gr, lr) in g.chunks_exact_mut(v).zip(logq.chunks_exact(v)) {
+        let s: f32 = gr.iter().sum();
+        for (gv, &l) in gr.iter_mut().zip(lr) {
+            *gv = (*gv - exp::<F>(l) * s) * inv_t;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn log_softmax_avx2(rows: &mut [f32], v: usize, inv_t: f32) {
+    log_softmax_body::<Fused>(rows, v, inv_t)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_back_avx2(g: &mut [f32], logq: &[f32], v: usize, inv_t: f32) {
+    softmax_back_body::<Fused>(g, logq, v, inv_t)
+}
+
+/// Rows of `a` (and of `b`, the same shape) in parallel.
+fn par_rows(
+    pool: &ThreadPool,
+    a: &mut [f32],
+    b: &[f32],
+    v: usize,
+    f: &(dyn Fn(&mut [f32], &[f32]) + Sync),
+) {
+    let n = a.len() / v;
+    let tasks = n.min(pool.threads() * 4).max(1);
+    let d = DisjointSlice::new(a);
+    pool.run(tasks, &|t| {
+        let r = pool::chunk(n, tasks, 1, t);
+        let e = r.start * v..r.end * v;
+        // SAFETY: task `t` alone owns rows `r` (`chunk` ranges are disjoint).
+        let out = unsafe { d.range(e.clone()) };
+        f(out, if b.is_empty() { b } else { &b[e] });
+    });
+}
+
+/// Fused linear JSD for distillation (Liger's `LigerFusedLinearJSD`):
+/// student `x_s` `[n, hs]`·`w_s` `[v, hs]`ᵀ and teacher `x_t` `[n, ht]`·
+/// `w_t` `[v, ht]`ᵀ, both divided by `temperature`, log-softmax, JSD with
+/// `beta` as [`super::distill::jsd_fwd`] (labels/ignore_index), chunked as
+/// [`linear_cross_entropy`]; gradients for the student only (`dx_s`
+/// `[n, hs]`, `dw_s` `[v, hs]` f32, overwritten). Returns `(loss, counted)`.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_jsd<E: Elem>(
+    x_s: &[E],
+    w_s: &[E],
+    x_t: &[E],
+    w_t: &[E],
+    labels: Option<&[i64]>,
+    hs: usize,
+    ht: usize,
+    vocab: usize,
+    beta: f32,
+    ignore_index: i64,
+    temperature: f32,
+    dx_s: Option<&mut [E]>,
+    dw_s: Option<&mut [f32]>,
+) -> Result<(f32, usize), KernelError> {
+    let n = x_s.len() / hs.max(1);
+    linear_jsd_with_chunk(
+        chunk_rows(n, hs.max(ht), vocab),
+        x_s,
+        w_s,
+        x_t,
+        w_t,
+        labels,
+        hs,
+        ht,
+        vocab,
+        beta,
+        ignore_index,
+        temperature,
+        dx_s,
+        dw_s,
+    )
+}
+
+/// [`linear_jsd`] with a given number of rows per chunk (tests).
+#[allow(clippy::too_many_arguments)]
+pub fn linear_jsd_with_chunk<E: Elem>(
+    chunk: usize,
+    x_s: &[E],
+    w_s: &[E],
+    x_t: &[E],
+    w_t: &[E],
+    labels: Option<&[i64]>,
+    hs: usize,
+    ht: usize,
+    vocab: usize,
+    beta: f32,
+    ignore_index: i64,
+    temperature: f32,
+    mut dx_s: Option<&mut [E]>,
+    mut dw_s: Option<&mut [f32]>,
+) -> Result<(f32, usize), KernelError> {
+    const OP: &str = "linear_jsd";
+    let v = vocab;
+    let bad = |why: String| KernelError::InvalidShape { op: OP, why };
+    if v == 0 || hs == 0 || ht == 0 || chunk == 0 {
+        return Err(bad(format!(
+            "vocab {v}, hidden sizes {hs}/{ht} and chunk rows {chunk} must be positive"
+        )));
+    }
+    if !(temperature > 0.0 && temperature.is_finite()) {
+        return Err(bad(format!("temperature {temperature} is not positive")));
+    }
+    if !(0.0..=1.0).contains(&beta) {
+        return Err(bad(format!("beta {beta} is not in 0..=1")));
+    }
+    if !x_s.len().is_multiple_of(hs) {
+        return Err(bad(format!("{} values are not rows of {hs}", x_s.len())));
+    }
+    let n = x_s.len() / hs;
+    check_len("linear-jsd x_t", checked_mul(OP, n, ht)?, x_t.len())?;
+    check_len("linear-jsd w_s", checked_mul(OP, v, hs)?, w_s.len())?;
+    check_len("linear-jsd w_t", checked_mul(OP, v, ht)?, w_t.len())?;
+    checked_mul(OP, chunk.min(n.max(1)), v)?;
+    if let Some(d) = &dx_s {
+        check_len("linear-jsd dx_s", n * hs, d.len())?;
+    }
+    if let Some(d) = &dw_s {
+        check_len("linear-jsd dw_s", v * hs, d.len())?;
+    }
+    let counted = match labels {
+        Some(l) => {
+            check_len("linear-jsd labels", n, l.len())?;
+            l.iter().filter(|&&x| x != ignore_index).count()
+        }
+        None => n,
+    };
+    let scale = if counted > 0 {
+        1.0 / counted as f32
+    } else {
+        0.0
+    };
+    let want = dx_s.is_some() || dw_s.is_some();
+    let (pool, tier) = (pool::global(), cpu::tier());
+    let tier = cpu::clamp(tier);
+    let chunk = chunk.min(n.max(1));
+    let inv_t = 1.0 / temperature;
+    let mut s_buf = vec![0f32; chunk * v];
+    let mut t_buf = vec![0f32; chunk * v];
+    let mut g_buf = vec![0f32; chunk * v];
+    let mut dxc = vec![0f32; if dx_s.is_some() { chunk * hs } else { 0 }];
+    let mut sums = vec![0f32; n];
+    if let Some(d) = dw_s.as_deref_mut() {
+        d.fill(0.0);
+    }
+    let lsm = |r: &mut [f32], _: &[f32]| match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { log_softmax_avx2(r, v, inv_t) },
+        _ => log_softmax_body::<Plain>(r, v, inv_t),
+    };
+    let back = |g: &mut [f32], l: &[f32]| match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { softmax_back_avx2(g, l, v, inv_t) },
+        _ => softmax_back_body::<Plain>(g, l, v, inv_t),
+    };
+    let ws = MatRef::row_major(w_s, v, hs);
+    let wt = MatRef::row_major(w_t, v, ht);
+    for c0 in (0..n).step_by(chunk) {
+        let c1 = (c0 + chunk).min(n);
+        let cr = c1 - c0;
+        let (sb, tb, gb) = (
+            &mut s_buf[..cr * v],
+            &mut t_buf[..cr * v],
+            &mut g_buf[..cr * v],
+        );
+        let xs = MatRef::row_major(&x_s[c0 * hs..c1 * hs], cr, hs);
+        let xt = MatRef::row_major(&x_t[c0 * ht..c1 * ht], cr, ht);
+        gemm_in(pool, tier, xs, ws.t(), sb, v, 1.0, 0.0);
+        gemm_in(pool, tier, xt, wt.t(), tb, v, 1.0, 0.0);
+        par_rows(pool, sb, &[], v, &lsm);
+        par_rows(pool, tb, &[], v, &lsm);
+        jsd_rows_in(
+            pool,
+            tier,
+            &*sb,
+            &*tb,
+            labels.map(|l| &l[c0..c1]),
+            v,
+            beta,
+            ignore_index,
+            scale,
+            gb,
+            &mut sums[c0..c1],
+        )?;
+        if want {
+            par_rows(pool, gb, sb, v, &back);
+            let gm = MatRef::row_major(&*gb, cr, v);
+            if let Some(d) = dx_s.as_deref_mut() {
+                let dx = &mut dxc[..cr * hs];
+                gemm_in(pool, tier, gm, ws, dx, hs, 1.0, 0.0);
+                for (o, s) in d[c0 * hs..c1 * hs].iter_mut().zip(dx.iter()) {
+                    *o = E::from_f32(*s);
+                }
+            }
+            if let Some(d) = dw_s.as_deref_mut() {
+                gemm_in(pool, tier, gm.t(), xs, d, hs, 1.0, 1.0);
+            }
+        }
+    }
+    let total: f64 = sums.iter().map(|&s| s as f64).sum();
+    Ok(((total * scale as f64) as f32, counted))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::cross_entropy::cross_entropy_ref;
+    use super::super::distill::jsd_ref;
+    use super::super::Reduction;
+    use super::*;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn rand_vec<E: Elem>(rng: &mut ChaCha8Rng, len: usize, s: f32) -> (Vec<E>, Vec<f64>) {
+        let e: Vec<E> = (0..len)
+            .map(|_| E::from_f32(rng.random_range(-s..s)))
+            .collect();
+        let d = e.iter().map(|v| v.to_f32() as f64).collect();
+        (e, d)
+    }
+
+    /// `a` `[m, k]` · `b` `[n, k]`ᵀ in f64.
+    fn mm_bt(a: &[f64], b: &[f64], m: usize, k: usize, n: usize) -> Vec<f64> {
+        let mut c = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|q| a[i * k + q] * b[j * k + q]).sum();
+            }
+        }
+        c
+    }
+
+    /// `dx = G·W`, `dW = Gᵀ·x` in f64.
+    fn back(g: &[f64], w: &[f64], x: &[f64], n: usize, h: usize, v: usize) -> (Vec<f64>, Vec<f64>) {
+        let mut dx = vec![0.0; n * h];
+        let mut dw = vec![0.0; v * h];
+        for i in 0..n {
+            for j in 0..v {
+                let gv = g[i * v + j];
+                for q in 0..h {
+                    dx[i * h + q] += gv * w[j * h + q];
+                    dw[j * h + q] += gv * x[i * h + q];
+                }
+            }
+        }
+        (dx, dw)
+    }
+
+    /// `|got − want| ≤ atol + rtol·max|want|` elementwise.
+    fn close(what: &str, got: impl Iterator<Item = f64>, want: &[f64], rtol: f64, atol: f64) {
+        let m = want.iter().fold(0f64, |a, &b| a.max(b.abs()));
+        for (k, (g, &w)) in got.zip(want).enumerate() {
+            assert!(
+                (g - w).abs() <= atol + rtol * m,
+                "{what} [{k}]: {g} vs {w} (max {m})"
+            );
+        }
+    }
+
+    /// Against `cross_entropy_ref` on f64 logits of the same (rounded)
+    /// inputs. The f32 GEMMs (sums over h ≤ 64 of products ≤ 1) and the
+    /// f32 loss give losses within 1e-4 relative; gradients within 1e-4 of
+    /// their largest magnitude (f32: GEMM rounding over v ≤ 1000 terms);
+    /// bf16 dx is rounded once more (2^-8 of its magnitude).
+    fn check<E: Elem>(n: usize, h: usize, v: usize, chunk: usize, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (x, x64) = rand_vec::<E>(&mut rng, n * h, 1.0);
+        let (w, w64) = rand_vec::<E>(&mut rng, v * h, 0.5);
+        let (b, b64) = rand_vec::<E>(&mut rng, v, 1.0);
+        let t: Vec<i64> = (0..n)
+            .map(|_| {
+                if rng.random_bool(0.5) {
+                    -100
+                } else {
+                    rng.random_range(0..v as i64)
+                }
+            })
+            .collect();
+        let rs: Vec<f32> = (0..n).map(|_| rng.random_range(0.5..2.0)).collect();
+        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
+        for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
+            for (with_bias, opts) in [(false, 0), (true, 1)] {
+                let o = if opts == 0 {
+                    CeOptions {
+                        reduction,
+                        ..Default::default()
+                    }
+                } else {
+                    CeOptions {
+                        ignore_index: -100,
+                        label_smoothing: 0.1,
+                        z_loss: 1e-4,
+                        softcap: Some(30.0),
+                        reduction,
+                    }
+                };
+                let use_rs = reduction == Reduction::None;
+                let mut logits = mm_bt(&x64, &w64, n, h, v);
+                if with_bias {
+                    for r in logits.chunks_exact_mut(v) {
+                        r.iter_mut().zip(&b64).for_each(|(l, b)| *l += b);
+                    }
+                }
+                let want = cross_entropy_ref(&logits, &t, v, &o).unwrap();
+                let mut g = want.grad.clone();
+                if use_rs {
+                    for (i, r) in g.chunks_exact_mut(v).enumerate() {
+                        r.iter_mut().for_each(|e| *e *= rs[i] as f64);
+                    }
+                }
+                let (wdx, wdw) = back(&g, &w64, &x64, n, h, v);
+                let wdb: Vec<f64> = (0..v).map(|j| (0..n).map(|i| g[i * v + j]).sum()).collect();
+                let mut losses = vec![f32::NAN; n];
+                let mut dx = vec![E::from_f32(f32::NAN); n * h];
+                let mut dw = vec![f32::NAN; v * h];
+                let mut db = vec![f32::NAN; v];
+                let tot = linear_cross_entropy_with_chunk(
+                    chunk,
+                    &x,
+                    &w,
+                    with_bias.then_some(&b[..]),
+                    &t,
+                    h,
+                    v,
+                    &o,
+                    use_rs.then_some(&rs[..]),
+                    &mut losses,
+                    Some(LinearCeGrads {
+                        dx: &mut dx,
+                        dw: &mut dw,
+                        dbias: Some(&mut db),
+                    }),
+                )
+                .unwrap();
+                let what = format!("n {n} h {h} v {v} chunk {chunk} {o:?} bias {with_bias}");
+                assert_eq!(tot.counted, want.counted);
+                close(
+                    &what,
+                    losses.iter().map(|&l| l as f64),
+                    &want.losses,
+                    1e-4,
+                    1e-5,
+                );
+                if want.counted > 0 {
+                    assert!((tot.loss as f64 - want.loss).abs() <= 1e-4 * want.loss.abs().max(1.0));
+                }
+                close(
+                    &what,
+                    dx.iter().map(|v| v.to_f32() as f64),
+                    &wdx,
+                    dx_tol,
+                    1e-7,
+                );
+                close(&what, dw.iter().map(|&v| v as f64), &wdw, 1e-4, 1e-7);
+                close(&what, db.iter().map(|&v| v as f64), &wdb, 1e-4, 1e-7);
+                // Loss only: the same losses, nothing else touched.
+                let mut l2 = vec![f32::NAN; n];
+                let tot2 = linear_cross_entropy_with_chunk(
+                    chunk,
+                    &x,
+                    &w,
+                    with_bias.then_some(&b[..]),
+                    &t,
+                    h,
+                    v,
+                    &o,
+                    None,
+                    &mut l2,
+                    None,
+                )
+                .unwrap();
+                assert_eq!(l2, losses);
+                assert_eq!(tot2.loss.to_bits(), tot.loss.to_bits());
+            }
+        }
+    }
+
+    #[test]
+    fn matches_cross_entropy_of_explicit_logits() {
+        for (i, &(n, h, v, chunk)) in [
+            (1, 1, 1, 1),
+            (7, 31, 123, 3),
+            (47, 31, 123, 16),
+            (130, 64, 1000, 48),
+        ]
+        .iter()
+        .enumerate()
+        {
+            check::<f32>(n, h, v, chunk, i as u64);
+            check::<bf16>(n, h, v, chunk, 10 + i as u64);
+        }
+        // The default chunking too.
+        check::<f32>(47, 31, 123, chunk_rows(47, 31, 123), 99);
+    }
+
+    #[test]
+    fn chunk_rows_follow_the_budget() {
+        assert_eq!(chunk_rows(8192, 4096, 128_256), 130);
+        assert_eq!(chunk_rows(1024, 512, 32000), 64);
+        assert_eq!(chunk_rows(4096, 4096, 32000), 524);
+        assert_eq!(chunk_rows(7, 31, 123), 7);
+        assert_eq!(chunk_rows(0, 31, 123), 1);
+    }
+
+    /// f64 reference of the fused linear JSD: `(loss, dx_s, dw_s)`.
+    #[allow(clippy::too_many_arguments)]
+    fn jsd_linear_ref(
+        xs: &[f64],
+        ws: &[f64],
+        xt: &[f64],
+        wt: &[f64],
+        labels: Option<&[i64]>,
+        (n, hs, ht, v): (usize, usize, usize, usize),
+        beta: f64,
+        temp: f64,
+    ) -> (f64, Vec<f64>, Vec<f64>) {
+        let lsm = |z: Vec<f64>| -> Vec<f64> {
+            let mut out = Vec::with_capacity(z.len());
+            for r in z.chunks_exact(v) {
+                let r: Vec<f64> = r.iter().map(|a| a / temp).collect();
+                let m = r.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let lse = m + r.iter().map(|a| (a - m).exp()).sum::<f64>().ln();
+                out.extend(r.iter().map(|a| a - lse));
+            }
+            out
+        };
+        let lq = lsm(mm_bt(xs, ws, n, hs, v));
+        let lp = lsm(mm_bt(xt, wt, n, ht, v));
+        let (loss, _, g) = jsd_ref(&lq, &lp, labels, v, beta, -100);
+        let mut dz = g.clone();
+        for (r, l) in dz.chunks_exact_mut(v).zip(lq.chunks_exact(v)) {
+            let s: f64 = r.iter().sum();
+            for (a, &lv) in r.iter_mut().zip(l) {
+                *a = (*a - lv.exp() * s) / temp;
+            }
+        }
+        let (dx, dw) = back(&dz, ws, xs, n, hs, v);
+        (loss, dx, dw)
+    }
+
+    fn check_jsd<E: Elem>(n: usize, hs: usize, ht: usize, v: usize, chunk: usize, seed: u64) {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let (xs, xs64) = rand_vec::<E>(&mut rng, n * hs, 1.0);
+        let (ws, ws64) = rand_vec::<E>(&mut rng, v * hs, 0.5);
+        let (xt, xt64) = rand_vec::<E>(&mut rng, n * ht, 1.0);
+        let (wt, wt64) = rand_vec::<E>(&mut rng, v * ht, 0.5);
+        let labels: Vec<i64> = (0..n)
+            .map(|_| if rng.random_bool(0.5) { -100 } else { 0 })
+            .collect();
+        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
+        for beta in [0.0f32, 0.5, 1.0] {
+            for lab in [None, Some(&labels[..])] {
+                let temp = 2.0f32;
+                let (wl, wdx, wdw) = jsd_linear_ref(
+                    &xs64,
+                    &ws64,
+                    &xt64,
+                    &wt64,
+                    lab,
+                    (n, hs, ht, v),
+                    beta as f64,
+                    temp as f64,
+                );
+                let mut dx = vec![E::from_f32(f32::NAN); n * hs];
+                let mut dw = vec![f32::NAN; v * hs];
+                let (l, _) = linear_jsd_with_chunk(
+                    chunk,
+                    &xs,
+                    &ws,
+                    &xt,
+                    &wt,
+                    lab,
+                    hs,
+                    ht,
+                    v,
+                    beta,
+                    -100,
+                    temp,
+                    Some(&mut dx),
+                    Some(&mut dw),
+                )
+                .unwrap();
+                let what = format!("jsd n {n} v {v} beta {beta}");
+                assert!(
+                    (l as f64 - wl).abs() <= 1e-6 + 1e-4 * wl.abs(),
+                    "{what}: {l} vs {wl}"
+                );
+                close(
+                    &what,
+                    dx.iter().map(|v| v.to_f32() as f64),
+                    &wdx,
+                    dx_tol,
+                    1e-7,
+                );
+                close(&what, dw.iter().map(|&v| v as f64), &wdw, 1e-4, 1e-7);
+            }
+        }
+    }
+
+    #[test]
+    fn linear_jsd_matches_the_reference() {
+        for (i, &(n, hs, ht, v, chunk)) in
+            [(1, 1, 1, 2, 1), (7, 31, 17, 123, 3), (47, 31, 40, 123, 16)]
+                .iter()
+                .enumerate()
+        {
+            check_jsd::<f32>(n, hs, ht, v, chunk, 40 + i as u64);
+            check_jsd::<bf16>(n, hs, ht, v, chunk, 50 + i as u64);
+        }
+    }
+
+    #[test]
+    fn thread_count_does_not_change_the_gemm() {
+        let mut rng = ChaCha8Rng::seed_from_u64(5);
+        let (a, _) = rand_vec::<f32>(&mut rng, 37 * 29, 1.0);
+        let (b, _) = rand_vec::<f32>(&mut rng, 41 * 29, 1.0);
+        let run = |pool: &ThreadPool| {
+            let mut c = vec![0f32; 37 * 41];
+            let am = MatRef::row_major(&a[..], 37, 29);
+            let bm = MatRef::row_major(&b[..], 41, 29);
+            gemm_in(pool, cpu::tier(), am, bm.t(), &mut c, 41, 1.0, 0.0);
+            let mut d = vec![0f32; 29 * 29];
+            gemm_in(pool, cpu::tier(), am.t(), am, &mut d, 29, 1.0, 0.0);
+            (c, d)
+        };
+        assert_eq!(
+            run(&ThreadPool::new(1).unwrap()),
+            run(&ThreadPool::new(3).unwrap())
+        );
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let x = [0f32; 6];
+        let w = [0f32; 9];
+        let mut l = [0f32; 2];
+        let o = CeOptions::default();
+        let call = |t: &[i64], h, v, l: &mut [f32]| {
+            linear_cross_entropy(&x, &w, None, t, h, v, &o, None, l, None)
+        };
+        assert!(call(&[0, 1], 3, 3, &mut l).is_ok());
+        assert!(call(&[0, 3], 3, 3, &mut l).is_err());
+        assert!(call(&[0, 1], 2, 3, &mut l).is_err());
+        assert!(call(&[0, 1], 3, 0, &mut l).is_err());
+        assert!(call(&[0], 3, 3, &mut l[..1]).is_err());
+        assert!(call(&[0, 1], 3, 3, &mut l[..1]).is_err());
+        let mut dx = [0f32; 5];
+        let mut dw = [0f32; 9];
+        let g = LinearCeGrads {
+            dx: &mut dx,
+            dw: &mut dw,
+            dbias: None,
+        };
+        assert!(
+            linear_cross_entropy(&x, &w, None, &[0, 1], 3, 3, &o, None, &mut l, Some(g)).is_err()
+        );
+        let mut d = [0f32; 6];
+        assert!(linear_jsd(
+            &x,
+            &w,
+            &x,
+            &w,
+            None,
+            3,
+            3,
+            3,
+            0.5,
+            -100,
+            0.0,
+            Some(&mut d),
+            None
+        )
+        .is_err());
+        assert!(linear_jsd(&x, &w, &x, &w, None, 3, 3, 3, 1.5, -100, 1.0, None, None).is_err());
+        assert!(linear_jsd(
+            &x,
+            &w,
+            &x,
+            &w[..6],
+            None,
+            3,
+            3,
+            3,
+            0.5,
+            -100,
+            1.0,
+            None,
+            None
+        )
+        .is_err());
+        assert!(linear_jsd(
+            &x,
+            &w,
+            &x,
+            &w,
+            Some(&[0]),
+            3,
+            3,
+            3,
+            0.5,
+            -100,
+            1.0,
+            None,
+            None
+        )
+        .is_err());
+        assert!(linear_jsd(
+            &x,
+            &w,
+            &x,
+            &w,
+            None,
+            3,
+            3,
+            3,
+            0.5,
+            -100,
+            1.0,
+            Some(&mut d),
+            None
+        )
+        .is_ok());
+    }
+}
