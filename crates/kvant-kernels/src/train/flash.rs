@@ -70,7 +70,7 @@ struct Lens {
 impl FlashShape {
     fn check(&self, op: &'static str) -> Result<Lens, KernelError> {
         let bad = |why: String| KernelError::InvalidShape { op, why };
-        if self.kv_heads == 0 || self.q_heads % self.kv_heads != 0 {
+        if self.kv_heads == 0 || !self.q_heads.is_multiple_of(self.kv_heads) {
             return Err(bad(format!(
                 "{} query heads are not a multiple of {} key/value heads",
                 self.q_heads, self.kv_heads
@@ -850,7 +850,8 @@ mod tests {
         }
     }
 
-    const CASES: &[(
+    /// (batch, q heads, kv heads, q len, kv len, head dim, causal, window).
+    type Case = (
         usize,
         usize,
         usize,
@@ -859,7 +860,9 @@ mod tests {
         usize,
         bool,
         Option<usize>,
-    )] = &[
+    );
+
+    const CASES: &[Case] = &[
         (1, 2, 2, 7, 7, 31, true, None),
         (2, 4, 2, 65, 65, 16, true, None),
         (1, 6, 1, 33, 33, 8, true, Some(5)),
@@ -877,20 +880,7 @@ mod tests {
         a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
     }
 
-    fn run_case<E: Elem>(
-        tier: SimdTier,
-        c: &(
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-            bool,
-            Option<usize>,
-        ),
-        tol: f32,
-    ) {
+    fn run_case<E: Elem>(tier: SimdTier, c: &Case, tol: f32) {
         let s = shape(c.0, c.1, c.2, c.3, c.4, c.5, c.6, c.7);
         let n = s.check("test").unwrap();
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);

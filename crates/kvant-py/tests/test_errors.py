@@ -1,0 +1,59 @@
+"""Bad input is a clear Python exception, never a crash or a wrong answer."""
+
+import pytest
+import torch
+
+import kvant
+from kvant import _kvant, ops
+
+
+def test_dtype_device_shape_errors():
+    x = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="float32 and torch.bfloat16"):
+        ops.rms_norm(x.double(), torch.ones(8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="CPU"):
+        ops.rms_norm(x.to("meta"), torch.ones(8, device="meta"))
+    with pytest.raises(ValueError, match="weight has shape"):
+        ops.rms_norm(x, torch.ones(7))
+    with pytest.raises(TypeError, match="one dtype"):
+        ops.rms_norm(x, torch.ones(8, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="int64"):
+        ops.cross_entropy(x, torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="reduction"):
+        ops.cross_entropy(x, torch.zeros(4, dtype=torch.long), reduction="avg")
+    with pytest.raises(ValueError, match="multiple"):
+        ops.flash_attn(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+
+
+def test_native_checks_hold_without_the_wrappers():
+    x = torch.randn(4, 8)
+    w = torch.ones(8)
+    rstd = torch.empty(4)
+    # Output aliasing an input: refused.
+    with pytest.raises(ValueError, match="share memory"):
+        _kvant.rms_norm_fwd(x, w, x, rstd, 1e-6, 0.0, "llama")
+    # Non-contiguous input: refused.
+    with pytest.raises(ValueError, match="contiguous"):
+        _kvant.rms_norm_fwd(torch.randn(8, 4).t(), w, torch.empty(4, 8), rstd, 1e-6, 0.0, "llama")
+    # Wrong sizes: the kernel's own check.
+    with pytest.raises(ValueError):
+        _kvant.rms_norm_fwd(x, torch.ones(5), torch.empty(4, 8), rstd, 1e-6, 0.0, "llama")
+    with pytest.raises(ValueError):
+        _kvant.rms_norm_fwd(x, w, torch.empty(4, 8), torch.empty(3), 1e-6, 0.0, "llama")
+    with pytest.raises(ValueError, match="casting"):
+        _kvant.rms_norm_fwd(x, w, torch.empty(4, 8), rstd, 1e-6, 0.0, "t5")
+    with pytest.raises(TypeError):
+        _kvant.rms_norm_fwd(x, "w", torch.empty(4, 8), rstd, 1e-6, 0.0, "llama")
+
+
+def test_overlapping_rope_rows_are_refused():
+    base = torch.randn(64)
+    x = base.as_strided((1, 2, 4, 8), (0, 4, 8, 1))  # heads overlap
+    c = torch.ones(1, 4, 4)
+    with pytest.raises(ValueError):
+        _kvant.rope_apply(x, c, c, 8, False, False)
+
+
+def test_threads_follow_torch():
+    assert kvant._kvant.threads() == max(1, torch.get_num_threads())
+    assert kvant.simd_tier() in ("scalar", "avx2", "avx512")
