@@ -28,8 +28,14 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.nn.functional as F
+# torch's CPU allocator maps every large output afresh, and on 4 KiB pages
+# the first touch of a 64 MiB output costs more than a norm over it (measured
+# here: 28 ms of faults against 5 ms of kernel). Huge pages (torch's own
+# switch, read when torch loads) take that off both engines alike.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 
 def copy_bandwidth(mb=1024, reps=5):
