@@ -144,31 +144,6 @@ fn capped<F: Fma>(x: f32, cap: Option<f32>) -> f32 {
     }
 }
 
-/// The row's bits if `E` is bf16.
-#[inline(always)]
-fn as_bf16_bits<E: Elem>(row: &mut [E]) -> Option<&mut [u16]> {
-    if std::any::TypeId::of::<E>() != std::any::TypeId::of::<half::bf16>() {
-        return None;
-    }
-    // SAFETY: `E` is `half::bf16`, a `repr(transparent)` `u16`: same size,
-    // alignment and validity; the borrow of `row` moves into the result.
-    Some(unsafe { std::slice::from_raw_parts_mut(row.as_mut_ptr() as *mut u16, row.len()) })
-}
-
-/// `v` rounded to bf16 bits, to nearest even, NaN kept quiet: the bits
-/// `half::bf16::from_f32` gives, without branches.
-#[inline(always)]
-fn round_bf16(v: f32) -> u16 {
-    let x = v.to_bits();
-    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-    let nan = (x >> 16) | 0x40;
-    (if x & 0x7fff_ffff > 0x7f80_0000 {
-        nan
-    } else {
-        rounded
-    }) as u16
-}
-
 /// One row's loss and z-loss term; with `grad = Some(scale)` the row is
 /// overwritten with `scale · ∂loss/∂x`.
 #[inline(always)]
@@ -235,16 +210,8 @@ fn row_body<E: Elem, F: Fma>(
                 }
             }
         };
-        if let Some(bits) = as_bf16_bits(row) {
-            // bf16 through a select the compiler vectorizes (half's
-            // `from_f32` branches per value: bf16 rows ran slower than f32).
-            for b in bits.iter_mut() {
-                *b = round_bf16(one(f32::from_bits((*b as u32) << 16)));
-            }
-        } else {
-            for x in row.iter_mut() {
-                *x = E::from_f32(one(x.to_f32()));
-            }
+        for x in row.iter_mut() {
+            *x = E::from_f32(one(x.to_f32()));
         }
         // The target's gradient once more in f32 (no bf16 cancellation).
         let py = exp::<F>(zy - lse);
@@ -813,7 +780,11 @@ mod tests {
         ]);
         for x in xs {
             let v = f32::from_bits(x);
-            assert_eq!(round_bf16(v), bf16::from_f32(v).to_bits(), "{x:#x}");
+            assert_eq!(
+                <bf16 as Elem>::from_f32(v).to_bits(),
+                bf16::from_f32(v).to_bits(),
+                "{x:#x}"
+            );
         }
     }
 

@@ -23,7 +23,6 @@
 use crate::cpu::{self, SimdTier};
 use crate::error::check_len;
 use crate::pool::{self, DisjointSlice};
-use crate::train::norm::store;
 use crate::train::Elem;
 use crate::vecops::{exp, Fma, Plain};
 use crate::KernelError;
@@ -94,12 +93,12 @@ fn fwd_body<E: Elem, F: Fma>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) {
     match kind {
         Glu::Swi => {
             for ((o, x), y) in c.iter_mut().zip(a).zip(b) {
-                *o = store::<E>(act::<F>(Glu::Swi, x.to_f32()) * y.to_f32());
+                *o = E::from_f32(act::<F>(Glu::Swi, x.to_f32()) * y.to_f32());
             }
         }
         Glu::GeTanh => {
             for ((o, x), y) in c.iter_mut().zip(a).zip(b) {
-                *o = store::<E>(act::<F>(Glu::GeTanh, x.to_f32()) * y.to_f32());
+                *o = E::from_f32(act::<F>(Glu::GeTanh, x.to_f32()) * y.to_f32());
             }
         }
     }
@@ -110,8 +109,8 @@ fn bwd_body<E: Elem, F: Fma>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
     let step = |d: &E, x: &mut E, y: &mut E, kind: Glu| {
         let (d, xa, yb) = (d.to_f32(), x.to_f32(), y.to_f32());
         let (f, g) = act_grad::<F>(kind, xa);
-        *x = store::<E>(d * yb * g);
-        *y = store::<E>(d * f);
+        *x = E::from_f32(d * yb * g);
+        *y = E::from_f32(d * f);
     };
     match kind {
         Glu::Swi => {

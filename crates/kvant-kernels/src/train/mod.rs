@@ -33,10 +33,29 @@ impl Elem for f32 {
 }
 
 impl Elem for half::bf16 {
+    /// half's `from_f32`, bit for bit, without its early return for NaN,
+    /// which kept every loop storing bf16 scalar (RMSNorm forward ran at
+    /// 8 GB/s on 2 threads instead of 25; cross-entropy's bf16 rows ran
+    /// slower than f32 ones).
     #[inline(always)]
     fn from_f32(v: f32) -> Self {
-        half::bf16::from_f32(v)
+        half::bf16::from_bits(bf16_bits(v))
     }
+}
+
+/// Round to nearest even to bf16, NaN quieted (half's `f32_to_bf16`),
+/// without branches: `x + 0x7fff + lsb` carries into bit 16 exactly when
+/// the dropped half is above the tie, or at it with the kept lsb odd.
+#[inline(always)]
+fn bf16_bits(v: f32) -> u16 {
+    let x = v.to_bits();
+    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
+    let nan = (x >> 16) | 0x40;
+    (if x & 0x7fff_ffff > 0x7f80_0000 {
+        nan
+    } else {
+        rounded
+    }) as u16
 }
 
 /// How a loss over rows is reduced, as torch's `reduction=`.
@@ -57,3 +76,34 @@ pub mod glu;
 pub mod linear_ce;
 pub mod norm;
 pub mod rope;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+
+    /// The branch-free bf16 store rounds as half does, bit for bit, on
+    /// every class (ties both ways, overflow to infinity, NaN, subnormal).
+    #[test]
+    fn bf16_store_rounds_like_half() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
+        let mut xs: Vec<u32> = Vec::new();
+        for hi in [
+            0u32, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
+        ] {
+            for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
+                xs.push(hi << 16 | lo);
+            }
+        }
+        xs.extend((0..200_000).map(|_| rng.random::<u32>()));
+        for &x in &xs {
+            let v = f32::from_bits(x);
+            assert_eq!(
+                <bf16 as Elem>::from_f32(v).to_bits(),
+                bf16::from_f32(v).to_bits(),
+                "{x:#x}"
+            );
+        }
+    }
+}

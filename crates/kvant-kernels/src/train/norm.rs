@@ -403,37 +403,7 @@ impl Kern for Avx {
 /// `v` rounded to `E` and back (identity for f32).
 #[inline(always)]
 fn round<E: Elem>(v: f32) -> f32 {
-    store::<E>(v).to_f32()
-}
-
-/// `E::from_f32(v)`, bit for bit, in a form the compiler vectorizes: half's
-/// bf16 rounding returns early for NaN, which kept every loop storing bf16
-/// scalar (RMSNorm forward ran at 8 GB/s on 2 threads instead of 25).
-#[inline(always)]
-pub(crate) fn store<E: Elem>(v: f32) -> E {
-    use std::any::TypeId;
-    if TypeId::of::<E>() == TypeId::of::<half::bf16>() {
-        let h = half::bf16::from_bits(bf16_bits(v));
-        // SAFETY: E is bf16 (same TypeId), so this copies a bf16 into a bf16.
-        unsafe { std::mem::transmute_copy::<half::bf16, E>(&h) }
-    } else {
-        E::from_f32(v)
-    }
-}
-
-/// Round to nearest even to bf16, NaN quieted (half's `f32_to_bf16`),
-/// without branches: `x + 0x7fff + lsb` carries into bit 16 exactly when
-/// the dropped half is above the tie, or at it with the kept lsb odd.
-#[inline(always)]
-fn bf16_bits(v: f32) -> u16 {
-    let x = v.to_bits();
-    let rounded = x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16;
-    let nan = (x >> 16) | 0x40;
-    (if x & 0x7fff_ffff > 0x7f80_0000 {
-        nan
-    } else {
-        rounded
-    }) as u16
+    E::from_f32(v).to_f32()
 }
 
 // ---------------------------------------------------------------- RMSNorm
@@ -456,7 +426,7 @@ fn rms_fwd_rows<E: Elem, K: Kern>(
             (Some(res), Some(sum)) => {
                 let sr = &mut sum[i * n..][..n];
                 for ((s, u), v) in sr.iter_mut().zip(xr).zip(&res[i * n..][..n]) {
-                    *s = store::<E>(u.to_f32() + v.to_f32());
+                    *s = E::from_f32(u.to_f32() + v.to_f32());
                 }
                 sr
             }
@@ -471,12 +441,12 @@ fn rms_fwd_rows<E: Elem, K: Kern>(
             RmsCasting::Llama => {
                 for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
                     let h = round::<E>(v.to_f32() * r);
-                    *o = store::<E>(h * (off + wv.to_f32()));
+                    *o = E::from_f32(h * (off + wv.to_f32()));
                 }
             }
             RmsCasting::Gemma => {
                 for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
-                    *o = store::<E>(v.to_f32() * r * (off + wv.to_f32()));
+                    *o = E::from_f32(v.to_f32() * r * (off + wv.to_f32()));
                 }
             }
         }
@@ -542,7 +512,7 @@ fn rms_dx_dw<E: Elem, K: Kern, const LLAMA: bool, const DSUM: bool>(
         if DSUM {
             d += dsum[j].to_f32();
         }
-        dx[j] = store::<E>(d);
+        dx[j] = E::from_f32(d);
         let h = if LLAMA { round::<E>(v * r) } else { v * r };
         dw[j] = K::F::fma(dy[j].to_f32(), h, dw[j]);
     }
@@ -570,7 +540,7 @@ fn ln_fwd_rows<E: Elem, K: Kern>(
         let r = 1.0 / (unsafe { K::sq_dev(xr, m) } / n as f32 + eps).sqrt();
         (*m_out, *r_out) = (m, r);
         for ((o, v), (wv, bv)) in y[i * n..][..n].iter_mut().zip(xr).zip(w.iter().zip(b)) {
-            *o = store::<E>(K::F::fma((v.to_f32() - m) * r, wv.to_f32(), bv.to_f32()));
+            *o = E::from_f32(K::F::fma((v.to_f32() - m) * r, wv.to_f32(), bv.to_f32()));
         }
     }
 }
@@ -603,7 +573,7 @@ fn ln_bwd_rows<E: Elem, K: Kern>(
         let (dyr, xr, dw, db) = (&dyr[..n], &xr[..n], &mut dw[..n], &mut db[..n]);
         for j in 0..n {
             let xh = (xr[j].to_f32() - m) * r;
-            dxr[j] = store::<E>(r * (gr[j] - mg - xh * mgx));
+            dxr[j] = E::from_f32(r * (gr[j] - mg - xh * mgx));
             let d = dyr[j].to_f32();
             dw[j] = K::F::fma(d, xh, dw[j]);
             db[j] += d;
@@ -1961,11 +1931,11 @@ pub(crate) mod tests {
         for &x in &xs {
             let v = f32::from_bits(x);
             assert_eq!(
-                store::<bf16>(v).to_bits(),
+                <bf16 as Elem>::from_f32(v).to_bits(),
                 bf16::from_f32(v).to_bits(),
                 "{x:#x}"
             );
-            assert_eq!(store::<f32>(v).to_bits(), x);
+            assert_eq!(<f32 as Elem>::from_f32(v).to_bits(), x);
         }
         // The 8-lane rounding of the AVX2 backward, against the same.
         #[cfg(target_arch = "x86_64")]

@@ -27,7 +27,7 @@
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul};
 use crate::pool::{self, DisjointSlice};
-use crate::train::norm::{row_chunk, store};
+use crate::train::norm::row_chunk;
 use crate::train::Elem;
 use crate::vecops::{Fma, Plain};
 use crate::KernelError;
@@ -148,15 +148,15 @@ fn rotate_row<E: Elem, F: Fma>(row: &mut [E], cos: &[E], sin: &[E], layout: Rope
             let x2 = &mut rest[..half];
             for ((a, b), (c, s)) in x1.iter_mut().zip(x2.iter_mut()).zip(cos.iter().zip(sin)) {
                 let (u, v, c, s) = (a.to_f32(), b.to_f32(), c.to_f32(), sg * s.to_f32());
-                *a = store::<E>(F::fma(u, c, -v * s));
-                *b = store::<E>(F::fma(v, c, u * s));
+                *a = E::from_f32(F::fma(u, c, -v * s));
+                *b = E::from_f32(F::fma(v, c, u * s));
             }
         }
         RopeLayout::Interleaved => {
             for (p, (c, s)) in row[..2 * half].chunks_exact_mut(2).zip(cos.iter().zip(sin)) {
                 let (u, v, c, s) = (p[0].to_f32(), p[1].to_f32(), c.to_f32(), sg * s.to_f32());
-                p[0] = store::<E>(F::fma(u, c, -v * s));
-                p[1] = store::<E>(F::fma(v, c, u * s));
+                p[0] = E::from_f32(F::fma(u, c, -v * s));
+                p[1] = E::from_f32(F::fma(v, c, u * s));
             }
         }
     }
