@@ -64,3 +64,51 @@ def test_mini_llama_converges_the_same(restore_llama, attention):
     # The weights after training (Liger: 5e-3, 1e-5).
     for (n, p0), (_, p1) in zip(m0.named_parameters(), m1.named_parameters()):
         torch.testing.assert_close(p1, p0, atol=5e-3, rtol=1e-5, msg=n)
+
+
+def _family(name):
+    import transformers
+
+    if name == "qwen3":
+        from transformers.models.qwen3 import modeling_qwen3 as m
+
+        cfg = transformers.Qwen3Config(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        )
+        return m, "Qwen3", transformers.Qwen3ForCausalLM, cfg
+    from transformers.models.gemma3 import modeling_gemma3 as m
+
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+        final_logit_softcapping=30.0,
+    )
+    return m, "Gemma3", transformers.Gemma3ForCausalLM, cfg
+
+
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_patched_families_match(name):
+    import kvant
+
+    m, prefix, cls, cfg = _family(name)
+    saved = {k: getattr(m, k) for k in ("apply_rotary_pos_emb", f"{prefix}RMSNorm", f"{prefix}MLP")}
+    saved_fwd = getattr(m, f"{prefix}ForCausalLM").forward
+    try:
+        torch.manual_seed(0)
+        ref = cls(cfg).train()
+        model = cls(cfg).train()
+        model.load_state_dict(ref.state_dict())
+        getattr(kvant.patch, f"apply_kvant_kernel_to_{name}")(model=model)
+        ids = torch.randint(0, 1000, (2, 24))
+        l0 = ref(input_ids=ids, labels=ids).loss
+        l1 = model(input_ids=ids, labels=ids).loss
+        l0.backward()
+        l1.backward()
+        torch.testing.assert_close(l1, l0, rtol=2e-5, atol=0)
+        for (n, p0), (_, p1) in zip(ref.named_parameters(), model.named_parameters()):
+            torch.testing.assert_close(p1.grad, p0.grad, atol=1e-5, rtol=1e-4, msg=n)
+    finally:
+        for k, v in saved.items():
+            setattr(m, k, v)
+        getattr(m, f"{prefix}ForCausalLM").forward = saved_fwd

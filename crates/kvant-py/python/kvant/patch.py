@@ -174,54 +174,52 @@ def _apply(
         model.set_attn_implementation("kvant")
 
 
-def apply_kvant_kernel_to_llama(
-    rope: bool = True,
-    rms_norm: bool = True,
-    swiglu: bool = True,
-    fused_linear_cross_entropy: bool = True,
-    attention: bool = False,
-    model: Optional[torch.nn.Module] = None,
-) -> None:
+def _patcher(module_name: str, prefix: str, norm_cls: type, mlp_cls: type, doc: str):
+    """The public ``apply_kvant_kernel_to_*`` function of one model family."""
+
+    def apply(
+        rope: bool = True,
+        rms_norm: bool = True,
+        mlp: bool = True,
+        fused_linear_cross_entropy: bool = True,
+        attention: bool = False,
+        model: Optional[torch.nn.Module] = None,
+        **legacy,
+    ) -> None:
+        # Liger's spelling of the MLP switch: swiglu= (geglu= for Gemma).
+        mlp = legacy.pop("swiglu", legacy.pop("geglu", mlp))
+        if legacy:
+            raise TypeError(f"unexpected arguments: {sorted(legacy)}")
+        _apply(module_name, prefix, norm_cls, mlp_cls, rope, rms_norm, mlp, fused_linear_cross_entropy, attention, model)
+
+    apply.__name__ = apply.__qualname__ = f"apply_kvant_kernel_to_{module_name}"
+    apply.__doc__ = doc
+    return apply
+
+
+apply_kvant_kernel_to_llama = _patcher(
+    "llama",
+    "Llama",
+    knn.LlamaRMSNorm,
+    knn.SwiGLUMLP,
     """Llama (and SmolLM2, Mistral-style Llama checkpoints): RoPE, RMSNorm,
-    SwiGLU MLP and the fused linear cross-entropy loss; ``attention=True``
-    also registers kvant's FlashAttention as ``attn_implementation="kvant"``
-    (pass it to ``from_pretrained``/the config, or give ``model=``)."""
-    _apply("llama", "Llama", knn.LlamaRMSNorm, knn.SwiGLUMLP, rope, rms_norm, swiglu, fused_linear_cross_entropy, attention, model)
-
-
-def apply_kvant_kernel_to_qwen2(
-    rope: bool = True,
-    rms_norm: bool = True,
-    swiglu: bool = True,
-    fused_linear_cross_entropy: bool = True,
-    attention: bool = False,
-    model: Optional[torch.nn.Module] = None,
-) -> None:
-    """Qwen2 / Qwen2.5, as ``apply_kvant_kernel_to_llama``."""
-    _apply("qwen2", "Qwen2", knn.LlamaRMSNorm, knn.SwiGLUMLP, rope, rms_norm, swiglu, fused_linear_cross_entropy, attention, model)
-
-
-def apply_kvant_kernel_to_qwen3(
-    rope: bool = True,
-    rms_norm: bool = True,
-    swiglu: bool = True,
-    fused_linear_cross_entropy: bool = True,
-    attention: bool = False,
-    model: Optional[torch.nn.Module] = None,
-) -> None:
-    """Qwen3 (q/k norms included), as ``apply_kvant_kernel_to_llama``."""
-    _apply("qwen3", "Qwen3", knn.LlamaRMSNorm, knn.SwiGLUMLP, rope, rms_norm, swiglu, fused_linear_cross_entropy, attention, model)
-
-
-def apply_kvant_kernel_to_gemma3(
-    rope: bool = True,
-    rms_norm: bool = True,
-    geglu: bool = True,
-    fused_linear_cross_entropy: bool = True,
-    attention: bool = False,
-    model: Optional[torch.nn.Module] = None,
-) -> None:
-    """Gemma 3 text models: ``1 + w`` RMSNorm in float32, GeGLU (tanh) MLP,
-    RoPE, and the fused linear cross-entropy with the final logit
-    soft-capping."""
-    _apply("gemma3", "Gemma3", knn.GemmaRMSNorm, knn.GeGLUMLP, rope, rms_norm, geglu, fused_linear_cross_entropy, attention, model)
+    SwiGLU MLP (``mlp=``, or Liger's ``swiglu=``) and the fused linear
+    cross-entropy loss; ``attention=True`` also registers kvant's
+    FlashAttention as ``attn_implementation="kvant"`` (pass it to
+    ``from_pretrained``/the config, or give ``model=``).""",
+)
+apply_kvant_kernel_to_qwen2 = _patcher(
+    "qwen2", "Qwen2", knn.LlamaRMSNorm, knn.SwiGLUMLP, "Qwen2 / Qwen2.5, as ``apply_kvant_kernel_to_llama``."
+)
+apply_kvant_kernel_to_qwen3 = _patcher(
+    "qwen3", "Qwen3", knn.LlamaRMSNorm, knn.SwiGLUMLP, "Qwen3 (q/k norms included), as ``apply_kvant_kernel_to_llama``."
+)
+apply_kvant_kernel_to_gemma3 = _patcher(
+    "gemma3",
+    "Gemma3",
+    knn.GemmaRMSNorm,
+    knn.GeGLUMLP,
+    """Gemma 3 text models: ``1 + w`` RMSNorm in float32, GeGLU (tanh) MLP
+    (``mlp=``, or Liger's ``geglu=``), RoPE, and the fused linear
+    cross-entropy with the final logit soft-capping.""",
+)
