@@ -19,7 +19,8 @@
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use kvant_kernels::train::cross_entropy::{cross_entropy_fwd, CeOptions};
-use kvant_kernels::train::linear_ce::{gemm, linear_cross_entropy, LinearCeGrads, MatRef};
+use kvant_kernels::train::gemm::{gemm, MatRef};
+use kvant_kernels::train::linear_ce::{linear_cross_entropy, LinearCeGrads};
 use kvant_kernels::train::Elem;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
@@ -89,12 +90,12 @@ fn linear<E: Elem>(c: &mut Criterion, name: &str) {
     let mut dxf = vec![0f32; n * h];
     g.bench_function(format!("three_gemms_{name}"), |b| {
         b.iter(|| {
-            let xm = MatRef::row_major(&x[..], n, h);
-            let wm = MatRef::row_major(&w[..], v, h);
-            gemm(xm, wm.t(), &mut logits, v, 1.0, 0.0);
-            let gm = MatRef::row_major(&logits[..], n, v);
-            gemm(gm, wm, &mut dxf, h, 1.0, 0.0);
-            gemm(gm.t(), xm, &mut dw, h, 1.0, 0.0);
+            let xm = MatRef::row_major(&x[..], n, h).unwrap();
+            let wm = MatRef::row_major(&w[..], v, h).unwrap();
+            gemm(xm, wm.t(), &mut logits, v, 1.0, 0.0).unwrap();
+            let gm = MatRef::row_major(&logits[..], n, v).unwrap();
+            gemm(gm, wm, &mut dxf, h, 1.0, 0.0).unwrap();
+            gemm(gm.t(), xm, &mut dw, h, 1.0, 0.0).unwrap();
         })
     });
     g.finish();

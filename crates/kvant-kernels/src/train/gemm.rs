@@ -1,0 +1,921 @@
+//! General matrix product for the training kernels:
+//! `C = β·C + α·A·B`, `A` `[m×k]` and `B` `[k×n]` strided views of f32 or
+//! bf16 (mixed allowed), `C` row-major f32.
+//!
+//! GotoBLAS/BLIS structure: `C` is cut into tiles, one task each; a task
+//! walks `k` in blocks of `KC`, packs its `A` rows into `MR`-row panels
+//! and its `B` columns into `NR`-column panels (widening bf16 to f32
+//! exactly, zero-padding the edges), and runs one register-tiled
+//! microkernel over every `MR×NR` block. Packing turns every
+//! transpose/stride case and both element types into the same kernel.
+//!
+//! Every element of `C` is written by exactly one task, as
+//! `c ← β·c + α·s₀`, then `c ← c + α·s_b` for each later `k` block `b`,
+//! where `s_b` is one FMA chain over the block's `k` in order. The blocks
+//! depend only on `KC` (fixed per tier), never on the tiling of `C` or the
+//! thread count, so results are bitwise the same on any pool.
+
+use std::cell::RefCell;
+
+use crate::cpu::{self, SimdTier};
+use crate::error::checked_mul;
+use crate::lanes::Lanes;
+use crate::pool::{self, ThreadPool};
+use crate::KernelError;
+
+use super::Elem;
+
+/// A strided view of a matrix: element `(i, j)` at
+/// `data[i·row_stride + j·col_stride]`, every such index checked once,
+/// in [`MatRef::new`].
+#[derive(Clone, Copy)]
+pub struct MatRef<'a, E> {
+    data: &'a [E],
+    rows: usize,
+    cols: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a, E> MatRef<'a, E> {
+    /// A `rows × cols` view of `data` with the given strides.
+    ///
+    /// # Errors
+    /// When the last element lies past `data` or its index overflows.
+    pub fn new(
+        data: &'a [E],
+        rows: usize,
+        cols: usize,
+        row_stride: usize,
+        col_stride: usize,
+    ) -> Result<Self, KernelError> {
+        if rows > 0 && cols > 0 {
+            let last = checked_mul("gemm matrix", rows - 1, row_stride)?
+                .checked_add(checked_mul("gemm matrix", cols - 1, col_stride)?)
+                .ok_or(KernelError::SizeOverflow {
+                    op: "gemm matrix",
+                    a: rows,
+                    b: cols,
+                })?;
+            if last >= data.len() {
+                return Err(KernelError::IndexOutOfRange {
+                    what: "gemm matrix element",
+                    index: last,
+                    len: data.len(),
+                });
+            }
+        }
+        Ok(MatRef {
+            data,
+            rows,
+            cols,
+            rs: row_stride,
+            cs: col_stride,
+        })
+    }
+
+    /// A row-major `rows × cols` view of `data` (row stride `cols`).
+    ///
+    /// # Errors
+    /// When `data` holds fewer than `rows·cols` values.
+    pub fn row_major(data: &'a [E], rows: usize, cols: usize) -> Result<Self, KernelError> {
+        Self::new(data, rows, cols, cols, 1)
+    }
+
+    /// The transpose (a view of the same data; no copy).
+    pub fn t(self) -> Self {
+        MatRef {
+            rows: self.cols,
+            cols: self.rows,
+            rs: self.cs,
+            cs: self.rs,
+            ..self
+        }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Element `(i, j)` without a bounds check.
+    ///
+    /// # Safety
+    /// `i < rows` and `j < cols` (then the index is in bounds, see `new`).
+    #[inline(always)]
+    unsafe fn at(&self, i: usize, j: usize) -> E
+    where
+        E: Copy,
+    {
+        // SAFETY: the caller's contract and the check in `new`.
+        unsafe { *self.data.get_unchecked(i * self.rs + j * self.cs) }
+    }
+}
+
+/// `C = beta·C + alpha·A·B` on the global pool and tier: `A` `[m×k]`,
+/// `B` `[k×n]`, `C` row-major f32 with leading dimension `ldc`. With
+/// `beta == 0`, `C` is not read (NaNs there do not propagate).
+///
+/// # Errors
+/// When `A`'s columns differ from `B`'s rows, `ldc < n`, or `C` is too short.
+pub fn gemm<A: Elem, B: Elem>(
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    gemm_in(pool::global(), cpu::tier(), a, b, c, ldc, alpha, beta)
+}
+
+/// Checks the shapes; `(m, n, k)`.
+fn check<A, B>(
+    a: &MatRef<'_, A>,
+    b: &MatRef<'_, B>,
+    c: &[f32],
+    ldc: usize,
+) -> Result<(usize, usize, usize), KernelError> {
+    let (m, n, k) = (a.rows, b.cols, a.cols);
+    if b.rows != k {
+        return Err(KernelError::InvalidShape {
+            op: "gemm",
+            why: format!("A is {m}x{k} but B is {}x{n}", b.rows),
+        });
+    }
+    if m > 0 && n > 0 {
+        if ldc < n {
+            return Err(KernelError::InvalidShape {
+                op: "gemm",
+                why: format!("ldc {ldc} < n {n}"),
+            });
+        }
+        let need =
+            checked_mul("gemm C", m - 1, ldc)?
+                .checked_add(n)
+                .ok_or(KernelError::SizeOverflow {
+                    op: "gemm C",
+                    a: m,
+                    b: ldc,
+                })?;
+        if need > c.len() {
+            return Err(KernelError::IndexOutOfRange {
+                what: "gemm C element",
+                index: need - 1,
+                len: c.len(),
+            });
+        }
+    }
+    Ok((m, n, k))
+}
+
+/// [`gemm`]'s reference: each element one f64 sum over `k` in order,
+/// `beta·c + alpha·sum` in f64, rounded once.
+///
+/// # Errors
+/// As [`gemm`].
+pub fn gemm_ref<A: Elem, B: Elem>(
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    let (m, n, k) = check(&a, &b, c, ldc)?;
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0f64;
+            for q in 0..k {
+                // SAFETY: i < m, q < k, j < n: inside both views.
+                let (x, y) = unsafe { (a.at(i, q), b.at(q, j)) };
+                s += x.to_f32() as f64 * y.to_f32() as f64;
+            }
+            let cv = &mut c[i * ldc + j];
+            let old = if beta == 0.0 {
+                0.0
+            } else {
+                beta as f64 * *cv as f64
+            };
+            *cv = (old + alpha as f64 * s) as f32;
+        }
+    }
+    Ok(())
+}
+
+/// How the microkernel combines its sums `s` with `C`: `c ← α·s` when
+/// `!load`, else `c ← fma(c, β, α·s)` (β = 1 after the first `k` block,
+/// which is an exact-product add).
+#[derive(Clone, Copy)]
+struct Epi {
+    alpha: f32,
+    beta: f32,
+    load: bool,
+}
+
+/// One tier's register tile and blocking.
+trait Micro {
+    /// Rows of the register tile (values broadcast from the `A` panel).
+    const MR: usize;
+    /// Columns of the register tile (vector lanes from the `B` panel).
+    const NR: usize;
+    /// `k` per block: a `KC×NR` `B` panel stays in L1 while the `A`
+    /// panels stream from L2.
+    const KC: usize;
+    /// Most rows of `C` per task: the packed `MC×KC` `A` block in L2.
+    const MC: usize;
+    /// Most columns of `C` per task: the packed `KC×NC` `B` block.
+    const NC: usize;
+
+    /// `C[0..MR, 0..NR] (row stride ldc) ← epi(A_panel · B_panel)` over
+    /// `kc` steps; panels packed as `a[q·MR + i]`, `b[q·NR + j]`.
+    ///
+    /// # Safety
+    /// The CPU has the tier's features; `a`, `b` read `kc` steps and `c`
+    /// addresses a full `MR×NR` tile.
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi);
+}
+
+/// Largest `MR·NR` of any tier (the edge tile's scratch).
+const MAX_TILE: usize = 16 * 32;
+
+/// Portable kernel: separate multiply and add, no FMA (the scalar tier).
+struct ScalarK;
+
+impl Micro for ScalarK {
+    const MR: usize = 4;
+    const NR: usize = 8;
+    const KC: usize = 256;
+    const MC: usize = 128;
+    const NC: usize = 512;
+
+    #[inline(always)]
+    unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
+        let mut acc = [[0f32; 8]; 4];
+        for q in 0..kc {
+            // SAFETY: the caller's contract: `kc` steps of each panel.
+            let (ap, bp) = unsafe { (a.add(q * 4), b.add(q * 8)) };
+            for (i, row) in acc.iter_mut().enumerate() {
+                // SAFETY: as above.
+                let av = unsafe { *ap.add(i) };
+                for (j, s) in row.iter_mut().enumerate() {
+                    // SAFETY: as above.
+                    *s += av * unsafe { *bp.add(j) };
+                }
+            }
+        }
+        for (i, row) in acc.iter().enumerate() {
+            for (j, s) in row.iter().enumerate() {
+                // SAFETY: `c` addresses a full tile.
+                let cv = unsafe { &mut *c.add(i * ldc + j) };
+                *cv = if e.load {
+                    *cv * e.beta + e.alpha * s
+                } else {
+                    e.alpha * s
+                };
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Epi, Micro};
+    use std::arch::x86_64::*;
+
+    /// AVX2 6×16: 12 ymm accumulators, two `B` loads and six broadcasts
+    /// per step.
+    pub(super) struct Avx2K;
+
+    impl Micro for Avx2K {
+        const MR: usize = 6;
+        const NR: usize = 16;
+        const KC: usize = 256;
+        const MC: usize = 144;
+        const NC: usize = 512;
+
+        #[inline(always)]
+        unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
+            // SAFETY: the caller's contract (AVX2+FMA; panel and tile extents).
+            unsafe { tile_avx2(kc, a, b, c, ldc, e) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_avx2(
+        kc: usize,
+        mut a: *const f32,
+        mut b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        e: Epi,
+    ) {
+        // SAFETY: the caller's contract: `kc` steps of 6 and 16 values in
+        // the panels, a full 6×16 tile at `c`.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+            for _ in 0..kc {
+                let b0 = _mm256_loadu_ps(b);
+                let b1 = _mm256_loadu_ps(b.add(8));
+                for (i, r) in acc.iter_mut().enumerate() {
+                    let av = _mm256_broadcast_ss(&*a.add(i));
+                    r[0] = _mm256_fmadd_ps(av, b0, r[0]);
+                    r[1] = _mm256_fmadd_ps(av, b1, r[1]);
+                }
+                a = a.add(6);
+                b = b.add(16);
+            }
+            let al = _mm256_set1_ps(e.alpha);
+            let be = _mm256_set1_ps(e.beta);
+            for (i, r) in acc.iter().enumerate() {
+                for (h, &s) in r.iter().enumerate() {
+                    let p = c.add(i * ldc + h * 8);
+                    let mut v = _mm256_mul_ps(s, al);
+                    if e.load {
+                        v = _mm256_fmadd_ps(_mm256_loadu_ps(p), be, v);
+                    }
+                    _mm256_storeu_ps(p, v);
+                }
+            }
+        }
+    }
+
+    /// AVX-512 `MR`×32: `2·MR` zmm accumulators.
+    pub(super) struct Avx512K;
+
+    impl Micro for Avx512K {
+        const MR: usize = 12;
+        const NR: usize = 32;
+        const KC: usize = 256;
+        const MC: usize = 144;
+        const NC: usize = 512;
+
+        #[inline(always)]
+        unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
+            // SAFETY: the caller's contract (AVX-512F; panel and tile extents).
+            unsafe { tile_avx512::<12>(kc, a, b, c, ldc, e) }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    unsafe fn tile_avx512<const MR: usize>(
+        kc: usize,
+        mut a: *const f32,
+        mut b: *const f32,
+        c: *mut f32,
+        ldc: usize,
+        e: Epi,
+    ) {
+        // SAFETY: the caller's contract: `kc` steps of MR and 32 values in
+        // the panels, a full MR×32 tile at `c`.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
+            for _ in 0..kc {
+                let b0 = _mm512_loadu_ps(b);
+                let b1 = _mm512_loadu_ps(b.add(16));
+                for (i, r) in acc.iter_mut().enumerate() {
+                    let av = _mm512_set1_ps(*a.add(i));
+                    r[0] = _mm512_fmadd_ps(av, b0, r[0]);
+                    r[1] = _mm512_fmadd_ps(av, b1, r[1]);
+                }
+                a = a.add(MR);
+                b = b.add(32);
+            }
+            let al = _mm512_set1_ps(e.alpha);
+            let be = _mm512_set1_ps(e.beta);
+            for (i, r) in acc.iter().enumerate() {
+                for (h, &s) in r.iter().enumerate() {
+                    let p = c.add(i * ldc + h * 16);
+                    let mut v = _mm512_mul_ps(s, al);
+                    if e.load {
+                        v = _mm512_fmadd_ps(_mm512_loadu_ps(p), be, v);
+                    }
+                    _mm512_storeu_ps(p, v);
+                }
+            }
+        }
+    }
+}
+
+/// `C`'s base pointer, shared by tasks that write disjoint tiles.
+#[derive(Clone, Copy)]
+struct CPtr(*mut f32);
+// SAFETY: tasks write disjoint tiles of `C` (see `gemm_in`), so sharing
+// the pointer is sharing disjoint `&mut` regions of an f32 slice.
+unsafe impl Send for CPtr {}
+// SAFETY: as above.
+unsafe impl Sync for CPtr {}
+
+/// Everything a task needs.
+struct Job<'a, A, B> {
+    a: MatRef<'a, A>,
+    b: MatRef<'a, B>,
+    c: CPtr,
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+    /// Tile sizes of `C` (multiples of MR and NR) and tiles across `n`.
+    mc: usize,
+    nc: usize,
+    ntiles: usize,
+}
+
+thread_local! {
+    /// Per-thread packing buffers (`A` block, `B` block), reused across calls.
+    static PACK: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// A 64-byte-aligned pointer to at least `len` floats of `v`.
+fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
+    if v.len() < len + 16 {
+        v.resize(len + 16, 0.0);
+    }
+    let p = v.as_mut_ptr();
+    // SAFETY: the offset is < 16 floats, inside the 16 spare ones.
+    unsafe { p.add(p.align_offset(64).min(15)) }
+}
+
+/// Packs rows `i0..i0+rows`, `k` `k0..k0+kc` of `a` into `MR`-row panels:
+/// panel `p` at `dst + p·MR·kc`, step `q`'s values at `+ q·MR`; rows past
+/// the end are zeros.
+///
+/// # Safety
+/// The ranges lie inside `a`; `dst` holds `ceil(rows/MR)·MR·kc` floats.
+#[inline(always)]
+unsafe fn pack_a<E: Lanes, K: Micro>(
+    a: &MatRef<'_, E>,
+    i0: usize,
+    rows: usize,
+    k0: usize,
+    kc: usize,
+    dst: *mut f32,
+) {
+    let mr = K::MR;
+    for (p, r0) in (0..rows).step_by(mr).enumerate() {
+        let re = mr.min(rows - r0);
+        // SAFETY: inside `dst` by the caller's contract.
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(p * mr * kc), mr * kc) };
+        if a.cs == 1 {
+            for r in 0..re {
+                let base = (i0 + r0 + r) * a.rs + k0;
+                // SAFETY: row `i0+r0+r`, columns `k0..k0+kc` lie inside `a`.
+                let src = unsafe { a.data.get_unchecked(base..base + kc) };
+                for (q, v) in src.iter().enumerate() {
+                    d[q * mr + r] = v.to_f32();
+                }
+            }
+        } else {
+            for q in 0..kc {
+                for r in 0..re {
+                    // SAFETY: inside `a` by the caller's contract.
+                    d[q * mr + r] = unsafe { a.at(i0 + r0 + r, k0 + q) }.to_f32();
+                }
+            }
+        }
+        if re < mr {
+            for q in 0..kc {
+                d[q * mr + re..q * mr + mr].fill(0.0);
+            }
+        }
+    }
+}
+
+/// Packs `k` `k0..k0+kc`, columns `j0..j0+cols` of `b` into `NR`-column
+/// panels: panel `p` at `dst + p·NR·kc`, step `q`'s values at `+ q·NR`;
+/// columns past the end are zeros.
+///
+/// # Safety
+/// The ranges lie inside `b`; `dst` holds `ceil(cols/NR)·NR·kc` floats.
+#[inline(always)]
+unsafe fn pack_b<E: Lanes, K: Micro>(
+    b: &MatRef<'_, E>,
+    k0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    dst: *mut f32,
+) {
+    let nr = K::NR;
+    for (p, c0) in (0..cols).step_by(nr).enumerate() {
+        let ce = nr.min(cols - c0);
+        // SAFETY: inside `dst` by the caller's contract.
+        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(p * nr * kc), nr * kc) };
+        if b.cs == 1 {
+            for q in 0..kc {
+                let base = (k0 + q) * b.rs + j0 + c0;
+                // SAFETY: row `k0+q`, columns `j0+c0..+ce` lie inside `b`.
+                let src = unsafe { b.data.get_unchecked(base..base + ce) };
+                for (dv, v) in d[q * nr..q * nr + ce].iter_mut().zip(src) {
+                    *dv = v.to_f32();
+                }
+            }
+        } else if b.rs == 1 {
+            for cc in 0..ce {
+                let base = (j0 + c0 + cc) * b.cs + k0;
+                // SAFETY: column `j0+c0+cc`, rows `k0..k0+kc` lie inside `b`.
+                let src = unsafe { b.data.get_unchecked(base..base + kc) };
+                for (q, v) in src.iter().enumerate() {
+                    d[q * nr + cc] = v.to_f32();
+                }
+            }
+        } else {
+            for q in 0..kc {
+                for cc in 0..ce {
+                    // SAFETY: inside `b` by the caller's contract.
+                    d[q * nr + cc] = unsafe { b.at(k0 + q, j0 + c0 + cc) }.to_f32();
+                }
+            }
+        }
+        if ce < nr {
+            for q in 0..kc {
+                d[q * nr + ce..q * nr + nr].fill(0.0);
+            }
+        }
+    }
+}
+
+/// Task `t`: `C` tile `t / ntiles`, `t % ntiles`, every `k` block.
+///
+/// # Safety
+/// The CPU has `K`'s features; `job` was checked (`check`) and its tiles
+/// are disjoint across tasks.
+#[inline(always)]
+unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
+    let (m, n, k) = (job.a.rows, job.b.cols, job.a.cols);
+    let (i0, j0) = ((t / job.ntiles) * job.mc, (t % job.ntiles) * job.nc);
+    let (rows, cols) = (job.mc.min(m - i0), job.nc.min(n - j0));
+    let (mp, np) = (rows.div_ceil(K::MR), cols.div_ceil(K::NR));
+    PACK.with(|cell| {
+        let mut fresh = (Vec::new(), Vec::new());
+        let mut held = cell.try_borrow_mut();
+        let (va, vb) = match held.as_deref_mut() {
+            Ok(v) => (&mut v.0, &mut v.1),
+            Err(_) => (&mut fresh.0, &mut fresh.1),
+        };
+        let pa = aligned(va, mp * K::MR * K::KC);
+        let pb = aligned(vb, np * K::NR * K::KC);
+        for k0 in (0..k).step_by(K::KC) {
+            let kc = K::KC.min(k - k0);
+            // SAFETY: the tile and the `k` block lie inside `a` and `b`
+            // (checked shapes); the buffers hold whole panels of `KC`.
+            unsafe {
+                pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
+                pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);
+            }
+            let e = if k0 == 0 {
+                Epi {
+                    alpha: job.alpha,
+                    beta: job.beta,
+                    load: job.beta != 0.0,
+                }
+            } else {
+                Epi {
+                    alpha: job.alpha,
+                    beta: 1.0,
+                    load: true,
+                }
+            };
+            for jp in 0..np {
+                let ce = K::NR.min(cols - jp * K::NR);
+                for ip in 0..mp {
+                    let re = K::MR.min(rows - ip * K::MR);
+                    // SAFETY: panels `ip`, `jp` were packed above with `kc`
+                    // steps; the tile's origin is inside `C`'s tile, which
+                    // this task alone writes; a partial tile goes through
+                    // scratch and only its `re×ce` part touches `C`.
+                    unsafe {
+                        let ap = pa.add(ip * K::MR * kc);
+                        let bp = pb.add(jp * K::NR * kc);
+                        let cp = job.c.0.add((i0 + ip * K::MR) * job.ldc + j0 + jp * K::NR);
+                        if re == K::MR && ce == K::NR {
+                            K::tile(kc, ap, bp, cp, job.ldc, e);
+                        } else {
+                            let mut s = [0f32; MAX_TILE];
+                            if e.load {
+                                for r in 0..re {
+                                    for q in 0..ce {
+                                        s[r * K::NR + q] = *cp.add(r * job.ldc + q);
+                                    }
+                                }
+                            }
+                            K::tile(kc, ap, bp, s.as_mut_ptr(), K::NR, e);
+                            for r in 0..re {
+                                for q in 0..ce {
+                                    *cp.add(r * job.ldc + q) = s[r * K::NR + q];
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Tile sizes for `m × n` on `threads`: `(mc, nc, mtiles, ntiles)`, tiles
+/// of at most `MC × NC`, split evenly, and split further (down to a few
+/// register tiles) until every thread has two.
+fn tiling<K: Micro>(m: usize, n: usize, threads: usize) -> (usize, usize, usize, usize) {
+    let mut mt = m.div_ceil(K::MC);
+    let mut nt = n.div_ceil(K::NC);
+    let even = |len: usize, parts: usize, r: usize| len.div_ceil(parts).div_ceil(r) * r;
+    loop {
+        let (mc, nc) = (even(m, mt, K::MR), even(n, nt, K::NR));
+        if mt * nt >= 2 * threads || (mc <= 4 * K::MR && nc <= 4 * K::NR) {
+            return (mc, nc, m.div_ceil(mc), n.div_ceil(nc));
+        }
+        if mc * K::NR >= nc * K::MR && mc > 4 * K::MR || nc <= 4 * K::NR {
+            mt += 1;
+        } else {
+            nt += 1;
+        }
+    }
+}
+
+fn run_tier<A: Lanes, B: Lanes, K: Micro>(
+    pool: &ThreadPool,
+    job: &mut Job<'_, A, B>,
+    m: usize,
+    n: usize,
+    entry: unsafe fn(&Job<'_, A, B>, usize),
+) {
+    let (mc, nc, mt, nt) = tiling::<K>(m, n, pool.threads());
+    job.mc = mc;
+    job.nc = nc;
+    job.ntiles = nt;
+    let job = &*job;
+    // SAFETY: `entry` is the tier's task, whose features the caller
+    // checked; tiles `t` are disjoint, so each task writes its own part of C.
+    pool.run(mt * nt, &|t| unsafe { entry(job, t) });
+}
+
+fn task_scalar<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
+    // SAFETY: the scalar kernel needs no features; `job` was checked.
+    unsafe { task::<A, B, ScalarK>(job, t) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn task_avx2<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
+    // SAFETY: AVX2+FMA enabled here; `job` was checked.
+    unsafe { task::<A, B, x86::Avx2K>(job, t) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
+unsafe fn task_avx512<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
+    // SAFETY: AVX-512F enabled here; `job` was checked.
+    unsafe { task::<A, B, x86::Avx512K>(job, t) }
+}
+
+/// [`gemm`] on `pool` with `tier` (lowered to what the CPU has).
+///
+/// # Errors
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_in<A: Elem, B: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    let (m, n, k) = check(&a, &b, c, ldc)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        for i in 0..m {
+            for v in &mut c[i * ldc..i * ldc + n] {
+                *v = if beta == 0.0 { 0.0 } else { *v * beta };
+            }
+        }
+        return Ok(());
+    }
+    let mut job = Job {
+        a,
+        b,
+        c: CPtr(c.as_mut_ptr()),
+        ldc,
+        alpha,
+        beta,
+        mc: 0,
+        nc: 0,
+        ntiles: 0,
+    };
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        SimdTier::Avx512 => {
+            run_tier::<A, B, x86::Avx512K>(pool, &mut job, m, n, task_avx512::<A, B>)
+        }
+        #[cfg(target_arch = "x86_64")]
+        SimdTier::Avx2 => run_tier::<A, B, x86::Avx2K>(pool, &mut job, m, n, task_avx2::<A, B>),
+        _ => run_tier::<A, B, ScalarK>(pool, &mut job, m, n, task_scalar::<A, B>),
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn rand_vec<E: Elem>(rng: &mut ChaCha8Rng, len: usize) -> Vec<E> {
+        (0..len)
+            .map(|_| E::from_f32(rng.random_range(-1.0f32..1.0)))
+            .collect()
+    }
+
+    /// A `rows × cols` view into fresh random data laid out as `layout`:
+    /// 0 row-major, 1 column-major (a transposed row-major matrix),
+    /// 2 row-major with padded rows and every other column.
+    fn view<E: Elem>(
+        rng: &mut ChaCha8Rng,
+        rows: usize,
+        cols: usize,
+        layout: usize,
+    ) -> (Vec<E>, [usize; 2]) {
+        let (rs, cs, len) = match layout {
+            0 => (cols, 1, rows * cols),
+            1 => (1, rows, rows * cols),
+            _ => (2 * cols + 3, 2, rows * (2 * cols + 3)),
+        };
+        (rand_vec(rng, len.max(1)), [rs, cs])
+    }
+
+    /// Rounding-error bound of an f32 FMA chain (Higham, γ_{k+2}):
+    /// `|err| ≤ (k+2)·u·(|α|·Σ|a||b| + |β·c|)`, u = 2⁻²⁴, plus the
+    /// final rounding; an indexing mistake gives errors of order 1.
+    #[allow(clippy::too_many_arguments)]
+    fn check_close<A: Elem, B: Elem>(
+        a: MatRef<'_, A>,
+        b: MatRef<'_, B>,
+        got: &[f32],
+        want: &[f32],
+        c0: &[f32],
+        ldc: usize,
+        alpha: f32,
+        beta: f32,
+        what: &str,
+    ) {
+        let (m, n, k) = (a.rows, b.cols, a.cols);
+        let u = f32::EPSILON as f64 / 2.0;
+        for i in 0..m {
+            for j in 0..n {
+                let s: f64 = (0..k)
+                    // SAFETY: inside both views.
+                    .map(|q| unsafe { (a.at(i, q).to_f32() * b.at(q, j).to_f32()).abs() as f64 })
+                    .sum();
+                let cb = if beta == 0.0 {
+                    0.0
+                } else {
+                    (beta * c0[i * ldc + j]).abs() as f64
+                };
+                let tol = (k as f64 + 3.0) * u * (alpha.abs() as f64 * s + cb) + 1e-30;
+                let (g, w) = (got[i * ldc + j], want[i * ldc + j]);
+                assert!(
+                    (g as f64 - w as f64).abs() <= tol,
+                    "{what}: ({i},{j}) got {g} want {w} tol {tol}"
+                );
+            }
+        }
+    }
+
+    fn check_case<A: Elem, B: Elem>(rng: &mut ChaCha8Rng, m: usize, n: usize, k: usize) {
+        for (la, lb) in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (2, 2)] {
+            let (ad, [ars, acs]) = view::<A>(rng, m, k, la);
+            let (bd, [brs, bcs]) = view::<B>(rng, k, n, lb);
+            let am = MatRef::new(&ad, m, k, ars, acs).unwrap();
+            let bm = MatRef::new(&bd, k, n, brs, bcs).unwrap();
+            let ldc = n + 5;
+            let c0: Vec<f32> = (0..m * ldc).map(|_| rng.random_range(-1.0..1.0)).collect();
+            for (alpha, beta) in [(1.0, 0.0), (0.5, -1.5), (-2.0, 1.0)] {
+                let mut want = c0.clone();
+                gemm_ref(am, bm, &mut want, ldc, alpha, beta).unwrap();
+                for tier in cpu::available_tiers() {
+                    let mut got = c0.clone();
+                    if beta == 0.0 {
+                        for i in 0..m {
+                            got[i * ldc..i * ldc + n].fill(f32::NAN);
+                        }
+                    }
+                    let pool = ThreadPool::new(2).unwrap();
+                    gemm_in(&pool, tier, am, bm, &mut got, ldc, alpha, beta).unwrap();
+                    let what = format!(
+                        "{tier} {}x{}x{} layouts {la}/{lb} a={alpha} b={beta} {}/{}",
+                        m,
+                        n,
+                        k,
+                        std::any::type_name::<A>(),
+                        std::any::type_name::<B>()
+                    );
+                    check_close(am, bm, &got, &want, &c0, ldc, alpha, beta, &what);
+                    // The padding between rows is never written.
+                    for i in 0..m {
+                        assert_eq!(
+                            &got[i * ldc + n..(i + 1) * ldc],
+                            &c0[i * ldc + n..(i + 1) * ldc]
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    const SHAPES: [(usize, usize, usize); 10] = [
+        (1, 1, 1),
+        (3, 17, 31),
+        (17, 3, 65),
+        (31, 65, 17),
+        (65, 31, 123),
+        (123, 257, 3),
+        (257, 123, 65),
+        (1, 257, 257),
+        (257, 1, 123),
+        (150, 300, 517),
+    ];
+
+    #[test]
+    fn f32_matches_the_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        for &(m, n, k) in &SHAPES {
+            check_case::<f32, f32>(&mut rng, m, n, k);
+        }
+    }
+
+    #[test]
+    fn bf16_and_mixed_match_the_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        for &(m, n, k) in &SHAPES {
+            check_case::<bf16, bf16>(&mut rng, m, n, k);
+            check_case::<f32, bf16>(&mut rng, m, n, k);
+            check_case::<bf16, f32>(&mut rng, m, n, k);
+        }
+    }
+
+    #[test]
+    fn thread_count_does_not_change_the_result() {
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let (m, n, k) = (301, 700, 600);
+        let a = rand_vec::<f32>(&mut rng, m * k);
+        let b = rand_vec::<bf16>(&mut rng, n * k);
+        let c0: Vec<f32> = rand_vec(&mut rng, m * n);
+        for tier in cpu::available_tiers() {
+            let run = |pool: &ThreadPool| {
+                let am = MatRef::row_major(&a, m, k).unwrap();
+                let bm = MatRef::row_major(&b, n, k).unwrap();
+                let mut c = c0.clone();
+                gemm_in(pool, tier, am, bm.t(), &mut c, n, 1.0, 0.5).unwrap();
+                let mut d = vec![0f32; k * k];
+                gemm_in(pool, tier, am.t(), am, &mut d, k, 1.0, 0.0).unwrap();
+                (c, d)
+            };
+            let one = run(&ThreadPool::new(1).unwrap());
+            let three = run(&ThreadPool::new(3).unwrap());
+            assert!(one == three, "{tier}");
+        }
+    }
+
+    #[test]
+    fn k_zero_scales_c() {
+        let (a, b) = ([0f32; 0], [0f32; 0]);
+        let am = MatRef::row_major(&a, 2, 0).unwrap();
+        let bm = MatRef::row_major(&b, 0, 3).unwrap();
+        let mut c = [1f32; 6];
+        gemm(am, bm, &mut c, 3, 1.0, 2.0).unwrap();
+        assert_eq!(c, [2.0; 6]);
+        c.fill(f32::NAN);
+        gemm(am, bm, &mut c, 3, 1.0, 0.0).unwrap();
+        assert_eq!(c, [0.0; 6]);
+    }
+
+    #[test]
+    fn bad_arguments_are_errors() {
+        let d = [0f32; 12];
+        assert!(MatRef::row_major(&d, 3, 5).is_err());
+        assert!(MatRef::new(&d, 2, 2, 7, 5).is_err());
+        assert!(MatRef::new(&d, 2, 2, usize::MAX, 1).is_err());
+        assert!(MatRef::new(&d, 3, 3, usize::MAX / 2, usize::MAX / 2).is_err());
+        assert!(MatRef::new(&d, 0, 5, 100, 100).is_ok());
+        let a = MatRef::row_major(&d, 3, 4).unwrap();
+        let b = MatRef::row_major(&d, 4, 3).unwrap();
+        let mut c = [0f32; 9];
+        assert!(gemm(a, b, &mut c, 3, 1.0, 0.0).is_ok());
+        assert!(gemm(a, a, &mut c, 3, 1.0, 0.0).is_err(), "inner dims");
+        assert!(gemm(a, b, &mut c[..8], 3, 1.0, 0.0).is_err(), "C short");
+        assert!(gemm(a, b, &mut c, 2, 1.0, 0.0).is_err(), "ldc < n");
+        assert!(
+            gemm(a, b, &mut c, usize::MAX, 1.0, 0.0).is_err(),
+            "overflow"
+        );
+        assert!(gemm_ref(a, a, &mut c, 3, 1.0, 0.0).is_err());
+    }
+}
