@@ -15,7 +15,7 @@
 //! depend only on `KC` (fixed per tier), never on the tiling of `C` or the
 //! thread count, so results are bitwise the same on any pool.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 use crate::cpu::{self, SimdTier};
 use crate::error::checked_mul;
@@ -229,6 +229,8 @@ trait Micro {
     const MC: usize;
     /// Most columns of `C` per task: the packed `KC×NC` `B` block.
     const NC: usize;
+    /// Whether the AVX2 packing paths may run (the tier has AVX2).
+    const SIMD: bool;
 
     /// `C[0..MR, 0..NR] (row stride ldc) ← epi(A_panel · B_panel)` over
     /// `kc` steps; panels packed as `a[q·MR + i]`, `b[q·NR + j]`.
@@ -251,6 +253,7 @@ impl Micro for ScalarK {
     const KC: usize = 256;
     const MC: usize = 128;
     const NC: usize = 512;
+    const SIMD: bool = false;
 
     #[inline(always)]
     unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
@@ -294,8 +297,9 @@ mod x86 {
         const MR: usize = 6;
         const NR: usize = 16;
         const KC: usize = 256;
-        const MC: usize = 144;
+        const MC: usize = 264;
         const NC: usize = 512;
+        const SIMD: bool = true;
 
         #[inline(always)]
         unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
@@ -343,6 +347,54 @@ mod x86 {
         }
     }
 
+    /// `dst[q·ld + c] = src[c·stride + q]` for `c < 8`, `q < kc` (a
+    /// multiple of 8), widened: 8×8 blocks transposed in registers.
+    ///
+    /// # Safety
+    /// AVX2; the reads and writes lie inside their buffers.
+    #[inline(always)]
+    pub(super) unsafe fn transpose_panel<E: crate::lanes::Lanes>(
+        src: *const E,
+        stride: usize,
+        kc: usize,
+        dst: *mut f32,
+        ld: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            for q in (0..kc).step_by(8) {
+                let r = |c: usize| E::load8(src.add(c * stride + q));
+                let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+                let (r4, r5, r6, r7) = (r(4), r(5), r(6), r(7));
+                let t0 = _mm256_unpacklo_ps(r0, r1);
+                let t1 = _mm256_unpackhi_ps(r0, r1);
+                let t2 = _mm256_unpacklo_ps(r2, r3);
+                let t3 = _mm256_unpackhi_ps(r2, r3);
+                let t4 = _mm256_unpacklo_ps(r4, r5);
+                let t5 = _mm256_unpackhi_ps(r4, r5);
+                let t6 = _mm256_unpacklo_ps(r6, r7);
+                let t7 = _mm256_unpackhi_ps(r6, r7);
+                let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+                let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+                let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+                let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+                let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+                let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+                let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+                let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+                let d = dst.add(q * ld);
+                _mm256_storeu_ps(d, _mm256_permute2f128_ps::<0x20>(s0, s4));
+                _mm256_storeu_ps(d.add(ld), _mm256_permute2f128_ps::<0x20>(s1, s5));
+                _mm256_storeu_ps(d.add(2 * ld), _mm256_permute2f128_ps::<0x20>(s2, s6));
+                _mm256_storeu_ps(d.add(3 * ld), _mm256_permute2f128_ps::<0x20>(s3, s7));
+                _mm256_storeu_ps(d.add(4 * ld), _mm256_permute2f128_ps::<0x31>(s0, s4));
+                _mm256_storeu_ps(d.add(5 * ld), _mm256_permute2f128_ps::<0x31>(s1, s5));
+                _mm256_storeu_ps(d.add(6 * ld), _mm256_permute2f128_ps::<0x31>(s2, s6));
+                _mm256_storeu_ps(d.add(7 * ld), _mm256_permute2f128_ps::<0x31>(s3, s7));
+            }
+        }
+    }
+
     /// AVX-512 `MR`×32: `2·MR` zmm accumulators.
     pub(super) struct Avx512K;
 
@@ -350,8 +402,9 @@ mod x86 {
         const MR: usize = 12;
         const NR: usize = 32;
         const KC: usize = 256;
-        const MC: usize = 144;
+        const MC: usize = 264;
         const NC: usize = 512;
+        const SIMD: bool = true;
 
         #[inline(always)]
         unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
@@ -425,7 +478,7 @@ struct Job<'a, A, B> {
 
 thread_local! {
     /// Per-thread packing buffers (`A` block, `B` block), reused across calls.
-    static PACK: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    static PACK: Cell<(Vec<f32>, Vec<f32>)> = const { Cell::new((Vec::new(), Vec::new())) };
 }
 
 /// A 64-byte-aligned pointer to at least `len` floats of `v`.
@@ -465,6 +518,15 @@ unsafe fn pack_a<E: Lanes, K: Micro>(
                 let src = unsafe { a.data.get_unchecked(base..base + kc) };
                 for (q, v) in src.iter().enumerate() {
                     d[q * mr + r] = v.to_f32();
+                }
+            }
+        } else if a.rs == 1 {
+            for q in 0..kc {
+                let base = (k0 + q) * a.cs + i0 + r0;
+                // SAFETY: column `k0+q`, rows `i0+r0..+re` lie inside `a`.
+                let src = unsafe { a.data.get_unchecked(base..base + re) };
+                for (dv, v) in d[q * mr..q * mr + re].iter_mut().zip(src) {
+                    *dv = v.to_f32();
                 }
             }
         } else {
@@ -513,7 +575,34 @@ unsafe fn pack_b<E: Lanes, K: Micro>(
                 }
             }
         } else if b.rs == 1 {
-            for cc in 0..ce {
+            let mut c8 = 0;
+            #[cfg(target_arch = "x86_64")]
+            if K::SIMD {
+                c8 = ce / 8 * 8;
+                let q8 = kc / 8 * 8;
+                for cc in (0..c8).step_by(8) {
+                    let base = (j0 + c0 + cc) * b.cs + k0;
+                    // SAFETY: the tier has AVX2 (`K::SIMD`); columns
+                    // `j0+c0+cc..+8`, rows `k0..k0+q8` lie inside `b`, and
+                    // the stores stay inside the panel.
+                    unsafe {
+                        x86::transpose_panel(
+                            b.data.as_ptr().add(base),
+                            b.cs,
+                            q8,
+                            d.as_mut_ptr().add(cc),
+                            nr,
+                        );
+                    }
+                    for q in q8..kc {
+                        for c in cc..cc + 8 {
+                            // SAFETY: inside `b` by the caller's contract.
+                            d[q * nr + c] = unsafe { b.at(k0 + q, j0 + c0 + c) }.to_f32();
+                        }
+                    }
+                }
+            }
+            for cc in c8..ce {
                 let base = (j0 + c0 + cc) * b.cs + k0;
                 // SAFETY: column `j0+c0+cc`, rows `k0..k0+kc` lie inside `b`.
                 let src = unsafe { b.data.get_unchecked(base..base + kc) };
@@ -548,71 +637,67 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
     let (i0, j0) = ((t / job.ntiles) * job.mc, (t % job.ntiles) * job.nc);
     let (rows, cols) = (job.mc.min(m - i0), job.nc.min(n - j0));
     let (mp, np) = (rows.div_ceil(K::MR), cols.div_ceil(K::NR));
-    PACK.with(|cell| {
-        let mut fresh = (Vec::new(), Vec::new());
-        let mut held = cell.try_borrow_mut();
-        let (va, vb) = match held.as_deref_mut() {
-            Ok(v) => (&mut v.0, &mut v.1),
-            Err(_) => (&mut fresh.0, &mut fresh.1),
-        };
-        let pa = aligned(va, mp * K::MR * K::KC);
-        let pb = aligned(vb, np * K::NR * K::KC);
-        for k0 in (0..k).step_by(K::KC) {
-            let kc = K::KC.min(k - k0);
-            // SAFETY: the tile and the `k` block lie inside `a` and `b`
-            // (checked shapes); the buffers hold whole panels of `KC`.
-            unsafe {
-                pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
-                pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);
+    // The buffers leave the thread-local for the call: a closure passed
+    // to `with` would not inherit this function's target features.
+    let (mut va, mut vb) = PACK.take();
+    let pa = aligned(&mut va, mp * K::MR * K::KC);
+    let pb = aligned(&mut vb, np * K::NR * K::KC);
+    for k0 in (0..k).step_by(K::KC) {
+        let kc = K::KC.min(k - k0);
+        // SAFETY: the tile and the `k` block lie inside `a` and `b`
+        // (checked shapes); the buffers hold whole panels of `KC`.
+        unsafe {
+            pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
+            pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);
+        }
+        let e = if k0 == 0 {
+            Epi {
+                alpha: job.alpha,
+                beta: job.beta,
+                load: job.beta != 0.0,
             }
-            let e = if k0 == 0 {
-                Epi {
-                    alpha: job.alpha,
-                    beta: job.beta,
-                    load: job.beta != 0.0,
-                }
-            } else {
-                Epi {
-                    alpha: job.alpha,
-                    beta: 1.0,
-                    load: true,
-                }
-            };
-            for jp in 0..np {
-                let ce = K::NR.min(cols - jp * K::NR);
-                for ip in 0..mp {
-                    let re = K::MR.min(rows - ip * K::MR);
-                    // SAFETY: panels `ip`, `jp` were packed above with `kc`
-                    // steps; the tile's origin is inside `C`'s tile, which
-                    // this task alone writes; a partial tile goes through
-                    // scratch and only its `re×ce` part touches `C`.
-                    unsafe {
-                        let ap = pa.add(ip * K::MR * kc);
-                        let bp = pb.add(jp * K::NR * kc);
-                        let cp = job.c.0.add((i0 + ip * K::MR) * job.ldc + j0 + jp * K::NR);
-                        if re == K::MR && ce == K::NR {
-                            K::tile(kc, ap, bp, cp, job.ldc, e);
-                        } else {
-                            let mut s = [0f32; MAX_TILE];
-                            if e.load {
-                                for r in 0..re {
-                                    for q in 0..ce {
-                                        s[r * K::NR + q] = *cp.add(r * job.ldc + q);
-                                    }
-                                }
-                            }
-                            K::tile(kc, ap, bp, s.as_mut_ptr(), K::NR, e);
+        } else {
+            Epi {
+                alpha: job.alpha,
+                beta: 1.0,
+                load: true,
+            }
+        };
+        for jp in 0..np {
+            let ce = K::NR.min(cols - jp * K::NR);
+            for ip in 0..mp {
+                let re = K::MR.min(rows - ip * K::MR);
+                // SAFETY: panels `ip`, `jp` were packed above with `kc`
+                // steps; the tile's origin is inside `C`'s tile, which
+                // this task alone writes; a partial tile goes through
+                // scratch and only its `re×ce` part touches `C`.
+                unsafe {
+                    let ap = pa.add(ip * K::MR * kc);
+                    let bp = pb.add(jp * K::NR * kc);
+                    let cp = job.c.0.add((i0 + ip * K::MR) * job.ldc + j0 + jp * K::NR);
+                    if re == K::MR && ce == K::NR {
+                        K::tile(kc, ap, bp, cp, job.ldc, e);
+                    } else {
+                        let mut s = [0f32; MAX_TILE];
+                        if e.load {
                             for r in 0..re {
                                 for q in 0..ce {
-                                    *cp.add(r * job.ldc + q) = s[r * K::NR + q];
+                                    s[r * K::NR + q] = *cp.add(r * job.ldc + q);
                                 }
+                            }
+                        }
+                        K::tile(kc, ap, bp, s.as_mut_ptr(), K::NR, e);
+                        for r in 0..re {
+                            for q in 0..ce {
+                                *cp.add(r * job.ldc + q) = s[r * K::NR + q];
                             }
                         }
                     }
                 }
             }
         }
-    });
+    }
+    PACK.set((va, vb));
 }
 
 /// Tile sizes for `m × n` on `threads`: `(mc, nc, mtiles, ntiles)`, tiles
