@@ -395,6 +395,43 @@ mod x86 {
         }
     }
 
+    /// `dst[q·ld + r] = src[r·stride + q]` for `r < 4`, `q < kc` (a
+    /// multiple of 8), widened: 4×8 blocks transposed in registers.
+    ///
+    /// # Safety
+    /// AVX2; the reads and writes lie inside their buffers.
+    #[inline(always)]
+    pub(super) unsafe fn transpose_panel4<E: crate::lanes::Lanes>(
+        src: *const E,
+        stride: usize,
+        kc: usize,
+        dst: *mut f32,
+        ld: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            for q in (0..kc).step_by(8) {
+                let r = |c: usize| E::load8(src.add(c * stride + q));
+                let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
+                let t0 = _mm256_unpacklo_ps(r0, r1);
+                let t1 = _mm256_unpackhi_ps(r0, r1);
+                let t2 = _mm256_unpacklo_ps(r2, r3);
+                let t3 = _mm256_unpackhi_ps(r2, r3);
+                let s = [
+                    _mm256_shuffle_ps::<0x44>(t0, t2),
+                    _mm256_shuffle_ps::<0xEE>(t0, t2),
+                    _mm256_shuffle_ps::<0x44>(t1, t3),
+                    _mm256_shuffle_ps::<0xEE>(t1, t3),
+                ];
+                let d = dst.add(q * ld);
+                for (h, &v) in s.iter().enumerate() {
+                    _mm_storeu_ps(d.add(h * ld), _mm256_castps256_ps128(v));
+                    _mm_storeu_ps(d.add((h + 4) * ld), _mm256_extractf128_ps::<1>(v));
+                }
+            }
+        }
+    }
+
     /// AVX-512 `MR`×32: `2·MR` zmm accumulators.
     pub(super) struct Avx512K;
 
@@ -493,7 +530,10 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
 
 /// Packs rows `i0..i0+rows`, `k` `k0..k0+kc` of `a` into `MR`-row panels:
 /// panel `p` at `dst + p·MR·kc`, step `q`'s values at `+ q·MR`; rows past
-/// the end are zeros.
+/// the end are zeros. Contiguous runs are read in memory order (row by
+/// row, or column by column across every panel) so the prefetchers
+/// stream them; rows of a row-major `A` go through 8×8 and 4×8
+/// register transposes.
 ///
 /// # Safety
 /// The ranges lie inside `a`; `dst` holds `ceil(rows/MR)·MR·kc` floats.
@@ -507,47 +547,85 @@ unsafe fn pack_a<E: Lanes, K: Micro>(
     dst: *mut f32,
 ) {
     let mr = K::MR;
-    for (p, r0) in (0..rows).step_by(mr).enumerate() {
-        let re = mr.min(rows - r0);
-        // SAFETY: inside `dst` by the caller's contract.
-        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(p * mr * kc), mr * kc) };
-        if a.cs == 1 {
-            for r in 0..re {
-                let base = (i0 + r0 + r) * a.rs + k0;
-                // SAFETY: row `i0+r0+r`, columns `k0..k0+kc` lie inside `a`.
-                let src = unsafe { a.data.get_unchecked(base..base + kc) };
-                for (q, v) in src.iter().enumerate() {
-                    d[q * mr + r] = v.to_f32();
-                }
-            }
-        } else if a.rs == 1 {
-            for q in 0..kc {
-                let base = (k0 + q) * a.cs + i0 + r0;
-                // SAFETY: column `k0+q`, rows `i0+r0..+re` lie inside `a`.
-                let src = unsafe { a.data.get_unchecked(base..base + re) };
-                for (dv, v) in d[q * mr..q * mr + re].iter_mut().zip(src) {
+    let panels = rows.div_ceil(mr);
+    // SAFETY: inside `dst` by the caller's contract.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst, panels * mr * kc) };
+    if a.rs == 1 && a.cs != 1 {
+        for q in 0..kc {
+            let base = (k0 + q) * a.cs + i0;
+            // SAFETY: column `k0+q`, rows `i0..i0+rows` lie inside `a`.
+            let src = unsafe { a.data.get_unchecked(base..base + rows) };
+            for (p, sp) in src.chunks(mr).enumerate() {
+                let o = p * mr * kc + q * mr;
+                for (dv, v) in d[o..o + sp.len()].iter_mut().zip(sp) {
                     *dv = v.to_f32();
                 }
             }
-        } else {
-            for q in 0..kc {
-                for r in 0..re {
-                    // SAFETY: inside `a` by the caller's contract.
-                    d[q * mr + r] = unsafe { a.at(i0 + r0 + r, k0 + q) }.to_f32();
+        }
+    } else {
+        for (p, r0) in (0..rows).step_by(mr).enumerate() {
+            let re = mr.min(rows - r0);
+            let dp = &mut d[p * mr * kc..(p + 1) * mr * kc];
+            let mut r = 0;
+            #[cfg(target_arch = "x86_64")]
+            if K::SIMD && a.cs == 1 {
+                let q8 = kc / 8 * 8;
+                while r < re && re - r >= 4 {
+                    let base = (i0 + r0 + r) * a.rs + k0;
+                    let w = if re - r >= 8 { 8 } else { 4 };
+                    // SAFETY: the tier has AVX2 (`K::SIMD`); rows
+                    // `i0+r0+r..+w`, columns `k0..k0+q8` lie inside `a`;
+                    // the stores stay inside the panel.
+                    unsafe {
+                        let src = a.data.as_ptr().add(base);
+                        let dp = dp.as_mut_ptr().add(r);
+                        if w == 8 {
+                            x86::transpose_panel(src, a.rs, q8, dp, mr);
+                        } else {
+                            x86::transpose_panel4(src, a.rs, q8, dp, mr);
+                        }
+                    }
+                    for rr in r..r + w {
+                        for q in q8..kc {
+                            // SAFETY: inside `a` by the caller's contract.
+                            dp[q * mr + rr] = unsafe { a.at(i0 + r0 + rr, k0 + q) }.to_f32();
+                        }
+                    }
+                    r += w;
+                }
+            }
+            if a.cs == 1 {
+                for rr in r..re {
+                    let base = (i0 + r0 + rr) * a.rs + k0;
+                    // SAFETY: row `i0+r0+rr`, columns `k0..k0+kc` lie inside `a`.
+                    let src = unsafe { a.data.get_unchecked(base..base + kc) };
+                    for (q, v) in src.iter().enumerate() {
+                        dp[q * mr + rr] = v.to_f32();
+                    }
+                }
+            } else {
+                for q in 0..kc {
+                    for rr in r..re {
+                        // SAFETY: inside `a` by the caller's contract.
+                        dp[q * mr + rr] = unsafe { a.at(i0 + r0 + rr, k0 + q) }.to_f32();
+                    }
                 }
             }
         }
-        if re < mr {
-            for q in 0..kc {
-                d[q * mr + re..q * mr + mr].fill(0.0);
-            }
+    }
+    let re = rows - (panels - 1) * mr;
+    if re < mr {
+        let dp = &mut d[(panels - 1) * mr * kc..];
+        for q in 0..kc {
+            dp[q * mr + re..q * mr + mr].fill(0.0);
         }
     }
 }
 
 /// Packs `k` `k0..k0+kc`, columns `j0..j0+cols` of `b` into `NR`-column
 /// panels: panel `p` at `dst + p·NR·kc`, step `q`'s values at `+ q·NR`;
-/// columns past the end are zeros.
+/// columns past the end are zeros. Read in memory order as [`pack_a`];
+/// columns of a column-major `B` go through 8×8 register transposes.
 ///
 /// # Safety
 /// The ranges lie inside `b`; `dst` holds `ceil(cols/NR)·NR·kc` floats.
@@ -561,23 +639,28 @@ unsafe fn pack_b<E: Lanes, K: Micro>(
     dst: *mut f32,
 ) {
     let nr = K::NR;
-    for (p, c0) in (0..cols).step_by(nr).enumerate() {
-        let ce = nr.min(cols - c0);
-        // SAFETY: inside `dst` by the caller's contract.
-        let d = unsafe { std::slice::from_raw_parts_mut(dst.add(p * nr * kc), nr * kc) };
-        if b.cs == 1 {
-            for q in 0..kc {
-                let base = (k0 + q) * b.rs + j0 + c0;
-                // SAFETY: row `k0+q`, columns `j0+c0..+ce` lie inside `b`.
-                let src = unsafe { b.data.get_unchecked(base..base + ce) };
-                for (dv, v) in d[q * nr..q * nr + ce].iter_mut().zip(src) {
+    let panels = cols.div_ceil(nr);
+    // SAFETY: inside `dst` by the caller's contract.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst, panels * nr * kc) };
+    if b.cs == 1 {
+        for q in 0..kc {
+            let base = (k0 + q) * b.rs + j0;
+            // SAFETY: row `k0+q`, columns `j0..j0+cols` lie inside `b`.
+            let src = unsafe { b.data.get_unchecked(base..base + cols) };
+            for (p, sp) in src.chunks(nr).enumerate() {
+                let o = p * nr * kc + q * nr;
+                for (dv, v) in d[o..o + sp.len()].iter_mut().zip(sp) {
                     *dv = v.to_f32();
                 }
             }
-        } else if b.rs == 1 {
+        }
+    } else {
+        for (p, c0) in (0..cols).step_by(nr).enumerate() {
+            let ce = nr.min(cols - c0);
+            let dp = &mut d[p * nr * kc..(p + 1) * nr * kc];
             let mut c8 = 0;
             #[cfg(target_arch = "x86_64")]
-            if K::SIMD {
+            if K::SIMD && b.rs == 1 {
                 c8 = ce / 8 * 8;
                 let q8 = kc / 8 * 8;
                 for cc in (0..c8).step_by(8) {
@@ -590,38 +673,42 @@ unsafe fn pack_b<E: Lanes, K: Micro>(
                             b.data.as_ptr().add(base),
                             b.cs,
                             q8,
-                            d.as_mut_ptr().add(cc),
+                            dp.as_mut_ptr().add(cc),
                             nr,
                         );
                     }
                     for q in q8..kc {
                         for c in cc..cc + 8 {
                             // SAFETY: inside `b` by the caller's contract.
-                            d[q * nr + c] = unsafe { b.at(k0 + q, j0 + c0 + c) }.to_f32();
+                            dp[q * nr + c] = unsafe { b.at(k0 + q, j0 + c0 + c) }.to_f32();
                         }
                     }
                 }
             }
-            for cc in c8..ce {
-                let base = (j0 + c0 + cc) * b.cs + k0;
-                // SAFETY: column `j0+c0+cc`, rows `k0..k0+kc` lie inside `b`.
-                let src = unsafe { b.data.get_unchecked(base..base + kc) };
-                for (q, v) in src.iter().enumerate() {
-                    d[q * nr + cc] = v.to_f32();
+            if b.rs == 1 {
+                for cc in c8..ce {
+                    let base = (j0 + c0 + cc) * b.cs + k0;
+                    // SAFETY: column `j0+c0+cc`, rows `k0..k0+kc` lie inside `b`.
+                    let src = unsafe { b.data.get_unchecked(base..base + kc) };
+                    for (q, v) in src.iter().enumerate() {
+                        dp[q * nr + cc] = v.to_f32();
+                    }
                 }
-            }
-        } else {
-            for q in 0..kc {
-                for cc in 0..ce {
-                    // SAFETY: inside `b` by the caller's contract.
-                    d[q * nr + cc] = unsafe { b.at(k0 + q, j0 + c0 + cc) }.to_f32();
+            } else {
+                for q in 0..kc {
+                    for cc in c8..ce {
+                        // SAFETY: inside `b` by the caller's contract.
+                        dp[q * nr + cc] = unsafe { b.at(k0 + q, j0 + c0 + cc) }.to_f32();
+                    }
                 }
             }
         }
-        if ce < nr {
-            for q in 0..kc {
-                d[q * nr + ce..q * nr + nr].fill(0.0);
-            }
+    }
+    let ce = cols - (panels - 1) * nr;
+    if ce < nr {
+        let dp = &mut d[(panels - 1) * nr * kc..];
+        for q in 0..kc {
+            dp[q * nr + ce..q * nr + nr].fill(0.0);
         }
     }
 }
