@@ -231,6 +231,9 @@ trait Micro {
     const NC: usize;
     /// Whether the AVX2 packing paths may run (the tier has AVX2).
     const SIMD: bool;
+    /// Whether panels hold bf16 pairs (`k` even in the low half, odd in
+    /// the high half of each 32-bit word) for `vdpbf16ps`.
+    const PAIRS: bool = false;
 
     /// `C[0..MR, 0..NR] (row stride ldc) ← epi(A_panel · B_panel)` over
     /// `kc` steps; panels packed as `a[q·MR + i]`, `b[q·NR + j]`.
@@ -427,6 +430,65 @@ mod x86 {
                 for (h, &v) in s.iter().enumerate() {
                     _mm_storeu_ps(d.add(h * ld), _mm256_castps256_ps128(v));
                     _mm_storeu_ps(d.add((h + 4) * ld), _mm256_extractf128_ps::<1>(v));
+                }
+            }
+        }
+    }
+
+    /// AVX-512 BF16 12×32 on bf16 pairs: `vdpbf16ps` adds two exact
+    /// products per lane and step, twice the f32 FMA's rate.
+    pub(super) struct Bf16K;
+
+    impl Micro for Bf16K {
+        const MR: usize = 12;
+        const NR: usize = 32;
+        const KC: usize = 256;
+        const MC: usize = 264;
+        const NC: usize = 512;
+        const SIMD: bool = true;
+        const PAIRS: bool = true;
+
+        #[inline(always)]
+        unsafe fn tile(ks: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
+            // SAFETY: the caller's contract (AVX-512 BF16; panel and tile extents).
+            unsafe { tile_bf16(ks, a as *const i32, b as *const i32, c, ldc, e) }
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
+    unsafe fn tile_bf16(
+        ks: usize,
+        mut a: *const i32,
+        mut b: *const i32,
+        c: *mut f32,
+        ldc: usize,
+        e: Epi,
+    ) {
+        // SAFETY: the caller's contract: `ks` steps of 12 and 32 words in
+        // the panels, a full 12×32 tile at `c`.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); 2]; 12];
+            for _ in 0..ks {
+                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b as *const _));
+                let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(16) as *const _));
+                for (i, r) in acc.iter_mut().enumerate() {
+                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i)));
+                    r[0] = _mm512_dpbf16_ps(r[0], av, b0);
+                    r[1] = _mm512_dpbf16_ps(r[1], av, b1);
+                }
+                a = a.add(12);
+                b = b.add(32);
+            }
+            let al = _mm512_set1_ps(e.alpha);
+            let be = _mm512_set1_ps(e.beta);
+            for (i, r) in acc.iter().enumerate() {
+                for (h, &s) in r.iter().enumerate() {
+                    let p = c.add(i * ldc + h * 16);
+                    let mut v = _mm512_mul_ps(s, al);
+                    if e.load {
+                        v = _mm512_fmadd_ps(_mm512_loadu_ps(p), be, v);
+                    }
+                    _mm512_storeu_ps(p, v);
                 }
             }
         }
@@ -713,6 +775,105 @@ unsafe fn pack_b<E: Lanes, K: Micro>(
     }
 }
 
+/// The bf16 bits of `v` (exact for values widened from bf16).
+#[inline(always)]
+fn bf16_bits<E: Lanes>(v: E) -> u32 {
+    v.to_f32().to_bits() >> 16
+}
+
+/// [`pack_a`] for [`Micro::PAIRS`]: word `(q2, r)` of panel `p` at
+/// `dst + p·MR·ks + q2·MR + r` (`ks = ceil(kc/2)`) holds `k = 2·q2` low
+/// and `2·q2 + 1` high (0 past `kc`).
+///
+/// # Safety
+/// As [`pack_a`], with `dst` holding `ceil(rows/MR)·MR·ks` words.
+#[inline(always)]
+unsafe fn pack_a_pairs<E: Lanes, K: Micro>(
+    a: &MatRef<'_, E>,
+    i0: usize,
+    rows: usize,
+    k0: usize,
+    kc: usize,
+    dst: *mut f32,
+) {
+    let (mr, ks) = (K::MR, kc.div_ceil(2));
+    let panels = rows.div_ceil(mr);
+    // SAFETY: inside `dst` by the caller's contract; f32 and u32 share
+    // size and alignment.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u32, panels * mr * ks) };
+    d.fill(0);
+    for r in 0..rows {
+        let o = (r / mr) * mr * ks + r % mr;
+        for q2 in 0..ks {
+            let q = k0 + 2 * q2;
+            // SAFETY: row `i0+r` and columns `q`, `q+1` (when < k0+kc)
+            // lie inside `a` by the caller's contract.
+            let (lo, hi) = unsafe {
+                let lo = bf16_bits(a.at(i0 + r, q));
+                let hi = if 2 * q2 + 1 < kc {
+                    bf16_bits(a.at(i0 + r, q + 1))
+                } else {
+                    0
+                };
+                (lo, hi)
+            };
+            d[o + q2 * mr] = lo | hi << 16;
+        }
+    }
+}
+
+/// [`pack_b`] for [`Micro::PAIRS`] (layout as [`pack_a_pairs`]).
+///
+/// # Safety
+/// As [`pack_b`], with `dst` holding `ceil(cols/NR)·NR·ks` words.
+#[inline(always)]
+unsafe fn pack_b_pairs<E: Lanes, K: Micro>(
+    b: &MatRef<'_, E>,
+    k0: usize,
+    kc: usize,
+    j0: usize,
+    cols: usize,
+    dst: *mut f32,
+) {
+    let (nr, ks) = (K::NR, kc.div_ceil(2));
+    let panels = cols.div_ceil(nr);
+    // SAFETY: as in `pack_a_pairs`.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u32, panels * nr * ks) };
+    let word = |q2: usize, c: usize| {
+        let q = k0 + 2 * q2;
+        // SAFETY: column `j0+c`, rows `q`, `q+1` (when < k0+kc) lie inside `b`.
+        unsafe {
+            let lo = bf16_bits(b.at(q, j0 + c));
+            let hi = if 2 * q2 + 1 < kc {
+                bf16_bits(b.at(q + 1, j0 + c))
+            } else {
+                0
+            };
+            lo | hi << 16
+        }
+    };
+    if b.rs == 1 {
+        d.fill(0);
+        for c in 0..cols {
+            let o = (c / nr) * nr * ks + c % nr;
+            for q2 in 0..ks {
+                d[o + q2 * nr] = word(q2, c);
+            }
+        }
+    } else {
+        for q2 in 0..ks {
+            for p in 0..panels {
+                let o = p * nr * ks + q2 * nr;
+                let ce = nr.min(cols - p * nr);
+                for c in 0..ce {
+                    d[o + c] = word(q2, p * nr + c);
+                }
+                d[o + ce..o + nr].fill(0);
+            }
+        }
+    }
+}
+
 /// Task `t`: `C` tile `t / ntiles`, `t % ntiles`, every `k` block.
 ///
 /// # Safety
@@ -734,9 +895,16 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
         // SAFETY: the tile and the `k` block lie inside `a` and `b`
         // (checked shapes); the buffers hold whole panels of `KC`.
         unsafe {
-            pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
-            pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);
+            if K::PAIRS {
+                pack_b_pairs::<B, K>(&job.b, k0, kc, j0, cols, pb);
+                pack_a_pairs::<A, K>(&job.a, i0, rows, k0, kc, pa);
+            } else {
+                pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
+                pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);
+            }
         }
+        // Steps per panel: pairs of `k`, or `k`.
+        let ks = if K::PAIRS { kc.div_ceil(2) } else { kc };
         let e = if k0 == 0 {
             Epi {
                 alpha: job.alpha,
@@ -759,11 +927,11 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
                 // this task alone writes; a partial tile goes through
                 // scratch and only its `re×ce` part touches `C`.
                 unsafe {
-                    let ap = pa.add(ip * K::MR * kc);
-                    let bp = pb.add(jp * K::NR * kc);
+                    let ap = pa.add(ip * K::MR * ks);
+                    let bp = pb.add(jp * K::NR * ks);
                     let cp = job.c.0.add((i0 + ip * K::MR) * job.ldc + j0 + jp * K::NR);
                     if re == K::MR && ce == K::NR {
-                        K::tile(kc, ap, bp, cp, job.ldc, e);
+                        K::tile(ks, ap, bp, cp, job.ldc, e);
                     } else {
                         let mut s = [0f32; MAX_TILE];
                         if e.load {
@@ -773,7 +941,7 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
                                 }
                             }
                         }
-                        K::tile(kc, ap, bp, s.as_mut_ptr(), K::NR, e);
+                        K::tile(ks, ap, bp, s.as_mut_ptr(), K::NR, e);
                         for r in 0..re {
                             for q in 0..ce {
                                 *cp.add(r * job.ldc + q) = s[r * K::NR + q];
@@ -837,6 +1005,13 @@ unsafe fn task_avx2<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
 }
 
 #[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma")]
+unsafe fn task_bf16<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
+    // SAFETY: AVX-512 BF16 enabled here; `job` was checked and holds bf16.
+    unsafe { task::<A, B, x86::Bf16K>(job, t) }
+}
+
+#[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
 unsafe fn task_avx512<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
     // SAFETY: AVX-512F enabled here; `job` was checked.
@@ -881,7 +1056,14 @@ pub fn gemm_in<A: Elem, B: Elem>(
         nc: 0,
         ntiles: 0,
     };
+    use std::any::TypeId;
+    let bf16s = TypeId::of::<A>() == TypeId::of::<half::bf16>()
+        && TypeId::of::<B>() == TypeId::of::<half::bf16>();
     match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        SimdTier::Avx512 if bf16s && cpu::has_avx512_bf16() => {
+            run_tier::<A, B, x86::Bf16K>(pool, &mut job, m, n, task_bf16::<A, B>)
+        }
         #[cfg(target_arch = "x86_64")]
         SimdTier::Avx512 => {
             run_tier::<A, B, x86::Avx512K>(pool, &mut job, m, n, task_avx512::<A, B>)
@@ -1053,6 +1235,18 @@ mod tests {
             let one = run(&ThreadPool::new(1).unwrap());
             let three = run(&ThreadPool::new(3).unwrap());
             assert!(one == three, "{tier}");
+        }
+        let bb = rand_vec::<bf16>(&mut rng, 333 * 601);
+        for tier in cpu::available_tiers() {
+            let run = |pool: &ThreadPool| {
+                let am = MatRef::row_major(&bb, 333, 601).unwrap();
+                let mut c = vec![f32::NAN; 333 * 333];
+                gemm_in(pool, tier, am, am.t(), &mut c, 333, 1.0, 0.0).unwrap();
+                c
+            };
+            let one = run(&ThreadPool::new(1).unwrap());
+            let three = run(&ThreadPool::new(3).unwrap());
+            assert!(one == three, "bf16 {tier}");
         }
     }
 
