@@ -781,9 +781,39 @@ fn bf16_bits<E: Lanes>(v: E) -> u32 {
     v.to_f32().to_bits() >> 16
 }
 
+/// `out[c] = bits(lo[c]) | bits(hi[c]) << 16` (`hi` absent: 0).
+#[inline(always)]
+fn interleave<E: Lanes>(lo: &[E], hi: Option<&[E]>, out: &mut [u32]) {
+    match hi {
+        Some(hi) => {
+            for ((o, l), h) in out.iter_mut().zip(lo).zip(hi) {
+                *o = bf16_bits(*l) | bf16_bits(*h) << 16;
+            }
+        }
+        None => {
+            for (o, l) in out.iter_mut().zip(lo) {
+                *o = bf16_bits(*l);
+            }
+        }
+    }
+}
+
+/// Whether runs of `E` along a stride-1 dimension can be read as 32-bit
+/// words (bf16 pairs) with `stride` (in elements) of the other dimension:
+/// a 2-byte type and an even stride.
+#[inline(always)]
+fn word_runs<E, K: Micro>(stride: usize) -> bool {
+    cfg!(target_arch = "x86_64")
+        && K::SIMD
+        && std::mem::size_of::<E>() == 2
+        && stride.is_multiple_of(2)
+}
+
 /// [`pack_a`] for [`Micro::PAIRS`]: word `(q2, r)` of panel `p` at
 /// `dst + p·MR·ks + q2·MR + r` (`ks = ceil(kc/2)`) holds `k = 2·q2` low
-/// and `2·q2 + 1` high (0 past `kc`).
+/// and `2·q2 + 1` high (0 past `kc`). A row-major `A`'s pairs are
+/// adjacent words, moved by the 8×8/4×8 transposes; a column-major one
+/// interleaves two columns.
 ///
 /// # Safety
 /// As [`pack_a`], with `dst` holding `ceil(rows/MR)·MR·ks` words.
@@ -802,27 +832,89 @@ unsafe fn pack_a_pairs<E: Lanes, K: Micro>(
     // size and alignment.
     let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u32, panels * mr * ks) };
     d.fill(0);
-    for r in 0..rows {
-        let o = (r / mr) * mr * ks + r % mr;
+    let word = |r: usize, q2: usize| {
+        let q = k0 + 2 * q2;
+        // SAFETY: row `i0+r` and columns `q`, `q+1` (when < k0+kc) lie
+        // inside `a` by the caller's contract.
+        unsafe {
+            let lo = bf16_bits(a.at(i0 + r, q));
+            let hi = if 2 * q2 + 1 < kc {
+                bf16_bits(a.at(i0 + r, q + 1))
+            } else {
+                0
+            };
+            lo | hi << 16
+        }
+    };
+    if a.rs == 1 && a.cs != 1 {
         for q2 in 0..ks {
             let q = k0 + 2 * q2;
-            // SAFETY: row `i0+r` and columns `q`, `q+1` (when < k0+kc)
-            // lie inside `a` by the caller's contract.
+            // SAFETY: columns `q`, `q+1` (when < k0+kc), rows
+            // `i0..i0+rows` lie inside `a`.
             let (lo, hi) = unsafe {
-                let lo = bf16_bits(a.at(i0 + r, q));
-                let hi = if 2 * q2 + 1 < kc {
-                    bf16_bits(a.at(i0 + r, q + 1))
-                } else {
-                    0
-                };
+                let lo = a.data.get_unchecked(q * a.cs + i0..q * a.cs + i0 + rows);
+                let hi = (2 * q2 + 1 < kc).then(|| {
+                    a.data
+                        .get_unchecked((q + 1) * a.cs + i0..(q + 1) * a.cs + i0 + rows)
+                });
                 (lo, hi)
             };
-            d[o + q2 * mr] = lo | hi << 16;
+            for p in 0..panels {
+                let (r0, re) = (p * mr, mr.min(rows - p * mr));
+                let o = p * mr * ks + q2 * mr;
+                interleave(
+                    &lo[r0..r0 + re],
+                    hi.map(|h| &h[r0..r0 + re]),
+                    &mut d[o..o + re],
+                );
+            }
+        }
+        return;
+    }
+    let w8 = if a.cs == 1 && word_runs::<E, K>(a.rs) {
+        kc / 16 * 8
+    } else {
+        0
+    };
+    for p in 0..panels {
+        let (r0, re) = (p * mr, mr.min(rows - p * mr));
+        let dp = &mut d[p * mr * ks..(p + 1) * mr * ks];
+        let mut r = 0;
+        #[cfg(target_arch = "x86_64")]
+        while w8 > 0 && re - r >= 4 {
+            let w = if re - r >= 8 { 8 } else { 4 };
+            // SAFETY: the tier has AVX2 (`K::SIMD`), `E` is 2 bytes and
+            // the row stride even, so rows `i0+r0+r..+w`, columns
+            // `k0..k0+2·w8` are `w8` words each, `a.rs/2` words apart,
+            // inside `a`; the stores stay inside the panel. The moves
+            // keep every bit.
+            unsafe {
+                let src = a.data.as_ptr().add((i0 + r0 + r) * a.rs + k0) as *const f32;
+                let dp = dp.as_mut_ptr().add(r) as *mut f32;
+                if w == 8 {
+                    x86::transpose_panel(src, a.rs / 2, w8, dp, mr);
+                } else {
+                    x86::transpose_panel4(src, a.rs / 2, w8, dp, mr);
+                }
+            }
+            for rr in r..r + w {
+                for q2 in w8..ks {
+                    dp[q2 * mr + rr] = word(r0 + rr, q2);
+                }
+            }
+            r += w;
+        }
+        for rr in r..re {
+            for q2 in 0..ks {
+                dp[q2 * mr + rr] = word(r0 + rr, q2);
+            }
         }
     }
 }
 
-/// [`pack_b`] for [`Micro::PAIRS`] (layout as [`pack_a_pairs`]).
+/// [`pack_b`] for [`Micro::PAIRS`] (layout as [`pack_a_pairs`]): a
+/// column-major `B`'s pairs are adjacent words (transposes), a row-major
+/// one interleaves two rows.
 ///
 /// # Safety
 /// As [`pack_b`], with `dst` holding `ceil(cols/NR)·NR·ks` words.
@@ -839,6 +931,7 @@ unsafe fn pack_b_pairs<E: Lanes, K: Micro>(
     let panels = cols.div_ceil(nr);
     // SAFETY: as in `pack_a_pairs`.
     let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u32, panels * nr * ks) };
+    d.fill(0);
     let word = |q2: usize, c: usize| {
         let q = k0 + 2 * q2;
         // SAFETY: column `j0+c`, rows `q`, `q+1` (when < k0+kc) lie inside `b`.
@@ -852,23 +945,58 @@ unsafe fn pack_b_pairs<E: Lanes, K: Micro>(
             lo | hi << 16
         }
     };
-    if b.rs == 1 {
-        d.fill(0);
-        for c in 0..cols {
-            let o = (c / nr) * nr * ks + c % nr;
-            for q2 in 0..ks {
-                d[o + q2 * nr] = word(q2, c);
+    if b.cs == 1 {
+        for q2 in 0..ks {
+            let q = k0 + 2 * q2;
+            // SAFETY: rows `q`, `q+1` (when < k0+kc), columns
+            // `j0..j0+cols` lie inside `b`.
+            let (lo, hi) = unsafe {
+                let lo = b.data.get_unchecked(q * b.rs + j0..q * b.rs + j0 + cols);
+                let hi = (2 * q2 + 1 < kc).then(|| {
+                    b.data
+                        .get_unchecked((q + 1) * b.rs + j0..(q + 1) * b.rs + j0 + cols)
+                });
+                (lo, hi)
+            };
+            for p in 0..panels {
+                let (c0, ce) = (p * nr, nr.min(cols - p * nr));
+                let o = p * nr * ks + q2 * nr;
+                interleave(
+                    &lo[c0..c0 + ce],
+                    hi.map(|h| &h[c0..c0 + ce]),
+                    &mut d[o..o + ce],
+                );
             }
         }
+        return;
+    }
+    let w8 = if b.rs == 1 && word_runs::<E, K>(b.cs) {
+        kc / 16 * 8
     } else {
-        for q2 in 0..ks {
-            for p in 0..panels {
-                let o = p * nr * ks + q2 * nr;
-                let ce = nr.min(cols - p * nr);
-                for c in 0..ce {
-                    d[o + c] = word(q2, p * nr + c);
+        0
+    };
+    for p in 0..panels {
+        let (c0, ce) = (p * nr, nr.min(cols - p * nr));
+        let dp = &mut d[p * nr * ks..(p + 1) * nr * ks];
+        let mut c = 0;
+        #[cfg(target_arch = "x86_64")]
+        while w8 > 0 && ce - c >= 8 {
+            // SAFETY: as in `pack_a_pairs`, columns `j0+c0+c..+8`.
+            unsafe {
+                let src = b.data.as_ptr().add((j0 + c0 + c) * b.cs + k0) as *const f32;
+                let dp = dp.as_mut_ptr().add(c) as *mut f32;
+                x86::transpose_panel(src, b.cs / 2, w8, dp, nr);
+            }
+            for cc in c..c + 8 {
+                for q2 in w8..ks {
+                    dp[q2 * nr + cc] = word(q2, c0 + cc);
                 }
-                d[o + ce..o + nr].fill(0);
+            }
+            c += 8;
+        }
+        for cc in c..ce {
+            for q2 in 0..ks {
+                dp[q2 * nr + cc] = word(q2, c0 + cc);
             }
         }
     }
@@ -1090,7 +1218,8 @@ mod tests {
 
     /// A `rows × cols` view into fresh random data laid out as `layout`:
     /// 0 row-major, 1 column-major (a transposed row-major matrix),
-    /// 2 row-major with padded rows and every other column.
+    /// 2 row-major with padded rows and every other column, 3 row-major
+    /// and 4 column-major with an even padded stride.
     fn view<E: Elem>(
         rng: &mut ChaCha8Rng,
         rows: usize,
@@ -1100,6 +1229,9 @@ mod tests {
         let (rs, cs, len) = match layout {
             0 => (cols, 1, rows * cols),
             1 => (1, rows, rows * cols),
+            // Even strides (bf16 pairs read as words) with any extent.
+            3 => ((cols + 2) & !1, 1, rows * ((cols + 2) & !1)),
+            4 => (1, (rows + 2) & !1, cols * ((rows + 2) & !1)),
             _ => (2 * cols + 3, 2, rows * (2 * cols + 3)),
         };
         (rand_vec(rng, len.max(1)), [rs, cs])
@@ -1144,7 +1276,18 @@ mod tests {
     }
 
     fn check_case<A: Elem, B: Elem>(rng: &mut ChaCha8Rng, m: usize, n: usize, k: usize) {
-        for (la, lb) in [(0, 0), (0, 1), (1, 0), (1, 1), (2, 1), (1, 2), (2, 2)] {
+        for (la, lb) in [
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (1, 1),
+            (2, 1),
+            (1, 2),
+            (2, 2),
+            (3, 4),
+            (4, 3),
+            (3, 3),
+        ] {
             let (ad, [ars, acs]) = view::<A>(rng, m, k, la);
             let (bd, [brs, bcs]) = view::<B>(rng, k, n, lb);
             let am = MatRef::new(&ad, m, k, ars, acs).unwrap();
@@ -1184,7 +1327,9 @@ mod tests {
         }
     }
 
-    const SHAPES: [(usize, usize, usize); 10] = [
+    const SHAPES: [(usize, usize, usize); 12] = [
+        (37, 45, 64),
+        (29, 70, 300),
         (1, 1, 1),
         (3, 17, 31),
         (17, 3, 65),
