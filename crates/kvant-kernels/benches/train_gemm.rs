@@ -1,6 +1,8 @@
 //! `train::gemm` at the linear cross-entropy's three shapes (n, h, v) =
 //! (256, 512, 32000): logits `X·Wᵀ` (NT), `dX = G·W` (NN), `dW = Gᵀ·X`
-//! (TN), f32 and bf16 inputs; throughput in elements/s is FLOP/s.
+//! (TN), f32 and bf16 inputs; throughput in elements/s is FLOP/s. The
+//! machine is shared, so wall-clock numbers here swing 2x; the measured
+//! per-thread CPU-time table against torch is in `train::gemm`'s doc.
 //!
 //! `cargo bench -p kvant-kernels --bench train_gemm`
 

@@ -9,10 +9,14 @@
 //! CE f32 90–96 ms (15–16 GiB/s), bf16 121–155 ms; both bound by the two
 //! vector exponentials per value (perf), not by bytes. torch 2.15 eager
 //! `cross_entropy` + backward, 2 threads, same shapes: 1159 ms f32, 525 ms
-//! bf16. Linear CE (temporary blocked GEMM, to be swapped for
-//! `train::gemm`): fused 2.83 s vs three GEMMs 2.62 s f32 (+8%), 2.56 s vs
-//! 2.36 s bf16 (+8%); torch eager linear + CE f32 1.48 s (its GEMM is
-//! faster: the comparison that matters waits for the real GEMM).
+//! bf16. Linear CE on `train::gemm` (CPU seconds of the whole process,
+//! the VM being shared: ~1 core was ours): f32 2.07 s with the default 64-row
+//! chunks, 1.53 s at 128, 1.23–1.28 s at 256–1024 rows; bf16 1.79 s / 1.27 s
+//! / 1.18–1.21 s. torch eager linear + CE + backward, 1 thread: f32 1.50 s,
+//! bf16 0.65 s (all three of its bf16 GEMMs on AVX-512 BF16; here only the
+//! logits are bf16 × bf16, `G` is f32). At 64 rows per chunk `W` is packed
+//! three times and `dW` read and written once per 64 rows, which the
+//! GEMMs' 128 flops per element cannot hide.
 //!
 //! `cargo bench -p kvant-kernels --bench train_losses`
 
