@@ -10,9 +10,9 @@
 //! vector exponentials per value (perf), not by bytes. torch 2.15 eager
 //! `cross_entropy` + backward, 2 threads, same shapes: 1159 ms f32, 525 ms
 //! bf16. Linear CE on `train::gemm` (CPU seconds of the whole process,
-//! the VM being shared: ~1 core was ours): f32 2.07 s with the default 64-row
-//! chunks, 1.53 s at 128, 1.23–1.28 s at 256–1024 rows; bf16 1.79 s / 1.27 s
-//! / 1.18–1.21 s. torch eager linear + CE + backward, 1 thread: f32 1.50 s,
+//! the VM being shared: ~1 core was ours): f32 1.85 s with the default 64-row
+//! chunks, 1.48 s at 128, 1.29–1.32 s at 256–1024 rows; bf16 1.46 s / 1.14 s
+//! / 1.02–1.06 s. torch eager linear + CE + backward, 1 thread: f32 1.50 s,
 //! bf16 0.65 s (all three of its bf16 GEMMs on AVX-512 BF16; here only the
 //! logits are bf16 × bf16, `G` is f32). At 64 rows per chunk `W` is packed
 //! three times and `dW` read and written once per 64 rows, which the
