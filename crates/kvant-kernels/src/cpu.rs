@@ -55,6 +55,7 @@ impl std::fmt::Display for SimdTier {
 struct Detected {
     tier: SimdTier,
     avx512_vnni: bool,
+    avx512_bf16: bool,
 }
 
 fn detected() -> Detected {
@@ -81,6 +82,7 @@ fn detect() -> Detected {
     Detected {
         tier,
         avx512_vnni: avx512 && is_x86_feature_detected!("avx512vnni"),
+        avx512_bf16: avx512 && is_x86_feature_detected!("avx512bf16"),
     }
 }
 
@@ -89,6 +91,7 @@ fn detect() -> Detected {
     Detected {
         tier: SimdTier::Scalar,
         avx512_vnni: false,
+        avx512_bf16: false,
     }
 }
 
@@ -100,6 +103,12 @@ pub fn detected_tier() -> SimdTier {
 /// Whether AVX-512 VNNI (int8 dot products) is present, for int8 kernels and reports.
 pub fn has_avx512_vnni() -> bool {
     detected().avx512_vnni
+}
+
+/// Whether AVX-512 BF16 (`vdpbf16ps`, bf16 pair dot products) is present,
+/// for the bf16 GEMM (`train::gemm`).
+pub fn has_avx512_bf16() -> bool {
+    detected().avx512_bf16
 }
 
 /// The tier every dispatching kernel uses: the detected one, lowered by
@@ -175,6 +184,7 @@ mod tests {
         assert!(tiers.contains(&tier()));
         assert_eq!(tiers.last(), Some(&detected_tier()));
         assert!(!has_avx512_vnni() || detected_tier() == SimdTier::Avx512);
+        assert!(!has_avx512_bf16() || detected_tier() == SimdTier::Avx512);
         assert_eq!(clamp(SimdTier::Avx512), detected_tier());
     }
 }

@@ -18,11 +18,8 @@
 //! `dW`/`db` are summed chunk by chunk in order, each GEMM element one
 //! chain over `k` in order, so nothing depends on the thread count.
 //!
-//! TEMPORARY: the GEMM here is a private, simple blocked one with the
-//! signature of `train::gemm::gemm` (being written on branch `wt-gemm`);
-//! it is to be swapped for that one.
-
-use std::ops::Range;
+//! The three products per chunk run on [`super::gemm`] (packed, register
+//! tiled, bitwise independent of the thread count).
 
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul};
@@ -37,194 +34,8 @@ use super::cross_entropy::{
     ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared,
 };
 use super::distill::jsd_rows_in;
+use super::gemm::{gemm_in, MatRef};
 use super::Elem;
-
-// ---------------------------------------------------------------------
-// Temporary GEMM (same API as `train::gemm`), to be replaced.
-
-/// A strided view of a matrix: element `(i, j)` at `data[i·rs + j·cs]`.
-/// (Temporary, see the module doc; public for the bench.)
-#[doc(hidden)]
-#[derive(Clone, Copy)]
-pub struct MatRef<'a, T> {
-    data: &'a [T],
-    rows: usize,
-    cols: usize,
-    rs: usize,
-    cs: usize,
-}
-
-impl<'a, T> MatRef<'a, T> {
-    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
-        assert!(data.len() >= rows * cols, "MatRef: data too short");
-        MatRef {
-            data,
-            rows,
-            cols,
-            rs: cols,
-            cs: 1,
-        }
-    }
-
-    pub fn t(self) -> Self {
-        MatRef {
-            rows: self.cols,
-            cols: self.rows,
-            rs: self.cs,
-            cs: self.rs,
-            ..self
-        }
-    }
-}
-
-/// Columns of `B` (rows of `W`) per block of the dot form: 64 rows of 512
-/// values are 128 KiB, kept in L2 while every row of `A` passes them.
-const NB: usize = 64;
-/// Rows of `B` per block of the axpy form (the same reasoning).
-const KB: usize = 64;
-
-#[inline(always)]
-fn gemm_rows<A: Lanes, B: Lanes, F: Fma>(
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    r: Range<usize>,
-    alpha: f32,
-    beta: f32,
-) {
-    let (k, n) = (a.cols, b.cols);
-    for i in 0..r.len() {
-        let row = &mut c[i * ldc..i * ldc + n];
-        if beta == 0.0 {
-            row.fill(0.0);
-        } else if beta != 1.0 {
-            row.iter_mut().for_each(|v| *v *= beta);
-        }
-    }
-    if b.cs == 1 {
-        // c[i, :] += alpha·a[i, k]·b[k, :], k in blocks kept in cache.
-        for k0 in (0..k).step_by(KB) {
-            let k1 = (k0 + KB).min(k);
-            for (ii, i) in r.clone().enumerate() {
-                let row = &mut c[ii * ldc..ii * ldc + n];
-                for kk in k0..k1 {
-                    let av = alpha * a.data[i * a.rs + kk * a.cs].to_f32();
-                    let br = &b.data[kk * b.rs..kk * b.rs + n];
-                    for (cv, bv) in row.iter_mut().zip(br) {
-                        *cv = F::fma(av, bv.to_f32(), *cv);
-                    }
-                }
-            }
-        }
-    } else {
-        // c[i, j] += alpha·dot(a[i, :], b[:, j]), b's columns in blocks.
-        for j0 in (0..n).step_by(NB) {
-            let j1 = (j0 + NB).min(n);
-            for (ii, i) in r.clone().enumerate() {
-                for j in j0..j1 {
-                    let mut l = [0f32; 8];
-                    let mut kk = 0;
-                    if a.cs == 1 && b.rs == 1 {
-                        let ar = &a.data[i * a.rs..i * a.rs + k];
-                        let bc = &b.data[j * b.cs..j * b.cs + k];
-                        let mut ca = ar.chunks_exact(8);
-                        let mut cb = bc.chunks_exact(8);
-                        for (x, y) in (&mut ca).zip(&mut cb) {
-                            for ((lv, xv), yv) in l.iter_mut().zip(x).zip(y) {
-                                *lv = F::fma(xv.to_f32(), yv.to_f32(), *lv);
-                            }
-                        }
-                        kk = k - ca.remainder().len();
-                    }
-                    let mut s = (l[0] + l[4]) + (l[1] + l[5]) + ((l[2] + l[6]) + (l[3] + l[7]));
-                    for q in kk..k {
-                        s = F::fma(
-                            a.data[i * a.rs + q * a.cs].to_f32(),
-                            b.data[q * b.rs + j * b.cs].to_f32(),
-                            s,
-                        );
-                    }
-                    c[ii * ldc + j] += alpha * s;
-                }
-            }
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn gemm_rows_avx2<A: Lanes, B: Lanes>(
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    r: Range<usize>,
-    alpha: f32,
-    beta: f32,
-) {
-    gemm_rows::<A, B, Fused>(a, b, c, ldc, r, alpha, beta)
-}
-
-/// `C = beta·C + alpha·A·B` (`A` `[m×k]`, `B` `[k×n]`, `C` row-major f32
-/// with leading dimension `ldc`; beta 0: `C` not read), rows of `C` in
-/// parallel, each element one chain over `k` in order.
-///
-/// # Panics
-/// If the shapes do not fit (the callers here check theirs).
-#[doc(hidden)]
-pub fn gemm<A: Lanes, B: Lanes>(
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
-) {
-    gemm_in(pool::global(), cpu::tier(), a, b, c, ldc, alpha, beta)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn gemm_in<A: Lanes, B: Lanes>(
-    pool: &ThreadPool,
-    tier: SimdTier,
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
-) {
-    let (m, n) = (a.rows, b.cols);
-    assert_eq!(a.cols, b.rows, "gemm: inner dimensions");
-    assert!(
-        ldc >= n && (m == 0 || (m - 1) * ldc + n <= c.len()),
-        "gemm: C"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    let tasks = m.min(pool.threads() * 4);
-    let cs = DisjointSlice::new(c);
-    pool.run(tasks, &|t| {
-        let r = pool::chunk(m, tasks, 1, t);
-        if r.is_empty() {
-            return;
-        }
-        // SAFETY: task `t` alone owns rows `r` of C (`chunk` ranges are disjoint).
-        let cr = unsafe { cs.range(r.start * ldc..((r.end - 1) * ldc + n)) };
-        match cpu::clamp(tier) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                gemm_rows_avx2(a, b, cr, ldc, r, alpha, beta)
-            },
-            _ => gemm_rows::<A, B, Plain>(a, b, cr, ldc, r, alpha, beta),
-        }
-    });
-}
-
-// ---------------------------------------------------------------------
 
 /// Gradients [`linear_cross_entropy`] writes.
 pub struct LinearCeGrads<'a, E> {
@@ -344,12 +155,12 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
             db.fill(0.0);
         }
     }
-    let wm = MatRef::row_major(w, v, h);
+    let wm = MatRef::row_major(w, v, h)?;
     for c0 in (0..n).step_by(chunk) {
         let c1 = (c0 + chunk).min(n);
         let cr = c1 - c0;
         let lg = &mut logits[..cr * v];
-        let xc = MatRef::row_major(&x[c0 * h..c1 * h], cr, h);
+        let xc = MatRef::row_major(&x[c0 * h..c1 * h], cr, h)?;
         let beta = match bias {
             Some(b) => {
                 fill_rows(pool, lg, v, b);
@@ -357,7 +168,7 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
             }
             None => 0.0,
         };
-        gemm_in(pool, tier, xc, wm.t(), lg, v, 1.0, beta);
+        gemm_in(pool, tier, xc, wm.t(), lg, v, 1.0, beta)?;
         ce_rows(
             pool,
             tier,
@@ -372,13 +183,13 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
             &mut zs[c0..c1],
         );
         if let Some(g) = grads.as_mut() {
-            let gm = MatRef::row_major(&*lg, cr, v);
+            let gm = MatRef::row_major(&*lg, cr, v)?;
             let dx = &mut dxc[..cr * h];
-            gemm_in(pool, tier, gm, wm, dx, h, 1.0, 0.0);
+            gemm_in(pool, tier, gm, wm, dx, h, 1.0, 0.0)?;
             for (d, s) in g.dx[c0 * h..c1 * h].iter_mut().zip(dx.iter()) {
                 *d = E::from_f32(*s);
             }
-            gemm_in(pool, tier, gm.t(), xc, g.dw, h, 1.0, 1.0);
+            gemm_in(pool, tier, gm.t(), xc, g.dw, h, 1.0, 1.0)?;
             if let Some(db) = g.dbias.as_deref_mut() {
                 for row in lg.chunks_exact(v) {
                     for (d, s) in db.iter_mut().zip(row) {
@@ -599,8 +410,8 @@ pub fn linear_jsd_with_chunk<E: Elem>(
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe { softmax_back_avx2(g, l, v, inv_t) },
         _ => softmax_back_body::<Plain>(g, l, v, inv_t),
     };
-    let ws = MatRef::row_major(w_s, v, hs);
-    let wt = MatRef::row_major(w_t, v, ht);
+    let ws = MatRef::row_major(w_s, v, hs)?;
+    let wt = MatRef::row_major(w_t, v, ht)?;
     for c0 in (0..n).step_by(chunk) {
         let c1 = (c0 + chunk).min(n);
         let cr = c1 - c0;
@@ -609,10 +420,10 @@ pub fn linear_jsd_with_chunk<E: Elem>(
             &mut t_buf[..cr * v],
             &mut g_buf[..cr * v],
         );
-        let xs = MatRef::row_major(&x_s[c0 * hs..c1 * hs], cr, hs);
-        let xt = MatRef::row_major(&x_t[c0 * ht..c1 * ht], cr, ht);
-        gemm_in(pool, tier, xs, ws.t(), sb, v, 1.0, 0.0);
-        gemm_in(pool, tier, xt, wt.t(), tb, v, 1.0, 0.0);
+        let xs = MatRef::row_major(&x_s[c0 * hs..c1 * hs], cr, hs)?;
+        let xt = MatRef::row_major(&x_t[c0 * ht..c1 * ht], cr, ht)?;
+        gemm_in(pool, tier, xs, ws.t(), sb, v, 1.0, 0.0)?;
+        gemm_in(pool, tier, xt, wt.t(), tb, v, 1.0, 0.0)?;
         par_rows(pool, sb, &[], v, &lsm);
         par_rows(pool, tb, &[], v, &lsm);
         jsd_rows_in(
@@ -630,16 +441,16 @@ pub fn linear_jsd_with_chunk<E: Elem>(
         )?;
         if want {
             par_rows(pool, gb, sb, v, &back);
-            let gm = MatRef::row_major(&*gb, cr, v);
+            let gm = MatRef::row_major(&*gb, cr, v)?;
             if let Some(d) = dx_s.as_deref_mut() {
                 let dx = &mut dxc[..cr * hs];
-                gemm_in(pool, tier, gm, ws, dx, hs, 1.0, 0.0);
+                gemm_in(pool, tier, gm, ws, dx, hs, 1.0, 0.0)?;
                 for (o, s) in d[c0 * hs..c1 * hs].iter_mut().zip(dx.iter()) {
                     *o = E::from_f32(*s);
                 }
             }
             if let Some(d) = dw_s.as_deref_mut() {
-                gemm_in(pool, tier, gm.t(), xs, d, hs, 1.0, 1.0);
+                gemm_in(pool, tier, gm.t(), xs, d, hs, 1.0, 1.0)?;
             }
         }
     }
@@ -962,11 +773,11 @@ mod tests {
         let (b, _) = rand_vec::<f32>(&mut rng, 41 * 29, 1.0);
         let run = |pool: &ThreadPool| {
             let mut c = vec![0f32; 37 * 41];
-            let am = MatRef::row_major(&a[..], 37, 29);
-            let bm = MatRef::row_major(&b[..], 41, 29);
-            gemm_in(pool, cpu::tier(), am, bm.t(), &mut c, 41, 1.0, 0.0);
+            let am = MatRef::row_major(&a[..], 37, 29).unwrap();
+            let bm = MatRef::row_major(&b[..], 41, 29).unwrap();
+            gemm_in(pool, cpu::tier(), am, bm.t(), &mut c, 41, 1.0, 0.0).unwrap();
             let mut d = vec![0f32; 29 * 29];
-            gemm_in(pool, cpu::tier(), am.t(), am, &mut d, 29, 1.0, 0.0);
+            gemm_in(pool, cpu::tier(), am.t(), am, &mut d, 29, 1.0, 0.0).unwrap();
             (c, d)
         };
         assert_eq!(

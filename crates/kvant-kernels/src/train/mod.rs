@@ -72,6 +72,7 @@ pub enum Reduction {
 pub mod cross_entropy;
 pub mod distill;
 pub mod flash;
+pub mod gemm;
 pub mod glu;
 pub mod linear_ce;
 pub mod norm;
