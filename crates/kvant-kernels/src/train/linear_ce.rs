@@ -59,8 +59,8 @@ const MIN_CHUNK_ROWS: usize = 256;
 
 /// Rows per chunk: the chunk's f32 logits hold about `n·h` values (no more
 /// than `x` itself, Liger's budget) or [`CHUNK_CAP`], whichever is smaller;
-/// at (n, h, v) = (8192, 4096, 128256) that would be 130 rows, 64 MiB instead of
-/// 4.2 GB of logits. At least [`MIN_CHUNK_ROWS`] rows: every chunk streams
+/// at (n, h, v) = (8192, 4096, 128256) that would be 130 rows (the floor
+/// below makes it 256: 131 MB instead of 4.2 GB of logits). At least [`MIN_CHUNK_ROWS`] rows: every chunk streams
 /// all of `W` three times (logits, `dx`, `dW`: `3·v·h` values for `6·c·v·h`
 /// flops), so a chunk of `c` rows does `2c` flops per value of `W` read,
 /// where Liger's budget alone gives 16 rows at (1024, 512, 32000), bound by
