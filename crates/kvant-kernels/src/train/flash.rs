@@ -98,6 +98,44 @@ fn sizes(op: &'static str, s: &FlashShape) -> Result<Sizes, KernelError> {
     })
 }
 
+impl Sizes {
+    /// The lengths of a forward's tensors (kernel and reference alike).
+    fn check_fwd<E>(
+        &self,
+        q: &[E],
+        k: &[E],
+        v: &[E],
+        out: &[E],
+        lse: &[f32],
+    ) -> Result<(), KernelError> {
+        check_len("flash_attn q", self.q, q.len())?;
+        check_len("flash_attn k", self.k, k.len())?;
+        check_len("flash_attn v", self.v, v.len())?;
+        check_len("flash_attn out", self.o, out.len())?;
+        check_len("flash_attn lse", self.lse, lse.len())
+    }
+
+    /// The lengths of a backward's tensors: the forward's, `dout`, and the
+    /// gradients of q, k and v.
+    #[allow(clippy::too_many_arguments)]
+    fn check_bwd<E>(
+        &self,
+        q: &[E],
+        k: &[E],
+        v: &[E],
+        out: &[E],
+        dout: &[E],
+        lse: &[f32],
+        (dq, dk, dv): (&[E], &[E], &[E]),
+    ) -> Result<(), KernelError> {
+        self.check_fwd(q, k, v, out, lse)?;
+        check_len("flash_attn dout", self.o, dout.len())?;
+        check_len("flash_attn dq", self.q, dq.len())?;
+        check_len("flash_attn dk", self.k, dk.len())?;
+        check_len("flash_attn dv", self.v, dv.len())
+    }
+}
+
 /// Which keys each query row sees: one interval per row.
 #[derive(Clone, Copy)]
 struct Mask {
@@ -635,11 +673,7 @@ fn fwd_in<E: Elem>(
 ) -> Result<(), KernelError> {
     const OP: &str = "flash_attn_fwd";
     let n = sizes(OP, s)?;
-    check_len("flash_attn_fwd q", n.q, q.len())?;
-    check_len("flash_attn_fwd k", n.k, k.len())?;
-    check_len("flash_attn_fwd v", n.v, v.len())?;
-    check_len("flash_attn_fwd out", n.o, out.len())?;
-    check_len("flash_attn_fwd lse", n.lse, lse.len())?;
+    n.check_fwd(q, k, v, out, lse)?;
     if n.lse == 0 {
         return Ok(());
     }
@@ -747,15 +781,7 @@ fn bwd_in<E: Elem>(
 ) -> Result<(), KernelError> {
     const OP: &str = "flash_attn_bwd";
     let n = sizes(OP, s)?;
-    check_len("flash_attn_bwd q", n.q, q.len())?;
-    check_len("flash_attn_bwd k", n.k, k.len())?;
-    check_len("flash_attn_bwd v", n.v, v.len())?;
-    check_len("flash_attn_bwd out", n.o, out.len())?;
-    check_len("flash_attn_bwd dout", n.o, dout.len())?;
-    check_len("flash_attn_bwd lse", n.lse, lse.len())?;
-    check_len("flash_attn_bwd dq", n.q, dq.len())?;
-    check_len("flash_attn_bwd dk", n.k, dk.len())?;
-    check_len("flash_attn_bwd dv", n.v, dv.len())?;
+    n.check_bwd(q, k, v, out, dout, lse, (dq, dk, dv))?;
     // Keys no query row sees (or every key, without queries) get 0.
     dk.fill(E::from_f32(0.0));
     dv.fill(E::from_f32(0.0));
@@ -955,11 +981,7 @@ pub fn flash_attn_ref<E: Elem>(
 ) -> Result<(), KernelError> {
     const OP: &str = "flash_attn_ref";
     let n = sizes(OP, s)?;
-    check_len("flash_attn_ref q", n.q, q.len())?;
-    check_len("flash_attn_ref k", n.k, k.len())?;
-    check_len("flash_attn_ref v", n.v, v.len())?;
-    check_len("flash_attn_ref out", n.o, out.len())?;
-    check_len("flash_attn_ref lse", n.lse, lse.len())?;
+    n.check_fwd(q, k, v, out, lse)?;
     let (o, l) = ref_fwd64(s, &to64(q), &to64(k), &to64(v));
     for (d, x) in out.iter_mut().zip(o) {
         *d = E::from_f32(x as f32);
@@ -987,15 +1009,7 @@ pub fn flash_attn_bwd_ref<E: Elem>(
 ) -> Result<(), KernelError> {
     const OP: &str = "flash_attn_bwd_ref";
     let n = sizes(OP, s)?;
-    check_len("flash_attn_bwd_ref q", n.q, q.len())?;
-    check_len("flash_attn_bwd_ref k", n.k, k.len())?;
-    check_len("flash_attn_bwd_ref v", n.v, v.len())?;
-    check_len("flash_attn_bwd_ref out", n.o, out.len())?;
-    check_len("flash_attn_bwd_ref dout", n.o, dout.len())?;
-    check_len("flash_attn_bwd_ref lse", n.lse, lse.len())?;
-    check_len("flash_attn_bwd_ref dq", n.q, dq.len())?;
-    check_len("flash_attn_bwd_ref dk", n.k, dk.len())?;
-    check_len("flash_attn_bwd_ref dv", n.v, dv.len())?;
+    n.check_bwd(q, k, v, out, dout, lse, (dq, dk, dv))?;
     let (gq, gk, gv) = ref_bwd64(s, &to64(q), &to64(k), &to64(v), &to64(dout));
     for (dst, src) in [(dq, gq), (dk, gk), (dv, gv)] {
         for (d, x) in dst.iter_mut().zip(src) {
