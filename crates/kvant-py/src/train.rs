@@ -402,29 +402,33 @@ fn ce_options(
     })
 }
 
-/// Returns (loss, z_loss, counted); with `want_grad`, `logits` holds the
-/// gradient afterwards.
+/// Returns (loss, z_loss, counted); with `grad` given, the gradient of the
+/// reduced loss is written there (the logits are only read).
 #[pyfunction]
+#[pyo3(signature = (logits, targets, losses, grad, ignore_index, label_smoothing, z_loss, softcap, reduction))]
 #[allow(clippy::too_many_arguments)]
 pub fn cross_entropy_fwd(
     py: Python<'_>,
     logits: &Any<'_>,
     targets: &Any<'_>,
     losses: &Any<'_>,
+    grad: Option<&Any<'_>>,
     ignore_index: i64,
     label_smoothing: f32,
     z_loss: f32,
     softcap: Option<f32>,
     reduction: &str,
-    want_grad: bool,
 ) -> PyResult<(f32, f32, usize)> {
     let o = ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)?;
     let mut t = Tensors::new();
-    let logits = t.out(logits, "logits")?;
+    let logits = t.input(logits, "logits")?;
     let targets = t.input(targets, "target")?;
     let losses = t.out(losses, "losses")?;
+    let grad = t.out_opt(grad, "grad")?;
     t.checked()?;
-    let f = same_float(&[&logits])?;
+    let mut floats = vec![&logits];
+    floats.extend(grad.as_ref());
+    let f = same_float(&floats)?;
     targets.expect(Dt::I64)?;
     f32s(&[&losses])?;
     let vocab = logits.last();
@@ -433,7 +437,14 @@ pub fn cross_entropy_fwd(
             with_float!(f, E => {
                 // SAFETY: as in `rms_norm_fwd`.
                 unsafe {
-                    cross_entropy::cross_entropy_fwd::<E>(logits.slice_mut(), targets.slice(), vocab, &o, losses.slice_mut(), want_grad)
+                    cross_entropy::cross_entropy_fwd_into::<E>(
+                        logits.slice(),
+                        targets.slice(),
+                        vocab,
+                        &o,
+                        losses.slice_mut(),
+                        grad.as_ref().map(|g| g.slice_mut()),
+                    )
                 }
             })
         })

@@ -124,3 +124,44 @@ def test_linear_cross_entropy_no_grad_and_3d():
         got = ops.linear_cross_entropy(x, w, t)
     want = F.cross_entropy(F.linear(x, w).reshape(-1, 40), t.reshape(-1))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_plain_backward_and_retain_graph(dtype):
+    """``loss.backward()`` hands the gradient computed in the forward pass
+    over as it is (no scaling pass when the upstream gradient is 1):
+    gradients as torch's; a second backward with the graph retained adds
+    the same gradient again, and a scaled loss scales it. (A third backward
+    into the same leaf raises torch's in-place modification error: the leaf
+    took the saved buffer as its .grad, as with Liger's kernels.)"""
+    n, h, v = 37, 24, 501
+    logits = (torch.randn(n, v) * 4).to(dtype)
+    x = torch.randn(n, h).to(dtype)
+    w = (torch.randn(v, h) * 0.2).to(dtype)
+    t = targets(n, v)
+    atol, rtol = (1e-5, 5e-4) if dtype == torch.float32 else (5e-3, 5e-2)
+    cases = [
+        ("ce", (logits,), lambda a: ops.cross_entropy(a, t), lambda a: F.cross_entropy(up(a), t, ignore_index=II)),
+        (
+            "lce",
+            (x, w),
+            lambda a, b: ops.linear_cross_entropy(a, b, t),
+            lambda a, b: F.cross_entropy(up(a) @ up(b).T, t, ignore_index=II),
+        ),
+    ]
+    for name, ins, kf, tf in cases:
+        ka = [i.clone().requires_grad_() for i in ins]
+        ta = [i.clone().requires_grad_() for i in ins]
+        kl, tl = kf(*ka), tf(*ta)
+        kl.backward(retain_graph=True)
+        tl.backward(retain_graph=True)
+        first = [a.grad.clone() for a in ka]
+        for a, b in zip(ka, ta):
+            torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=atol, rtol=rtol, msg=name)
+        kl.backward()
+        for a, f in zip(ka, first):
+            torch.testing.assert_close(a.grad, 2 * f, atol=0, rtol=0, msg=name)
+        ka = [i.clone().requires_grad_() for i in ins]
+        (kf(*ka) * 0.5).backward()
+        for a, f in zip(ka, first):
+            torch.testing.assert_close(a.grad, (0.5 * f.float()).to(dtype), atol=0, rtol=0, msg=name)

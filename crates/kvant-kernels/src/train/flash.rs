@@ -23,13 +23,13 @@
 //! independent of the thread count. Tiles that a causal mask or a window
 //! hides completely are skipped.
 //!
-//! Tile products are one register-blocked multiply-add kernel ([`gemm`]:
-//! 4 rows × 16 columns of accumulators) over f32 tiles widened once from
-//! the inputs; operands are laid out (transposed where needed) so that
-//! every product is `C += A·B` with `B` read row by row. The whole tile
-//! body is compiled twice: plain (scalar tier) and under `avx2,fma`
-//! (the Avx2 and Avx512 tiers), where LLVM vectorizes the 16-column rows
-//! into two 8-lane registers. The exponential is `vecops`' polynomial.
+//! Tile products run on the training GEMM's packed microkernels on the
+//! calling thread ([`gemm_serial`]: AVX-512 12×32, AVX2 6×16, and
+//! `vdpbf16ps` when both operands are bf16), reading `Q`, `K`, `V`, `dO`
+//! in place through strided views (packing widens and transposes), so a
+//! tile costs no copies of its own. The elementwise work (exponentials,
+//! masks, `dS`) is compiled once per tier and vectorizes to its width;
+//! tiles that a mask does not cut skip the per-row bounds.
 
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul};
@@ -38,14 +38,14 @@ use crate::train::Elem;
 use crate::vecops::{exp, Fma, Plain};
 use crate::KernelError;
 use std::cell::RefCell;
+use std::sync::Mutex;
+
+use super::gemm::{gemm_serial, MatRef};
 
 /// Query rows per tile.
 const BQ: usize = 64;
 /// Key rows per tile.
 const BK: usize = 64;
-/// Rows and columns of the multiply-add kernel's accumulator block.
-const MR: usize = 4;
-const NR: usize = 16;
 
 /// The shape and options of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -181,6 +181,14 @@ impl Mask {
         i0 < i1 && self.range(i0).0 < j1 && self.range(i1 - 1).1 > j0
     }
 
+    /// Whether every row of `i0..i1` sees every key of `j0..j1`: no mask
+    /// inside the tile (the first row ends last-seen keys earliest, the
+    /// last row starts latest).
+    #[inline(always)]
+    fn full(&self, i0: usize, i1: usize, j0: usize, j1: usize) -> bool {
+        i0 < i1 && self.range(i0).1 >= j1 && self.range(i1 - 1).0 <= j0
+    }
+
     /// Keys rows `i0..i1` may see, as a superset interval.
     fn keys(&self, i0: usize, i1: usize) -> (usize, usize) {
         (self.range(i0).0, self.range(i1 - 1).1)
@@ -190,131 +198,51 @@ impl Mask {
 // ---------------------------------------------------------------------------
 // Tile kernels.
 
-/// `C[m×n] += A[m×k]·B[k×n]` (row-major with leading dimensions), each
-/// element a chain of multiply-adds over `k` in order into a zeroed
-/// accumulator, then added to `C`.
+/// `C ← β·C + A·B` on the calling thread with the training GEMM's packed
+/// microkernels (`A`, `B` strided views of the inputs or of f32 tiles, `C`
+/// a row-major f32 tile of width `n`).
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn gemm<F: Fma>(
-    m: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
+fn mm<A: Elem, B: Elem>(
+    tier: SimdTier,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
     c: &mut [f32],
-    ldc: usize,
-) {
-    let mut i = 0;
-    while i + MR <= m {
-        gemm_rows::<F, MR>(i, n, k, a, lda, b, ldb, c, ldc);
-        i += MR;
-    }
-    while i < m {
-        gemm_rows::<F, 1>(i, n, k, a, lda, b, ldb, c, ldc);
-        i += 1;
-    }
+    beta: f32,
+) -> Result<(), KernelError> {
+    let n = b.cols();
+    gemm_serial(tier, a, b, c, n, 1.0, beta)
 }
 
+/// Rows `r0..r0+n` of a `[rows, w]` row-major tensor as a matrix.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn gemm_rows<F: Fma, const R: usize>(
-    i: usize,
-    n: usize,
-    k: usize,
-    a: &[f32],
-    lda: usize,
-    b: &[f32],
-    ldb: usize,
-    c: &mut [f32],
-    ldc: usize,
-) {
-    if k == 0 {
-        return;
-    }
-    let ar: [&[f32]; R] = std::array::from_fn(|r| &a[(i + r) * lda..][..k]);
-    let mut j = 0;
-    while j + NR <= n {
-        let mut acc = [[0f32; NR]; R];
-        for p in 0..k {
-            let bv = &b[p * ldb + j..][..NR];
-            for r in 0..R {
-                let x = ar[r][p];
-                for l in 0..NR {
-                    acc[r][l] = F::fma(x, bv[l], acc[r][l]);
-                }
-            }
-        }
-        for (r, accr) in acc.iter().enumerate() {
-            let cr = &mut c[(i + r) * ldc + j..][..NR];
-            for l in 0..NR {
-                cr[l] += accr[l];
-            }
-        }
-        j += NR;
-    }
-    for jj in j..n {
-        let mut acc = [0f32; R];
-        for p in 0..k {
-            let bv = b[p * ldb + jj];
-            for r in 0..R {
-                acc[r] = F::fma(ar[r][p], bv, acc[r]);
-            }
-        }
-        for (r, &x) in acc.iter().enumerate() {
-            c[(i + r) * ldc + jj] += x;
-        }
-    }
+fn rows<E>(x: &[E], r0: usize, n: usize, w: usize) -> Result<MatRef<'_, E>, KernelError> {
+    MatRef::row_major(&x[r0 * w..(r0 + n) * w], n, w)
 }
 
-/// Rows `src` (`rows × w`, contiguous) widened into `dst` as they are.
-#[inline(always)]
-fn widen<E: Elem>(src: &[E], dst: &mut Vec<f32>) {
-    dst.clear();
-    dst.extend(src.iter().map(|x| x.to_f32()));
-}
-
-/// Rows `src` (`rows × w`) widened and transposed into `dst` (`w × rows`).
-#[inline(always)]
-fn widen_t<E: Elem>(src: &[E], rows: usize, w: usize, dst: &mut Vec<f32>) {
-    dst.clear();
-    dst.resize(rows * w, 0.0);
-    for (r, row) in src.chunks_exact(w.max(1)).take(rows).enumerate() {
-        for (c, x) in row.iter().enumerate() {
-            dst[c * rows + r] = x.to_f32();
-        }
+fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
+    if v.len() < n {
+        v.resize(n, 0.0);
     }
-}
-
-fn zeroed(v: &mut Vec<f32>, n: usize) {
-    v.clear();
-    v.resize(n, 0.0);
+    &mut v[..n]
 }
 
 /// Per-thread tile buffers, reused across calls.
 #[derive(Default)]
 struct Scratch {
-    q: Vec<f32>,
-    qt: Vec<f32>,
-    k: Vec<f32>,
-    kt: Vec<f32>,
-    v: Vec<f32>,
-    vt: Vec<f32>,
-    dout: Vec<f32>,
-    doutt: Vec<f32>,
     s: Vec<f32>,
     dp: Vec<f32>,
     acc: Vec<f32>,
     acc2: Vec<f32>,
     rows: Vec<f32>,
+    /// Per query row of a tile: the keys it sees, `(lo, hi)`.
+    ranges: Vec<(usize, usize)>,
 }
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-fn with_scratch(f: impl FnOnce(&mut Scratch)) {
+fn with_scratch<T>(f: impl FnOnce(&mut Scratch) -> T) -> T {
     SCRATCH.with(|s| match s.try_borrow_mut() {
         Ok(mut sc) => f(&mut sc),
         // Only reachable if a task re-entered on this thread: use a fresh one.
@@ -326,6 +254,7 @@ fn with_scratch(f: impl FnOnce(&mut Scratch)) {
 struct Args<'a, E> {
     s: FlashShape,
     m: Mask,
+    tier: SimdTier,
     q: &'a [E],
     k: &'a [E],
     v: &'a [E],
@@ -356,33 +285,35 @@ fn fwd_tile<E: Elem, F: Fma>(
     out: &mut [E],
     lse: &mut [f32],
     sc: &mut Scratch,
-) {
+) -> Result<(), KernelError> {
     let (d, dv, scale) = (a.s.head_dim, a.s.v_dim, a.s.scale);
     let nq = i1 - i0;
     let g = h / a.group();
     let r0 = a.qrow(b, h, i0);
-    widen(&a.q[r0 * d..(r0 + nq) * d], &mut sc.q);
-    zeroed(&mut sc.acc, nq * dv);
+    let q = rows(a.q, r0, nq, d)?;
+    let acc = sized(&mut sc.acc, nq * dv);
+    acc.fill(0.0);
     // Running max and sum per row.
-    let (mx, sum) = {
-        zeroed(&mut sc.rows, 2 * nq);
-        sc.rows.split_at_mut(nq)
-    };
+    let (mx, sum) = sized(&mut sc.rows, 2 * nq).split_at_mut(nq);
     mx.fill(f32::NEG_INFINITY);
+    sum.fill(0.0);
     let (klo, khi) = a.m.keys(i0, i1);
     let mut j0 = klo / BK * BK;
     while j0 < khi {
         let j1 = (j0 + BK).min(khi);
         let nk = j1 - j0;
         let kr = a.krow(b, g, j0);
-        widen_t(&a.k[kr * d..(kr + nk) * d], nk, d, &mut sc.kt);
-        widen(&a.v[kr * dv..(kr + nk) * dv], &mut sc.v);
-        zeroed(&mut sc.s, nq * nk);
-        gemm::<F>(nq, nk, d, &sc.q, d, &sc.kt, nk, &mut sc.s, nk);
+        let st = sized(&mut sc.s, nq * nk);
+        mm(a.tier, q, rows(a.k, kr, nk, d)?.t(), st, 0.0)?;
+        let full = a.m.full(i0, i1, j0, j1);
         for r in 0..nq {
-            let row = &mut sc.s[r * nk..][..nk];
-            let (lo, hi) = a.m.range(i0 + r);
-            let (lo, hi) = (lo.clamp(j0, j1) - j0, hi.clamp(j0, j1) - j0);
+            let row = &mut st[r * nk..][..nk];
+            let (lo, hi) = if full {
+                (0, nk)
+            } else {
+                let (lo, hi) = a.m.range(i0 + r);
+                (lo.clamp(j0, j1) - j0, hi.clamp(j0, j1) - j0)
+            };
             let mut m_new = mx[r];
             for x in &mut row[lo..hi.max(lo)] {
                 *x *= scale;
@@ -395,27 +326,35 @@ fn fwd_tile<E: Elem, F: Fma>(
             row[..lo].fill(0.0);
             row[hi..].fill(0.0);
             let alpha = exp::<F>(mx[r] - m_new);
-            let mut t = 0f32;
-            for x in &mut row[lo..hi] {
-                *x = exp::<F>(*x - m_new);
-                t += *x;
+            let mut t = [0f32; 8];
+            let mut it = row[lo..hi].chunks_exact_mut(8);
+            for c in &mut it {
+                for (x, l) in c.iter_mut().zip(t.iter_mut()) {
+                    *x = exp::<F>(*x - m_new);
+                    *l += *x;
+                }
             }
-            sum[r] = sum[r] * alpha + t;
+            for x in it.into_remainder() {
+                *x = exp::<F>(*x - m_new);
+                t[0] += *x;
+            }
+            sum[r] = sum[r] * alpha + t.iter().sum::<f32>();
             mx[r] = m_new;
             if alpha != 1.0 {
-                for o in &mut sc.acc[r * dv..][..dv] {
+                for o in &mut acc[r * dv..][..dv] {
                     *o *= alpha;
                 }
             }
         }
-        gemm::<F>(nq, dv, nk, &sc.s, nk, &sc.v, dv, &mut sc.acc, dv);
+        let p = MatRef::row_major(&*st, nq, nk)?;
+        mm(a.tier, p, rows(a.v, kr, nk, dv)?, acc, 1.0)?;
         j0 = j1;
     }
     for r in 0..nq {
         let o = &mut out[r * dv..][..dv];
         if sum[r] > 0.0 {
             let inv = 1.0 / sum[r];
-            for (o, &x) in o.iter_mut().zip(&sc.acc[r * dv..][..dv]) {
+            for (o, &x) in o.iter_mut().zip(&acc[r * dv..][..dv]) {
                 *o = E::from_f32(x * inv);
             }
             lse[r] = mx[r] + sum[r].ln();
@@ -424,52 +363,63 @@ fn fwd_tile<E: Elem, F: Fma>(
             lse[r] = f32::NEG_INFINITY;
         }
     }
+    Ok(())
 }
 
 /// `P` (or `Pᵀ`) from scores in place: `e^{scale·s - lse_i}` where row `i`
-/// sees key `j`, else 0; `at(r, c)` indexes query `r`, key `c` of the tile.
+/// sees key `j`, else 0; query `r`, key `c` of the tile at `r·nk + c`
+/// (or `c·nq + r` transposed).
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn probs<F: Fma>(
     m: &Mask,
     s: &mut [f32],
     transposed: bool,
-    i0: usize,
-    nq: usize,
-    j0: usize,
-    nk: usize,
+    (i0, nq): (usize, usize),
+    (j0, nk): (usize, usize),
     scale: f32,
     lse: &[f32],
+    ranges: &mut Vec<(usize, usize)>,
 ) {
-    if !transposed {
-        for r in 0..nq {
-            let row = &mut s[r * nk..][..nk];
+    // The keys each query row sees, in tile coordinates, once per tile
+    // (nothing hidden when the whole tile is visible).
+    ranges.clear();
+    let full = m.full(i0, i0 + nq, j0, j0 + nk);
+    ranges.extend((0..nq).map(|r| {
+        if lse[r] == f32::NEG_INFINITY {
+            (0, 0)
+        } else if full {
+            (0, nk)
+        } else {
             let (lo, hi) = m.range(i0 + r);
-            let (lo, hi) = (lo.clamp(j0, j0 + nk) - j0, hi.clamp(j0, j0 + nk) - j0);
-            let l = lse[r];
-            if lo >= hi || l == f32::NEG_INFINITY {
+            (lo.clamp(j0, j0 + nk) - j0, hi.clamp(j0, j0 + nk) - j0)
+        }
+    }));
+    if !transposed {
+        for (r, &(lo, hi)) in ranges.iter().enumerate() {
+            let row = &mut s[r * nk..][..nk];
+            if lo >= hi {
                 row.fill(0.0);
                 continue;
             }
+            let l = lse[r];
             row[..lo].fill(0.0);
             row[hi..].fill(0.0);
             for x in &mut row[lo..hi] {
                 *x = exp::<F>(F::fma(*x, scale, -l));
             }
         }
+    } else if full {
+        for row in s.chunks_exact_mut(nq).take(nk) {
+            for (x, &l) in row.iter_mut().zip(lse) {
+                *x = exp::<F>(F::fma(*x, scale, -l));
+            }
+        }
     } else {
-        for c in 0..nk {
-            let j = j0 + c;
-            let row = &mut s[c * nq..][..nq];
-            for (r, x) in row.iter_mut().enumerate() {
-                let (lo, hi) = m.range(i0 + r);
-                let l = lse[r];
+        for (c, row) in s.chunks_exact_mut(nq).take(nk).enumerate() {
+            for ((x, &l), &(lo, hi)) in row.iter_mut().zip(lse).zip(ranges.iter()) {
                 let p = exp::<F>(F::fma(*x, scale, -l));
-                *x = if j >= lo && j < hi && l != f32::NEG_INFINITY {
-                    p
-                } else {
-                    0.0
-                };
+                *x = if c >= lo && c < hi { p } else { 0.0 };
             }
         }
     }
@@ -491,14 +441,15 @@ fn bwd_kv_tile<E: Elem, F: Fma>(
     dk: &mut [E],
     dvo: &mut [E],
     sc: &mut Scratch,
-) {
+) -> Result<(), KernelError> {
     let (d, dv, scale) = (a.s.head_dim, a.s.v_dim, a.s.scale);
     let nk = j1 - j0;
     let kr = a.krow(b, g, j0);
-    widen(&a.k[kr * d..(kr + nk) * d], &mut sc.k);
-    widen(&a.v[kr * dv..(kr + nk) * dv], &mut sc.v);
-    zeroed(&mut sc.acc, nk * d);
-    zeroed(&mut sc.acc2, nk * dv);
+    let (kt, vt) = (rows(a.k, kr, nk, d)?, rows(a.v, kr, nk, dv)?);
+    let acc = sized(&mut sc.acc, nk * d);
+    acc.fill(0.0);
+    let acc2 = sized(&mut sc.acc2, nk * dv);
+    acc2.fill(0.0);
     let grp = a.group();
     for h in g * grp..(g + 1) * grp {
         let mut i0 = 0;
@@ -510,39 +461,36 @@ fn bwd_kv_tile<E: Elem, F: Fma>(
                 continue;
             }
             let r0 = a.qrow(b, h, i0);
-            let qs = &a.q[r0 * d..(r0 + nq) * d];
-            let dos = &dout[r0 * dv..(r0 + nq) * dv];
-            widen(qs, &mut sc.q);
-            widen_t(qs, nq, d, &mut sc.qt);
-            widen(dos, &mut sc.dout);
-            widen_t(dos, nq, dv, &mut sc.doutt);
+            let (qt, dot) = (rows(a.q, r0, nq, d)?, rows(dout, r0, nq, dv)?);
             // Sᵀ = K·Qᵀ, then Pᵀ.
-            zeroed(&mut sc.s, nk * nq);
-            gemm::<F>(nk, nq, d, &sc.k, d, &sc.qt, nq, &mut sc.s, nq);
+            let st = sized(&mut sc.s, nk * nq);
+            mm(a.tier, kt, qt.t(), st, 0.0)?;
             let l = &lse[r0..r0 + nq];
-            probs::<F>(&a.m, &mut sc.s, true, i0, nq, j0, nk, scale, l);
+            probs::<F>(&a.m, st, true, (i0, nq), (j0, nk), scale, l, &mut sc.ranges);
+            let pt = MatRef::row_major(&*st, nk, nq)?;
             // dV += Pᵀ·dO.
-            gemm::<F>(nk, dv, nq, &sc.s, nq, &sc.dout, dv, &mut sc.acc2, dv);
+            mm(a.tier, pt, dot, acc2, 1.0)?;
             // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ - D).
-            zeroed(&mut sc.dp, nk * nq);
-            gemm::<F>(nk, nq, dv, &sc.v, dv, &sc.doutt, nq, &mut sc.dp, nq);
+            let dp = sized(&mut sc.dp, nk * nq);
+            mm(a.tier, vt, dot.t(), dp, 0.0)?;
             let dd = &dsum[r0..r0 + nq];
-            for (dpr, pr) in sc.dp.chunks_exact_mut(nq).zip(sc.s.chunks_exact(nq)) {
+            for (dpr, pr) in dp.chunks_exact_mut(nq).zip(st.chunks_exact(nq)) {
                 for ((x, &p), &di) in dpr.iter_mut().zip(pr).zip(dd) {
                     *x = p * (*x - di);
                 }
             }
             // dK += dSᵀ·Q.
-            gemm::<F>(nk, d, nq, &sc.dp, nq, &sc.q, d, &mut sc.acc, d);
+            mm(a.tier, MatRef::row_major(&*dp, nk, nq)?, qt, acc, 1.0)?;
             i0 = i1;
         }
     }
-    for (o, &x) in dk.iter_mut().zip(&sc.acc) {
+    for (o, &x) in dk.iter_mut().zip(acc.iter()) {
         *o = E::from_f32(x * scale);
     }
-    for (o, &x) in dvo.iter_mut().zip(&sc.acc2) {
+    for (o, &x) in dvo.iter_mut().zip(acc2.iter()) {
         *o = E::from_f32(x);
     }
+    Ok(())
 }
 
 /// dQ of query rows `i0..i1` of `(b, h)`, over the key tiles they see, in order.
@@ -559,14 +507,14 @@ fn bwd_q_tile<E: Elem, F: Fma>(
     i1: usize,
     dq: &mut [E],
     sc: &mut Scratch,
-) {
+) -> Result<(), KernelError> {
     let (d, dv, scale) = (a.s.head_dim, a.s.v_dim, a.s.scale);
     let nq = i1 - i0;
     let g = h / a.group();
     let r0 = a.qrow(b, h, i0);
-    widen(&a.q[r0 * d..(r0 + nq) * d], &mut sc.q);
-    widen(&dout[r0 * dv..(r0 + nq) * dv], &mut sc.dout);
-    zeroed(&mut sc.acc, nq * d);
+    let (qt, dot) = (rows(a.q, r0, nq, d)?, rows(dout, r0, nq, dv)?);
+    let acc = sized(&mut sc.acc, nq * d);
+    acc.fill(0.0);
     let l = &lse[r0..r0 + nq];
     let dd = &dsum[r0..r0 + nq];
     let (klo, khi) = a.m.keys(i0, i1);
@@ -575,60 +523,95 @@ fn bwd_q_tile<E: Elem, F: Fma>(
         let j1 = (j0 + BK).min(khi);
         let nk = j1 - j0;
         let kr = a.krow(b, g, j0);
-        let ks = &a.k[kr * d..(kr + nk) * d];
-        widen(ks, &mut sc.k);
-        widen_t(ks, nk, d, &mut sc.kt);
-        widen_t(&a.v[kr * dv..(kr + nk) * dv], nk, dv, &mut sc.vt);
-        zeroed(&mut sc.s, nq * nk);
-        gemm::<F>(nq, nk, d, &sc.q, d, &sc.kt, nk, &mut sc.s, nk);
-        probs::<F>(&a.m, &mut sc.s, false, i0, nq, j0, nk, scale, l);
-        zeroed(&mut sc.dp, nq * nk);
-        gemm::<F>(nq, nk, dv, &sc.dout, dv, &sc.vt, nk, &mut sc.dp, nk);
-        for ((dpr, pr), &di) in sc
-            .dp
-            .chunks_exact_mut(nk)
-            .zip(sc.s.chunks_exact(nk))
-            .zip(dd)
-        {
+        let kt = rows(a.k, kr, nk, d)?;
+        let st = sized(&mut sc.s, nq * nk);
+        mm(a.tier, qt, kt.t(), st, 0.0)?;
+        probs::<F>(
+            &a.m,
+            st,
+            false,
+            (i0, nq),
+            (j0, nk),
+            scale,
+            l,
+            &mut sc.ranges,
+        );
+        let dp = sized(&mut sc.dp, nq * nk);
+        mm(a.tier, dot, rows(a.v, kr, nk, dv)?.t(), dp, 0.0)?;
+        for ((dpr, pr), &di) in dp.chunks_exact_mut(nk).zip(st.chunks_exact(nk)).zip(dd) {
             for (x, &p) in dpr.iter_mut().zip(pr) {
                 *x = p * (*x - di);
             }
         }
-        gemm::<F>(nq, d, nk, &sc.dp, nk, &sc.k, d, &mut sc.acc, d);
+        mm(a.tier, MatRef::row_major(&*dp, nq, nk)?, kt, acc, 1.0)?;
         j0 = j1;
     }
-    for (o, &x) in dq.iter_mut().zip(&sc.acc) {
+    for (o, &x) in dq.iter_mut().zip(acc.iter()) {
         *o = E::from_f32(x * scale);
     }
+    Ok(())
 }
 
-// One copy of each tile body per tier.
+// One copy of each tile body per tier: the elementwise work (exponentials,
+// masks, dS) vectorizes to the tier's width; the products dispatch on
+// `Args::tier` inside `gemm_serial`.
 macro_rules! tiers {
-    ($($plain:ident, $avx2:ident => $body:ident($($arg:ident: $ty:ty),*);)*) => {$(
+    ($($name:ident => $body:ident($a:ident: $aty:ty, $($arg:ident: $ty:ty),*);)*) => {$(
         #[allow(clippy::too_many_arguments)]
-        fn $plain<E: Elem>($($arg: $ty),*) {
-            $body::<E, Plain>($($arg),*)
-        }
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma")]
-        #[allow(clippy::too_many_arguments)]
-        fn $avx2<E: Elem>($($arg: $ty),*) {
-            $body::<E, crate::vecops::Fused>($($arg),*)
+        fn $name<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
+            let tier = cpu::clamp($a.tier);
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                fn avx2<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
+                    $body::<E, crate::vecops::Fused>($a, $($arg),*)
+                }
+                #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
+                #[allow(clippy::too_many_arguments)]
+                fn avx512<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
+                    $body::<E, crate::vecops::Fused>($a, $($arg),*)
+                }
+                match tier {
+                    // SAFETY: the clamped tier is one the CPU supports.
+                    SimdTier::Avx512 => return unsafe { avx512($a, $($arg),*) },
+                    // SAFETY: as above, with AVX2 and FMA.
+                    SimdTier::Avx2 => return unsafe { avx2($a, $($arg),*) },
+                    _ => {}
+                }
+            }
+            let _ = tier;
+            $body::<E, Plain>($a, $($arg),*)
         }
     )*};
 }
 
 tiers! {
-    fwd_plain, fwd_avx2 => fwd_tile(a: &Args<'_, E>, b: usize, h: usize, i0: usize, i1: usize,
+    fwd_on => fwd_tile(a: &Args<'_, E>, b: usize, h: usize, i0: usize, i1: usize,
         out: &mut [E], lse: &mut [f32], sc: &mut Scratch);
-    kv_plain, kv_avx2 => bwd_kv_tile(a: &Args<'_, E>, dout: &[E], lse: &[f32], dsum: &[f32],
+    kv_on => bwd_kv_tile(a: &Args<'_, E>, dout: &[E], lse: &[f32], dsum: &[f32],
         b: usize, g: usize, j0: usize, j1: usize, dk: &mut [E], dvo: &mut [E], sc: &mut Scratch);
-    q_plain, q_avx2 => bwd_q_tile(a: &Args<'_, E>, dout: &[E], lse: &[f32], dsum: &[f32],
+    q_on => bwd_q_tile(a: &Args<'_, E>, dout: &[E], lse: &[f32], dsum: &[f32],
         b: usize, h: usize, i0: usize, i1: usize, dq: &mut [E], sc: &mut Scratch);
 }
 
-fn fast(tier: SimdTier) -> bool {
-    cfg!(target_arch = "x86_64") && cpu::clamp(tier) >= SimdTier::Avx2
+/// The first error any task of a pool run returned.
+#[derive(Default)]
+struct FirstError(Mutex<Option<KernelError>>);
+
+impl FirstError {
+    fn record(&self, r: Result<(), KernelError>) {
+        if let Err(e) = r {
+            let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            g.get_or_insert(e);
+        }
+    }
+    fn result(self) -> Result<(), KernelError> {
+        match self.0.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -680,6 +663,7 @@ fn fwd_in<E: Elem>(
     let a = Args {
         s: *s,
         m: Mask::new(s),
+        tier,
         q,
         k,
         v,
@@ -687,7 +671,7 @@ fn fwd_in<E: Elem>(
     let tiles = s.q_len.div_ceil(BQ);
     let bh = s.batch * s.q_heads;
     let dv = s.v_dim;
-    let fast = fast(tier);
+    let err = FirstError::default();
     let outs = DisjointSlice::new(out);
     let lses = DisjointSlice::new(lse);
     pool.run(bh * tiles, &|t| {
@@ -700,20 +684,9 @@ fn fwd_in<E: Elem>(
         // SAFETY: task `t` owns query rows r0..r1 of (b, h), disjoint from
         // every other task's.
         let (o, l) = unsafe { (outs.range(r0 * dv..r1 * dv), lses.range(r0..r1)) };
-        with_scratch(|sc| {
-            if fast {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `fast` holds only for a clamped tier of at least
-                // AVX2, which the CPU supports, with FMA.
-                unsafe {
-                    fwd_avx2(&a, b, h, i0, i1, o, l, sc)
-                }
-            } else {
-                fwd_plain(&a, b, h, i0, i1, o, l, sc)
-            }
-        });
+        err.record(with_scratch(|sc| fwd_on(&a, b, h, i0, i1, o, l, sc)));
     });
-    Ok(())
+    err.result()
 }
 
 /// Gradients (dq, dk, dv same shapes as q, k, v), from dout, the forward's out and lse.
@@ -809,12 +782,13 @@ fn bwd_in<E: Elem>(
     let a = Args {
         s: *s,
         m: Mask::new(s),
+        tier,
         q,
         k,
         v,
     };
-    let fast = fast(tier);
     let d = s.head_dim;
+    let err = FirstError::default();
     if s.kv_len > 0 {
         let tiles = s.kv_len.div_ceil(BK);
         let dks = DisjointSlice::new(dk);
@@ -829,17 +803,9 @@ fn bwd_in<E: Elem>(
             let r1 = r0 + (j1 - j0);
             // SAFETY: task `t` owns key rows r0..r1 of (b, g).
             let (dko, dvo) = unsafe { (dks.range(r0 * d..r1 * d), dvs.range(r0 * vd..r1 * vd)) };
-            with_scratch(|sc| {
-                if fast {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: `fast`: the CPU has AVX2 and FMA.
-                    unsafe {
-                        kv_avx2(&a, dout, lse, dsum, b, g, j0, j1, dko, dvo, sc)
-                    }
-                } else {
-                    kv_plain(&a, dout, lse, dsum, b, g, j0, j1, dko, dvo, sc)
-                }
-            });
+            err.record(with_scratch(|sc| {
+                kv_on(&a, dout, lse, dsum, b, g, j0, j1, dko, dvo, sc)
+            }));
         });
     }
     let tiles = s.q_len.div_ceil(BQ);
@@ -854,19 +820,11 @@ fn bwd_in<E: Elem>(
         let r1 = r0 + (i1 - i0);
         // SAFETY: task `t` owns query rows r0..r1 of (b, h).
         let dqo = unsafe { dqs.range(r0 * d..r1 * d) };
-        with_scratch(|sc| {
-            if fast {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `fast`: the CPU has AVX2 and FMA.
-                unsafe {
-                    q_avx2(&a, dout, lse, dsum, b, h, i0, i1, dqo, sc)
-                }
-            } else {
-                q_plain(&a, dout, lse, dsum, b, h, i0, i1, dqo, sc)
-            }
-        });
+        err.record(with_scratch(|sc| {
+            q_on(&a, dout, lse, dsum, b, h, i0, i1, dqo, sc)
+        }));
     });
-    Ok(())
+    err.result()
 }
 
 // ---------------------------------------------------------------------------

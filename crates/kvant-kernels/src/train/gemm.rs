@@ -1130,21 +1130,26 @@ fn tiling<K: Micro>(m: usize, n: usize, threads: usize) -> (usize, usize, usize,
     }
 }
 
+/// `pool`: the tiles as its tasks; `None`: every tile on the calling
+/// thread, in order (small products inside another kernel's task).
 fn run_tier<A: Lanes, B: Lanes, K: Micro>(
-    pool: &ThreadPool,
+    pool: Option<&ThreadPool>,
     job: &mut Job<'_, A, B>,
     m: usize,
     n: usize,
     entry: unsafe fn(&Job<'_, A, B>, usize),
 ) {
-    let (mc, nc, mt, nt) = tiling::<K>(m, n, pool.threads());
+    let (mc, nc, mt, nt) = tiling::<K>(m, n, pool.map_or(1, |p| p.threads()));
     job.mc = mc;
     job.nc = nc;
     job.ntiles = nt;
     let job = &*job;
     // SAFETY: `entry` is the tier's task, whose features the caller
     // checked; tiles `t` are disjoint, so each task writes its own part of C.
-    pool.run(mt * nt, &|t| unsafe { entry(job, t) });
+    match pool {
+        Some(pool) => pool.run(mt * nt, &|t| unsafe { entry(job, t) }),
+        None => (0..mt * nt).for_each(|t| unsafe { entry(job, t) }),
+    }
 }
 
 fn task_scalar<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
@@ -1180,6 +1185,39 @@ unsafe fn task_avx512<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
 #[allow(clippy::too_many_arguments)]
 pub fn gemm_in<A: Elem, B: Elem>(
     pool: &ThreadPool,
+    tier: SimdTier,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    gemm_on(Some(pool), tier, a, b, c, ldc, alpha, beta)
+}
+
+/// [`gemm_in`] on the calling thread alone: for the tile products of a
+/// kernel that is itself one task of a pool (FlashAttention). The same
+/// blocking, so the same bits as on any pool.
+///
+/// # Errors
+/// As [`gemm`].
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_serial<A: Elem, B: Elem>(
+    tier: SimdTier,
+    a: MatRef<'_, A>,
+    b: MatRef<'_, B>,
+    c: &mut [f32],
+    ldc: usize,
+    alpha: f32,
+    beta: f32,
+) -> Result<(), KernelError> {
+    gemm_on(None, tier, a, b, c, ldc, alpha, beta)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_on<A: Elem, B: Elem>(
+    pool: Option<&ThreadPool>,
     tier: SimdTier,
     a: MatRef<'_, A>,
     b: MatRef<'_, B>,
@@ -1389,36 +1427,37 @@ mod tests {
 
     #[test]
     fn thread_count_does_not_change_the_result() {
+        // `None`: every tile on the calling thread (`gemm_serial`).
         let mut rng = ChaCha8Rng::seed_from_u64(3);
         let (m, n, k) = (301, 700, 600);
         let a = rand_vec::<f32>(&mut rng, m * k);
         let b = rand_vec::<bf16>(&mut rng, n * k);
         let c0: Vec<f32> = rand_vec(&mut rng, m * n);
         for tier in cpu::available_tiers() {
-            let run = |pool: &ThreadPool| {
+            let run = |pool: Option<&ThreadPool>| {
                 let am = MatRef::row_major(&a, m, k).unwrap();
                 let bm = MatRef::row_major(&b, n, k).unwrap();
                 let mut c = c0.clone();
-                gemm_in(pool, tier, am, bm.t(), &mut c, n, 1.0, 0.5).unwrap();
+                gemm_on(pool, tier, am, bm.t(), &mut c, n, 1.0, 0.5).unwrap();
                 let mut d = vec![0f32; k * k];
-                gemm_in(pool, tier, am.t(), am, &mut d, k, 1.0, 0.0).unwrap();
+                gemm_on(pool, tier, am.t(), am, &mut d, k, 1.0, 0.0).unwrap();
                 (c, d)
             };
-            let one = run(&ThreadPool::new(1).unwrap());
-            let three = run(&ThreadPool::new(3).unwrap());
-            assert!(one == three, "{tier}");
+            let one = run(Some(&ThreadPool::new(1).unwrap()));
+            let three = run(Some(&ThreadPool::new(3).unwrap()));
+            assert!(one == three && one == run(None), "{tier}");
         }
         let bb = rand_vec::<bf16>(&mut rng, 333 * 601);
         for tier in cpu::available_tiers() {
-            let run = |pool: &ThreadPool| {
+            let run = |pool: Option<&ThreadPool>| {
                 let am = MatRef::row_major(&bb, 333, 601).unwrap();
                 let mut c = vec![f32::NAN; 333 * 333];
-                gemm_in(pool, tier, am, am.t(), &mut c, 333, 1.0, 0.0).unwrap();
+                gemm_on(pool, tier, am, am.t(), &mut c, 333, 1.0, 0.0).unwrap();
                 c
             };
-            let one = run(&ThreadPool::new(1).unwrap());
-            let three = run(&ThreadPool::new(3).unwrap());
-            assert!(one == three, "bf16 {tier}");
+            let one = run(Some(&ThreadPool::new(1).unwrap()));
+            let three = run(Some(&ThreadPool::new(3).unwrap()));
+            assert!(one == three && one == run(None), "bf16 {tier}");
         }
     }
 

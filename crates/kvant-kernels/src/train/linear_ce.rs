@@ -31,7 +31,7 @@ use crate::vecops::{exp, Fma, Plain};
 use crate::KernelError;
 
 use super::cross_entropy::{
-    ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared,
+    ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared, RowsIo,
 };
 use super::distill::jsd_rows_in;
 use super::gemm::{gemm_in, MatRef};
@@ -176,7 +176,7 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
         ce_rows(
             pool,
             tier,
-            lg,
+            RowsIo::InPlace(lg),
             &targets[c0..c1],
             v,
             p,

@@ -52,6 +52,27 @@ def _rows(t: Tensor) -> int:
     return t.numel() // max(t.shape[-1], 1) if t.dim() > 0 else 1
 
 
+def _is_one(t: Tensor) -> bool:
+    """``t`` is a real (not traced) scalar tensor holding 1: the usual
+    ``loss.backward()``, where a gradient computed in the forward pass needs
+    no scaling. Traced tensors (torch.compile) take the general path."""
+    return type(t) is Tensor and t.numel() == 1 and t.item() == 1.0
+
+
+def _scaled(g: Tensor, dloss: Tensor) -> Tensor:
+    """``g · dloss`` for a gradient of a reduced loss: ``g`` itself when
+    dloss is 1 (a pass over a logits- or weight-size buffer saved)."""
+    return g if _is_one(dloss) else g * dloss.to(g.dtype)
+
+
+def _no_aux_grads(ctx) -> None:
+    """The op's extra outputs (statistics, gradients computed in the forward
+    pass) never receive a gradient: without this autograd would hand the
+    backward zeros of their sizes (a weight-size f32 buffer for the fused
+    linear losses, a logits-size one for cross-entropy)."""
+    ctx.set_materialize_grads(False)
+
+
 # --------------------------------------------------------------- RMSNorm
 
 
@@ -86,6 +107,7 @@ def _(dy, x, weight, rstd, eps, offset, casting):
 
 def _rms_norm_setup(ctx, inputs, output):
     x, weight, eps, offset, casting = inputs
+    _no_aux_grads(ctx)
     ctx.save_for_backward(x.contiguous(), weight, output[1])
     ctx.args = (eps, offset, casting)
 
@@ -189,6 +211,7 @@ def _(dy, x, weight, mean, rstd):
 
 def _layer_norm_setup(ctx, inputs, output):
     x, weight, _bias, _eps = inputs
+    _no_aux_grads(ctx)
     ctx.save_for_backward(x.contiguous(), weight, output[1], output[2])
 
 
@@ -309,15 +332,24 @@ def _cross_entropy(
 ) -> Tuple[Tensor, Tensor]:
     """(loss, grad): loss is per row for 'none'; grad is d loss / d logits
     (per row unscaled for 'none'), written in the forward pass, or empty."""
-    # The kernel turns the logits into their gradient in place: it gets a
-    # copy, so the caller's logits stay as they were.
-    grad = logits.contiguous().clone()
-    losses = torch.empty(_rows(grad), dtype=torch.float32)
+    logits = logits.contiguous()
+    # The kernel reads the logits once and writes the gradient beside them:
+    # no copy of the logits, which must stay as the caller left them.
+    grad = torch.empty_like(logits) if want_grad else None
+    losses = torch.empty(_rows(logits), dtype=torch.float32)
     loss, _z, _n = _k.cross_entropy_fwd(
-        grad, target.contiguous().view(-1), losses, ignore_index, label_smoothing, z_loss, softcap, reduction, want_grad
+        logits,
+        target.contiguous().view(-1),
+        losses,
+        grad,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+        reduction,
     )
     out = losses.view(target.shape) if reduction == "none" else torch.tensor(loss, dtype=torch.float32)
-    return out.to(logits.dtype), grad if want_grad else logits.new_empty(0)
+    return out.to(logits.dtype), grad if grad is not None else logits.new_empty(0)
 
 
 @_cross_entropy.register_fake
@@ -327,6 +359,7 @@ def _(logits, target, ignore_index, label_smoothing, z_loss, softcap, reduction,
 
 
 def _ce_setup(ctx, inputs, output):
+    _no_aux_grads(ctx)
     ctx.reduction = inputs[6]
     ctx.save_for_backward(output[1])
 
@@ -336,7 +369,7 @@ def _ce_bwd(ctx, dloss, _dgrad):
     if ctx.reduction == "none":
         g = grad * dloss.unsqueeze(-1).to(grad.dtype)
     else:
-        g = grad * dloss.to(grad.dtype)
+        g = _scaled(grad, dloss)
     return g, None, None, None, None, None, None, None
 
 
@@ -446,6 +479,7 @@ def _(row_scale, x, weight, target, bias, ignore_index, label_smoothing, z_loss,
 
 def _lce_setup(ctx, inputs, output):
     x, weight, target, bias, ignore_index, smoothing, z_loss, softcap, reduction, _want = inputs
+    _no_aux_grads(ctx)
     ctx.reduction = reduction
     ctx.has_bias = bias is not None
     ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
@@ -462,9 +496,7 @@ def _lce_bwd(ctx, dloss, _a, _b, _c):
         dx, dw, db = torch.ops.kvant.linear_cross_entropy_backward(dloss, x, weight, target, bias, *ctx.args)
     else:
         dx, dw, db = ctx.saved_tensors
-        dx = dx * dloss.to(dx.dtype)
-        dw = dw * dloss.float()
-        db = db * dloss.float()
+        dx, dw, db = _scaled(dx, dloss), _scaled(dw, dloss), _scaled(db, dloss)
     dw = dw.to(ctx.dtypes[0])
     db = db.to(ctx.dtypes[1]) if ctx.has_bias else None
     return dx, dw, None, db, None, None, None, None, None, None
@@ -541,12 +573,13 @@ def _(log_q, log_p, shift_labels, beta, ignore_index):
 
 
 def _jsd_setup(ctx, inputs, output):
+    _no_aux_grads(ctx)
     ctx.save_for_backward(output[1])
 
 
 def _jsd_bwd(ctx, dloss, _dg):
     (dq,) = ctx.saved_tensors
-    return dq * dloss.to(dq.dtype), None, None, None, None
+    return _scaled(dq, dloss), None, None, None, None
 
 
 _jsd.register_autograd(_jsd_bwd, setup_context=_jsd_setup)
@@ -592,13 +625,14 @@ def _(student_input, student_weight, teacher_input, teacher_weight, shift_labels
 
 
 def _ljsd_setup(ctx, inputs, output):
+    _no_aux_grads(ctx)
     ctx.wdtype = inputs[1].dtype
     ctx.save_for_backward(output[1], output[2])
 
 
 def _ljsd_bwd(ctx, dloss, _a, _b):
     dx, dw = ctx.saved_tensors
-    return dx * dloss.to(dx.dtype), (dw * dloss.float()).to(ctx.wdtype), None, None, None, None, None, None, None
+    return _scaled(dx, dloss), _scaled(dw, dloss).to(ctx.wdtype), None, None, None, None, None, None, None
 
 
 _linear_jsd.register_autograd(_ljsd_bwd, setup_context=_ljsd_setup)
@@ -647,6 +681,7 @@ def _(dout, q, k, v, out, lse, scale, causal, window):
 
 def _flash_setup(ctx, inputs, output):
     q, k, v, scale, causal, window = inputs
+    _no_aux_grads(ctx)
     ctx.save_for_backward(q.contiguous(), k.contiguous(), v.contiguous(), output[0], output[1])
     ctx.args = (scale, causal, window)
 
