@@ -63,7 +63,12 @@ def timeit(fn, reps, warm=2):
 
 def modes(make):
     """forward / backward / full callables of one engine on fresh inputs.
-    `make()` returns (inputs requiring grad, f(*inputs) -> output)."""
+    `make()` returns (inputs requiring grad, f(*inputs) -> output).
+
+    Gradients are taken with ``torch.autograd.grad``, as a layer's inputs
+    receive them inside a model (they are activations, not leaves): a
+    leaf's ``.grad`` would add a copy of any gradient that shares memory
+    with a saved tensor (kvant's in-place GLU backward, Liger's trick)."""
     inputs, f = make()
 
     def fwd():
@@ -73,19 +78,15 @@ def modes(make):
     state = {}
 
     def prep():
-        for x in inputs:
-            x.grad = None
         out = f(*inputs)
         state["out"], state["g"] = out, torch.ones_like(out) if out.dim() else None
 
     def bwd():
-        state["out"].backward(state["g"], retain_graph=True)
+        torch.autograd.grad(state["out"], inputs, state["g"], retain_graph=True)
 
     def full():
-        for x in inputs:
-            x.grad = None
         out = f(*inputs)
-        out.backward(torch.ones_like(out) if out.dim() else None)
+        torch.autograd.grad(out, inputs, torch.ones_like(out) if out.dim() else None)
 
     return fwd, prep, bwd, full
 

@@ -246,6 +246,12 @@ impl Tensors {
         obj.map(|o| self.out(o, name)).transpose()
     }
 
+    /// A tensor the call reads whose rows may be strided (the last
+    /// dimension contiguous).
+    pub fn strided_input(&mut self, obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<View> {
+        self.view(obj, name, false, false)
+    }
+
     /// A tensor the call writes in place whose rows may be strided (the
     /// last dimension contiguous); the kernel checks its rows do not overlap.
     pub fn strided_out(&mut self, obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<View> {

@@ -293,13 +293,16 @@ pub fn layer_norm_bwd(
     .map_err(kerr)
 }
 
-/// Rotates `x` ([batch, heads, seq, head_dim], any strides with the last
-/// dimension contiguous) in place by the [cb, seq, rot_dim/2] tables.
+/// Rotates a 4-D `x` [batch, heads, seq, head_dim] (any strides, the last
+/// dimension contiguous) by the [cb, seq, rot_dim/2] tables: in place, or
+/// into `out` (same shape and strides; `x` only read).
 #[pyfunction]
+#[pyo3(signature = (x, out, cos, sin, rot_dim, interleaved, inverse))]
 #[allow(clippy::too_many_arguments)]
 pub fn rope_apply(
     py: Python<'_>,
     x: &Any<'_>,
+    out: Option<&Any<'_>>,
     cos: &Any<'_>,
     sin: &Any<'_>,
     rot_dim: usize,
@@ -307,10 +310,23 @@ pub fn rope_apply(
     inverse: bool,
 ) -> PyResult<()> {
     let mut t = Tensors::new();
-    let x = t.strided_out(x, "x")?;
+    let x = match out {
+        Some(_) => t.strided_input(x, "x")?,
+        None => t.strided_out(x, "x")?,
+    };
+    let out = out.map(|o| t.strided_out(o, "out")).transpose()?;
     let (cos, sin) = (t.input(cos, "cos")?, t.input(sin, "sin")?);
     t.checked()?;
     let f = same_float(&[&x, &cos, &sin])?;
+    if let Some(o) = &out {
+        same_float(&[&x, o])?;
+        if o.shape != x.shape || o.strides != x.strides {
+            return Err(PyValueError::new_err(format!(
+                "out must have x's shape {:?} and strides {:?}, got {:?} and {:?}",
+                x.shape, x.strides, o.shape, o.strides
+            )));
+        }
+    }
     let (&[batch, heads, seq, head_dim], &[sb, sh, ss, _]) = (&x.shape[..], &x.strides[..]) else {
         return Err(PyValueError::new_err(format!(
             "x must be 4-D [batch, heads, seq, head_dim], got shape {:?}",
@@ -333,9 +349,15 @@ pub fn rope_apply(
     };
     py.detach(|| {
         with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`; `x`'s span covers every strided
-            // element and the kernel checks its rows do not overlap.
-            unsafe { rope::rope_apply::<E>(x.slice_mut(), cos.slice(), sin.slice(), &s, inverse) }
+            // SAFETY: as in `rms_norm_fwd`; `x`'s (and `out`'s, the same
+            // strides) span covers every strided element and the kernel
+            // checks its rows do not overlap.
+            unsafe {
+                match &out {
+                    Some(o) => rope::rope_apply_into::<E>(x.slice(), o.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
+                    None => rope::rope_apply::<E>(x.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
+                }
+            }
         })
     })
     .map_err(kerr)

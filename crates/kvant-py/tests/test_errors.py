@@ -51,7 +51,13 @@ def test_overlapping_rope_rows_are_refused():
     x = base.as_strided((1, 2, 4, 8), (0, 4, 8, 1))  # heads overlap
     c = torch.ones(1, 4, 4)
     with pytest.raises(ValueError):
-        _kvant.rope_apply(x, c, c, 8, False, False)
+        _kvant.rope_apply(x, None, c, c, 8, False, False)
+    # Out of place: the output must have x's layout.
+    y = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="strides"):
+        _kvant.rope_apply(y, torch.empty(1, 4, 2, 8).transpose(1, 2), c, c, 8, False, False)
+    with pytest.raises(ValueError):
+        _kvant.rope_apply(y, y, c, c, 8, False, False)
 
 
 def test_threads_follow_torch():

@@ -165,7 +165,7 @@ fn rotate_row<E: Elem, F: Fma>(row: &mut [E], cos: &[E], sin: &[E], layout: Rope
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
 fn rotate_rows<E: Elem, F: Fma>(
-    x: &DisjointSlice<'_, E>,
+    (src, x): (Option<&[E]>, &DisjointSlice<'_, E>),
     (cos, sin): (&[E], &[E]),
     s: &RopeShape,
     p: &Plan,
@@ -174,18 +174,30 @@ fn rotate_rows<E: Elem, F: Fma>(
 ) {
     for t in rows {
         let (off, tab) = p.row(s, t);
-        // SAFETY: `plan` checked that rows do not overlap and lie inside
-        // `x`; each row index is handled by one task.
-        let row = unsafe { x.range(off..off + s.rot_dim) };
         let (c, sn) = (&cos[tab..tab + p.half], &sin[tab..tab + p.half]);
-        rotate_row::<E, F>(row, c, sn, s.layout, sg);
+        match src {
+            Some(src) => {
+                // SAFETY: as below, whole rows (`plan` checked head_dim values).
+                let row = unsafe { x.range(off..off + s.head_dim) };
+                // The copy is from memory, the rotation then in L1: one
+                // read of `src` and one write of `x`, as in place.
+                row.copy_from_slice(&src[off..off + s.head_dim]);
+                rotate_row::<E, F>(&mut row[..s.rot_dim], c, sn, s.layout, sg);
+            }
+            None => {
+                // SAFETY: `plan` checked that rows do not overlap and lie
+                // inside `x`; each row index is handled by one task.
+                let row = unsafe { x.range(off..off + s.rot_dim) };
+                rotate_row::<E, F>(row, c, sn, s.layout, sg);
+            }
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn rotate_rows_avx2<E: Elem>(
-    x: &DisjointSlice<'_, E>,
+    x: (Option<&[E]>, &DisjointSlice<'_, E>),
     t: (&[E], &[E]),
     s: &RopeShape,
     p: &Plan,
@@ -198,7 +210,7 @@ fn rotate_rows_avx2<E: Elem>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
 fn rotate_rows_avx512<E: Elem>(
-    x: &DisjointSlice<'_, E>,
+    x: (Option<&[E]>, &DisjointSlice<'_, E>),
     t: (&[E], &[E]),
     s: &RopeShape,
     p: &Plan,
@@ -230,24 +242,64 @@ pub fn rope_apply_with<E: Elem>(
     s: &RopeShape,
     inverse: bool,
 ) -> Result<(), KernelError> {
+    run(tier, None, x, (cos, sin), s, inverse)
+}
+
+/// [`rope_apply`] out of place: every row of `x` (rotated part and the
+/// rest) rotated into the same place of `out`, which has `x`'s strides and
+/// length; `x` is only read. What an autograd op needs: no copy first.
+pub fn rope_apply_into<E: Elem>(
+    x: &[E],
+    out: &mut [E],
+    cos: &[E],
+    sin: &[E],
+    s: &RopeShape,
+    inverse: bool,
+) -> Result<(), KernelError> {
+    rope_apply_into_with(cpu::tier(), x, out, cos, sin, s, inverse)
+}
+
+/// [`rope_apply_into`] on a given tier (lowered to one the CPU supports).
+pub fn rope_apply_into_with<E: Elem>(
+    tier: SimdTier,
+    x: &[E],
+    out: &mut [E],
+    cos: &[E],
+    sin: &[E],
+    s: &RopeShape,
+    inverse: bool,
+) -> Result<(), KernelError> {
+    check_len("rope out", x.len(), out.len())?;
+    run(tier, Some(x), out, (cos, sin), s, inverse)
+}
+
+fn run<E: Elem>(
+    tier: SimdTier,
+    src: Option<&[E]>,
+    x: &mut [E],
+    (cos, sin): (&[E], &[E]),
+    s: &RopeShape,
+    inverse: bool,
+) -> Result<(), KernelError> {
     let p = plan(s, x.len(), cos.len(), sin.len())?;
-    if p.half == 0 {
+    if p.half == 0 && src.is_none() {
         return Ok(());
     }
     let tier = cpu::clamp(tier);
     let sg = if inverse { -1.0 } else { 1.0 };
-    let cr = row_chunk(p.rows, s.rot_dim);
+    let cr = row_chunk(p.rows, s.head_dim.max(1));
     let xs = DisjointSlice::new(x);
+    let io = (src, &xs);
     pool::global().run(p.rows.div_ceil(cr), &|c| {
         let rows = c * cr..((c + 1) * cr).min(p.rows);
         match tier {
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { rotate_rows_avx2(&xs, (cos, sin), s, &p, rows, sg) },
+            SimdTier::Avx2 => unsafe { rotate_rows_avx2(io, (cos, sin), s, &p, rows, sg) },
             #[cfg(target_arch = "x86_64")]
             // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { rotate_rows_avx512(&xs, (cos, sin), s, &p, rows, sg) },
-            _ => rotate_rows::<E, Plain>(&xs, (cos, sin), s, &p, rows, sg),
+            SimdTier::Avx512 => unsafe { rotate_rows_avx512(io, (cos, sin), s, &p, rows, sg) },
+            _ => rotate_rows::<E, Plain>(io, (cos, sin), s, &p, rows, sg),
         }
     });
     Ok(())
@@ -393,6 +445,27 @@ mod tests {
                         );
                     }
                 }
+                // Out of place: each row (all head_dim values) as in place,
+                // nothing else of `out` written.
+                let mut into = vec![E::from_f32(f32::NAN); x.len()];
+                rope_apply_into_with(tier, &x, &mut into, &c, &sn, s, inverse).unwrap();
+                let mut row = vec![false; x.len()];
+                for b in 0..s.batch {
+                    for h in 0..s.heads {
+                        for q in 0..s.seq {
+                            let off = b * s.strides[0] + h * s.strides[1] + q * s.strides[2];
+                            row[off..off + s.head_dim].iter_mut().for_each(|t| *t = true);
+                        }
+                    }
+                }
+                for (k, &r) in row.iter().enumerate() {
+                    let v = into[k].to_f32();
+                    if r {
+                        assert_eq!(v.to_bits(), got[k].to_f32().to_bits(), "{what} into [{k}]");
+                    } else {
+                        assert!(v.is_nan(), "{what} into wrote [{k}]");
+                    }
+                }
             }
         }
     }
@@ -486,6 +559,10 @@ mod tests {
         assert!(rope_apply(&mut x[..191], &t, &t, &s, false).is_err());
         assert!(rope_apply(&mut x, &t[..15], &t, &s, false).is_err());
         assert!(rope_apply(&mut x, &t, &t[..15], &s, false).is_err());
+        let mut out = vec![0f32; 192];
+        assert!(rope_apply_into(&x, &mut out, &t, &t, &s, false).is_ok());
+        assert!(rope_apply_into(&x, &mut out[..191], &t, &t, &s, false).is_err());
+        assert!(rope_apply_into(&x[..191], &mut out[..191], &t, &t, &s, false).is_err());
         let pb = RopeShape {
             per_batch_tables: true,
             ..s

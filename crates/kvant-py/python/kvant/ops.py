@@ -245,10 +245,19 @@ def _rope_tables(cos: Tensor, sin: Tensor, dtype: torch.dtype, interleaved: bool
 @torch.library.custom_op("kvant::rope", mutates_args=())
 def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool, inverse: bool) -> Tuple[Tensor, Tensor]:
     rot = 2 * cos.shape[-1]
-    qo, ko = q.clone(), k.clone()
-    _k.rope_apply(qo, cos, sin, rot, interleaved, inverse)
-    _k.rope_apply(ko, cos, sin, rot, interleaved, inverse)
-    return qo, ko
+    outs = []
+    for x in (q, k):
+        # Out of place into x's own layout (a [b, s, h, d] projection viewed
+        # as [b, h, s, d] stays so): one read of x and one write.
+        if x.dim() > 0 and x.stride(-1) != 1:
+            x = x.contiguous()
+        o = torch.empty_like(x)
+        if o.stride() != x.stride():
+            # Not dense (a slice with gaps): empty_like made o contiguous.
+            x = x.contiguous()
+        _k.rope_apply(x, o, cos, sin, rot, interleaved, inverse)
+        outs.append(o)
+    return outs[0], outs[1]
 
 
 @_rope.register_fake
