@@ -5,8 +5,8 @@
 //! and the keys `j` row `i` sees (see [`FlashShape`]):
 //!
 //! - forward: `s_j = scale·q_i·k_j`, `lse_i = ln Σ_j e^{s_j}`,
-//!   `o_i = Σ_j e^{s_j - lse_i} v_j`; computed tile by tile (64 queries ×
-//!   64 keys) with the online softmax (running max `m`, running sum `l`,
+//!   `o_i = Σ_j e^{s_j - lse_i} v_j`; computed tile by tile ([`BQ`] queries ×
+//!   [`BK`] keys) with the online softmax (running max `m`, running sum `l`,
 //!   the output rescaled by `e^{m_old - m_new}`), so no score matrix is
 //!   kept; only `lse` is saved.
 //! - backward: `P_ij = e^{s_ij - lse_i}` recomputed per tile,
@@ -15,13 +15,16 @@
 //!   `dk_j = scale Σ_i dS_ij q_i`, `dq_i = scale Σ_j dS_ij k_j` (sums over
 //!   the q heads of a group for dk, dv).
 //!
-//! The backward runs two passes instead of atomics: one over (batch, kv
-//! head, key tile) accumulating dK and dV over every query tile and q head
-//! of the group in a fixed order, one over (batch, q head, query tile)
-//! accumulating dQ. Each output element is written by exactly one task,
-//! summed in an order fixed by the shape alone, so the results are bitwise
-//! independent of the thread count. Tiles that a causal mask or a window
-//! hides completely are skipped.
+//! The backward is one pass over (key group, batch, kv head): a task walks
+//! the key tiles of its group in order, and for each, every q head of the
+//! kv group and every query tile that sees it: `Sᵀ`, `Pᵀ`, `dV += Pᵀ·dO`,
+//! `dPᵀ`, `dSᵀ`, `dK += dSᵀ·Q`, and `dQ_grp += dS·K` into a partial dQ of
+//! its own (five tile products, where a second pass for dQ would recompute
+//! `S` and `dP`: seven). The partials of the [`dq_groups`] groups are then
+//! added in group order. Each output element is written by exactly one
+//! task, summed in an order fixed by the shape alone (never atomics), so
+//! the results are bitwise independent of the thread count. Tiles that a
+//! causal mask or a window hides completely are skipped.
 //!
 //! Tile products run on the training GEMM's packed microkernels on the
 //! calling thread ([`gemm_serial`]: AVX-512 12×32, AVX2 6×16, and
@@ -42,10 +45,14 @@ use std::sync::Mutex;
 
 use super::gemm::{gemm_serial, MatRef};
 
-/// Query rows per tile.
-const BQ: usize = 64;
-/// Key rows per tile.
-const BK: usize = 64;
+/// Query rows per tile: a multiple of both microkernels' rows (12 and 6)
+/// and columns (32 and 16), so no product has an edge tile. Measured on
+/// the Zen 4 VM (2 threads, f32, [1, 16/4, 2048, 64] causal, medians of
+/// 5–7): forward / backward 100 / 263–295 ms at 64, 83 / 214 at 96,
+/// 86 / 232 at 128, 85 / 229 at 192.
+const BQ: usize = 96;
+/// Key rows per tile (as [`BQ`]).
+const BK: usize = 96;
 
 /// The shape and options of one attention call.
 #[derive(Clone, Copy, Debug)]
@@ -366,15 +373,12 @@ fn fwd_tile<E: Elem, F: Fma>(
     Ok(())
 }
 
-/// `P` (or `Pᵀ`) from scores in place: `e^{scale·s - lse_i}` where row `i`
-/// sees key `j`, else 0; query `r`, key `c` of the tile at `r·nk + c`
-/// (or `c·nq + r` transposed).
+/// `Pᵀ` from transposed scores in place (key `c`, query `r` of the tile at
+/// `c·nq + r`): `e^{scale·s - lse_r}` where row `r` sees key `c`, else 0.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn probs<F: Fma>(
     m: &Mask,
     s: &mut [f32],
-    transposed: bool,
     (i0, nq): (usize, usize),
     (j0, nk): (usize, usize),
     scale: f32,
@@ -383,171 +387,109 @@ fn probs<F: Fma>(
 ) {
     // The keys each query row sees, in tile coordinates, once per tile
     // (nothing hidden when the whole tile is visible).
-    ranges.clear();
-    let full = m.full(i0, i0 + nq, j0, j0 + nk);
-    ranges.extend((0..nq).map(|r| {
-        if lse[r] == f32::NEG_INFINITY {
-            (0, 0)
-        } else if full {
-            (0, nk)
-        } else {
-            let (lo, hi) = m.range(i0 + r);
-            (lo.clamp(j0, j0 + nk) - j0, hi.clamp(j0, j0 + nk) - j0)
-        }
-    }));
-    if !transposed {
-        for (r, &(lo, hi)) in ranges.iter().enumerate() {
-            let row = &mut s[r * nk..][..nk];
-            if lo >= hi {
-                row.fill(0.0);
-                continue;
-            }
-            let l = lse[r];
-            row[..lo].fill(0.0);
-            row[hi..].fill(0.0);
-            for x in &mut row[lo..hi] {
-                *x = exp::<F>(F::fma(*x, scale, -l));
-            }
-        }
-    } else if full {
+    let full = m.full(i0, i0 + nq, j0, j0 + nk) && lse.iter().all(|&l| l != f32::NEG_INFINITY);
+    if full {
         for row in s.chunks_exact_mut(nq).take(nk) {
             for (x, &l) in row.iter_mut().zip(lse) {
                 *x = exp::<F>(F::fma(*x, scale, -l));
             }
         }
-    } else {
-        for (c, row) in s.chunks_exact_mut(nq).take(nk).enumerate() {
-            for ((x, &l), &(lo, hi)) in row.iter_mut().zip(lse).zip(ranges.iter()) {
-                let p = exp::<F>(F::fma(*x, scale, -l));
-                *x = if c >= lo && c < hi { p } else { 0.0 };
-            }
+        return;
+    }
+    ranges.clear();
+    ranges.extend((0..nq).map(|r| {
+        if lse[r] == f32::NEG_INFINITY {
+            (0, 0)
+        } else {
+            let (lo, hi) = m.range(i0 + r);
+            (lo.clamp(j0, j0 + nk) - j0, hi.clamp(j0, j0 + nk) - j0)
+        }
+    }));
+    for (c, row) in s.chunks_exact_mut(nq).take(nk).enumerate() {
+        for ((x, &l), &(lo, hi)) in row.iter_mut().zip(lse).zip(ranges.iter()) {
+            let p = exp::<F>(F::fma(*x, scale, -l));
+            *x = if c >= lo && c < hi { p } else { 0.0 };
         }
     }
 }
 
-/// dK and dV of key rows `j0..j1` of `(b, g)`, over every q head of the
-/// group and every query tile, in order.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn bwd_kv_tile<E: Elem, F: Fma>(
-    a: &Args<'_, E>,
-    dout: &[E],
-    lse: &[f32],
-    dsum: &[f32],
+/// What one backward task writes: for key tiles `kt` of `(b, g)`, their
+/// dK and dV rows, and the group's partial dQ of every q head of `g` (all
+/// query rows, f32, unscaled).
+struct GroupOut<'a, E> {
     b: usize,
     g: usize,
-    j0: usize,
-    j1: usize,
-    dk: &mut [E],
-    dvo: &mut [E],
-    sc: &mut Scratch,
-) -> Result<(), KernelError> {
-    let (d, dv, scale) = (a.s.head_dim, a.s.v_dim, a.s.scale);
-    let nk = j1 - j0;
-    let kr = a.krow(b, g, j0);
-    let (kt, vt) = (rows(a.k, kr, nk, d)?, rows(a.v, kr, nk, dv)?);
-    let acc = sized(&mut sc.acc, nk * d);
-    acc.fill(0.0);
-    let acc2 = sized(&mut sc.acc2, nk * dv);
-    acc2.fill(0.0);
-    let grp = a.group();
-    for h in g * grp..(g + 1) * grp {
-        let mut i0 = 0;
-        while i0 < a.s.q_len {
-            let i1 = (i0 + BQ).min(a.s.q_len);
-            let nq = i1 - i0;
-            if !a.m.overlaps(i0, i1, j0, j1) {
-                i0 = i1;
-                continue;
-            }
-            let r0 = a.qrow(b, h, i0);
-            let (qt, dot) = (rows(a.q, r0, nq, d)?, rows(dout, r0, nq, dv)?);
-            // Sᵀ = K·Qᵀ, then Pᵀ.
-            let st = sized(&mut sc.s, nk * nq);
-            mm(a.tier, kt, qt.t(), st, 0.0)?;
-            let l = &lse[r0..r0 + nq];
-            probs::<F>(&a.m, st, true, (i0, nq), (j0, nk), scale, l, &mut sc.ranges);
-            let pt = MatRef::row_major(&*st, nk, nq)?;
-            // dV += Pᵀ·dO.
-            mm(a.tier, pt, dot, acc2, 1.0)?;
-            // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ - D).
-            let dp = sized(&mut sc.dp, nk * nq);
-            mm(a.tier, vt, dot.t(), dp, 0.0)?;
-            let dd = &dsum[r0..r0 + nq];
-            for (dpr, pr) in dp.chunks_exact_mut(nq).zip(st.chunks_exact(nq)) {
-                for ((x, &p), &di) in dpr.iter_mut().zip(pr).zip(dd) {
-                    *x = p * (*x - di);
-                }
-            }
-            // dK += dSᵀ·Q.
-            mm(a.tier, MatRef::row_major(&*dp, nk, nq)?, qt, acc, 1.0)?;
-            i0 = i1;
-        }
-    }
-    for (o, &x) in dk.iter_mut().zip(acc.iter()) {
-        *o = E::from_f32(x * scale);
-    }
-    for (o, &x) in dvo.iter_mut().zip(acc2.iter()) {
-        *o = E::from_f32(x);
-    }
-    Ok(())
+    kt: std::ops::Range<usize>,
+    dk: &'a mut [E],
+    dv: &'a mut [E],
+    dqp: &'a mut [f32],
 }
 
-/// dQ of query rows `i0..i1` of `(b, h)`, over the key tiles they see, in order.
+/// The backward of key tiles `o.kt` of `(o.b, o.g)`, in order: per key
+/// tile, every q head of the group and every query tile that sees it.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn bwd_q_tile<E: Elem, F: Fma>(
+fn bwd_group<E: Elem, F: Fma>(
     a: &Args<'_, E>,
-    dout: &[E],
-    lse: &[f32],
-    dsum: &[f32],
-    b: usize,
-    h: usize,
-    i0: usize,
-    i1: usize,
-    dq: &mut [E],
+    (dout, lse, dsum): (&[E], &[f32], &[f32]),
+    o: GroupOut<'_, E>,
     sc: &mut Scratch,
 ) -> Result<(), KernelError> {
     let (d, dv, scale) = (a.s.head_dim, a.s.v_dim, a.s.scale);
-    let nq = i1 - i0;
-    let g = h / a.group();
-    let r0 = a.qrow(b, h, i0);
-    let (qt, dot) = (rows(a.q, r0, nq, d)?, rows(dout, r0, nq, dv)?);
-    let acc = sized(&mut sc.acc, nq * d);
-    acc.fill(0.0);
-    let l = &lse[r0..r0 + nq];
-    let dd = &dsum[r0..r0 + nq];
-    let (klo, khi) = a.m.keys(i0, i1);
-    let mut j0 = klo / BK * BK;
-    while j0 < khi {
-        let j1 = (j0 + BK).min(khi);
+    let (b, g, grp) = (o.b, o.g, a.group());
+    let k_first = o.kt.start * BK;
+    for jt in o.kt.clone() {
+        let j0 = jt * BK;
+        let j1 = (j0 + BK).min(a.s.kv_len);
         let nk = j1 - j0;
         let kr = a.krow(b, g, j0);
-        let kt = rows(a.k, kr, nk, d)?;
-        let st = sized(&mut sc.s, nq * nk);
-        mm(a.tier, qt, kt.t(), st, 0.0)?;
-        probs::<F>(
-            &a.m,
-            st,
-            false,
-            (i0, nq),
-            (j0, nk),
-            scale,
-            l,
-            &mut sc.ranges,
-        );
-        let dp = sized(&mut sc.dp, nq * nk);
-        mm(a.tier, dot, rows(a.v, kr, nk, dv)?.t(), dp, 0.0)?;
-        for ((dpr, pr), &di) in dp.chunks_exact_mut(nk).zip(st.chunks_exact(nk)).zip(dd) {
-            for (x, &p) in dpr.iter_mut().zip(pr) {
-                *x = p * (*x - di);
+        let (kt, vt) = (rows(a.k, kr, nk, d)?, rows(a.v, kr, nk, dv)?);
+        let acc = sized(&mut sc.acc, nk * d);
+        acc.fill(0.0);
+        let acc2 = sized(&mut sc.acc2, nk * dv);
+        acc2.fill(0.0);
+        for h in g * grp..(g + 1) * grp {
+            let mut i0 = 0;
+            while i0 < a.s.q_len {
+                let i1 = (i0 + BQ).min(a.s.q_len);
+                let nq = i1 - i0;
+                if !a.m.overlaps(i0, i1, j0, j1) {
+                    i0 = i1;
+                    continue;
+                }
+                let r0 = a.qrow(b, h, i0);
+                let (qt, dot) = (rows(a.q, r0, nq, d)?, rows(dout, r0, nq, dv)?);
+                // Sᵀ = K·Qᵀ, then Pᵀ.
+                let st = sized(&mut sc.s, nk * nq);
+                mm(a.tier, kt, qt.t(), st, 0.0)?;
+                let l = &lse[r0..r0 + nq];
+                probs::<F>(&a.m, st, (i0, nq), (j0, nk), scale, l, &mut sc.ranges);
+                let pt = MatRef::row_major(&*st, nk, nq)?;
+                // dV += Pᵀ·dO.
+                mm(a.tier, pt, dot, acc2, 1.0)?;
+                // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ - D).
+                let dp = sized(&mut sc.dp, nk * nq);
+                mm(a.tier, vt, dot.t(), dp, 0.0)?;
+                let dd = &dsum[r0..r0 + nq];
+                for (dpr, pr) in dp.chunks_exact_mut(nq).zip(st.chunks_exact(nq)) {
+                    for ((x, &p), &di) in dpr.iter_mut().zip(pr).zip(dd) {
+                        *x = p * (*x - di);
+                    }
+                }
+                let dst = MatRef::row_major(&*dp, nk, nq)?;
+                // dK += dSᵀ·Q; this group's dQ += dS·K.
+                mm(a.tier, dst, qt, acc, 1.0)?;
+                let q0 = ((h - g * grp) * a.s.q_len + i0) * d;
+                mm(a.tier, dst.t(), kt, &mut o.dqp[q0..q0 + nq * d], 1.0)?;
+                i0 = i1;
             }
         }
-        mm(a.tier, MatRef::row_major(&*dp, nq, nk)?, kt, acc, 1.0)?;
-        j0 = j1;
-    }
-    for (o, &x) in dq.iter_mut().zip(acc.iter()) {
-        *o = E::from_f32(x * scale);
+        let (kd, vd) = ((j0 - k_first) * d, (j0 - k_first) * dv);
+        for (o, &x) in o.dk[kd..kd + nk * d].iter_mut().zip(acc.iter()) {
+            *o = E::from_f32(x * scale);
+        }
+        for (o, &x) in o.dv[vd..vd + nk * dv].iter_mut().zip(acc2.iter()) {
+            *o = E::from_f32(x);
+        }
     }
     Ok(())
 }
@@ -589,10 +531,22 @@ macro_rules! tiers {
 tiers! {
     fwd_on => fwd_tile(a: &Args<'_, E>, b: usize, h: usize, i0: usize, i1: usize,
         out: &mut [E], lse: &mut [f32], sc: &mut Scratch);
-    kv_on => bwd_kv_tile(a: &Args<'_, E>, dout: &[E], lse: &[f32], dsum: &[f32],
-        b: usize, g: usize, j0: usize, j1: usize, dk: &mut [E], dvo: &mut [E], sc: &mut Scratch);
-    q_on => bwd_q_tile(a: &Args<'_, E>, dout: &[E], lse: &[f32], dsum: &[f32],
-        b: usize, h: usize, i0: usize, i1: usize, dq: &mut [E], sc: &mut Scratch);
+    bwd_on => bwd_group(a: &Args<'_, E>, ins: (&[E], &[f32], &[f32]), o: GroupOut<'_, E>,
+        sc: &mut Scratch);
+}
+
+/// Key groups of the backward (each a partial dQ, added in group order):
+/// 4 (the groups are tasks with the kv heads, so batch 1 with 4 kv heads
+/// still has 16 for 2–8 threads), fewer while the partials would pass
+/// 2^28 f32 values (1 GiB), and never more than the key tiles. A
+/// function of the shape alone: it fixes the summation order.
+fn dq_groups(s: &FlashShape, q_elems: usize) -> usize {
+    let tiles = s.kv_len.div_ceil(BK).max(1);
+    let mut g = tiles.min(4);
+    while g > 1 && g.saturating_mul(q_elems) > 1 << 28 {
+        g -= 1;
+    }
+    g
 }
 
 /// The first error any task of a pool run returned.
@@ -789,40 +743,63 @@ fn bwd_in<E: Elem>(
     };
     let d = s.head_dim;
     let err = FirstError::default();
+    // Partial dQ per key group: [groups][batch][q_heads][q_len][d], f32.
+    let groups = dq_groups(s, n.q);
+    let mut dqp = vec![0f32; checked_mul(OP, groups, n.q)?];
     if s.kv_len > 0 {
         let tiles = s.kv_len.div_ceil(BK);
-        let dks = DisjointSlice::new(dk);
-        let dvs = DisjointSlice::new(dv);
+        let per = tiles.div_ceil(groups);
+        let bg = s.batch * s.kv_heads;
+        let head_rows = a.group() * s.q_len * d;
+        let (dks, dvs, dqs) = (
+            DisjointSlice::new(dk),
+            DisjointSlice::new(dv),
+            DisjointSlice::new(&mut dqp),
+        );
         let dsum = &dsum;
-        pool.run(s.batch * s.kv_heads * tiles, &|t| {
-            let (bg, kt) = (t / tiles, t % tiles);
-            let (b, g) = (bg / s.kv_heads, bg % s.kv_heads);
-            let j0 = kt * BK;
-            let j1 = (j0 + BK).min(s.kv_len);
-            let r0 = a.krow(b, g, j0);
-            let r1 = r0 + (j1 - j0);
-            // SAFETY: task `t` owns key rows r0..r1 of (b, g).
-            let (dko, dvo) = unsafe { (dks.range(r0 * d..r1 * d), dvs.range(r0 * vd..r1 * vd)) };
-            err.record(with_scratch(|sc| {
-                kv_on(&a, dout, lse, dsum, b, g, j0, j1, dko, dvo, sc)
-            }));
+        // Group-major: the first groups (with causal masks, the keys most
+        // queries see) are handed out first.
+        pool.run(groups * bg, &|t| {
+            let (grp, bgi) = (t / bg, t % bg);
+            let (b, g) = (bgi / s.kv_heads, bgi % s.kv_heads);
+            let kt = grp * per..((grp + 1) * per).min(tiles);
+            if kt.is_empty() {
+                return;
+            }
+            let (j0, j1) = (kt.start * BK, (kt.end * BK).min(s.kv_len));
+            let (r0, r1) = (a.krow(b, g, j0), a.krow(b, g, j1));
+            let p0 = grp * n.q + bgi * head_rows;
+            // SAFETY: task `t` alone owns key rows r0..r1 of (b, g) and
+            // the partial dQ of group `grp` for the q heads of (b, g).
+            let o = unsafe {
+                GroupOut {
+                    b,
+                    g,
+                    kt,
+                    dk: dks.range(r0 * d..r1 * d),
+                    dv: dvs.range(r0 * vd..r1 * vd),
+                    dqp: dqs.range(p0..p0 + head_rows),
+                }
+            };
+            err.record(with_scratch(|sc| bwd_on(&a, (dout, lse, dsum), o, sc)));
         });
     }
-    let tiles = s.q_len.div_ceil(BQ);
-    let dqs = DisjointSlice::new(dq);
-    let dsum = &dsum;
-    pool.run(s.batch * s.q_heads * tiles, &|t| {
-        let (bhi, qt) = (t / tiles, t % tiles);
-        let (b, h) = (bhi / s.q_heads, bhi % s.q_heads);
-        let i0 = qt * BQ;
-        let i1 = (i0 + BQ).min(s.q_len);
-        let r0 = a.qrow(b, h, i0);
-        let r1 = r0 + (i1 - i0);
-        // SAFETY: task `t` owns query rows r0..r1 of (b, h).
-        let dqo = unsafe { dqs.range(r0 * d..r1 * d) };
-        err.record(with_scratch(|sc| {
-            q_on(&a, dout, lse, dsum, b, h, i0, i1, dqo, sc)
-        }));
+    // dQ = scale · Σ_groups partial, in group order.
+    let dqo = DisjointSlice::new(dq);
+    const CHUNK: usize = 1 << 14;
+    let scale = s.scale;
+    let dqp = &dqp;
+    pool.run(n.q.div_ceil(CHUNK), &|t| {
+        let r = t * CHUNK..((t + 1) * CHUNK).min(n.q);
+        // SAFETY: task `t` owns elements `r`.
+        let out = unsafe { dqo.range(r.clone()) };
+        for (i, o) in r.zip(out) {
+            let mut sum = 0f32;
+            for grp in 0..groups {
+                sum += dqp[grp * n.q + i];
+            }
+            *o = E::from_f32(sum * scale);
+        }
     });
     err.result()
 }

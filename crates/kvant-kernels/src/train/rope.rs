@@ -454,7 +454,9 @@ mod tests {
                     for h in 0..s.heads {
                         for q in 0..s.seq {
                             let off = b * s.strides[0] + h * s.strides[1] + q * s.strides[2];
-                            row[off..off + s.head_dim].iter_mut().for_each(|t| *t = true);
+                            row[off..off + s.head_dim]
+                                .iter_mut()
+                                .for_each(|t| *t = true);
                         }
                     }
                 }
