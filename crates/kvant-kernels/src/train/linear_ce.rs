@@ -155,7 +155,14 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
     // bf16 inputs: the chunk's gradient rounded to bf16 once (what torch's
     // bf16 linear backward multiplies), so dX and dW run on the bf16
     // kernel (`vdpbf16ps`, twice the f32 rate) instead of widening W.
-    let mut gbuf = vec![E::from_f32(0.0); if grads.is_some() && !E::F32 { chunk * v } else { 0 }];
+    let mut gbuf = vec![
+        E::from_f32(0.0);
+        if grads.is_some() && !E::F32 {
+            chunk * v
+        } else {
+            0
+        }
+    ];
     let mut zs = vec![0f32; n];
     if let Some(g) = grads.as_mut() {
         g.dw.fill(0.0);

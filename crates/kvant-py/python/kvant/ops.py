@@ -69,7 +69,9 @@ def _no_aux_grads(ctx) -> None:
     """The op's extra outputs (statistics, gradients computed in the forward
     pass) never receive a gradient: without this autograd would hand the
     backward zeros of their sizes (a weight-size f32 buffer for the fused
-    linear losses, a logits-size one for cross-entropy)."""
+    linear losses, a logits-size one for cross-entropy). The backward then
+    gets None for an output no gradient reached, the main one included
+    (gradcheck's undefined-gradient check), and returns None for all."""
     ctx.set_materialize_grads(False)
 
 
@@ -113,6 +115,8 @@ def _rms_norm_setup(ctx, inputs, output):
 
 
 def _rms_norm_bwd(ctx, dy, _drstd):
+    if dy is None:  # no gradient reached the output (see `_no_aux_grads`)
+        return None, None, None, None, None
     x, weight, rstd = ctx.saved_tensors
     dx, dw = torch.ops.kvant.rms_norm_backward(dy, x, weight, rstd, *ctx.args)
     return dx, dw, None, None, None
@@ -216,6 +220,8 @@ def _layer_norm_setup(ctx, inputs, output):
 
 
 def _layer_norm_bwd(ctx, dy, _dm, _dr):
+    if dy is None:
+        return None, None, None, None
     x, weight, mean, rstd = ctx.saved_tensors
     dx, dw, db = torch.ops.kvant.layer_norm_backward(dy, x, weight, mean, rstd)
     return dx, dw, db, None
@@ -374,6 +380,8 @@ def _ce_setup(ctx, inputs, output):
 
 
 def _ce_bwd(ctx, dloss, _dgrad):
+    if dloss is None:
+        return (None,) * 8
     (grad,) = ctx.saved_tensors
     if ctx.reduction == "none":
         g = grad * dloss.unsqueeze(-1).to(grad.dtype)
@@ -500,6 +508,8 @@ def _lce_setup(ctx, inputs, output):
 
 
 def _lce_bwd(ctx, dloss, _a, _b, _c):
+    if dloss is None:
+        return (None,) * 10
     if ctx.reduction == "none":
         x, weight, target, bias = ctx.saved_tensors
         dx, dw, db = torch.ops.kvant.linear_cross_entropy_backward(dloss, x, weight, target, bias, *ctx.args)
@@ -587,6 +597,8 @@ def _jsd_setup(ctx, inputs, output):
 
 
 def _jsd_bwd(ctx, dloss, _dg):
+    if dloss is None:
+        return (None,) * 5
     (dq,) = ctx.saved_tensors
     return _scaled(dq, dloss), None, None, None, None
 
@@ -640,6 +652,8 @@ def _ljsd_setup(ctx, inputs, output):
 
 
 def _ljsd_bwd(ctx, dloss, _a, _b):
+    if dloss is None:
+        return (None,) * 9
     dx, dw = ctx.saved_tensors
     return _scaled(dx, dloss), _scaled(dw, dloss).to(ctx.wdtype), None, None, None, None, None, None, None
 
@@ -696,6 +710,8 @@ def _flash_setup(ctx, inputs, output):
 
 
 def _flash_bwd(ctx, dout, _dlse):
+    if dout is None:
+        return (None,) * 6
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.kvant.flash_attn_backward(dout, q, k, v, out, lse, *ctx.args)
     return dq, dk, dv, None, None, None
