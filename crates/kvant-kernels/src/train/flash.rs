@@ -30,7 +30,9 @@
 //! calling thread ([`gemm_serial`]: AVX-512 12×32, AVX2 6×16, and
 //! `vdpbf16ps` when both operands are bf16), reading `Q`, `K`, `V`, `dO`
 //! in place through strided views (packing widens and transposes), so a
-//! tile costs no copies of its own. The elementwise work (exponentials,
+//! tile costs no copies of its own. With bf16 inputs `P` and `dS` are
+//! rounded to bf16 before their products, as FlashAttention-2 and torch's
+//! CPU SDPA do, so all five run on `vdpbf16ps`. The elementwise work (exponentials,
 //! masks, `dS`) is compiled once per tier and vectorizes to its width;
 //! tiles that a mask does not cut skip the per-row bounds.
 
@@ -40,6 +42,7 @@ use crate::pool::{self, DisjointSlice, ThreadPool};
 use crate::train::Elem;
 use crate::vecops::{exp, Fma, Plain};
 use crate::KernelError;
+use half::bf16;
 use std::cell::RefCell;
 use std::sync::Mutex;
 
@@ -226,6 +229,63 @@ fn rows<E>(x: &[E], r0: usize, n: usize, w: usize) -> Result<MatRef<'_, E>, Kern
     MatRef::row_major(&x[r0 * w..(r0 + n) * w], n, w)
 }
 
+/// `P` or `dS` (`rows × cols`, row-major) as the left operand of a tile
+/// product: f32 as computed, or, with bf16 inputs, rounded to bf16 once,
+/// as FlashAttention-2 and torch's CPU SDPA do, so the product runs on the
+/// bf16 kernel (`vdpbf16ps`, twice the f32 rate) instead of widening the
+/// other operand.
+enum Left<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+}
+
+impl<'a> Left<'a> {
+    #[inline(always)]
+    fn of<E: Elem>(x: &'a [f32], half: &'a mut Vec<bf16>) -> Left<'a> {
+        if E::F32 {
+            return Left::F32(x);
+        }
+        half.clear();
+        half.extend(x.iter().map(|&v| <bf16 as Elem>::from_f32(v)));
+        Left::Bf16(half)
+    }
+
+    /// `C ← β·C + X·B` (`Xᵀ·B` when `transposed`).
+    #[inline(always)]
+    fn mm<E: Elem>(
+        &self,
+        tier: SimdTier,
+        (rows, cols, transposed): (usize, usize, bool),
+        b: MatRef<'_, E>,
+        c: &mut [f32],
+        beta: f32,
+    ) -> Result<(), KernelError> {
+        fn tr<T>(m: MatRef<'_, T>, t: bool) -> MatRef<'_, T> {
+            if t {
+                m.t()
+            } else {
+                m
+            }
+        }
+        match *self {
+            Left::F32(x) => mm(
+                tier,
+                tr(MatRef::row_major(x, rows, cols)?, transposed),
+                b,
+                c,
+                beta,
+            ),
+            Left::Bf16(x) => mm(
+                tier,
+                tr(MatRef::row_major(x, rows, cols)?, transposed),
+                b,
+                c,
+                beta,
+            ),
+        }
+    }
+}
+
 fn sized(v: &mut Vec<f32>, n: usize) -> &mut [f32] {
     if v.len() < n {
         v.resize(n, 0.0);
@@ -243,6 +303,8 @@ struct Scratch {
     rows: Vec<f32>,
     /// Per query row of a tile: the keys it sees, `(lo, hi)`.
     ranges: Vec<(usize, usize)>,
+    /// `P` or `dS` rounded to bf16 (bf16 inputs).
+    half: Vec<bf16>,
 }
 
 thread_local! {
@@ -353,8 +415,8 @@ fn fwd_tile<E: Elem, F: Fma>(
                 }
             }
         }
-        let p = MatRef::row_major(&*st, nq, nk)?;
-        mm(a.tier, p, rows(a.v, kr, nk, dv)?, acc, 1.0)?;
+        let vt = rows(a.v, kr, nk, dv)?;
+        Left::of::<E>(st, &mut sc.half).mm(a.tier, (nq, nk, false), vt, acc, 1.0)?;
         j0 = j1;
     }
     for r in 0..nq {
@@ -463,9 +525,8 @@ fn bwd_group<E: Elem, F: Fma>(
                 mm(a.tier, kt, qt.t(), st, 0.0)?;
                 let l = &lse[r0..r0 + nq];
                 probs::<F>(&a.m, st, (i0, nq), (j0, nk), scale, l, &mut sc.ranges);
-                let pt = MatRef::row_major(&*st, nk, nq)?;
                 // dV += Pᵀ·dO.
-                mm(a.tier, pt, dot, acc2, 1.0)?;
+                Left::of::<E>(st, &mut sc.half).mm(a.tier, (nk, nq, false), dot, acc2, 1.0)?;
                 // dPᵀ = V·dOᵀ; dSᵀ = Pᵀ ∘ (dPᵀ - D).
                 let dp = sized(&mut sc.dp, nk * nq);
                 mm(a.tier, vt, dot.t(), dp, 0.0)?;
@@ -475,11 +536,12 @@ fn bwd_group<E: Elem, F: Fma>(
                         *x = p * (*x - di);
                     }
                 }
-                let dst = MatRef::row_major(&*dp, nk, nq)?;
                 // dK += dSᵀ·Q; this group's dQ += dS·K.
-                mm(a.tier, dst, qt, acc, 1.0)?;
+                let ds = Left::of::<E>(dp, &mut sc.half);
+                ds.mm(a.tier, (nk, nq, false), qt, acc, 1.0)?;
                 let q0 = ((h - g * grp) * a.s.q_len + i0) * d;
-                mm(a.tier, dst.t(), kt, &mut o.dqp[q0..q0 + nq * d], 1.0)?;
+                let dq = &mut o.dqp[q0..q0 + nq * d];
+                ds.mm(a.tier, (nk, nq, true), kt, dq, 1.0)?;
                 i0 = i1;
             }
         }
@@ -1063,9 +1125,11 @@ mod tests {
     /// relative) and f32 sums of ≤ 130 terms in a different order than the
     /// f64 reference stay far below 2e-5 of the tensor's scale (measured
     /// ≤ 2e-6). bf16: inputs are the same bf16 values in both, so the error
-    /// is the one rounding of each output (2^-9 relative) plus, in the
-    /// backward, `D_i` computed from the bf16-rounded `out` (an error of
-    /// ~2^-8·|out·dout| in every dS of the row): 1e-2 of the scale.
+    /// is the one rounding of each output (2^-9 relative) plus the rounding
+    /// of `P` and `dS` to bf16 before their products (2^-9 of each term,
+    /// mostly averaging out over a row: the output stays within 4e-3) and,
+    /// in the backward, `D_i` computed from the bf16-rounded `out` (an error
+    /// of ~2^-8·|out·dout| in every dS of the row): 1e-2 of the scale.
     fn tol<E: Elem>(grad: bool) -> f64 {
         if E::F32 {
             2e-5
