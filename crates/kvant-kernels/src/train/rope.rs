@@ -409,6 +409,20 @@ mod tests {
             + 2
     }
 
+    /// Which of `len` values lie in the first `width` of some row.
+    fn covered(s: &RopeShape, len: usize, width: usize) -> Vec<bool> {
+        let mut c = vec![false; len];
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                for q in 0..s.seq {
+                    let off = b * s.strides[0] + h * s.strides[1] + q * s.strides[2];
+                    c[off..off + width].iter_mut().for_each(|t| *t = true);
+                }
+            }
+        }
+        c
+    }
+
     fn case<E: Elem>(rng: &mut ChaCha8Rng, s: &RopeShape) {
         let x: Vec<E> = rand_vec(rng, extent(s), -2.0, 2.0);
         let (c, sn) = tables::<E>(s);
@@ -425,17 +439,7 @@ mod tests {
                 assert_close(&what, &f32s(&got), &f32s(&want), tol::<E>());
                 // Values outside the rotated part of every row (padding,
                 // pass-through dims) are untouched.
-                let mut touched = vec![false; x.len()];
-                for b in 0..s.batch {
-                    for h in 0..s.heads {
-                        for q in 0..s.seq {
-                            let off = b * s.strides[0] + h * s.strides[1] + q * s.strides[2];
-                            touched[off..off + s.rot_dim]
-                                .iter_mut()
-                                .for_each(|t| *t = true);
-                        }
-                    }
-                }
+                let touched = covered(s, x.len(), s.rot_dim);
                 for (k, t) in touched.iter().enumerate() {
                     if !t {
                         assert_eq!(
@@ -449,17 +453,7 @@ mod tests {
                 // nothing else of `out` written.
                 let mut into = vec![E::from_f32(f32::NAN); x.len()];
                 rope_apply_into_with(tier, &x, &mut into, &c, &sn, s, inverse).unwrap();
-                let mut row = vec![false; x.len()];
-                for b in 0..s.batch {
-                    for h in 0..s.heads {
-                        for q in 0..s.seq {
-                            let off = b * s.strides[0] + h * s.strides[1] + q * s.strides[2];
-                            row[off..off + s.head_dim]
-                                .iter_mut()
-                                .for_each(|t| *t = true);
-                        }
-                    }
-                }
+                let row = covered(s, x.len(), s.head_dim);
                 for (k, &r) in row.iter().enumerate() {
                     let v = into[k].to_f32();
                     if r {
