@@ -79,32 +79,40 @@ pub mod norm;
 pub mod rope;
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use half::bf16;
     use rand::{Rng, SeedableRng};
 
-    /// The branch-free bf16 store rounds as half does, bit for bit, on
-    /// every class (ties both ways, overflow to infinity, NaN, subnormal).
-    #[test]
-    fn bf16_store_rounds_like_half() {
+    /// f32 bit patterns for the bf16 store: every class first (ties both
+    /// ways, kept lsb odd and even, overflow to infinity, NaN, subnormal),
+    /// then 200 000 random ones.
+    pub(crate) fn bf16_cases() -> Vec<u32> {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(16);
         let mut xs: Vec<u32> = Vec::new();
         for hi in [
-            0u32, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
+            0u32, 0x3f80, 0x3f81, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
         ] {
             for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
                 xs.push(hi << 16 | lo);
             }
         }
         xs.extend((0..200_000).map(|_| rng.random::<u32>()));
-        for &x in &xs {
+        xs
+    }
+
+    /// The branch-free bf16 store rounds as half does, bit for bit, on
+    /// every class; the f32 store is the identity.
+    #[test]
+    fn bf16_store_rounds_like_half() {
+        for x in bf16_cases() {
             let v = f32::from_bits(x);
             assert_eq!(
                 <bf16 as Elem>::from_f32(v).to_bits(),
                 bf16::from_f32(v).to_bits(),
                 "{x:#x}"
             );
+            assert_eq!(<f32 as Elem>::from_f32(v).to_bits(), x);
         }
     }
 }

@@ -1913,30 +1913,13 @@ pub(crate) mod tests {
         }
     }
 
-    /// The vectorizable bf16 store rounds as half does, bit for bit, on
-    /// every class (ties both ways, overflow to infinity, NaN, subnormal).
+    /// The 8-lane bf16 rounding of the AVX2 backward rounds as half does,
+    /// bit for bit, on every class (the scalar store's own test, on the
+    /// same cases, is `train::tests::bf16_store_rounds_like_half`).
     #[test]
     fn store_rounds_like_half() {
-        let mut rng = ChaCha8Rng::seed_from_u64(16);
-        // The special patterns first: the 8-lane check below drops a tail.
-        let mut xs: Vec<u32> = Vec::new();
-        for hi in [
-            0u32, 0x3f80, 0x7f7f, 0x7f80, 0x7fc0, 0xff80, 0x8000, 0x0001, 0xffff,
-        ] {
-            for lo in [0u32, 1, 0x7fff, 0x8000, 0x8001, 0xffff] {
-                xs.push(hi << 16 | lo);
-            }
-        }
-        xs.extend((0..200_000).map(|_| rng.random::<u32>()));
-        for &x in &xs {
-            let v = f32::from_bits(x);
-            assert_eq!(
-                <bf16 as Elem>::from_f32(v).to_bits(),
-                bf16::from_f32(v).to_bits(),
-                "{x:#x}"
-            );
-            assert_eq!(<f32 as Elem>::from_f32(v).to_bits(), x);
-        }
+        // The special patterns come first: `chunks_exact` drops a tail.
+        let xs = crate::train::tests::bf16_cases();
         // The 8-lane rounding of the AVX2 backward, against the same.
         #[cfg(target_arch = "x86_64")]
         if cpu::detected_tier() >= SimdTier::Avx2 {
