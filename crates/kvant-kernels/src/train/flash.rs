@@ -39,7 +39,7 @@
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul};
 use crate::pool::{self, DisjointSlice, ThreadPool};
-use crate::train::Elem;
+use crate::train::{zero_first, Elem};
 use crate::vecops::{exp, Fma, Plain};
 use crate::KernelError;
 use half::bf16;
@@ -808,20 +808,6 @@ fn bwd_in<E: Elem>(
     // Partial dQ per key group: [groups][batch][q_heads][q_len][d], f32.
     let groups = dq_groups(s, n.q);
     let mut dqp = vec![0f32; checked_mul(OP, groups, n.q)?];
-    // Write the zeros before the tile products read them: a large zeroed
-    // allocation maps the shared zero page on its first read, and the
-    // products' accumulate (read, then write) then took a copy-on-write
-    // fault with a TLB shoot-down per 4 KiB page: 12% of the backward's
-    // samples at [1,16/4,2048,64], against plain write faults here.
-    {
-        const CHUNK: usize = 1 << 16;
-        let len = dqp.len();
-        let z = DisjointSlice::new(&mut dqp);
-        pool.run(len.div_ceil(CHUNK), &|t| {
-            // SAFETY: task `t` alone owns its chunk of elements.
-            unsafe { z.range(t * CHUNK..((t + 1) * CHUNK).min(len)) }.fill(0.0);
-        });
-    }
     if s.kv_len > 0 {
         let tiles = s.kv_len.div_ceil(BK);
         let per = tiles.div_ceil(groups);
@@ -857,6 +843,8 @@ fn bwd_in<E: Elem>(
                     dqp: dqs.range(p0..p0 + head_rows),
                 }
             };
+            // Zeros written before the products accumulate: see `zero_first`.
+            zero_first(o.dqp);
             err.record(with_scratch(|sc| bwd_on(&a, (dout, lse, dsum), o, sc)));
         });
     }

@@ -36,7 +36,7 @@
 use crate::cpu::{self, SimdTier};
 use crate::error::{check_len, checked_mul};
 use crate::pool::{self, DisjointSlice, ThreadPool};
-use crate::train::Elem;
+use crate::train::{zero_first, Elem};
 use crate::vecops::{Fma, Plain};
 use crate::KernelError;
 
@@ -482,13 +482,18 @@ fn rms_bwd_rows<E: Elem, K: Kern>(
             }
         };
         let c = r * r * r * sgx / n as f32;
-        let rows = (dyr, xr, &*g);
+        let ahead = Ahead::after([dy, x, dsum.unwrap_or(&[])], i, n);
         let dsr = dsum.map(|d| &d[i * n..][..n]);
-        match (llama, dsr) {
-            (true, Some(d)) => rms_dx_dw::<E, K, true, true>(rows, d, (r, c), dxr, dw),
-            (true, None) => rms_dx_dw::<E, K, true, false>(rows, dyr, (r, c), dxr, dw),
-            (false, Some(d)) => rms_dx_dw::<E, K, false, true>(rows, d, (r, c), dxr, dw),
-            (false, None) => rms_dx_dw::<E, K, false, false>(rows, dyr, (r, c), dxr, dw),
+        for b in blocks::<E>(n) {
+            ahead.fetch(b.clone());
+            let rows = (&dyr[b.clone()], &xr[b.clone()], &g[b.clone()]);
+            let (dxr, dw) = (&mut dxr[b.clone()], &mut dw[b.clone()]);
+            match (llama, dsr) {
+                (true, Some(d)) => rms_dx_dw::<E, K, true, true>(rows, &d[b], (r, c), dxr, dw),
+                (true, None) => rms_dx_dw::<E, K, true, false>(rows, rows.0, (r, c), dxr, dw),
+                (false, Some(d)) => rms_dx_dw::<E, K, false, true>(rows, &d[b], (r, c), dxr, dw),
+                (false, None) => rms_dx_dw::<E, K, false, false>(rows, rows.0, (r, c), dxr, dw),
+            }
         }
     }
 }
@@ -568,17 +573,75 @@ fn ln_bwd_rows<E: Elem, K: Kern>(
         let (tg, tgx) = unsafe { (K::sum(&*g), r * K::dot_dev(&*g, xr, m)) };
         let (mg, mgx) = (tg / n as f32, tgx / n as f32);
         // dx, dw and db in one loop (two loops: LayerNorm backward ran at
-        // 52% of the bandwidth in f32).
+        // 52% of the bandwidth in f32), the next row's dy and x prefetched.
         let (dxr, gr) = (&mut dx[i * n..][..n], &g[..n]);
-        let (dyr, xr, dw, db) = (&dyr[..n], &xr[..n], &mut dw[..n], &mut db[..n]);
-        for j in 0..n {
-            let xh = (xr[j].to_f32() - m) * r;
-            dxr[j] = E::from_f32(r * (gr[j] - mg - xh * mgx));
-            let d = dyr[j].to_f32();
-            dw[j] = K::F::fma(d, xh, dw[j]);
-            db[j] += d;
+        let ahead = Ahead::after([dy, x], i, n);
+        for c in blocks::<E>(n) {
+            ahead.fetch(c.clone());
+            let (dyr, xr, gr) = (&dyr[c.clone()], &xr[c.clone()], &gr[c.clone()]);
+            let (dxr, dw, db) = (&mut dxr[c.clone()], &mut dw[c.clone()], &mut db[c]);
+            for j in 0..dxr.len() {
+                let xh = (xr[j].to_f32() - m) * r;
+                dxr[j] = E::from_f32(r * (gr[j] - mg - xh * mgx));
+                let d = dyr[j].to_f32();
+                dw[j] = K::F::fma(d, xh, dw[j]);
+                db[j] += d;
+            }
         }
     }
+}
+
+/// The same columns of the next row of a few row-major tensors, prefetched
+/// into L2 block by block while a backward's last pass over the current
+/// row runs. That pass reads the row from L1 and issues no reads to
+/// memory, so with the hardware prefetchers alone memory sat idle during
+/// it. 4096×4096, 2 threads, Zen 4 VM, medians of 30 calls alternated with
+/// and without, four runs: LayerNorm backward 1.09–1.23× faster (f32) and
+/// 1.15–1.23× (bf16), RMSNorm backward 1.06–1.13× and 1.06–1.09×. The
+/// forwards measured 0.98–1.07×, within the noise, and do without.
+struct Ahead<'a, E, const N: usize>([&'a [E]; N]);
+
+impl<'a, E, const N: usize> Ahead<'a, E, N> {
+    /// Row `i + 1` (width `n`) of each tensor; empty past the last row.
+    #[inline(always)]
+    fn after(tensors: [&'a [E]; N], i: usize, n: usize) -> Self {
+        Ahead(tensors.map(|t| t.get((i + 1) * n..(i + 2) * n).unwrap_or(&[])))
+    }
+
+    /// Prefetches columns `r` of each next row (none where it is empty).
+    #[inline(always)]
+    fn fetch(&self, r: std::ops::Range<usize>) {
+        for t in &self.0 {
+            if let Some(s) = t.get(r.clone()) {
+                prefetch_l2(s);
+            }
+        }
+    }
+}
+
+/// A row's columns in blocks of 1 KiB of `E`, the unit of [`Ahead`]
+/// (256 B and 4 KiB blocks measured the same).
+#[inline(always)]
+fn blocks<E>(n: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let step = 1024 / std::mem::size_of::<E>();
+    (0..n).step_by(step).map(move |b| b..(b + step).min(n))
+}
+
+/// Prefetches the lines of `s` into L2 (`prefetcht1`: into L1 the
+/// prefetches of the attention kernels evicted the rows being read).
+#[inline(always)]
+fn prefetch_l2<E>(s: &[E]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        let p = s.as_ptr() as *const i8;
+        for off in (0..std::mem::size_of_val(s)).step_by(64) {
+            // SAFETY: a prefetch never faults; the address is inside `s`.
+            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.wrapping_add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = s;
 }
 
 // ------------------------------------------------------- tiers per chunk
@@ -960,6 +1023,7 @@ pub(crate) fn rms_bwd_in<E: Elem>(
         let mut g = vec![0f32; n];
         // SAFETY: chunk `c` owns rows `rr` of dx and partial row `c`.
         let (dxc, pc) = unsafe { (dx_s.range(er.clone()), p_s.range(c * n..(c + 1) * n)) };
+        zero_first(pc);
         let (xc, rc) = (&x[er], &rstd[rr]);
         match tier {
             #[cfg(target_arch = "x86_64")]
@@ -1141,6 +1205,8 @@ pub(crate) fn ln_bwd_in<E: Elem>(
                 p_s.range((2 * c + 1) * n..(2 * c + 2) * n),
             )
         };
+        zero_first(pw);
+        zero_first(pb);
         let (dyc, xc, ms) = (&dy[er.clone()], &x[er], (&mean[rr.clone()], &rstd[rr]));
         match tier {
             #[cfg(target_arch = "x86_64")]
