@@ -8,6 +8,14 @@
 //! job reaches them in well under a microsecond, and only park after
 //! [`SPIN`] of idleness (between requests, not between kernels).
 //!
+//! The spin adapts to the gaps between jobs ([`Shared::spin`]): a wait
+//! that ends in parking starts the next at [`MIN_SPIN`], and each job
+//! caught while spinning doubles it back up to [`SPIN`]. A decode loop,
+//! whose gaps are microseconds, spins at [`SPIN`] after its first few
+//! kernels; a caller whose jobs are milliseconds apart (training ops called
+//! from PyTorch, one kvant op between torch ops) no longer leaves a worker
+//! spinning for 2 ms against torch's own threads after each of its jobs.
+//!
 //! A job is `tasks` indices handed out by an atomic counter: whoever is
 //! awake takes the next index, the caller included, so a worker that is
 //! slow to wake never holds the caller up; the caller only waits for the
@@ -29,6 +37,11 @@ use std::time::{Duration, Instant};
 /// that an idle process stops burning its cores at once.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// The shortest spin, after a wait that ended in parking: covers the
+/// back-to-back jobs of one kernel (norm then partial sums, FlashAttention's
+/// three) so they still reach a spinning worker.
+const MIN_SPIN: Duration = Duration::from_micros(50);
+
 /// A job's work, borrowed for the duration of [`ThreadPool::run`].
 type Job = dyn Fn(usize) + Sync;
 
@@ -47,7 +60,11 @@ struct Shared {
     /// Set when a task panicked; the caller re-raises after the join.
     panicked: AtomicBool,
     shutdown: AtomicBool,
-    /// Parking: a worker waits here once it has spun for [`SPIN`].
+    /// Nanoseconds a waiting worker spins before it parks, between
+    /// [`MIN_SPIN`] and [`SPIN`] (see the module doc); racy updates
+    /// between workers only make one wait a little longer or shorter.
+    spin: AtomicU64,
+    /// Parking: a worker waits here once it has spun for `spin`.
     sleep: Mutex<()>,
     wake: Condvar,
 }
@@ -87,6 +104,7 @@ impl ThreadPool {
             active: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
             shutdown: AtomicBool::new(false),
+            spin: AtomicU64::new(SPIN.as_nanos() as u64),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -221,15 +239,19 @@ fn worker(s: &Shared) {
 /// Spins, then parks, until `generation` differs from `seen`; returns it.
 fn wait_for_job(s: &Shared, seen: u64) -> u64 {
     let start = Instant::now();
+    let limit = Duration::from_nanos(s.spin.load(Relaxed));
     let mut spins = 0u32;
     loop {
         let g = s.generation.load(SeqCst);
         if g != seen {
+            let longer = (2 * limit).min(SPIN).max(MIN_SPIN);
+            s.spin.store(longer.as_nanos() as u64, Relaxed);
             return g;
         }
         std::hint::spin_loop();
         spins = spins.wrapping_add(1);
-        if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
+        if spins.is_multiple_of(1024) && start.elapsed() > limit {
+            s.spin.store(MIN_SPIN.as_nanos() as u64, Relaxed);
             let mut l = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             loop {
                 let g = s.generation.load(SeqCst);
@@ -427,6 +449,27 @@ mod tests {
             n.fetch_add(1, Relaxed);
         });
         assert_eq!(n.load(Relaxed), 100);
+    }
+
+    #[test]
+    fn the_spin_drops_after_a_park_and_grows_back_with_close_jobs() {
+        let pool = ThreadPool::new(2).unwrap();
+        let spin = || Duration::from_nanos(pool.shared.spin.load(Relaxed));
+        // Polled with a deadline: a loaded machine may run the worker late.
+        let within = |want: Duration, job: &dyn Fn()| {
+            let start = Instant::now();
+            while spin() != want && start.elapsed() < Duration::from_secs(10) {
+                job();
+            }
+            spin()
+        };
+        let idle = || std::thread::sleep(Duration::from_millis(1));
+        assert_eq!(spin(), SPIN);
+        assert_eq!(within(MIN_SPIN, &idle), MIN_SPIN, "the worker parks");
+        // Jobs back to back: each one a spinning worker catches doubles it.
+        let busy = || pool.run(4, &|_| std::hint::black_box(()));
+        assert_eq!(within(SPIN, &busy), SPIN);
+        assert_eq!(within(MIN_SPIN, &idle), MIN_SPIN);
     }
 
     #[test]
