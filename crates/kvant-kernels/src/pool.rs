@@ -81,20 +81,23 @@ thread_local! {
     static IN_JOB: Cell<bool> = const { Cell::new(false) };
 }
 
-/// A fixed set of worker threads plus the calling thread.
+/// Runs `body` once on each of `threads` threads of another runtime's
+/// team, the calling thread among them, and returns when all have
+/// returned. See [`ThreadPool::on_team`].
+pub type TeamRunner = fn(threads: usize, body: &(dyn Fn() + Sync));
+
+/// A fixed set of worker threads plus the calling thread, or another
+/// runtime's thread team ([`ThreadPool::on_team`]).
 pub struct ThreadPool {
     shared: Arc<Shared>,
     workers: Vec<JoinHandle<()>>,
     submit: Mutex<()>,
+    team: Option<(TeamRunner, usize)>,
 }
 
 impl ThreadPool {
-    /// A pool running jobs on `threads` threads in all: the caller and
-    /// `threads - 1` workers (none for 0 or 1).
-    ///
-    /// # Errors
-    /// When the OS refuses to start a thread.
-    pub fn new(threads: usize) -> std::io::Result<Self> {
+    /// A pool with no threads of its own yet.
+    fn bare() -> Self {
         let shared = Arc::new(Shared {
             generation: AtomicU64::new(0),
             job: UnsafeCell::new(None),
@@ -108,11 +111,21 @@ impl ThreadPool {
             sleep: Mutex::new(()),
             wake: Condvar::new(),
         });
-        let mut pool = ThreadPool {
+        ThreadPool {
             shared,
             workers: Vec::new(),
             submit: Mutex::new(()),
-        };
+            team: None,
+        }
+    }
+
+    /// A pool running jobs on `threads` threads in all: the caller and
+    /// `threads - 1` workers (none for 0 or 1).
+    ///
+    /// # Errors
+    /// When the OS refuses to start a thread.
+    pub fn new(threads: usize) -> std::io::Result<Self> {
+        let mut pool = ThreadPool::bare();
         for i in 1..threads.max(1) {
             let s = Arc::clone(&pool.shared);
             let handle = std::thread::Builder::new()
@@ -123,9 +136,25 @@ impl ThreadPool {
         Ok(pool)
     }
 
-    /// Threads that run a job: the workers and the caller.
+    /// A pool whose jobs run on `threads` threads of another runtime's
+    /// team through `run`, with no threads of its own. For an embedding
+    /// whose host keeps a team spinning between its own parallel regions
+    /// (the Python package: torch's OpenMP threads spin about 5 ms after
+    /// each torch op), so kvant's jobs run on those threads instead of
+    /// competing with them for the cores. Tasks are handed out as in
+    /// [`ThreadPool::run`]; nested calls run inline.
+    pub fn on_team(threads: usize, run: TeamRunner) -> Self {
+        let mut pool = ThreadPool::bare();
+        pool.team = Some((run, threads.max(1)));
+        pool
+    }
+
+    /// Threads that run a job: the workers and the caller (or the team).
     pub fn threads(&self) -> usize {
-        self.workers.len() + 1
+        match self.team {
+            Some((_, n)) => n,
+            None => self.workers.len() + 1,
+        }
     }
 
     /// Runs `f(0) .. f(tasks - 1)`, each exactly once, spread over the pool;
@@ -134,7 +163,13 @@ impl ThreadPool {
         if tasks == 0 {
             return;
         }
-        if tasks == 1 || self.workers.is_empty() || IN_JOB.get() {
+        if tasks == 1 || IN_JOB.get() {
+            return (0..tasks).for_each(f);
+        }
+        if let Some((team, threads)) = self.team {
+            return run_on_team(team, threads, tasks, f);
+        }
+        if self.workers.is_empty() {
             return (0..tasks).for_each(f);
         }
         let _guard = match self.submit.try_lock() {
@@ -197,6 +232,38 @@ impl Drop for ThreadPool {
             // outside a task, already reported by the runtime.
             let _ = w.join();
         }
+    }
+}
+
+/// [`ThreadPool::run`] on a team: each team thread takes tasks from one
+/// counter until it passes the end; the first panic is re-raised here once
+/// every team thread has returned (a panic must not unwind through the
+/// other runtime's frames).
+fn run_on_team(team: TeamRunner, threads: usize, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+    let next = AtomicUsize::new(0);
+    let panic = Mutex::new(None);
+    let body = || {
+        let outer = IN_JOB.replace(true);
+        let r = catch_unwind(AssertUnwindSafe(|| loop {
+            let t = next.fetch_add(1, Relaxed);
+            if t >= tasks {
+                return;
+            }
+            f(t);
+        }));
+        IN_JOB.set(outer);
+        if let Err(p) = r {
+            // Skip what is left: the call fails anyway.
+            next.store(tasks, Relaxed);
+            panic
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(p);
+        }
+    };
+    team(threads.min(tasks), &body);
+    if let Some(p) = panic.into_inner().unwrap_or_else(|p| p.into_inner()) {
+        resume_unwind(p);
     }
 }
 
@@ -298,6 +365,24 @@ pub enum PoolError {
     AlreadyStarted(usize),
     #[error("cannot start the thread pool: {0}")]
     Spawn(#[from] std::io::Error),
+}
+
+/// Starts the global pool on another runtime's team ([`ThreadPool::on_team`])
+/// of `threads` threads; call before any kernel.
+///
+/// # Errors
+/// [`PoolError::ZeroThreads`], or [`PoolError::AlreadyStarted`] when the
+/// pool already runs (on its own threads or a team).
+pub fn set_global_team(threads: usize, run: TeamRunner) -> Result<(), PoolError> {
+    if threads == 0 {
+        return Err(PoolError::ZeroThreads);
+    }
+    let mut fresh = Some(ThreadPool::on_team(threads, run));
+    let pool = GLOBAL.get_or_init(|| fresh.take().expect("set once"));
+    match fresh {
+        None => Ok(()),
+        Some(_) => Err(PoolError::AlreadyStarted(pool.threads())),
+    }
 }
 
 /// Starts the global pool with `threads` threads; call before any kernel.
@@ -404,6 +489,51 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "tasks={tasks}");
             }
         }
+    }
+
+    /// A team of scoped threads, the caller among them, each running `body`.
+    fn scoped_team(threads: usize, body: &(dyn Fn() + Sync)) {
+        std::thread::scope(|sc| {
+            for _ in 1..threads {
+                sc.spawn(body);
+            }
+            body();
+        });
+    }
+
+    #[test]
+    fn a_team_runs_every_task_once_nests_inline_and_re_raises_panics() {
+        let pool = ThreadPool::on_team(3, scoped_team);
+        assert_eq!(pool.threads(), 3);
+        let ids = Mutex::new(std::collections::HashSet::new());
+        for tasks in [0usize, 1, 2, 3, 7, 64, 1000] {
+            let hits: Vec<AtomicU32> = (0..tasks).map(|_| AtomicU32::new(0)).collect();
+            pool.run(tasks, &|t| {
+                hits[t].fetch_add(1, Relaxed);
+                // Nested: inline on this team thread.
+                let me = std::thread::current().id();
+                pool.run(2, &|_| assert_eq!(std::thread::current().id(), me));
+            });
+            assert!(hits.iter().all(|h| h.load(Relaxed) == 1), "tasks={tasks}");
+        }
+        // Tasks long enough that the caller cannot take them all.
+        pool.run(12, &|_| {
+            std::thread::sleep(Duration::from_millis(2));
+            ids.lock().unwrap().insert(std::thread::current().id());
+        });
+        assert!(
+            ids.lock().unwrap().len() > 1,
+            "the team's threads took tasks"
+        );
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(16, &|t| assert!(t != 11, "task 11"));
+        }));
+        assert!(r.is_err());
+        let n = AtomicUsize::new(0);
+        pool.run(16, &|_| {
+            n.fetch_add(1, Relaxed);
+        });
+        assert_eq!(n.load(Relaxed), 16);
     }
 
     #[test]

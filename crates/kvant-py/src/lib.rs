@@ -3,6 +3,7 @@
 //! side (`python/kvant/`) turns the kernels into torch custom ops.
 
 mod llm;
+mod omp;
 mod tensor;
 mod train;
 
@@ -17,6 +18,15 @@ use pyo3::prelude::*;
 fn set_threads(threads: usize) -> PyResult<usize> {
     pool::set_global_threads(threads).map_err(|e| PyRuntimeError::new_err(e.to_string()))?;
     Ok(pool::global().threads())
+}
+
+/// Starts kvant's thread pool on torch's OpenMP threads (`threads` of
+/// them, torch's count), so kvant's ops run on the team torch keeps awake
+/// between its own. Returns False, starting nothing, when no OpenMP
+/// runtime is loaded; raises when the pool already runs.
+#[pyfunction]
+fn use_torch_threads(threads: usize) -> PyResult<bool> {
+    omp::use_torch_team(threads).map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 /// The size of kvant's thread pool (starting it if it is not running).
@@ -35,6 +45,7 @@ fn simd_tier() -> &'static str {
 fn _kvant(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_threads, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
+    m.add_function(wrap_pyfunction!(use_torch_threads, m)?)?;
     m.add_function(wrap_pyfunction!(simd_tier, m)?)?;
     m.add_class::<llm::Llm>()?;
     m.add_class::<llm::TextStream>()?;

@@ -1,5 +1,9 @@
 """Bad input is a clear Python exception, never a crash or a wrong answer."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -63,3 +67,35 @@ def test_overlapping_rope_rows_are_refused():
 def test_threads_follow_torch():
     assert kvant._kvant.threads() == max(1, torch.get_num_threads())
     assert kvant.simd_tier() in ("scalar", "avx2", "avx512")
+
+
+def test_ops_run_on_torchs_openmp_threads():
+    """With torch's OpenMP runtime in the process, kvant starts no threads
+    of its own: its jobs run on torch's team (kvant/__init__.py)."""
+    if not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs Linux's /proc")
+    x = torch.randn(256, 1024, requires_grad=True)
+    y = ops.layer_norm(x, torch.ones(1024), torch.zeros(1024))
+    y.sum().backward()
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    assert not [n for n in names if n.startswith("kvant-worker")], names
+    # The same values as on a pool of kvant's own, in a fresh process.
+    code = (
+        "import os, torch, kvant; torch.manual_seed(0); x = torch.randn(256, 1024);"
+        "print(kvant.ops.layer_norm(x, torch.ones(1024), torch.zeros(1024)).sum().item());"
+        "print(sum(open(f'/proc/self/task/{t}/comm').read().startswith('kvant-worker')"
+        " for t in os.listdir('/proc/self/task')) > 0)"
+    )
+    env = dict(os.environ, KVANT_OWN_POOL="1")
+    own = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    team = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    (own_sum, own_workers), (team_sum, team_workers) = own.stdout.split(), team.stdout.split()
+    assert own_sum == team_sum
+    if torch.get_num_threads() > 1:
+        assert (own_workers, team_workers) == ("True", "False")

@@ -11,6 +11,7 @@
   stream text.
 """
 
+import os as _os
 import warnings as _warnings
 
 import torch as _torch
@@ -18,10 +19,15 @@ import torch as _torch
 from . import _kvant
 from ._kvant import LLM, TextStream, simd_tier
 
-# One pool for torch's threads and one for kvant's would oversubscribe the
-# cores: kvant runs as many threads as torch does.
+# kvant's ops run on torch's own OpenMP threads, as many as torch uses:
+# torch's team spins for milliseconds after each torch op, and a second
+# pool would share the cores with it. Without an OpenMP runtime in the
+# process (or with KVANT_OWN_POOL=1), on a pool of kvant's own, sized the
+# same.
 try:
-    _kvant.set_threads(max(1, _torch.get_num_threads()))
+    _n = max(1, _torch.get_num_threads())
+    if _os.environ.get("KVANT_OWN_POOL") == "1" or not _kvant.use_torch_threads(_n):
+        _kvant.set_threads(_n)
 except RuntimeError as e:  # the pool was started already, with another size
     _warnings.warn(f"kvant: {e}", RuntimeWarning, stacklevel=2)
 

@@ -4,7 +4,8 @@ Every op is a ``torch.library.custom_op`` in the ``kvant`` namespace with a
 fake (meta) implementation and a registered backward, so ``torch.compile``
 traces through it and ``torch.library.opcheck`` accepts it. Torch allocates
 every output; the Rust kernel fills it in place with the GIL released, on
-kvant's thread pool (sized to ``torch.get_num_threads()`` at import).
+torch's OpenMP threads (``torch.get_num_threads()`` of them, read at
+import; see ``kvant/__init__.py``).
 
 Inputs must be CPU tensors of float32 or bfloat16 (targets int64); the
 native side checks device, dtype, density and aliasing and raises
