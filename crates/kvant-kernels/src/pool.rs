@@ -525,15 +525,7 @@ mod tests {
             ids.lock().unwrap().len() > 1,
             "the team's threads took tasks"
         );
-        let r = catch_unwind(AssertUnwindSafe(|| {
-            pool.run(16, &|t| assert!(t != 11, "task 11"));
-        }));
-        assert!(r.is_err());
-        let n = AtomicUsize::new(0);
-        pool.run(16, &|_| {
-            n.fetch_add(1, Relaxed);
-        });
-        assert_eq!(n.load(Relaxed), 16);
+        survives_a_panic(&pool);
     }
 
     #[test]
@@ -556,9 +548,8 @@ mod tests {
         assert_eq!(total.load(Relaxed), 4 * 200 * 8 * 3);
     }
 
-    #[test]
-    fn a_panicking_task_reaches_the_caller_and_the_pool_survives() {
-        let pool = ThreadPool::new(2).unwrap();
+    /// A task's panic reaches the caller, and the pool runs the next job.
+    fn survives_a_panic(pool: &ThreadPool) {
         let r = catch_unwind(AssertUnwindSafe(|| {
             pool.run(16, &|t| assert!(t != 11, "task 11"));
         }));
@@ -568,6 +559,12 @@ mod tests {
             n.fetch_add(1, Relaxed);
         });
         assert_eq!(n.load(Relaxed), 16);
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_survives() {
+        let pool = ThreadPool::new(2).unwrap();
+        survives_a_panic(&pool);
     }
 
     #[test]
