@@ -49,12 +49,14 @@ pub fn start(
 ) -> Result<Generation, ApiError> {
     let engine = state.engine();
     let max_tokens = plan.max_tokens.unwrap_or_else(|| {
-        // Fill what the context leaves; at least one token, so an overlong
-        // prompt is reported as such rather than as `max_tokens` 0.
-        state
+        // The endpoint's default, or what the context leaves; at least one
+        // token, so an overlong prompt is reported as such rather than as
+        // `max_tokens` 0.
+        let room = state
             .max_sequence_tokens()
             .saturating_sub(prompt_ids.len())
-            .max(1)
+            .max(1);
+        plan.default_max_tokens.map_or(room, |d| d.min(room))
     });
     let base = EngineRequest {
         prompt_ids,

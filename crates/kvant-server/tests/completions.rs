@@ -375,17 +375,24 @@ async fn stop_strings_end_the_text() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn default_max_tokens_fills_the_context() {
+async fn default_max_tokens_is_16_for_completions_and_the_context_for_chat() {
     let s = tiny().await;
+    // OpenAI's (and vLLM's) default for /v1/completions.
     let v = s
         .ok(
             "/v1/completions",
             &json!({"prompt": PROMPT, "ignore_eos": true, "temperature": 0}),
         )
         .await;
-    let u = &v["usage"];
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let mut chat = chat_body(json!({}));
+    if let Some(o) = chat.as_object_mut() {
+        o.remove("max_tokens");
+    }
+    let v = s.ok("/v1/chat/completions", &chat).await;
     assert_eq!(
-        u["total_tokens"].as_u64(),
+        v["usage"]["total_tokens"].as_u64(),
         Some(s.engine.context_length() as u64)
     );
     assert_eq!(v["choices"][0]["finish_reason"], "length");

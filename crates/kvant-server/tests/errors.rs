@@ -81,6 +81,8 @@ async fn bad_requests_are_400_naming_the_field() {
             user(json!([{"type": "image_url", "image_url": {"url": "x"}}])),
             Some("messages[0].content[0].type"),
         ),
+        // No parts: OpenAI's 400, not an empty turn.
+        (CHAT, user(json!([])), Some("messages[0].content")),
         (CHAT, user(json!("word ".repeat(2 * ctx))), Some("messages")),
         // Lengths.
         (

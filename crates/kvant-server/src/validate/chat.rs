@@ -136,8 +136,16 @@ fn message(i: usize, m: MessageIn) -> Result<ChatMessage, ApiError> {
     Ok(ChatMessage::new(role, content))
 }
 
-/// `[{"type": "text", "text": ...}, ...]`, joined with newlines.
+/// `[{"type": "text", "text": ...}, ...]`, joined with newlines; at least
+/// one part, as OpenAI requires (an empty array was taken as an empty
+/// message and generated up to the context limit).
 fn text_parts(parts: &[Value], param: &str) -> Result<String, ApiError> {
+    if parts.is_empty() {
+        return Err(ApiError::bad_param(
+            param,
+            "`content` must not be an empty array",
+        ));
+    }
     let texts = parts
         .iter()
         .enumerate()
@@ -196,6 +204,14 @@ mod tests {
                 "messages[2].content",
             ),
             (json!({"role": "user", "content": 5}), "messages[2].content"),
+            (
+                json!({"role": "user", "content": []}),
+                "messages[2].content",
+            ),
+            (
+                json!({"role": "assistant", "content": []}),
+                "messages[2].content",
+            ),
             (
                 json!({"role": "user", "content": [{"type": "image_url"}]}),
                 "messages[2].content[0].type",

@@ -10,10 +10,16 @@ use crate::state::AppState;
 use kvant_engine::serving::MAX_TOP_LOGPROBS;
 use serde_json::Value;
 
+/// Tokens generated when `max_tokens` is omitted: OpenAI's and vLLM's
+/// default for this endpoint (filling the context instead held a slot for
+/// minutes, 8191 tokens with the default model).
+pub const DEFAULT_MAX_TOKENS: usize = 16;
+
 pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiError> {
     let c: CommonFields = fields(body)?;
     let f: CompletionFields = fields(body)?;
     let mut plan = common(c, state)?;
+    plan.default_max_tokens = Some(DEFAULT_MAX_TOKENS);
     if f.echo == Some(true) {
         return Err(ApiError::unsupported("echo"));
     }

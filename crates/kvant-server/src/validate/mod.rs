@@ -26,8 +26,12 @@ const MAX_PENALTY: f64 = 2.0;
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub n: usize,
-    /// `None`: fill what the context leaves after the prompt.
+    /// `None`: fill what the context leaves after the prompt, up to
+    /// `default_max_tokens` when that is set.
     pub max_tokens: Option<usize>,
+    /// The endpoint's default for an omitted `max_tokens` (`/v1/completions`:
+    /// 16), capped by the context; `None` (chat) fills the context.
+    pub default_max_tokens: Option<usize>,
     /// Sampling of choice 0; choice `i` adds `i` to the seed.
     pub sampling: SamplingParams,
     /// `None`: a random seed.
@@ -150,6 +154,7 @@ pub fn common(c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
     Ok(Plan {
         n,
         max_tokens,
+        default_max_tokens: None,
         sampling,
         // Negative seeds are valid in OpenAI's API; any i64 names one stream.
         seed: c.seed.map(|s| s as u64),
