@@ -36,11 +36,13 @@ launch=()
 if [ "$ranks" -gt 1 ]; then
   launch=(env OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
     OMPI_MCA_btl_vader_single_copy_mechanism=none KVANT_THREADS=1 KVANT_SERVE_JOB=$$
-    mpirun --oversubscribe -np "$ranks")
+    mpirun --oversubscribe -x KVANT_API_KEY -np "$ranks")
 fi
+# The key from the environment (`--api-key` would show it in `ps`).
+export KVANT_API_KEY="$key"
 # shellcheck disable=SC2086 # the layout is a list of flags
 "${launch[@]}" "$bin" serve --model "$model" --host 127.0.0.1 --port 0 --kv-cache-memory 256MiB \
-  --served-model-name "$name" --api-key "$key" --shutdown-grace 5 ${KVANT_SERVE_LAYOUT:-} >"$log" 2>&1 &
+  --served-model-name "$name" --shutdown-grace 5 ${KVANT_SERVE_LAYOUT:-} >"$log" 2>&1 &
 pid=$!
 # The process that shuts the server down gracefully: the server itself, or
 # under mpirun its rank 0 (mpirun's own SIGTERM kills the whole job).

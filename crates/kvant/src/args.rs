@@ -415,8 +415,9 @@ pub struct ServeArgs {
     /// Port to listen on; 0 picks a free one (the ready line shows it).
     #[arg(long, default_value_t = 8000)]
     pub port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1/* [default: no key]
-    #[arg(long)]
+    /// Require `Authorization: Bearer KEY` on /v1/* [default: no key]; the
+    /// environment variable keeps the key out of `ps`
+    #[arg(long, env = "KVANT_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
     /// Memory for the KV cache: a size (2GiB, 512MB) or a fraction of the memory available now (0.2).
     #[arg(long, default_value = "1GiB")]
