@@ -157,9 +157,20 @@ impl ApiError {
     }
 }
 
+/// Seconds a client told 429 (a full queue) waits before retrying: a
+/// queued request usually starts within one.
+const RETRY_AFTER_SECS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        r
     }
 }
 

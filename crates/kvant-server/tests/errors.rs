@@ -392,6 +392,12 @@ async fn full_queue_is_429() {
         let (status, v) = s.json(path, &body).await;
         assert_error(status, &v, 429, None, path);
         assert_eq!(v["error"]["code"], "queue_full");
+        let resp = s.post(path).json(&body).send().await.expect("request");
+        let retry = resp
+            .headers()
+            .get("retry-after")
+            .and_then(|h| h.to_str().ok());
+        assert_eq!(retry, Some("1"), "{path}");
     }
     s.shutdown().await;
 }

@@ -4,6 +4,7 @@
 mod common;
 
 use common::{parse_sse, start, streamed_text, tiny, tiny_model, Setup, TINY_NAME};
+use kvant_engine::serving::Shutdown;
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -118,6 +119,22 @@ async fn disconnect_does_not_disturb_others() {
     };
     s.wait_metrics("seven ended requests", |m| ended(m) == 7.0)
         .await;
+    s.shutdown().await;
+}
+
+/// Once the engine takes no more requests, /health says so with a 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_503_while_draining() {
+    let s = tiny().await;
+    let resp = s.get("/health").send().await.expect("health");
+    assert_eq!(resp.status().as_u16(), 200);
+    s.engine.shutdown(Shutdown::Drain);
+    let resp = s.get("/health").send().await.expect("health");
+    assert_eq!(resp.status().as_u16(), 503);
+    assert_eq!(
+        resp.json::<Value>().await.expect("json")["status"],
+        "draining"
+    );
     s.shutdown().await;
 }
 

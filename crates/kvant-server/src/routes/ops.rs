@@ -6,13 +6,22 @@ use crate::metrics;
 use crate::state::AppState;
 use axum::extract::State;
 use axum::http::header::CONTENT_TYPE;
-use axum::http::Uri;
+use axum::http::{StatusCode, Uri};
 use axum::response::IntoResponse;
 use axum::Json;
 use std::sync::Arc;
 
-pub async fn health() -> Json<serde_json::Value> {
-    Json(serde_json::json!({"status": "ok"}))
+/// 200 `{"status": "ok"}`, or 503 `{"status": "draining"}` once the engine
+/// takes no more requests (a shutdown draining, or ranks lost), so a load
+/// balancer polling over a kept-alive connection stops routing here.
+pub async fn health(State(state): State<Arc<AppState>>) -> impl IntoResponse {
+    match state.engine().is_closed() {
+        false => (StatusCode::OK, Json(serde_json::json!({"status": "ok"}))),
+        true => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "draining"})),
+        ),
+    }
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> impl IntoResponse {
