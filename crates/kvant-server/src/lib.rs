@@ -59,30 +59,45 @@ where
         .await
 }
 
-/// Takes SIGINT (Ctrl-C) and, on Unix, SIGTERM over from the moment it is
-/// called, and returns a future that completes on the first of them. Call
-/// it before telling anyone the server is ready: a signal between the
-/// ready line and the first poll of a lazily registered handler killed
-/// the process with the default action (a CI run of the multi-rank
-/// SIGTERM test did exactly that). Needs a tokio runtime with signals.
-pub fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
+/// SIGINT (Ctrl-C) and, on Unix, SIGTERM, taken over from the moment it
+/// is made: make it before telling anyone the server is ready (a signal
+/// between the ready line and the first poll of a lazily registered handler
+/// killed the process with the default action; a CI run of the multi-rank
+/// SIGTERM test did exactly that). Each [`Signals::recv`] waits for the next
+/// one: the first starts a graceful shutdown, a second cuts it short.
+/// Needs a tokio runtime with signals.
+pub struct Signals {
     #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut interrupt = signal(SignalKind::interrupt())?;
-        let mut terminate = signal(SignalKind::terminate())?;
-        Ok(async move {
-            tokio::select! {
-                _ = interrupt.recv() => {}
-                _ = terminate.recv() => {}
-            }
-        })
+    interrupt: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    terminate: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    pub fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Signals {
+                interrupt: signal(SignalKind::interrupt())?,
+                terminate: signal(SignalKind::terminate())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {})
     }
-    #[cfg(not(unix))]
-    Ok(async {
+
+    /// Completes on the next SIGINT or SIGTERM.
+    pub async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.interrupt.recv() => {}
+            _ = self.terminate.recv() => {}
+        }
+        #[cfg(not(unix))]
         if let Err(e) = tokio::signal::ctrl_c().await {
             eprintln!("kvant: cannot listen for Ctrl-C: {e}");
             std::future::pending::<()>().await;
         }
-    })
+    }
 }

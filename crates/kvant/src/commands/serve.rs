@@ -113,21 +113,33 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
             }
             None => String::new(),
         };
-        let signals = kvant_server::shutdown_signal().context("listening for SIGINT and SIGTERM")?;
+        let mut signals =
+            kvant_server::Signals::new().context("listening for SIGINT and SIGTERM")?;
         println!(
             "kvant serve: {model_name} on http://{addr} ({kv_blocks} KV blocks of {block_size} tokens{ranks})"
         );
         std::io::stdout().flush()?;
         // A signal ends the server, and so does an engine that stopped on
-        // its own (ranks that lost one another).
+        // its own (ranks that lost one another). After a signal, a second
+        // one aborts the requests still draining instead of waiting out
+        // --shutdown-grace.
+        let aborter = engine.clone();
         let stop = async move {
-            tokio::select! {
-                () = signals => {}
+            let signalled = tokio::select! {
+                () = signals.recv() => true,
                 () = async {
                     while !watched.is_closed() {
                         tokio::time::sleep(Duration::from_millis(200)).await;
                     }
-                } => {}
+                } => false,
+            };
+            if signalled {
+                eprintln!("kvant serve: shutting down; a second Ctrl-C aborts the requests in flight");
+                tokio::spawn(async move {
+                    signals.recv().await;
+                    eprintln!("kvant serve: aborting the requests in flight");
+                    aborter.shutdown(kvant_engine::serving::Shutdown::Abort);
+                });
             }
         };
         kvant_server::serve(listener, state, stop)
