@@ -299,18 +299,43 @@ fn bad_requests_are_refused_at_submission() {
     h.shutdown(Shutdown::Drain);
     assert_eq!(refuse(greedy(vec![5], 1)), SubmitError::ShuttingDown);
     t.join().unwrap();
+}
 
-    let (h, t) = start(EngineConfig {
-        max_waiting: 0,
-        ..EngineConfig::default()
-    });
-    assert_eq!(
-        h.submit(greedy(vec![5], 1), Box::new(|_| true))
-            .unwrap_err(),
-        SubmitError::QueueFull
-    );
-    h.shutdown(Shutdown::Drain);
-    t.join().unwrap();
+/// A burst fills the running slots and then the waiting ones before any
+/// request is refused, and every ended request gives its place back.
+#[test]
+fn a_burst_fills_running_and_waiting_before_the_queue_is_full() {
+    for (running, waiting) in [(2, 2), (1, 0)] {
+        let (h, t) = start(EngineConfig {
+            max_running: running,
+            max_waiting: waiting,
+            ..EngineConfig::default()
+        });
+        for _round in 0..2 {
+            // Long enough that none ends during the burst.
+            let results: Vec<_> = (0..10)
+                .map(|_| {
+                    let (tx, rx) = channel();
+                    let r = greedy(vec![5, 6, 7], 200);
+                    h.submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                        .map(|_| rx)
+                })
+                .collect();
+            let accepted: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+            assert_eq!(accepted.len(), running + waiting, "{running} + {waiting}");
+            for r in &results {
+                if let Err(e) = r {
+                    assert_eq!(*e, SubmitError::QueueFull);
+                }
+            }
+            // Every accepted one runs to its end; then there is room again.
+            for rx in accepted {
+                assert_eq!(collect(rx).1, FinishReason::Length);
+            }
+        }
+        h.shutdown(Shutdown::Drain);
+        t.join().unwrap();
+    }
 }
 
 /// Logprobs come with every token when asked, the sampled token among the

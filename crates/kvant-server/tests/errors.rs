@@ -4,6 +4,8 @@
 mod common;
 
 use common::{assert_error, start, tiny, tiny_model, Setup, TINY_NAME};
+use kvant_engine::serving::EngineRequest;
+use kvant_engine::SamplingParams;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
@@ -380,8 +382,34 @@ async fn api_key_guards_v1_only() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_queue_is_429() {
     let mut setup = Setup::new(TINY_NAME);
+    setup.engine.max_running = 1;
     setup.engine.max_waiting = 0;
     let s = start(&tiny_model(), setup).await;
+    // The one running slot, held: the request's event sink blocks the
+    // engine thread on its first token until the gate opens, so it stays
+    // in flight however slow this test is.
+    let (open, gate) = std::sync::mpsc::channel::<()>();
+    let gate = std::sync::Mutex::new(gate);
+    let held = EngineRequest {
+        prompt_ids: vec![1, 2, 3],
+        max_tokens: 4,
+        sampling: SamplingParams::greedy(),
+        stop: Vec::new(),
+        ignore_eos: true,
+        logprobs: None,
+    };
+    let id = s
+        .engine
+        .submit(
+            held,
+            Box::new(move |_| {
+                let _ = gate
+                    .lock()
+                    .map(|g| g.recv_timeout(std::time::Duration::from_secs(60)));
+                true
+            }),
+        )
+        .expect("the held request");
     for (path, body) in [
         (COMPLETIONS, json!({"prompt": "a", "max_tokens": 2})),
         (
@@ -399,6 +427,8 @@ async fn full_queue_is_429() {
             .and_then(|h| h.to_str().ok());
         assert_eq!(retry, Some("1"), "{path}");
     }
+    s.engine.abort(id);
+    drop(open);
     s.shutdown().await;
 }
 

@@ -428,7 +428,8 @@ pub struct ServeArgs {
     /// Sequences generated at once.
     #[arg(long, default_value_t = 64)]
     pub max_running: usize,
-    /// Requests that may wait for a slot; beyond that the server answers 429.
+    /// Requests that may wait for a slot; beyond that the server answers 429
+    /// (a burst fills the free running slots and then these first).
     #[arg(long, default_value_t = 256)]
     pub max_waiting: usize,
     /// Tokens per KV cache block.

@@ -13,7 +13,8 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Sequences running at once.
     pub max_running: usize,
-    /// Requests waiting to start; more are refused at once.
+    /// Requests waiting to start; more are refused at once (counted with
+    /// the running ones: `max_running + max_waiting` accepted at a time).
     pub max_waiting: usize,
     /// Reuse the KV blocks of earlier prompts that share a prefix.
     pub prefix_caching: bool,

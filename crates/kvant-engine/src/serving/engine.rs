@@ -20,7 +20,7 @@ use super::logprobs::token_logprob;
 use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
 use super::sequence::Sequence;
-use super::shared::Shared;
+use super::shared::{InFlight, Shared};
 use super::states::StateSlots;
 use crate::cluster::{Cluster, Row, Want};
 use crate::error::EngineError;
@@ -163,6 +163,7 @@ impl<'t> Engine<'t> {
             Ok(s) => s,
             Err(e) => {
                 self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
+                drop(InFlight(Arc::clone(&self.shared)));
                 sink(Event::Failed(e.to_string()));
                 return;
             }
@@ -187,6 +188,7 @@ impl<'t> Engine<'t> {
             draft: None,
             state: None,
             restore: None,
+            _in_flight: InFlight(Arc::clone(&self.shared)),
         });
     }
 

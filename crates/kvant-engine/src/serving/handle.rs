@@ -147,21 +147,24 @@ impl EngineHandle {
             }
             _ => {}
         }
+        let groups = cluster.as_ref().map_or(1, |c| c.layout().dp);
         let shared = Arc::new(Shared {
             metrics: Metrics::default(),
             waiting: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+            capacity: cfg
+                .max_waiting
+                .saturating_add(cfg.max_running.saturating_mul(groups)),
             closed: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
             context: model.config().max_context,
             vocab: model.config().vocab,
             cache_tokens: cfg.kv_blocks * cfg.block_size,
-            max_waiting: cfg.max_waiting,
         });
         let pool = match &cluster {
             Some(c) => c.pool(cfg.block_size, cfg.kv_blocks)?,
             None => model.new_pool(cfg.block_size, cfg.kv_blocks, cfg.state_slots(&model))?,
         };
-        let groups = cluster.as_ref().map_or(1, |c| c.layout().dp);
         shared
             .metrics
             .update(|m| m.kv_blocks_total = cfg.kv_blocks * groups);
@@ -216,15 +219,17 @@ impl EngineHandle {
             return Err(SubmitError::TooManyLogprobs(n));
         }
         req.sampling.validate()?;
-        // Reserve a waiting slot; the engine releases it on admission.
+        // Reserve a place; the sequence gives it back when it ends (its
+        // `InFlight`), the engine the waiting count on admission.
         let reserved = s
-            .waiting
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                (w < s.max_waiting).then_some(w + 1)
+            .in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < s.capacity).then_some(n + 1)
             });
         if reserved.is_err() {
             return Err(SubmitError::QueueFull);
         }
+        s.waiting.fetch_add(1, Ordering::AcqRel);
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         if self
             .tx
@@ -232,6 +237,7 @@ impl EngineHandle {
             .is_err()
         {
             s.waiting.fetch_sub(1, Ordering::AcqRel);
+            s.in_flight.fetch_sub(1, Ordering::AcqRel);
             return Err(SubmitError::ShuttingDown);
         }
         Ok(id)

@@ -4,6 +4,7 @@
 
 use super::blocks::{BlockManager, ROOT};
 use super::request::{EngineRequest, Event, EventSink, RequestId};
+use super::shared::InFlight;
 use crate::sampling::Sampler;
 use crate::speculative::MtpState;
 use crate::stop::StopMatcher;
@@ -42,6 +43,8 @@ pub(super) struct Sequence<'t> {
     /// whose state snapshot it starts from.
     pub state: Option<usize>,
     pub restore: Option<u64>,
+    /// Its place among the accepted requests, given back when it is dropped.
+    pub _in_flight: InFlight,
 }
 
 impl Sequence<'_> {
