@@ -312,15 +312,23 @@ fn a_burst_fills_running_and_waiting_before_the_queue_is_full() {
             ..EngineConfig::default()
         });
         for _round in 0..2 {
-            // Long enough that none ends during the burst.
+            // None may end during the burst: the sinks hold the engine
+            // thread on its first event until the gate opens.
+            let (open, gate) = channel::<()>();
+            let gate = Arc::new(std::sync::Mutex::new(gate));
             let results: Vec<_> = (0..10)
                 .map(|_| {
                     let (tx, rx) = channel();
-                    let r = greedy(vec![5, 6, 7], 200);
-                    h.submit(r, Box::new(move |e| tx.send(e).is_ok()))
+                    let gate = Arc::clone(&gate);
+                    let sink = move |e| {
+                        let _ = gate.lock().map(|g| g.recv_timeout(Duration::from_secs(60)));
+                        tx.send(e).is_ok()
+                    };
+                    h.submit(greedy(vec![5, 6, 7], 8), Box::new(sink))
                         .map(|_| rx)
                 })
                 .collect();
+            drop(open);
             let accepted: Vec<_> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
             assert_eq!(accepted.len(), running + waiting, "{running} + {waiting}");
             for r in &results {

@@ -188,7 +188,7 @@ impl<'t> Engine<'t> {
             draft: None,
             state: None,
             restore: None,
-            _in_flight: InFlight(Arc::clone(&self.shared)),
+            in_flight: Some(InFlight(Arc::clone(&self.shared))),
         });
     }
 
@@ -527,6 +527,7 @@ impl<'t> Engine<'t> {
     /// none) and sends its last event.
     fn finish(&mut self, g: usize, mut s: Sequence<'t>, mut reason: FinishReason) {
         s.release_blocks(&mut self.groups[g].blocks);
+        s.in_flight = None;
         if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
             st.give_back(slot);
         }

@@ -43,8 +43,10 @@ pub(super) struct Sequence<'t> {
     /// whose state snapshot it starts from.
     pub state: Option<usize>,
     pub restore: Option<u64>,
-    /// Its place among the accepted requests, given back when it is dropped.
-    pub _in_flight: InFlight,
+    /// Its place among the accepted requests, given back before the last
+    /// event is sent (a client that saw it may submit at once), or when
+    /// the sequence is dropped.
+    pub in_flight: Option<InFlight>,
 }
 
 impl Sequence<'_> {
@@ -89,6 +91,7 @@ impl Sequence<'_> {
     /// Sends the request's last event, a failure with `msg` (unless its
     /// client is gone or it already had its last event).
     pub fn fail(&mut self, msg: &str) {
+        self.in_flight = None;
         if !self.closed {
             (self.sink)(Event::Failed(msg.to_string()));
             self.closed = true;
