@@ -160,41 +160,19 @@ impl Sampler {
         if cands.is_empty() {
             return Err(SamplingError::NoFiniteLogit);
         }
-        let by_logit_desc =
-            |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-        // top-k: partial selection, then sort only the survivors.
-        if p.top_k > 0 && p.top_k < cands.len() {
-            cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
-            cands.truncate(p.top_k);
-        } else if p.top_p < 1.0 {
-            // Without top-k, top-p would need a full sort; pre-select the
-            // tokens that can matter: those within exp(-30) of the max.
+        let max = if p.top_p < 1.0 || (p.top_k > 0 && p.top_k < cands.len()) {
+            truncate_sorted(cands, p)
+        } else {
+            // Nothing to cut by rank: the draw needs no order, and min-p
+            // only the max. (Sorting all 49k candidates of the default
+            // model cost about 1 ms per token, 40% of a 16-sequence decode
+            // step at OpenAI's default temperature 1.)
             let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-            cands.retain(|c| c.1 >= max - 30.0);
-        }
-        cands.sort_unstable_by(by_logit_desc);
-        let max = cands[0].1;
-        // Probabilities at temperature 1 decide top-p/min-p, as in llama.cpp.
-        let mut probs: Vec<f32> = cands.iter().map(|c| (c.1 - max).exp()).collect();
-        let z: f32 = probs.iter().sum();
-        if p.top_p < 1.0 {
-            let mut cum = 0.0;
-            let mut keep = probs.len();
-            for (i, q) in probs.iter().enumerate() {
-                cum += q / z;
-                if cum >= p.top_p {
-                    keep = i + 1;
-                    break;
-                }
+            if p.min_p > 0.0 {
+                cands.retain(|c| (c.1 - max).exp() >= p.min_p);
             }
-            cands.truncate(keep);
-            probs.truncate(keep);
-        }
-        if p.min_p > 0.0 {
-            // probs[0] is the max (exp(0) = 1): keep those ≥ min_p × max.
-            let keep = probs.iter().take_while(|&&q| q >= p.min_p).count().max(1);
-            cands.truncate(keep);
-        }
+            max
+        };
         let inv_t = 1.0 / p.temperature;
         let weights: Vec<f32> = cands.iter().map(|c| ((c.1 - max) * inv_t).exp()).collect();
         let total: f32 = weights.iter().sum();
@@ -232,6 +210,46 @@ impl Sampler {
             *l -= n as f32 * p.frequency_penalty + p.presence_penalty;
         }
     }
+}
+
+/// top-k, top-p and min-p over candidates sorted by logit (ties by id),
+/// leaving the survivors in that order; returns the largest logit.
+fn truncate_sorted(cands: &mut Vec<(u32, f32)>, p: &SamplingParams) -> f32 {
+    let by_logit_desc = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    // top-k: partial selection, then sort only the survivors.
+    if p.top_k > 0 && p.top_k < cands.len() {
+        cands.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+        cands.truncate(p.top_k);
+    } else if p.top_p < 1.0 {
+        // Without top-k, top-p would need a full sort; pre-select the
+        // tokens that can matter: those within exp(-30) of the max.
+        let max = cands.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+        cands.retain(|c| c.1 >= max - 30.0);
+    }
+    cands.sort_unstable_by(by_logit_desc);
+    let max = cands[0].1;
+    // Probabilities at temperature 1 decide top-p/min-p, as in llama.cpp.
+    let mut probs: Vec<f32> = cands.iter().map(|c| (c.1 - max).exp()).collect();
+    let z: f32 = probs.iter().sum();
+    if p.top_p < 1.0 {
+        let mut cum = 0.0;
+        let mut keep = probs.len();
+        for (i, q) in probs.iter().enumerate() {
+            cum += q / z;
+            if cum >= p.top_p {
+                keep = i + 1;
+                break;
+            }
+        }
+        cands.truncate(keep);
+        probs.truncate(keep);
+    }
+    if p.min_p > 0.0 {
+        // probs[0] is the max (exp(0) = 1): keep those ≥ min_p × max.
+        let keep = probs.iter().take_while(|&&q| q >= p.min_p).count().max(1);
+        cands.truncate(keep);
+    }
+    max
 }
 
 /// Index of the largest finite logit (the first on ties), as torch.argmax.
