@@ -130,7 +130,15 @@ def test_stop(client):
         ({"n": 0}, "n"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 5, "maximum": 1}},
+                }
+            },
+            "response_format",
+        ),
         ({"messages": []}, "messages"),
         ({"top_logprobs": 2}, "top_logprobs"),
     ],

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod error;
+pub mod grammar;
 pub mod sampling;
 pub mod serving;
 pub mod session;

@@ -467,6 +467,7 @@ fn requests(vocab: usize) -> Vec<EngineRequest> {
                 stop: Vec::new(),
                 ignore_eos: true,
                 logprobs: None,
+                constraint: None,
             }
         })
         .collect()

@@ -49,6 +49,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        constraint: None,
     }
 }
 

@@ -32,6 +32,7 @@ fn submit(h: &EngineHandle, prompt: Vec<u32>) -> Receiver<Event> {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        constraint: None,
     };
     h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
         .expect("accepted");

@@ -11,6 +11,7 @@ use crate::api::usage::Usage;
 use crate::error::ApiError;
 use crate::state::AppState;
 use crate::validate::Plan;
+use kvant_engine::grammar::Constraint;
 use kvant_engine::serving::{EngineHandle, EngineRequest, Event, RequestId, TokenLogprob};
 use kvant_engine::FinishReason;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -45,6 +46,7 @@ pub fn start(
     state: &AppState,
     prompt_ids: Vec<u32>,
     plan: &Plan,
+    constraint: Option<Constraint>,
     prompt_param: &str,
 ) -> Result<Generation, ApiError> {
     let engine = state.engine();
@@ -65,6 +67,7 @@ pub fn start(
         stop: plan.stop.clone(),
         ignore_eos: plan.ignore_eos,
         logprobs: plan.logprobs,
+        constraint,
     };
     let seed = plan.seed.unwrap_or_else(rand::random);
     let (tx, events) = unbounded_channel();

@@ -14,6 +14,7 @@
 mod api;
 mod auth;
 mod body;
+mod constrain;
 mod error;
 mod generation;
 mod logprobs;

@@ -1,6 +1,7 @@
 //! What every handler shares: the engine handle, the tokenizer and chat
 //! template that turn requests into prompts, and the server's settings.
 
+use crate::constrain::GrammarTables;
 use kvant_engine::serving::{EngineConfig, EngineHandle};
 use kvant_model::chat::ChatTemplate;
 use kvant_model::tokenizer::Tokenizer;
@@ -32,6 +33,7 @@ pub struct AppState {
     engine: EngineHandle,
     tokenizer: Arc<Tokenizer>,
     chat_template: Option<Arc<ChatTemplate>>,
+    grammar_tables: Arc<GrammarTables>,
     config: ServerConfig,
     /// Prompt plus output tokens one sequence may hold: the smaller of the
     /// context and the KV pool, so a default `max_tokens` always fits.
@@ -56,6 +58,7 @@ impl AppState {
         AppState {
             max_sequence_tokens: engine.context_length().min(pool_tokens),
             engine,
+            grammar_tables: Arc::new(GrammarTables::new(Arc::clone(&tokenizer))),
             tokenizer,
             chat_template,
             config,
@@ -77,6 +80,10 @@ impl AppState {
 
     pub(crate) fn chat_template(&self) -> Option<&Arc<ChatTemplate>> {
         self.chat_template.as_ref()
+    }
+
+    pub(crate) fn grammar_tables(&self) -> Arc<GrammarTables> {
+        Arc::clone(&self.grammar_tables)
     }
 
     pub(crate) fn max_sequence_tokens(&self) -> usize {

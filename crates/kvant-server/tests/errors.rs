@@ -216,8 +216,36 @@ async fn bad_requests_are_400_naming_the_field() {
         ),
         (
             CHAT,
-            with(&chat, json!({"response_format": {"type": "json_object"}})),
+            with(
+                &chat,
+                json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 5, "maximum": 1}}}}),
+            ),
             Some("response_format"),
+        ),
+        (
+            CHAT,
+            with(
+                &chat,
+                json!({"response_format": {"type": "json_schema",
+                "json_schema": {"name": "n", "schema": {"type": "wobbly"}}}}),
+            ),
+            Some("response_format"),
+        ),
+        (
+            COMPLETIONS,
+            with(&prompt, json!({"guided_regex": "(unclosed"})),
+            Some("guided_regex"),
+        ),
+        (
+            COMPLETIONS,
+            with(&prompt, json!({"guided_grammar": "start: nowhere"})),
+            Some("guided_grammar"),
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"response_format": {"type": "xml"}})),
+            Some("response_format.type"),
         ),
         (
             COMPLETIONS,
@@ -397,6 +425,7 @@ async fn full_queue_is_429() {
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
+        constraint: None,
     };
     let id = s
         .engine

@@ -316,6 +316,7 @@ impl<'t> Engine<'t> {
                         // its argmax: no logits row crosses the ranks.
                         let argmax_only = on_cluster
                             && s.req.logprobs.is_none()
+                            && s.req.constraint.is_none()
                             && s.req.sampling.is_plain_greedy();
                         let want = match (last, argmax_only) {
                             (false, _) => Want::None,
@@ -622,6 +623,12 @@ fn advance(
     let (raw, sampled) = match row {
         Some(RowRef::Logits(logits)) => {
             let raw = s.req.logprobs.map(|_| logits.to_vec());
+            if let Some(c) = &mut s.req.constraint {
+                if let Err(e) = c.mask(logits) {
+                    s.fail(&e.to_string());
+                    return Some(FinishReason::Abort);
+                }
+            }
             let history = &s.tokens[s.prompt_len..];
             (raw, s.sampler.sample(logits, history))
         }
@@ -649,8 +656,21 @@ fn advance(
     s.last_token = Some(now);
     s.tokens.push(next);
     let logprob = raw.map(|r| token_logprob(&r, next, s.req.logprobs.unwrap_or(0)));
-    let eos = !s.req.ignore_eos && tokenizer.eos_ids().contains(&next);
-    let (text, stop_hit) = if eos {
+    // A constrained output ends where its grammar allows nothing but
+    // end-of-sequence, `ignore_eos` or not.
+    let constrained = s.req.constraint.is_some();
+    let eos = (!s.req.ignore_eos || constrained) && tokenizer.eos_ids().contains(&next);
+    let mut complete = false;
+    if let (Some(c), false) = (&mut s.req.constraint, eos) {
+        match c.commit(next) {
+            Ok(done) => complete = done,
+            Err(e) => {
+                s.fail(&e.to_string());
+                return Some(FinishReason::Abort);
+            }
+        }
+    }
+    let (mut text, mut stop_hit) = if eos {
         (String::new(), false)
     } else {
         match s.stream.step(next) {
@@ -662,6 +682,13 @@ fn advance(
             }
         }
     };
+    if complete && !stop_hit {
+        // The grammar admits nothing more: this is the last token, and
+        // what the detokenizer and the stop strings hold back goes with it.
+        let (tail, hit) = s.stops.finish_with(&s.stream.flush());
+        text.push_str(&tail);
+        stop_hit = hit;
+    }
     if !(s.sink)(Event::Token {
         id: next,
         text,
@@ -670,7 +697,7 @@ fn advance(
         s.closed = true;
         return Some(FinishReason::Abort);
     }
-    if eos || stop_hit {
+    if eos || stop_hit || complete {
         Some(FinishReason::Stop)
     } else if s.generated() >= s.req.max_tokens {
         Some(FinishReason::Length)

@@ -1,5 +1,6 @@
 //! What a client hands the serving engine and what it gets back.
 
+use crate::grammar::Constraint;
 use crate::sampling::SamplingParams;
 use crate::session::FinishReason;
 
@@ -16,6 +17,10 @@ pub struct EngineRequest {
     /// Report each generated token's log-probability and this many
     /// alternatives (0..=[`MAX_TOP_LOGPROBS`]); `None` reports nothing.
     pub logprobs: Option<usize>,
+    /// A grammar the output must match (structured output): a token mask
+    /// before every sample. Each sequence needs its own (they are cloned
+    /// fresh from a compiled grammar).
+    pub constraint: Option<Constraint>,
 }
 
 /// OpenAI's limit on `top_logprobs`.

@@ -104,6 +104,13 @@ impl Tokenizer {
         Ok(String::from_utf8_lossy(piece).into_owned())
     }
 
+    /// The bytes `id` stands for in decoded text, and whether it is a control token (decoding
+    /// with `skip_special` drops those); `None` for an id outside the vocabulary or one that names
+    /// no token. Grammar engines build their token tries from this.
+    pub fn token_bytes(&self, id: u32) -> Option<(&[u8], bool)> {
+        self.pieces.entry(id)
+    }
+
     /// Number of token ids: the model's embedding rows must cover it.
     pub fn vocab_size(&self) -> usize {
         self.pieces.len()

@@ -92,6 +92,15 @@ impl PieceTable {
             .ok_or_else(out_of_range)
     }
 
+    /// The bytes of `id` and whether it is special, whatever decoding would skip.
+    pub(crate) fn entry(&self, id: u32) -> Option<(&[u8], bool)> {
+        let e = self.entries.get(usize::try_from(id).ok()?)?;
+        if e.missing {
+            return None;
+        }
+        Some((self.bytes.get(e.start..e.end)?, e.special))
+    }
+
     pub(crate) fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String, TokenizerError> {
         let mut bytes = Vec::new();
         for &id in ids {

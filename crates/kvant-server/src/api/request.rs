@@ -29,6 +29,15 @@ pub struct CommonFields {
     /// Extension: keep generating past end-of-sequence tokens.
     pub ignore_eos: Option<bool>,
     pub logit_bias: Option<Map<String, Value>>,
+    /// OpenAI's structured outputs: `{"type": "text" | "json_object" |
+    /// "json_schema", ...}` (vLLM takes it on both endpoints).
+    pub response_format: Option<Value>,
+    /// vLLM's extensions: a JSON schema (object or string), a regular
+    /// expression, a list of allowed outputs, a Lark grammar.
+    pub guided_json: Option<Value>,
+    pub guided_regex: Option<Value>,
+    pub guided_choice: Option<Value>,
+    pub guided_grammar: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -59,7 +68,6 @@ pub struct ChatFields {
     pub tool_choice: Option<Value>,
     pub functions: Option<Value>,
     pub function_call: Option<Value>,
-    pub response_format: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]

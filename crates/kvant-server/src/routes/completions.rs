@@ -11,7 +11,7 @@ use crate::generation::{self, ChoiceOutput};
 use crate::logprobs::CompletionLogprobsBuilder;
 use crate::sse::{self, event, ChunkWriter};
 use crate::state::{unix_now, AppState};
-use crate::{prompt, validate};
+use crate::{constrain, prompt, validate};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -29,8 +29,11 @@ pub async fn handle(
 ) -> Result<Response, ApiError> {
     let (prompt, plan) = validate::completions::parse(&body, &state)?;
     let param = prompt.param();
-    let ids = prompt::tokenize(&state, prompt).await?;
-    let gen = generation::start(&state, ids, &plan, param)?;
+    let (ids, constraint) = tokio::try_join!(
+        prompt::tokenize(&state, prompt),
+        constrain::compile(&state, plan.grammar.as_ref())
+    )?;
+    let gen = generation::start(&state, ids, &plan, constraint, param)?;
     let header = Header::new("cmpl", OBJECT, unix_now(), &state.config().model_name);
     let tokenizer = Arc::clone(state.tokenizer());
     let logprobs = plan.logprobs.is_some();

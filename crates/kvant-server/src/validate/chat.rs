@@ -1,6 +1,6 @@
 //! `/v1/chat/completions` fields: the conversation, `max_completion_tokens`,
-//! `logprobs`/`top_logprobs`, and the tool-calling and structured-output
-//! options this server does not implement.
+//! `logprobs`/`top_logprobs`, and the tool-calling options this server
+//! does not implement.
 
 use super::{common, Plan};
 use crate::api::request::{ChatFields, CommonFields, MessageIn};
@@ -83,11 +83,7 @@ fn unsupported_options(f: &ChatFields) -> Result<(), ApiError> {
     if !no_call(&f.function_call) {
         return Err(ApiError::unsupported("function_call"));
     }
-    match &f.response_format {
-        None | Some(Value::Null) => Ok(()),
-        Some(r) if r.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
-        Some(_) => Err(ApiError::unsupported("response_format")),
-    }
+    Ok(())
 }
 
 /// Whether an optional list-like field says something: not absent, null or `[]`.
@@ -231,16 +227,11 @@ mod tests {
     fn unsupported_options_are_refused_by_name() {
         let parse = |v: Value| fields::<ChatFields>(&v).and_then(|f| unsupported_options(&f));
         assert!(parse(json!({"tools": [], "tool_choice": "none"})).is_ok());
-        assert!(parse(json!({"response_format": {"type": "text"}})).is_ok());
         let cases = [
             (json!({"tools": [{"type": "function"}]}), "tools"),
             (json!({"tool_choice": "required"}), "tool_choice"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"function_call": {"name": "f"}}), "function_call"),
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
         ];
         for (v, param) in cases {
             let e = parse(v.clone()).err();

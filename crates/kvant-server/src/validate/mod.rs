@@ -5,10 +5,12 @@
 
 pub mod chat;
 pub mod completions;
+pub mod format;
 
 use crate::api::request::CommonFields;
 use crate::error::ApiError;
 use crate::state::AppState;
+use format::OutputGrammar;
 use kvant_engine::SamplingParams;
 use serde_json::Value;
 
@@ -42,6 +44,8 @@ pub struct Plan {
     pub logprobs: Option<usize>,
     /// `Some` for a streamed response.
     pub stream: Option<StreamPlan>,
+    /// Structured output: the grammar every choice must match.
+    pub grammar: Option<OutputGrammar>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,12 +55,13 @@ pub struct StreamPlan {
 }
 
 /// Checks the fields both endpoints share.
-pub fn common(c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
+pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
     if let Some(m) = &c.model {
         if *m != state.config().model_name {
             return Err(ApiError::model_not_found(m));
         }
     }
+    let grammar = format::parse(&mut c)?;
     if c.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
         return Err(ApiError::unsupported("logit_bias"));
     }
@@ -162,6 +167,7 @@ pub fn common(c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
         ignore_eos: c.ignore_eos.unwrap_or(false),
         logprobs: None,
         stream,
+        grammar,
     })
 }
 
