@@ -9,7 +9,9 @@
 # KVANT_SERVE_RANKS=N runs the server as N MPI ranks under mpirun (a binary
 # built with `--features mpi`), with the layout flags in $KVANT_SERVE_LAYOUT
 # (e.g. "--tp 2"); the graceful shutdown then goes to rank 0's process.
-# The venv (openai, pytest) lives in $KVANT_SERVE_VENV, default
+# KVANT_STRUCTURED_SAMPLES (default 64) sets how many outputs at
+# temperature 1 the JSON-schema test validates.
+# The venv (openai, pytest, jsonschema) lives in $KVANT_SERVE_VENV, default
 # target/serve-tests-venv, and is reused. The server listens on a free
 # loopback port with an API key; after the tests it gets SIGTERM and must
 # exit 0 (graceful shutdown).
@@ -25,9 +27,9 @@ key="test-key-$$"
 if [ ! -x "$bin" ]; then
   cargo build --locked --profile test -p kvant
 fi
-if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
+if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai, jsonschema" 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check openai pytest
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai pytest jsonschema
 fi
 
 log="$(mktemp)"

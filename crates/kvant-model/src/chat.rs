@@ -7,8 +7,11 @@
 //! `messages`, `add_generation_prompt`, `bos_token`, `eos_token`, `tools` and `documents` (none).
 //! The template comes from a checkpoint file, so rendering is bounded in instructions and output.
 
+mod literal;
 mod strftime;
 mod tojson;
+
+pub use literal::ConversationError;
 
 use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind, State};

@@ -48,6 +48,15 @@ impl CompletionLogprobsBuilder {
     }
 }
 
+/// The bytes a token stands for, exact even where it ends inside a UTF-8
+/// character (its text piece then shows U+FFFD, and these bytes let a client
+/// join the pieces back into the real characters).
+fn bytes(tokenizer: &Tokenizer, id: u32) -> Vec<u8> {
+    tokenizer
+        .token_bytes(id)
+        .map_or_else(Vec::new, |(b, _)| b.to_vec())
+}
+
 /// Chat's logprobs of `tokens`.
 pub fn chat(tokenizer: &Tokenizer, tokens: &[TokenLogprob]) -> ChatLogprobs {
     let content = tokens
@@ -55,7 +64,7 @@ pub fn chat(tokenizer: &Tokenizer, tokens: &[TokenLogprob]) -> ChatLogprobs {
         .map(|t| {
             let token = piece(tokenizer, t.token);
             ChatTokenLogprob {
-                bytes: token.as_bytes().to_vec(),
+                bytes: bytes(tokenizer, t.token),
                 token,
                 logprob: t.logprob,
                 top_logprobs: t
@@ -64,7 +73,7 @@ pub fn chat(tokenizer: &Tokenizer, tokens: &[TokenLogprob]) -> ChatLogprobs {
                     .map(|&(id, logprob)| {
                         let token = piece(tokenizer, id);
                         ChatTopLogprob {
-                            bytes: token.as_bytes().to_vec(),
+                            bytes: bytes(tokenizer, id),
                             token,
                             logprob,
                         }

@@ -1,7 +1,9 @@
 //! Prompts → token ids: text is tokenized with the checkpoint's special
 //! tokens (BOS where the model wants one), a conversation is rendered by the
 //! chat template (which writes its own special tokens) and then tokenized,
-//! token ids pass through (the engine checks them against the vocabulary).
+//! with control-token spellings inside message contents kept as plain text
+//! unless `--parse-special-in-content`; token ids pass through (the engine
+//! checks them against the vocabulary).
 
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -45,17 +47,11 @@ pub async fn tokenize(state: &AppState, input: PromptInput) -> Result<Vec<u32>, 
                     "this model has no chat template; use /v1/completions with a plain prompt",
                 )
             })?;
+            let literal = !state.config().parse_special_in_content;
             blocking(move || {
-                let text = template
-                    .render(&messages, true)
-                    .map_err(|e| ApiError::bad_param("messages", e.to_string()))?;
-                // The rendered template carries its own BOS when the model wants one.
-                tokenizer.encode(&text, false).map_err(|e| {
-                    ApiError::bad_param(
-                        "messages",
-                        format!("cannot tokenize the conversation: {e}"),
-                    )
-                })
+                template
+                    .encode(&tokenizer, &messages, true, literal)
+                    .map_err(|e| ApiError::bad_param("messages", e.to_string()))
             })
             .await
         }

@@ -17,6 +17,10 @@ pub struct ServerConfig {
     pub api_key: Option<String>,
     /// How long a shutdown lets requests in flight finish before aborting them.
     pub shutdown_grace: Duration,
+    /// Read control tokens (`<|im_start|>`) out of chat message contents, as
+    /// the rendered template's own; off, they are plain text and a user
+    /// cannot forge a turn.
+    pub parse_special_in_content: bool,
 }
 
 impl ServerConfig {
@@ -25,6 +29,7 @@ impl ServerConfig {
             model_name: model_name.into(),
             api_key: None,
             shutdown_grace: Duration::from_secs(10),
+            parse_special_in_content: false,
         }
     }
 }

@@ -250,7 +250,7 @@ async fn chat_logprobs_shape() {
             .iter()
             .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()).expect("byte"))
             .collect();
-        assert_eq!(bytes, token.as_bytes());
+        assert_eq!(String::from_utf8_lossy(&bytes), token);
         assert!(entry["logprob"].as_f64().is_some_and(|l| l <= 0.0));
         let top = entry["top_logprobs"].as_array().expect("top_logprobs");
         assert_eq!(top.len(), 2);
@@ -396,5 +396,51 @@ async fn default_max_tokens_is_16_for_completions_and_the_context_for_chat() {
         Some(s.engine.context_length() as u64)
     );
     assert_eq!(v["choices"][0]["finish_reason"], "length");
+    s.shutdown().await;
+}
+
+fn byte_list(v: &Value) -> Vec<u8> {
+    v.as_array()
+        .expect("bytes")
+        .iter()
+        .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()).expect("byte"))
+        .collect()
+}
+
+/// A token that ends inside a UTF-8 character shows U+FFFD as its `token`,
+/// but its `bytes` are exact: joined, they are the reply's text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_logprob_bytes_rebuild_the_text() {
+    let s = tiny().await;
+    let mut partial = 0;
+    for seed in 0..6 {
+        let body = chat_body(
+            json!({"logprobs": true, "top_logprobs": 1, "temperature": 1.0,
+            "seed": seed, "max_tokens": 40}),
+        );
+        let v = s.ok("/v1/chat/completions", &body).await;
+        let text = v["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("content");
+        let content = v["choices"][0]["logprobs"]["content"]
+            .as_array()
+            .cloned()
+            .expect("content");
+        let mut joined = Vec::new();
+        for entry in &content {
+            let bytes = byte_list(&entry["bytes"]);
+            let token = entry["token"].as_str().expect("token");
+            if token.starts_with("<|") && token.ends_with("|>") {
+                continue; // a control token (ignore_eos): no text
+            }
+            partial += usize::from(bytes != token.as_bytes());
+            joined.extend(bytes);
+        }
+        assert_eq!(String::from_utf8_lossy(&joined), text, "seed {seed}");
+    }
+    assert!(
+        partial > 0,
+        "the random model produced no partial character to check"
+    );
     s.shutdown().await;
 }

@@ -458,4 +458,8 @@ pub struct ServeArgs {
     /// Seconds a shutdown (SIGINT, SIGTERM) lets requests in flight finish before aborting them.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace: u64,
+    /// Read control tokens (e.g. `<|im_start|>`) out of chat message text as the template's
+    /// own. By default such text is plain characters, so a user cannot forge a system turn.
+    #[arg(long)]
+    pub parse_special_in_content: bool,
 }

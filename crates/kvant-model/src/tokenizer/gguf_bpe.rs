@@ -51,6 +51,7 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
     let pre = spec.pre.as_deref().unwrap_or("default");
     Ok(Tokenizer {
         engine,
+        literal: std::sync::OnceLock::new(),
         pieces,
         add_special: add_special(spec, split.add_bos)?,
         bos: spec.bos_id,

@@ -85,6 +85,7 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
     }
     Ok(Tokenizer {
         engine,
+        literal: std::sync::OnceLock::new(),
         pieces,
         add_special: add_special(spec, true)?,
         bos: spec.bos_id,

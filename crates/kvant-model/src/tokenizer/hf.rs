@@ -122,6 +122,7 @@ pub(super) fn build(
         .unwrap_or("tokenizer");
     Ok(Tokenizer {
         engine,
+        literal: std::sync::OnceLock::new(),
         pieces,
         add_special: AddSpecial::PostProcessor { adds_bos },
         bos,

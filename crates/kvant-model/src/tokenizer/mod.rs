@@ -30,6 +30,8 @@ use std::path::Path;
 /// A checkpoint's tokenizer: text ↔ token ids, plus the special ids generation needs.
 pub struct Tokenizer {
     engine: tokenizers::Tokenizer,
+    /// `engine` with special-token matching off, made on first use.
+    literal: std::sync::OnceLock<tokenizers::Tokenizer>,
     pieces: PieceTable,
     add_special: AddSpecial,
     bos: Option<u32>,
@@ -84,6 +86,29 @@ impl Tokenizer {
             }
             _ => ids.to_vec(),
         })
+    }
+
+    /// Token ids for `text` with all of it taken as text: a control token's spelling inside it
+    /// (`<|im_start|>` typed by a user) becomes the ordinary tokens of those characters. No
+    /// BOS/EOS.
+    pub fn encode_literal(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let engine = self.literal.get_or_init(|| {
+            let mut e = self.engine.clone();
+            e.set_encode_special_tokens(true);
+            e
+        });
+        let encoding = engine
+            .encode_fast(text, false)
+            .map_err(TokenizerError::Engine)?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Whether [`Tokenizer::encode`] would read a control token out of `text`.
+    pub fn has_control_text(&self, text: &str) -> Result<bool, TokenizerError> {
+        let ids = self.encode(text, false)?;
+        Ok(ids
+            .iter()
+            .any(|&id| matches!(self.pieces.entry(id), Some((_, true)))))
     }
 
     /// Text for `ids`; `skip_special` drops control tokens such as BOS and `<|im_end|>`.

@@ -82,6 +82,7 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
             .unwrap_or_else(|| served_name(&run.path)),
         api_key: a.api_key.filter(|k| !k.is_empty()),
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
+        parse_special_in_content: a.parse_special_in_content,
     };
     let model_name = config.model_name.clone();
     let state = AppState::new(
