@@ -1,8 +1,8 @@
 //! kvant-server: an OpenAI-compatible HTTP API over the serving engine.
 //!
 //! `POST /v1/completions`, `POST /v1/chat/completions` (both streamed as
-//! server-sent events on request), `GET /v1/models`, `GET /health` and
-//! `GET /metrics` (Prometheus text). Every request field is validated before
+//! server-sent events on request), `GET /v1/models`, `POST /tokenize` and
+//! `POST /detokenize`, `GET /health` and `GET /metrics` (Prometheus text). Every request field is validated before
 //! the engine sees it, and every error is an OpenAI-style JSON object, so
 //! the official clients raise their usual exception types.
 //!

@@ -30,12 +30,22 @@ impl PromptInput {
 /// pool, so a long prompt or a slow template never stalls the tasks that
 /// stream other responses.
 pub async fn tokenize(state: &AppState, input: PromptInput) -> Result<Vec<u32>, ApiError> {
+    tokenize_with(state, input, true).await
+}
+
+/// As [`tokenize`]; `add_special` (BOS/EOS for a text, the generation
+/// prompt for a conversation) may be turned off (`/tokenize`).
+pub async fn tokenize_with(
+    state: &AppState,
+    input: PromptInput,
+    add_special: bool,
+) -> Result<Vec<u32>, ApiError> {
     let tokenizer = state.tokenizer().clone();
     match input {
         PromptInput::Tokens(ids) => Ok(ids),
         PromptInput::Text(text) => {
             blocking(move || {
-                tokenizer.encode(&text, true).map_err(|e| {
+                tokenizer.encode(&text, add_special).map_err(|e| {
                     ApiError::bad_param("prompt", format!("cannot tokenize the prompt: {e}"))
                 })
             })
@@ -50,7 +60,7 @@ pub async fn tokenize(state: &AppState, input: PromptInput) -> Result<Vec<u32>, 
             let literal = !state.config().parse_special_in_content;
             blocking(move || {
                 template
-                    .encode(&tokenizer, &messages, true, literal)
+                    .encode(&tokenizer, &messages, add_special, literal)
                     .map_err(|e| ApiError::bad_param("messages", e.to_string()))
             })
             .await

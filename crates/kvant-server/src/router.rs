@@ -1,8 +1,8 @@
-//! The routes, the API-key layer on `/v1/*`, and OpenAI-style answers for
+//! The routes, the API-key layer on `/v1/*`, `/tokenize` and `/detokenize`, and OpenAI-style answers for
 //! unknown paths and methods.
 
 use crate::auth;
-use crate::routes::{chat, completions, models, ops};
+use crate::routes::{chat, completions, models, ops, tokens};
 use crate::state::AppState;
 use axum::extract::DefaultBodyLimit;
 use axum::middleware;
@@ -20,6 +20,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(chat::handle))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{id}", get(models::get))
+        .route("/tokenize", post(tokens::tokenize))
+        .route("/detokenize", post(tokens::detokenize))
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             auth::require_key,

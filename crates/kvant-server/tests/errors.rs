@@ -392,6 +392,10 @@ async fn api_key_guards_v1_only() {
     }
     let resp = s.get("/v1/models").send().await.expect("request");
     assert_eq!(resp.status().as_u16(), 401);
+    for guarded in ["/tokenize", "/detokenize"] {
+        let resp = s.post(guarded).json(&body).send().await.expect("request");
+        assert_eq!(resp.status().as_u16(), 401, "{guarded}");
+    }
     let resp = s
         .post(COMPLETIONS)
         .json(&body)

@@ -4,3 +4,4 @@ pub mod chat;
 pub mod completions;
 pub mod models;
 pub mod ops;
+pub mod tokens;

@@ -45,21 +45,24 @@ pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiE
             Some(k as usize)
         }
     };
-    let messages = f
-        .messages
-        .ok_or_else(|| ApiError::bad_param("messages", "`messages` is required"))?;
+    Ok((PromptInput::Chat(conversation(f.messages)?), plan))
+}
+
+/// `messages`: required, not empty, each a known role with text content.
+pub fn conversation(messages: Option<Vec<MessageIn>>) -> Result<Vec<ChatMessage>, ApiError> {
+    let messages =
+        messages.ok_or_else(|| ApiError::bad_param("messages", "`messages` is required"))?;
     if messages.is_empty() {
         return Err(ApiError::bad_param(
             "messages",
             "`messages` must not be empty",
         ));
     }
-    let messages = messages
+    messages
         .into_iter()
         .enumerate()
         .map(|(i, m)| message(i, m))
-        .collect::<Result<_, _>>()?;
-    Ok((PromptInput::Chat(messages), plan))
+        .collect()
 }
 
 /// Tools, functions and response formats other than plain text change what
