@@ -15,6 +15,7 @@ mod api;
 mod auth;
 mod body;
 mod constrain;
+mod cors;
 mod error;
 mod generation;
 mod logprobs;
@@ -27,6 +28,7 @@ mod sse;
 mod state;
 mod validate;
 
+pub use cors::{AllowedOrigins, InvalidOrigin};
 pub use error::ApiError;
 pub use router::router;
 pub use state::{AppState, ServerConfig};

@@ -26,12 +26,17 @@ pub fn router(state: Arc<AppState>) -> Router {
             Arc::clone(&state),
             auth::require_key,
         ));
-    Router::new()
+    let cors = state.config().allowed_origins.as_ref().map(|o| o.layer());
+    let app = Router::new()
         .merge(v1)
         .route("/health", get(ops::health))
         .route("/metrics", get(ops::metrics))
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(state)
+        .with_state(state);
+    match cors {
+        Some(layer) => app.layer(layer),
+        None => app,
+    }
 }

@@ -2,6 +2,7 @@
 //! template that turn requests into prompts, and the server's settings.
 
 use crate::constrain::GrammarTables;
+use crate::cors::AllowedOrigins;
 use kvant_engine::serving::{EngineConfig, EngineHandle};
 use kvant_model::chat::ChatTemplate;
 use kvant_model::tokenizer::Tokenizer;
@@ -21,6 +22,8 @@ pub struct ServerConfig {
     /// the rendered template's own; off, they are plain text and a user
     /// cannot forge a turn.
     pub parse_special_in_content: bool,
+    /// Browser origins answered with CORS headers; `None`: none.
+    pub allowed_origins: Option<AllowedOrigins>,
 }
 
 impl ServerConfig {
@@ -30,6 +33,7 @@ impl ServerConfig {
             api_key: None,
             shutdown_grace: Duration::from_secs(10),
             parse_special_in_content: false,
+            allowed_origins: None,
         }
     }
 }

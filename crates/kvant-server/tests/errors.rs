@@ -576,3 +576,62 @@ fn random_value(rng: &mut ChaCha8Rng, depth: u32) -> Value {
         }
     }
 }
+
+/// `--allowed-origins`: a listed origin gets CORS headers, a preflight is
+/// answered before the key check, other origins (and a server without the
+/// option) get none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cors_answers_listed_origins_only() {
+    const UI: &str = "https://ui.example";
+    let mut setup = Setup::new(TINY_NAME);
+    setup.server.api_key = Some("sesame".into());
+    setup.server.allowed_origins =
+        kvant_server::AllowedOrigins::parse(&[UI.to_string()]).expect("an origin");
+    let s = start(&tiny_model(), setup).await;
+    let allow = |r: &reqwest::Response| {
+        r.headers()
+            .get("access-control-allow-origin")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let preflight = s
+        .client
+        .request(reqwest::Method::OPTIONS, format!("{}{CHAT}", s.url))
+        .header("origin", UI)
+        .header("access-control-request-method", "POST")
+        .header(
+            "access-control-request-headers",
+            "authorization,content-type",
+        )
+        .send()
+        .await
+        .expect("preflight");
+    assert_eq!(preflight.status().as_u16(), 200);
+    assert_eq!(allow(&preflight).as_deref(), Some(UI));
+    let body = json!({"prompt": "a", "max_tokens": 2});
+    let call = |origin: &'static str| {
+        s.post(COMPLETIONS)
+            .json(&body)
+            .header("authorization", "Bearer sesame")
+            .header("origin", origin)
+            .send()
+    };
+    let resp = call(UI).await.expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(allow(&resp).as_deref(), Some(UI));
+    let resp = call("https://evil.example").await.expect("request");
+    assert_eq!(allow(&resp), None);
+    s.shutdown().await;
+
+    let s = tiny().await;
+    let resp = s
+        .post(COMPLETIONS)
+        .json(&body)
+        .header("origin", UI)
+        .send()
+        .await
+        .expect("request");
+    assert_eq!(resp.status().as_u16(), 200);
+    assert_eq!(allow(&resp), None);
+    s.shutdown().await;
+}

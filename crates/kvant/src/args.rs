@@ -462,4 +462,8 @@ pub struct ServeArgs {
     /// own. By default such text is plain characters, so a user cannot forge a system turn.
     #[arg(long)]
     pub parse_special_in_content: bool,
+    /// Browser origins allowed to call the API (CORS), comma-separated `scheme://host[:port]`,
+    /// or `*` for any. Default: no CORS headers.
+    #[arg(long, value_name = "ORIGINS", value_delimiter = ',')]
+    pub allowed_origins: Vec<String>,
 }

@@ -4,7 +4,7 @@ use crate::args::ServeArgs;
 use crate::ranks::{self, Run};
 use anyhow::{bail, Context, Result};
 use kvant_engine::serving::{EngineConfig, EngineHandle, Rebalance};
-use kvant_server::{AppState, ServerConfig};
+use kvant_server::{AllowedOrigins, AppState, ServerConfig};
 use std::io::Write;
 use std::path::Path;
 use std::sync::Arc;
@@ -83,6 +83,7 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
         api_key: a.api_key.filter(|k| !k.is_empty()),
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
         parse_special_in_content: a.parse_special_in_content,
+        allowed_origins: AllowedOrigins::parse(&a.allowed_origins)?,
     };
     let model_name = config.model_name.clone();
     let state = AppState::new(
