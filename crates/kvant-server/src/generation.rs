@@ -7,6 +7,7 @@
 //! the engine aborts those sequences; the [`Generation`]'s guard also aborts
 //! them at once, so a request still waiting in the queue never runs.
 
+use crate::access_log::RequestStats;
 use crate::api::usage::Usage;
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -14,11 +15,14 @@ use crate::validate::Plan;
 use kvant_engine::grammar::Constraint;
 use kvant_engine::serving::{EngineHandle, EngineRequest, Event, RequestId, TokenLogprob};
 use kvant_engine::FinishReason;
+use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// The choices of one request, in flight.
 pub struct Generation {
     events: UnboundedReceiver<(usize, Event)>,
+    /// The request's access-log figures.
+    stats: Arc<RequestStats>,
     guard: AbortGuard,
     n: usize,
 }
@@ -48,6 +52,7 @@ pub fn start(
     plan: &Plan,
     constraint: Option<Constraint>,
     prompt_param: &str,
+    stats: Arc<RequestStats>,
 ) -> Result<Generation, ApiError> {
     let engine = state.engine();
     let max_tokens = plan.max_tokens.unwrap_or_else(|| {
@@ -88,6 +93,7 @@ pub fn start(
     }
     Ok(Generation {
         events,
+        stats,
         guard,
         n: plan.n,
     })
@@ -101,7 +107,13 @@ impl Generation {
     /// The next event of any choice; `None` if the engine dropped every
     /// sink without finishing (it stopped).
     pub async fn next(&mut self) -> Option<(usize, Event)> {
-        self.events.recv().await
+        let next = self.events.recv().await;
+        match &next {
+            Some((_, Event::Token { .. })) => self.stats.token(),
+            Some((_, Event::Finished { reason, usage, .. })) => self.stats.finished(*reason, usage),
+            _ => {}
+        }
+        next
     }
 
     /// Every choice has finished: nothing is left to abort.

@@ -11,6 +11,7 @@
 //! or vanished client never blocks a step. Dropping a response (a client
 //! that disconnects) aborts its engine requests.
 
+mod access_log;
 mod api;
 mod auth;
 mod body;

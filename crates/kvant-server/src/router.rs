@@ -1,9 +1,9 @@
 //! The routes, the API-key layer on `/v1/*`, `/tokenize` and `/detokenize`, and OpenAI-style answers for
 //! unknown paths and methods.
 
-use crate::auth;
 use crate::routes::{chat, completions, models, ops, tokens};
 use crate::state::AppState;
+use crate::{access_log, auth};
 use axum::extract::DefaultBodyLimit;
 use axum::middleware;
 use axum::routing::{get, post};
@@ -34,6 +34,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(ops::not_found)
         .method_not_allowed_fallback(ops::method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .layer(middleware::from_fn(access_log::layer))
         .with_state(state);
     match cors {
         Some(layer) => app.layer(layer),

@@ -466,4 +466,14 @@ pub struct ServeArgs {
     /// or `*` for any. Default: no CORS headers.
     #[arg(long, value_name = "ORIGINS", value_delimiter = ',')]
     pub allowed_origins: Vec<String>,
+    /// The access log on stderr: one line per request (id, status, tokens, timings; errors and
+    /// aborts at warn), as text or one JSON object per line.
+    #[arg(long, value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
 }

@@ -1,5 +1,6 @@
 //! `POST /v1/chat/completions`.
 
+use crate::access_log::RequestStats;
 use crate::api::chat::{
     AssistantMessage, ChatChoice, ChatChunk, ChatChunkChoice, ChatResponse, Delta,
 };
@@ -15,6 +16,7 @@ use crate::{constrain, prompt, validate};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use kvant_engine::serving::TokenLogprob;
 use kvant_engine::FinishReason;
@@ -25,6 +27,7 @@ const ROLE: &str = "assistant";
 
 pub async fn handle(
     State(state): State<Arc<AppState>>,
+    stats: Option<Extension<Arc<RequestStats>>>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
     let (prompt, plan) = validate::chat::parse(&body, &state)?;
@@ -33,7 +36,8 @@ pub async fn handle(
         prompt::tokenize(&state, prompt),
         constrain::compile(&state, plan.grammar.as_ref())
     )?;
-    let gen = generation::start(&state, ids, &plan, constraint, param)?;
+    let stats = stats.map(|Extension(s)| s).unwrap_or_default();
+    let gen = generation::start(&state, ids, &plan, constraint, param, stats)?;
     let model = &state.config().model_name;
     let tokenizer = Arc::clone(state.tokenizer());
     let with_logprobs = plan.logprobs.is_some();

@@ -1,5 +1,6 @@
 //! `POST /v1/completions`.
 
+use crate::access_log::RequestStats;
 use crate::api::completions::{
     CompletionChoice, CompletionChunk, CompletionLogprobs, CompletionResponse,
 };
@@ -15,6 +16,7 @@ use crate::{constrain, prompt, validate};
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use kvant_engine::serving::TokenLogprob;
 use kvant_engine::FinishReason;
@@ -25,6 +27,7 @@ const OBJECT: &str = "text_completion";
 
 pub async fn handle(
     State(state): State<Arc<AppState>>,
+    stats: Option<Extension<Arc<RequestStats>>>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
     let (prompt, plan) = validate::completions::parse(&body, &state)?;
@@ -33,7 +36,8 @@ pub async fn handle(
         prompt::tokenize(&state, prompt),
         constrain::compile(&state, plan.grammar.as_ref())
     )?;
-    let gen = generation::start(&state, ids, &plan, constraint, param)?;
+    let stats = stats.map(|Extension(s)| s).unwrap_or_default();
+    let gen = generation::start(&state, ids, &plan, constraint, param, stats)?;
     let header = Header::new("cmpl", OBJECT, unix_now(), &state.config().model_name);
     let tokenizer = Arc::clone(state.tokenizer());
     let logprobs = plan.logprobs.is_some();

@@ -1,6 +1,6 @@
 //! `kvant serve`: the OpenAI-compatible HTTP server.
 
-use crate::args::ServeArgs;
+use crate::args::{LogFormat, ServeArgs};
 use crate::ranks::{self, Run};
 use anyhow::{bail, Context, Result};
 use kvant_engine::serving::{EngineConfig, EngineHandle, Rebalance};
@@ -117,6 +117,7 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
         };
         let mut signals =
             kvant_server::Signals::new().context("listening for SIGINT and SIGTERM")?;
+        start_access_log(a.log_format);
         println!(
             "kvant serve: {model_name} on http://{addr} ({kv_blocks} KV blocks of {block_size} tokens{ranks})"
         );
@@ -153,6 +154,19 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
     drop(runtime);
     thread.join()?;
     served
+}
+
+/// Requests' log lines (target `kvant::access`) to stderr, info and above.
+fn start_access_log(format: LogFormat) {
+    let builder = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false);
+    // A subscriber set earlier (none is) would keep its own format.
+    let _ = match format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
 }
 
 /// A checkpoint's default model name: the file stem of a .gguf, the name of
