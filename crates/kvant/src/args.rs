@@ -281,11 +281,15 @@ pub struct SamplingArgs {
     /// Divides positive logits (multiplies negative ones) of recent tokens; 1 disables.
     #[arg(long, default_value_t = 1.0)]
     pub repeat_penalty: f32,
+    /// Subtracted once from the logit of each token among the last --penalty-last-n.
     #[arg(long, default_value_t = 0.0)]
     pub presence_penalty: f32,
+    /// Subtracted from a token's logit once per time it occurs among the last --penalty-last-n.
     #[arg(long, default_value_t = 0.0)]
     pub frequency_penalty: f32,
-    /// How many recent tokens the penalties look at.
+    /// How many recent tokens, prompt included, the penalties look at (llama.cpp's
+    /// --repeat-last-n). `kvant serve` counts differently, as OpenAI and vLLM do: every
+    /// generated token and none of the prompt.
     #[arg(long, default_value_t = 64)]
     pub penalty_last_n: usize,
     /// RNG seed [default: random]
