@@ -45,6 +45,7 @@ fn sampled(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> EngineRequest {
         ignore_eos: false,
         logprobs: None,
         constraint: None,
+        logit_bias: Vec::new(),
     }
 }
 

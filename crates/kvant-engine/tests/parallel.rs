@@ -468,6 +468,7 @@ fn requests(vocab: usize) -> Vec<EngineRequest> {
                 ignore_eos: true,
                 logprobs: None,
                 constraint: None,
+                logit_bias: Vec::new(),
             }
         })
         .collect()

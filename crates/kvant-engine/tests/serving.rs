@@ -50,6 +50,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
         ignore_eos: true,
         logprobs: None,
         constraint: None,
+        logit_bias: Vec::new(),
     }
 }
 

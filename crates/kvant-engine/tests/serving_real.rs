@@ -33,6 +33,7 @@ fn submit(h: &EngineHandle, prompt: Vec<u32>) -> Receiver<Event> {
         ignore_eos: true,
         logprobs: None,
         constraint: None,
+        logit_bias: Vec::new(),
     };
     h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
         .expect("accepted");

@@ -129,6 +129,7 @@ impl ApiError {
                 Self::bad_param("max_tokens", msg).with_code("context_length_exceeded")
             }
             SubmitError::TooManyLogprobs(_) => Self::bad_param("logprobs", msg),
+            SubmitError::BadLogitBias { .. } => Self::bad_param("logit_bias", msg),
             SubmitError::Sampling(SamplingError::OutOfRange { name, .. }) => {
                 Self::bad_param(name, msg)
             }

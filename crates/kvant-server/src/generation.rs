@@ -73,6 +73,7 @@ pub fn start(
         ignore_eos: plan.ignore_eos,
         logprobs: plan.logprobs,
         constraint,
+        logit_bias: plan.logit_bias.clone(),
     };
     let seed = plan.seed.unwrap_or_else(rand::random);
     let (tx, events) = unbounded_channel();

@@ -444,3 +444,49 @@ async fn chat_logprob_bytes_rebuild_the_text() {
     );
     s.shutdown().await;
 }
+
+/// `logit_bias`: +100 makes a token the greedy choice every time, -100
+/// takes the greedy first token away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logit_bias_moves_greedy_choices() {
+    let s = tiny().await;
+    let plain = s
+        .ok("/v1/completions", &greedy(json!({"logprobs": 0})))
+        .await;
+    let first = plain["choices"][0]["logprobs"]["tokens"][0]
+        .as_str()
+        .expect("a token")
+        .to_string();
+    let t = s
+        .ok(
+            "/tokenize",
+            &json!({"prompt": first, "add_special_tokens": false}),
+        )
+        .await;
+    let first_id = t["tokens"][0].as_u64().expect("an id");
+    let banned = s
+        .ok(
+            "/v1/completions",
+            &greedy(json!({"logprobs": 0, "logit_bias": {first_id.to_string(): -100}})),
+        )
+        .await;
+    assert_ne!(
+        banned["choices"][0]["logprobs"]["tokens"][0].as_str(),
+        Some(first.as_str())
+    );
+    let forced = s
+        .ok(
+            "/v1/chat/completions",
+            &chat_body(json!({"logit_bias": {"65": 100}})),
+        )
+        .await;
+    let t = s.ok("/tokenize", &json!({"prompt": forced["choices"][0]["message"]["content"], "add_special_tokens": false})).await;
+    let ids: Vec<u64> = t["tokens"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert!(!ids.is_empty() && ids.iter().all(|&i| i == 65), "{ids:?}");
+    s.shutdown().await;
+}

@@ -264,12 +264,22 @@ async fn bad_requests_are_400_naming_the_field() {
         ),
         (
             COMPLETIONS,
-            with(&prompt, json!({"logit_bias": {"5": 10}})),
+            with(&prompt, json!({"logit_bias": {"five": 10}})),
             Some("logit_bias"),
         ),
         (
             CHAT,
-            with(&chat, json!({"logit_bias": {"5": 10}})),
+            with(&chat, json!({"logit_bias": {"5": 101}})),
+            Some("logit_bias.5"),
+        ),
+        (
+            CHAT,
+            with(&chat, json!({"logit_bias": {"5": "up"}})),
+            Some("logit_bias.5"),
+        ),
+        (
+            COMPLETIONS,
+            with(&prompt, json!({"logit_bias": {"99999999": 1}})),
             Some("logit_bias"),
         ),
     ];
@@ -430,6 +440,7 @@ async fn full_queue_is_429() {
         ignore_eos: true,
         logprobs: None,
         constraint: None,
+        logit_bias: Vec::new(),
     };
     let id = s
         .engine

@@ -317,6 +317,7 @@ impl<'t> Engine<'t> {
                         let argmax_only = on_cluster
                             && s.req.logprobs.is_none()
                             && s.req.constraint.is_none()
+                            && s.req.logit_bias.is_empty()
                             && s.req.sampling.is_plain_greedy();
                         let want = match (last, argmax_only) {
                             (false, _) => Want::None,
@@ -623,6 +624,11 @@ fn advance(
     let (raw, sampled) = match row {
         Some(RowRef::Logits(logits)) => {
             let raw = s.req.logprobs.map(|_| logits.to_vec());
+            for &(id, bias) in &s.req.logit_bias {
+                if let Some(l) = logits.get_mut(id as usize) {
+                    *l += bias;
+                }
+            }
             if let Some(c) = &mut s.req.constraint {
                 if let Err(e) = c.mask(logits) {
                     s.fail(&e.to_string());

@@ -43,6 +43,10 @@ pub enum SubmitError {
     TooManyLogprobs(usize),
     #[error("token id {id} is outside the vocabulary of {vocab}")]
     TokenOutOfRange { id: u32, vocab: usize },
+    #[error(
+        "logit_bias: token id {id} is outside the vocabulary of {vocab}, or its bias is not finite"
+    )]
+    BadLogitBias { id: u32, vocab: usize },
     #[error("sampling: {0}")]
     Sampling(#[from] SamplingError),
     #[error("too many requests are waiting; retry later")]
@@ -192,6 +196,13 @@ impl EngineHandle {
         }
         if let Some(&id) = req.prompt_ids.iter().find(|&&id| id as usize >= s.vocab) {
             return Err(SubmitError::TokenOutOfRange { id, vocab: s.vocab });
+        }
+        if let Some(&(id, _)) = req
+            .logit_bias
+            .iter()
+            .find(|&&(id, b)| id as usize >= s.vocab || !b.is_finite())
+        {
+            return Err(SubmitError::BadLogitBias { id, vocab: s.vocab });
         }
         if prompt >= s.context {
             return Err(SubmitError::PromptTooLong {

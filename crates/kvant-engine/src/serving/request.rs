@@ -21,6 +21,10 @@ pub struct EngineRequest {
     /// before every sample. Each sequence needs its own (they are cloned
     /// fresh from a compiled grammar).
     pub constraint: Option<Constraint>,
+    /// Added to these tokens' logits before every sample (OpenAI's
+    /// `logit_bias`; -100 all but bans a token). Ids inside the vocabulary,
+    /// biases finite.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 /// OpenAI's limit on `top_logprobs`.

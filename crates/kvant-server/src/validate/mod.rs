@@ -12,7 +12,7 @@ use crate::error::ApiError;
 use crate::state::AppState;
 use format::OutputGrammar;
 use kvant_engine::SamplingParams;
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 /// Choices one request may ask for: each is a sequence with its own KV
 /// blocks, so `n` multiplies a request's cost.
@@ -23,6 +23,10 @@ pub const MAX_STOP: usize = 4;
 const MAX_TEMPERATURE: f64 = 2.0;
 /// OpenAI's range for the presence and frequency penalties: ±this.
 const MAX_PENALTY: f64 = 2.0;
+/// OpenAI's range for a logit bias: ±this.
+const MAX_BIAS: f64 = 100.0;
+/// Tokens one `logit_bias` may name (each costs an add per sampled token).
+const MAX_LOGIT_BIAS: usize = 1024;
 
 /// A validated request, less its prompt.
 #[derive(Clone, Debug)]
@@ -46,6 +50,8 @@ pub struct Plan {
     pub stream: Option<StreamPlan>,
     /// Structured output: the grammar every choice must match.
     pub grammar: Option<OutputGrammar>,
+    /// Added to these tokens' logits before each sample.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,9 +68,6 @@ pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
         }
     }
     let grammar = format::parse(&mut c)?;
-    if c.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
-        return Err(ApiError::unsupported("logit_bias"));
-    }
     let stream = match (c.stream.unwrap_or(false), c.stream_options) {
         (true, opts) => Some(StreamPlan {
             include_usage: opts.and_then(|o| o.include_usage).unwrap_or(false),
@@ -168,7 +171,37 @@ pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
         logprobs: None,
         stream,
         grammar,
+        logit_bias: logit_bias(c.logit_bias)?,
     })
+}
+
+/// `logit_bias`: `{"token id": bias}`, biases in [-100, 100] (OpenAI's
+/// range); the engine checks the ids against the vocabulary.
+fn logit_bias(map: Option<Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let map = map.unwrap_or_default();
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::bad_param(
+            "logit_bias",
+            format!("`logit_bias` may name at most {MAX_LOGIT_BIAS} tokens"),
+        ));
+    }
+    map.into_iter()
+        .map(|(k, v)| {
+            let id = k.parse::<u32>().map_err(|_| {
+                ApiError::bad_param(
+                    "logit_bias",
+                    format!("`logit_bias` keys are token ids, got {k:?}"),
+                )
+            })?;
+            match v.as_f64() {
+                Some(b) if (-MAX_BIAS..=MAX_BIAS).contains(&b) => Ok((id, b as f32)),
+                _ => Err(ApiError::bad_param(
+                    format!("logit_bias.{k}"),
+                    format!("a bias must be a number between -100 and 100, got {v}"),
+                )),
+            }
+        })
+        .collect()
 }
 
 /// `value` (or `default` when absent) as f32, if `ok` accepts it.
