@@ -7,6 +7,7 @@ extension, sent with `extra_body`) where a test needs an exact length.
 
 import json
 import os
+import urllib.request
 from typing import Literal
 
 import jsonschema
@@ -159,7 +160,7 @@ def test_chat_errors_are_bad_requests(client, kw, param):
     "kw, param",
     [
         ({"prompt": ""}, "prompt"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "logprobs": 1}, "echo"),
         ({"logprobs": 50}, "logprobs"),
         ({"suffix": "tail"}, "suffix"),
     ],
@@ -264,3 +265,28 @@ def test_guided_choice_and_regex(client):
         assert r.choices[0].finish_reason == "stop"
     r = complete(client, temperature=1.0, seed=3, max_tokens=32, extra_body={"guided_regex": "[0-9]{3}-[A-Z]{2}"})
     assert len(r.choices[0].text) == 6 and r.choices[0].text[3] == "-"
+
+
+def test_prompt_list_echo_best_of_and_logit_bias(client):
+    """What LangChain's batch() and older completion clients send."""
+    prompts = [PROMPT, "Once upon a time"]
+    batch = complete(client, prompt=prompts, max_tokens=4)
+    assert [c.index for c in batch.choices] == [0, 1]
+    for i, p in enumerate(prompts):
+        assert batch.choices[i].text == complete(client, prompt=p, max_tokens=4).choices[0].text
+    echoed = complete(client, echo=True, max_tokens=4)
+    assert echoed.choices[0].text == PROMPT + complete(client, max_tokens=4).choices[0].text
+    best = complete(client, best_of=3, n=2, temperature=1.0, seed=5, max_tokens=4)
+    assert len(best.choices) == 2
+    assert best.usage.completion_tokens == 12
+    first = complete(client, logprobs=0, max_tokens=1).choices[0].logprobs.tokens[0]
+    root = BASE_URL.removesuffix("/v1")
+    req = urllib.request.Request(
+        root + "/tokenize",
+        json.dumps({"prompt": first, "add_special_tokens": False}).encode(),
+        {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req) as r:
+        banned_id = json.load(r)["tokens"][0]
+    other = complete(client, logprobs=0, max_tokens=1, logit_bias={str(banned_id): -100}).choices[0].logprobs.tokens[0]
+    assert other != first

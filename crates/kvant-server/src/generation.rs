@@ -13,7 +13,9 @@ use crate::error::ApiError;
 use crate::state::AppState;
 use crate::validate::Plan;
 use kvant_engine::grammar::Constraint;
-use kvant_engine::serving::{EngineHandle, EngineRequest, Event, RequestId, TokenLogprob};
+use kvant_engine::serving::{
+    EngineHandle, EngineRequest, Event, RequestId, TokenLogprob, Usage as EngineUsage,
+};
 use kvant_engine::FinishReason;
 use std::sync::Arc;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -24,7 +26,16 @@ pub struct Generation {
     /// The request's access-log figures.
     stats: Arc<RequestStats>,
     guard: AbortGuard,
-    n: usize,
+    /// Choices of each prompt.
+    per_prompt: usize,
+    /// What each prompt has added to the usage so far.
+    prompts: Vec<PromptUsage>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct PromptUsage {
+    counted: bool,
+    cached: usize,
 }
 
 /// Aborts the engine requests it holds when dropped, unless disarmed.
@@ -44,65 +55,96 @@ impl Drop for AbortGuard {
     }
 }
 
-/// Submits `plan.n` sequences continuing `prompt_ids`. All or none: if one
-/// is refused (say, the queue is full), those already submitted are aborted.
+/// Submits, for each prompt, `plan.best_of` (else `plan.n`) sequences
+/// continuing it; choice `index` is prompt `index / per_prompt`'s sequence
+/// `index % per_prompt`, sampled with the seed plus that sequence number.
+/// All or none: if one is refused (say, the queue is full), those already
+/// submitted are aborted.
 pub fn start(
     state: &AppState,
-    prompt_ids: Vec<u32>,
+    prompts: Vec<Vec<u32>>,
     plan: &Plan,
     constraint: Option<Constraint>,
     prompt_param: &str,
     stats: Arc<RequestStats>,
 ) -> Result<Generation, ApiError> {
     let engine = state.engine();
-    let max_tokens = plan.max_tokens.unwrap_or_else(|| {
-        // The endpoint's default, or what the context leaves; at least one
-        // token, so an overlong prompt is reported as such rather than as
-        // `max_tokens` 0.
-        let room = state
-            .max_sequence_tokens()
-            .saturating_sub(prompt_ids.len())
-            .max(1);
-        plan.default_max_tokens.map_or(room, |d| d.min(room))
-    });
-    let base = EngineRequest {
-        prompt_ids,
-        max_tokens,
-        sampling: plan.sampling.clone(),
-        stop: plan.stop.clone(),
-        ignore_eos: plan.ignore_eos,
-        logprobs: plan.logprobs,
-        constraint,
-        logit_bias: plan.logit_bias.clone(),
+    let per_prompt = plan.best_of.unwrap_or(plan.n);
+    // Ranking best_of candidates needs every token's log-probability.
+    let logprobs = match plan.best_of {
+        Some(_) => Some(plan.logprobs.unwrap_or(0)),
+        None => plan.logprobs,
     };
     let seed = plan.seed.unwrap_or_else(rand::random);
     let (tx, events) = unbounded_channel();
     let mut guard = AbortGuard {
         engine: engine.clone(),
-        ids: Vec::with_capacity(plan.n),
+        ids: Vec::with_capacity(prompts.len() * per_prompt),
         armed: true,
     };
-    for index in 0..plan.n {
-        let mut req = base.clone();
-        req.sampling.seed = seed.wrapping_add(index as u64);
-        let tx = tx.clone();
-        let sink = Box::new(move |ev: Event| tx.send((index, ev)).is_ok());
-        let id = engine
-            .submit(req, sink)
-            .map_err(|e| ApiError::from_submit(e, prompt_param))?;
-        guard.ids.push(id);
+    let n_prompts = prompts.len();
+    for (p, prompt_ids) in prompts.into_iter().enumerate() {
+        let max_tokens = plan.max_tokens.unwrap_or_else(|| {
+            // The endpoint's default, or what the context leaves; at least
+            // one token, so an overlong prompt is reported as such rather
+            // than as `max_tokens` 0.
+            let room = state
+                .max_sequence_tokens()
+                .saturating_sub(prompt_ids.len())
+                .max(1);
+            plan.default_max_tokens.map_or(room, |d| d.min(room))
+        });
+        let base = EngineRequest {
+            prompt_ids,
+            max_tokens,
+            sampling: plan.sampling.clone(),
+            stop: plan.stop.clone(),
+            ignore_eos: plan.ignore_eos,
+            logprobs,
+            constraint: constraint.clone(),
+            logit_bias: plan.logit_bias.clone(),
+        };
+        for j in 0..per_prompt {
+            let index = p * per_prompt + j;
+            let mut req = base.clone();
+            req.sampling.seed = seed.wrapping_add(j as u64);
+            let tx = tx.clone();
+            let sink = Box::new(move |ev: Event| tx.send((index, ev)).is_ok());
+            let id = engine
+                .submit(req, sink)
+                .map_err(|e| ApiError::from_submit(e, prompt_param))?;
+            guard.ids.push(id);
+        }
     }
     Ok(Generation {
         events,
         stats,
         guard,
-        n: plan.n,
+        per_prompt,
+        prompts: vec![PromptUsage::default(); n_prompts],
     })
 }
 
 impl Generation {
     pub fn choices(&self) -> usize {
-        self.n
+        self.prompts.len() * self.per_prompt
+    }
+
+    /// Adds finished choice `index`'s engine usage to `usage`: each prompt
+    /// counts once however many choices continue it (its cached tokens: the
+    /// most any of them found), the completions add up.
+    pub fn account(&mut self, index: usize, u: &EngineUsage, usage: &mut Usage) {
+        if let Some(p) = self.prompts.get_mut(index / self.per_prompt.max(1)) {
+            if !std::mem::replace(&mut p.counted, true) {
+                usage.prompt_tokens += u.prompt_tokens;
+            }
+            if u.cached_tokens > p.cached {
+                usage.prompt_tokens_details.cached_tokens += u.cached_tokens - p.cached;
+                p.cached = u.cached_tokens;
+            }
+        }
+        usage.completion_tokens += u.completion_tokens;
+        usage.total_tokens = usage.prompt_tokens + usage.completion_tokens;
     }
 
     /// The next event of any choice; `None` if the engine dropped every
@@ -134,9 +176,11 @@ pub struct ChoiceOutput {
 
 /// Waits for every choice to finish (a non-streamed response).
 pub async fn collect(mut gen: Generation) -> Result<(Vec<ChoiceOutput>, Usage), ApiError> {
-    let mut out: Vec<ChoiceOutput> = (0..gen.n).map(|_| ChoiceOutput::default()).collect();
+    let mut out: Vec<ChoiceOutput> = (0..gen.choices())
+        .map(|_| ChoiceOutput::default())
+        .collect();
     let mut usage = Usage::default();
-    let mut open = gen.n;
+    let mut open = gen.choices();
     while open > 0 {
         let Some((index, event)) = gen.next().await else {
             return Err(ApiError::internal(
@@ -159,7 +203,7 @@ pub async fn collect(mut gen: Generation) -> Result<(Vec<ChoiceOutput>, Usage), 
                 choice.text.push_str(&text);
                 if choice.finish_reason.replace(reason).is_none() {
                     open -= 1;
-                    usage.add_choice(&u);
+                    gen.account(index, &u, &mut usage);
                 }
             }
             Event::Failed(msg) => return Err(ApiError::internal(msg)),

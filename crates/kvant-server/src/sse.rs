@@ -117,7 +117,7 @@ impl<W: ChunkWriter> EventStream<W> {
                     if let Some(open) = self.open.get_mut(index).filter(|o| **o) {
                         *open = false;
                         self.remaining -= 1;
-                        self.usage.add_choice(&usage);
+                        self.gen.account(index, &usage, &mut self.usage);
                         self.queue.extend(self.writer.finished(index, text, reason));
                     }
                     if self.remaining == 0 {

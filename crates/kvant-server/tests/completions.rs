@@ -490,3 +490,122 @@ async fn logit_bias_moves_greedy_choices() {
     assert!(!ids.is_empty() && ids.iter().all(|&i| i == 65), "{ids:?}");
     s.shutdown().await;
 }
+
+fn texts(v: &Value) -> Vec<String> {
+    v["choices"]
+        .as_array()
+        .expect("choices")
+        .iter()
+        .map(|c| c["text"].as_str().expect("text").to_string())
+        .collect()
+}
+
+/// A list of prompts is a batch: choice `p·n + j` continues prompt `p`
+/// exactly as a request of that prompt alone, usage sums the prompts, and
+/// the stream agrees.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_of_prompts_is_a_batch() {
+    let s = tiny().await;
+    let prompts = ["The quick brown fox", "Hello there"];
+    let mut alone = Vec::new();
+    for p in prompts {
+        alone.push(
+            s.ok(
+                "/v1/completions",
+                &greedy(json!({"prompt": p, "max_tokens": 4})),
+            )
+            .await,
+        );
+    }
+    let v = s
+        .ok(
+            "/v1/completions",
+            &greedy(json!({"prompt": prompts, "n": 2, "max_tokens": 4})),
+        )
+        .await;
+    let got = texts(&v);
+    assert_eq!(got.len(), 4);
+    for (i, text) in got.iter().enumerate() {
+        assert_eq!(v["choices"][i]["index"], i);
+        assert_eq!(text, &texts(&alone[i / 2])[0], "choice {i}");
+    }
+    let prompt_tokens: u64 = alone
+        .iter()
+        .filter_map(|a| a["usage"]["prompt_tokens"].as_u64())
+        .sum();
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(v["usage"]["completion_tokens"], 16);
+    let chunks = s
+        .stream(
+            "/v1/completions",
+            &greedy(json!({"prompt": prompts, "n": 2, "max_tokens": 4, "stream": true})),
+        )
+        .await;
+    for (i, text) in got.iter().enumerate() {
+        let streamed: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"].as_array())
+            .flatten()
+            .filter(|c| c["index"] == i)
+            .filter_map(|c| c["text"].as_str())
+            .collect();
+        assert_eq!(&streamed, text, "streamed choice {i}");
+    }
+    s.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_starts_each_choice_with_its_prompt() {
+    let s = tiny().await;
+    let plain = texts(&s.ok("/v1/completions", &greedy(json!({}))).await);
+    let echoed = texts(
+        &s.ok("/v1/completions", &greedy(json!({"echo": true})))
+            .await,
+    );
+    assert_eq!(echoed, vec![format!("{PROMPT}{}", plain[0])]);
+    let chunks = s
+        .stream(
+            "/v1/completions",
+            &greedy(json!({"echo": true, "stream": true})),
+        )
+        .await;
+    let streamed: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(streamed, echoed[0]);
+    s.shutdown().await;
+}
+
+/// `best_of` runs its candidates with seeds `seed..seed+best_of` and returns
+/// the `n` with the highest mean log-probability per token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn best_of_returns_the_most_likely_candidates() {
+    let s = tiny().await;
+    let sampled = |seed: u64| json!({"prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": seed, "logprobs": 0, "ignore_eos": true});
+    let mut candidates = Vec::new();
+    for j in 0..5u64 {
+        let v = s.ok("/v1/completions", &sampled(40 + j)).await;
+        let lps: Vec<f64> = v["choices"][0]["logprobs"]["token_logprobs"]
+            .as_array()
+            .expect("logprobs")
+            .iter()
+            .filter_map(Value::as_f64)
+            .collect();
+        let mean = lps.iter().sum::<f64>() / lps.len() as f64;
+        candidates.push((mean, texts(&v)[0].clone()));
+    }
+    candidates.sort_by(|a, b| b.0.total_cmp(&a.0));
+    let mut body = sampled(40);
+    body["best_of"] = json!(5);
+    body["n"] = json!(2);
+    body.as_object_mut().map(|o| o.remove("logprobs"));
+    let v = s.ok("/v1/completions", &body).await;
+    assert_eq!(
+        texts(&v),
+        vec![candidates[0].1.clone(), candidates[1].1.clone()]
+    );
+    assert!(v["choices"][0]["logprobs"].is_null());
+    assert_eq!(v["usage"]["completion_tokens"], 30);
+    s.shutdown().await;
+}

@@ -62,7 +62,7 @@ async fn bad_requests_are_400_naming_the_field() {
         (COMPLETIONS, json!({"max_tokens": 4}), Some("prompt")),
         (COMPLETIONS, json!({"prompt": ""}), Some("prompt")),
         (COMPLETIONS, json!({"prompt": []}), Some("prompt")),
-        (COMPLETIONS, json!({"prompt": ["a", "b"]}), Some("prompt")),
+        (COMPLETIONS, json!({"prompt": ["a", ""]}), Some("prompt")),
         (COMPLETIONS, json!({"prompt": [1, -2]}), Some("prompt")),
         (COMPLETIONS, json!({"prompt": [999_999]}), Some("prompt")),
         (COMPLETIONS, json!({"prompt": vec![5; ctx]}), Some("prompt")),
@@ -249,13 +249,26 @@ async fn bad_requests_are_400_naming_the_field() {
         ),
         (
             COMPLETIONS,
-            with(&prompt, json!({"echo": true})),
+            with(&prompt, json!({"echo": true, "logprobs": 1})),
             Some("echo"),
         ),
         (
             COMPLETIONS,
-            with(&prompt, json!({"best_of": 2})),
+            with(&prompt, json!({"best_of": 2, "stream": true})),
             Some("best_of"),
+        ),
+        (
+            COMPLETIONS,
+            with(&prompt, json!({"best_of": 1, "n": 2})),
+            Some("best_of"),
+        ),
+        (
+            COMPLETIONS,
+            with(
+                &prompt,
+                json!({"prompt": ["a", "b", "c"], "n": 16, "best_of": 50}),
+            ),
+            Some("prompt"),
         ),
         (
             COMPLETIONS,

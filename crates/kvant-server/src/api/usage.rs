@@ -15,15 +15,3 @@ pub struct PromptTokensDetails {
     /// Prompt tokens served from the prefix cache.
     pub cached_tokens: usize,
 }
-
-impl Usage {
-    /// Adds one choice's engine usage: the prompt is shared by every choice
-    /// and counted once, the completions add up.
-    pub fn add_choice(&mut self, u: &kvant_engine::serving::Usage) {
-        self.prompt_tokens = u.prompt_tokens;
-        self.completion_tokens += u.completion_tokens;
-        self.total_tokens = self.prompt_tokens + self.completion_tokens;
-        let cached = &mut self.prompt_tokens_details.cached_tokens;
-        *cached = (*cached).max(u.cached_tokens);
-    }
-}

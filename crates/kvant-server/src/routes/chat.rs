@@ -37,7 +37,7 @@ pub async fn handle(
         constrain::compile(&state, plan.grammar.as_ref())
     )?;
     let stats = stats.map(|Extension(s)| s).unwrap_or_default();
-    let gen = generation::start(&state, ids, &plan, constraint, param, stats)?;
+    let gen = generation::start(&state, vec![ids], &plan, constraint, param, stats)?;
     let model = &state.config().model_name;
     let tokenizer = Arc::clone(state.tokenizer());
     let with_logprobs = plan.logprobs.is_some();

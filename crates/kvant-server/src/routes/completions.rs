@@ -10,6 +10,7 @@ use crate::body::JsonObject;
 use crate::error::ApiError;
 use crate::generation::{self, ChoiceOutput};
 use crate::logprobs::CompletionLogprobsBuilder;
+use crate::prompt::PromptInput;
 use crate::sse::{self, event, ChunkWriter};
 use crate::state::{unix_now, AppState};
 use crate::{constrain, prompt, validate};
@@ -30,19 +31,31 @@ pub async fn handle(
     stats: Option<Extension<Arc<RequestStats>>>,
     JsonObject(body): JsonObject,
 ) -> Result<Response, ApiError> {
-    let (prompt, plan) = validate::completions::parse(&body, &state)?;
-    let param = prompt.param();
-    let (ids, constraint) = tokio::try_join!(
-        prompt::tokenize(&state, prompt),
-        constrain::compile(&state, plan.grammar.as_ref())
-    )?;
-    let stats = stats.map(|Extension(s)| s).unwrap_or_default();
-    let gen = generation::start(&state, ids, &plan, constraint, param, stats)?;
-    let header = Header::new("cmpl", OBJECT, unix_now(), &state.config().model_name);
+    let (prompts, plan) = validate::completions::parse(&body, &state)?;
     let tokenizer = Arc::clone(state.tokenizer());
+    // Each choice's echo: its prompt as text (token prompts decoded).
+    let echoes: Option<Vec<String>> = plan.echo.then(|| {
+        prompts
+            .iter()
+            .map(|p| match p {
+                PromptInput::Text(t) => t.clone(),
+                PromptInput::Tokens(ids) => tokenizer.decode(ids, false).unwrap_or_default(),
+                PromptInput::Chat(_) => String::new(),
+            })
+            .collect()
+    });
+    let tokenized = futures_util::future::try_join_all(
+        prompts.into_iter().map(|p| prompt::tokenize(&state, p)),
+    );
+    let (ids, constraint) =
+        tokio::try_join!(tokenized, constrain::compile(&state, plan.grammar.as_ref()))?;
+    let stats = stats.map(|Extension(s)| s).unwrap_or_default();
+    let gen = generation::start(&state, ids, &plan, constraint, "prompt", stats)?;
+    let header = Header::new("cmpl", OBJECT, unix_now(), &state.config().model_name);
     let logprobs = plan.logprobs.is_some();
     match plan.stream {
         Some(s) => {
+            let per_prompt = plan.n;
             let writer = Chunks {
                 header,
                 tokenizer,
@@ -52,14 +65,45 @@ pub async fn handle(
                         .collect()
                 }),
                 include_usage: s.include_usage,
+                echoes: echoes.map(|e| (e, per_prompt)),
             };
             Ok(sse::response(gen, writer, s.include_usage))
         }
         None => {
-            let (outputs, usage) = generation::collect(gen).await?;
+            let (mut outputs, usage) = generation::collect(gen).await?;
+            if plan.best_of.is_some() {
+                outputs = best_of(outputs, plan.best_of.unwrap_or(plan.n), plan.n);
+                if !logprobs {
+                    outputs.iter_mut().for_each(|o| o.logprobs.clear());
+                }
+            }
+            if let Some(echoes) = &echoes {
+                for (i, o) in outputs.iter_mut().enumerate() {
+                    if let Some(e) = echoes.get(i / plan.n.max(1)) {
+                        o.text.insert_str(0, e);
+                    }
+                }
+            }
             Ok(Json(response(header, &tokenizer, outputs, usage, logprobs)).into_response())
         }
     }
+}
+
+/// Of each prompt's `per_prompt` candidates (in order), the `n` with the
+/// highest mean log-probability per token, best first (OpenAI's "best").
+fn best_of(outputs: Vec<ChoiceOutput>, per_prompt: usize, n: usize) -> Vec<ChoiceOutput> {
+    let score = |o: &ChoiceOutput| match o.logprobs.len() {
+        0 => f32::NEG_INFINITY,
+        len => o.logprobs.iter().map(|t| t.logprob).sum::<f32>() / len as f32,
+    };
+    let mut out = Vec::with_capacity(outputs.len() / per_prompt.max(1) * n);
+    let mut it = outputs.into_iter().peekable();
+    while it.peek().is_some() {
+        let mut group: Vec<ChoiceOutput> = it.by_ref().take(per_prompt).collect();
+        group.sort_by(|a, b| score(b).total_cmp(&score(a)));
+        out.extend(group.into_iter().take(n));
+    }
+    out
 }
 
 fn response(
@@ -95,6 +139,9 @@ struct Chunks {
     /// Per choice, when logprobs were asked for.
     logprobs: Option<Vec<CompletionLogprobsBuilder>>,
     include_usage: bool,
+    /// `echo`: each prompt's text and the choices per prompt; each choice's
+    /// first chunk carries its prompt.
+    echoes: Option<(Vec<String>, usize)>,
 }
 
 impl Chunks {
@@ -118,8 +165,21 @@ impl Chunks {
 }
 
 impl ChunkWriter for Chunks {
-    fn opening(&mut self, _choices: usize) -> Vec<Bytes> {
-        Vec::new()
+    fn opening(&mut self, choices: usize) -> Vec<Bytes> {
+        let Some((echoes, per_prompt)) = &self.echoes else {
+            return Vec::new();
+        };
+        (0..choices)
+            .filter_map(|index| {
+                let text = echoes.get(index / (*per_prompt).max(1))?.clone();
+                Some(self.chunk(CompletionChoice {
+                    index,
+                    text,
+                    logprobs: None,
+                    finish_reason: None,
+                }))
+            })
+            .collect()
     }
 
     fn token(&mut self, index: usize, text: String, lp: Option<TokenLogprob>) -> Option<Bytes> {

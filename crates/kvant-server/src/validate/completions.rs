@@ -1,5 +1,5 @@
-//! `/v1/completions` fields: the prompt, `logprobs`, and the legacy
-//! options this server does not implement.
+//! `/v1/completions` fields: the prompt (or a batch of them), `logprobs`,
+//! `echo`, `best_of`, and `suffix`, which this server does not implement.
 
 use super::{common, Plan};
 use crate::api::request::{CommonFields, CompletionFields};
@@ -15,26 +15,18 @@ use serde_json::Value;
 /// minutes, 8191 tokens with the default model).
 pub const DEFAULT_MAX_TOKENS: usize = 16;
 
-pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiError> {
+/// Prompts one request may carry.
+pub const MAX_PROMPTS: usize = 64;
+/// Sequences one request may start: prompts × (`best_of` or `n`).
+pub const MAX_SEQUENCES: usize = 128;
+
+pub fn parse(body: &Value, state: &AppState) -> Result<(Vec<PromptInput>, Plan), ApiError> {
     let c: CommonFields = fields(body)?;
     let f: CompletionFields = fields(body)?;
     let mut plan = common(c, state)?;
     plan.default_max_tokens = Some(DEFAULT_MAX_TOKENS);
-    if f.echo == Some(true) {
-        return Err(ApiError::unsupported("echo"));
-    }
     if f.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix"));
-    }
-    match f.best_of {
-        Some(b) if b > plan.n as u64 => return Err(ApiError::unsupported("best_of")),
-        Some(b) if b < plan.n as u64 => {
-            return Err(ApiError::bad_param(
-                "best_of",
-                "`best_of` must be at least `n`",
-            ))
-        }
-        _ => {}
     }
     plan.logprobs = match f.logprobs {
         None => None,
@@ -46,43 +38,90 @@ pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiE
             ))
         }
     };
+    plan.echo = f.echo.unwrap_or(false);
+    if plan.echo && plan.logprobs.is_some() {
+        return Err(ApiError::bad_param(
+            "echo",
+            "`echo` together with `logprobs` is not supported: the prompt's own \
+             log-probabilities are not computed",
+        ));
+    }
+    plan.best_of = match f.best_of {
+        None => None,
+        Some(b) if b < plan.n as u64 => {
+            return Err(ApiError::bad_param(
+                "best_of",
+                "`best_of` must be at least `n`",
+            ))
+        }
+        Some(b) if b == plan.n as u64 => None,
+        Some(_) if plan.stream.is_some() => {
+            return Err(ApiError::bad_param(
+                "best_of",
+                "`best_of` greater than `n` cannot be streamed",
+            ))
+        }
+        Some(b) if b <= MAX_SEQUENCES as u64 => Some(b as usize),
+        Some(b) => {
+            return Err(ApiError::bad_param(
+                "best_of",
+                format!("`best_of` must be at most {MAX_SEQUENCES}, got {b}"),
+            ))
+        }
+    };
     let prompt = f
         .prompt
         .ok_or_else(|| ApiError::bad_param("prompt", "`prompt` is required"))?;
-    Ok((prompt_input(prompt)?, plan))
+    let prompts = prompt_inputs(prompt)?;
+    let sequences = prompts.len() * plan.best_of.unwrap_or(plan.n);
+    if sequences > MAX_SEQUENCES {
+        return Err(ApiError::bad_param(
+            "prompt",
+            format!(
+                "{} prompts × {} choices is {sequences} sequences; at most {MAX_SEQUENCES} per request",
+                prompts.len(),
+                plan.best_of.unwrap_or(plan.n)
+            ),
+        ));
+    }
+    Ok((prompts, plan))
 }
 
 const PROMPT_SHAPES: &str =
-    "`prompt` must be a string, an array of one string, or an array of token ids";
+    "`prompt` must be a string, an array of strings, an array of token ids, or an array of such arrays";
 
-/// A string, `[string]`, `[id, ...]` or `[[id, ...]]`; several prompts in
-/// one request are refused (send one request each).
-fn prompt_input(v: Value) -> Result<PromptInput, ApiError> {
+/// A string, `[string, ...]`, `[id, ...]` or `[[id, ...], ...]`: one prompt
+/// or a batch (LangChain's `batch()` sends one request with a list).
+fn prompt_inputs(v: Value) -> Result<Vec<PromptInput>, ApiError> {
     let bad = |msg: &str| ApiError::bad_param("prompt", msg);
-    let empty = || bad("the prompt is empty");
     match v {
-        Value::String(s) if s.is_empty() => Err(empty()),
-        Value::String(s) => Ok(PromptInput::Text(s)),
-        Value::Array(mut items) => {
-            let nested = items
-                .iter()
-                .filter(|v| v.is_string() || v.is_array())
-                .count();
-            match (items.len(), nested) {
-                (0, _) => Err(empty()),
-                (1, 1) => match items.pop() {
-                    Some(Value::String(s)) => prompt_input(Value::String(s)),
-                    Some(Value::Array(ids)) => token_ids(&ids).ok_or_else(|| bad(PROMPT_SHAPES)),
-                    _ => Err(bad(PROMPT_SHAPES)),
-                },
-                (_, 0) => token_ids(&items).ok_or_else(|| bad(PROMPT_SHAPES)),
-                (len, nested) if len == nested => Err(bad(
-                    "only one prompt per request is supported; send each prompt as its own request",
-                )),
-                _ => Err(bad(PROMPT_SHAPES)),
+        Value::String(s) => Ok(vec![text(s)?]),
+        Value::Array(items) if items.is_empty() => Err(bad("the prompt is empty")),
+        Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
+            if items.len() > MAX_PROMPTS {
+                return Err(bad(&format!(
+                    "at most {MAX_PROMPTS} prompts per request, got {}",
+                    items.len()
+                )));
             }
+            items
+                .into_iter()
+                .map(|item| match item {
+                    Value::String(s) => text(s),
+                    Value::Array(ids) => token_ids(&ids).ok_or_else(|| bad(PROMPT_SHAPES)),
+                    _ => Err(bad(PROMPT_SHAPES)),
+                })
+                .collect()
         }
+        Value::Array(items) => Ok(vec![token_ids(&items).ok_or_else(|| bad(PROMPT_SHAPES))?]),
         _ => Err(bad(PROMPT_SHAPES)),
+    }
+}
+
+fn text(s: String) -> Result<PromptInput, ApiError> {
+    match s.is_empty() {
+        true => Err(ApiError::bad_param("prompt", "the prompt is empty")),
+        false => Ok(PromptInput::Text(s)),
     }
 }
 
@@ -106,23 +145,32 @@ mod tests {
 
     #[test]
     fn prompt_shapes() {
-        let text = |s: &str| Some(PromptInput::Text(s.into()));
-        assert_eq!(prompt_input(json!("hi")).ok(), text("hi"));
-        assert_eq!(prompt_input(json!(["hi"])).ok(), text("hi"));
+        let text = |s: &str| PromptInput::Text(s.into());
+        assert_eq!(prompt_inputs(json!("hi")).ok(), Some(vec![text("hi")]));
+        assert_eq!(prompt_inputs(json!(["hi"])).ok(), Some(vec![text("hi")]));
         assert_eq!(
-            prompt_input(json!([3, 4])).ok(),
-            Some(PromptInput::Tokens(vec![3, 4]))
+            prompt_inputs(json!(["a", [7]])).ok(),
+            Some(vec![text("a"), PromptInput::Tokens(vec![7])])
         );
         assert_eq!(
-            prompt_input(json!([[5]])).ok(),
-            Some(PromptInput::Tokens(vec![5]))
+            prompt_inputs(json!([3, 4])).ok(),
+            Some(vec![PromptInput::Tokens(vec![3, 4])])
         );
+        assert_eq!(
+            prompt_inputs(json!([[5], [6, 7]])).ok(),
+            Some(vec![
+                PromptInput::Tokens(vec![5]),
+                PromptInput::Tokens(vec![6, 7])
+            ])
+        );
+        let many: Vec<Value> = (0..=MAX_PROMPTS).map(|_| json!("a")).collect();
+        assert!(prompt_inputs(Value::Array(many)).is_err());
         for bad in [
             json!(""),
             json!([]),
             json!([[]]),
-            json!(["a", "b"]),
-            json!([[1], [2]]),
+            json!(["a", ""]),
+            json!([[1], []]),
             json!([1, "a"]),
             json!([-1]),
             json!([4294967296u64]),
@@ -131,7 +179,7 @@ mod tests {
             json!(7),
             json!([""]),
         ] {
-            let e = prompt_input(bad.clone()).err();
+            let e = prompt_inputs(bad.clone()).err();
             assert_eq!(e.and_then(|e| e.param).as_deref(), Some("prompt"), "{bad}");
         }
     }

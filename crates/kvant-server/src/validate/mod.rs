@@ -52,6 +52,11 @@ pub struct Plan {
     pub grammar: Option<OutputGrammar>,
     /// Added to these tokens' logits before each sample.
     pub logit_bias: Vec<(u32, f32)>,
+    /// `/v1/completions`: each choice's text starts with its prompt's.
+    pub echo: bool,
+    /// `/v1/completions`: sequences run per prompt, of which the `n` with
+    /// the highest mean log-probability per token are returned; `None`: `n`.
+    pub best_of: Option<usize>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -172,6 +177,8 @@ pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
         stream,
         grammar,
         logit_bias: logit_bias(c.logit_bias)?,
+        echo: false,
+        best_of: None,
     })
 }
 
