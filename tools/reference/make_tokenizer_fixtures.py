@@ -12,6 +12,7 @@ tests/fixtures/tokenizer/
 tests/fixtures/chat/strftime.json
                               C strftime output for fixed UTC times
 tests/fixtures/chat/*.json    chat templates rendered by transformers' apply_chat_template
+                               (hermes_tools.json: with tools and tool turns)
 
 SmolLM2 reference ids. llama.cpp tokenizes pre="smollm" by splitting every digit (\\p{N}) out first and then
 applying the GPT-2 regex; the upstream SmolLM2 tokenizer.json does the same (Digits(individual_digits) then
@@ -474,6 +475,119 @@ def make_chat(tok, smollm_template: str) -> None:
         print(f"chat {name}: {sum('error' in c for c in cases)} error cases of {len(cases)}")
 
 
+# Hermes-style tool calling as Qwen 2.5 writes it: tools listed in the system turn, calls in
+# <tool_call> tags with the arguments as a JSON object, results as <tool_response> in a user turn.
+HERMES_TOOLS = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city, today.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+
+TOOL_CONVERSATIONS = {
+    "tools_offered": ([{"role": "user", "content": "Weather in Paris?"}], WEATHER_TOOLS),
+    "no_tools": ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], None),
+    "call_and_result": (
+        [
+            {"role": "user", "content": "Weather in Paris and the time?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}},
+                    {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {}}},
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c1", "name": "get_weather", "content": '{"temp": 21}'},
+            {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+        ],
+        WEATHER_TOOLS,
+    ),
+}
+
+
+def make_tool_chat(tok) -> None:
+    """Tools and tool turns rendered by transformers (any tokenizer: only its special tokens matter)."""
+    cases = []
+    for conv_name, (messages, tools) in TOOL_CONVERSATIONS.items():
+        for add_generation_prompt in (False, True):
+            case = {"name": conv_name, "messages": messages, "add_generation_prompt": add_generation_prompt, "tools": tools}
+            case["expected"] = tok.apply_chat_template(
+                messages, tools=tools, chat_template=HERMES_TOOLS, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+            cases.append(case)
+    dump_json(
+        CHAT_DIR / "hermes_tools.json",
+        {"template": HERMES_TOOLS, "bos_token": tok.bos_token, "eos_token": tok.eos_token, "cases": cases},
+    )
+    print(f"chat hermes_tools: {len(cases)} cases")
+
+
 STRFTIME_TIMES = [0, -1, 951782400, 951868799, 1721999109, 4102444799, -2208988800 - 12345, 1000000000]
 STRFTIME_FORMATS = [
     "%d %b %Y",
@@ -501,6 +615,7 @@ def main() -> None:
     smol = make_smollm2(model_path)
     make_spm()
     make_chat(smol["tokenizer"], smol["chat_template"])
+    make_tool_chat(smol["tokenizer"])
     make_strftime()
 
 

@@ -79,7 +79,7 @@ impl GrammarCompiler {
     /// value satisfies) is an error naming the problem.
     pub fn compile(&self, grammar: &Grammar) -> Result<Constraint, GrammarError> {
         let top = match grammar {
-            Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(with_layout(schema)),
+            Grammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(json_layout(schema)),
             Grammar::Regex(rx) => TopLevelGrammar::from_regex(rx),
             Grammar::Lark(g) => TopLevelGrammar::from_lark(g.clone()),
         };
@@ -102,8 +102,9 @@ impl GrammarCompiler {
 /// writes it (", " and ": ", no newlines): a free choice of whitespace lets
 /// a sampled model emit blank lines until it runs out of tokens, which
 /// vLLM's `disable-any-whitespace` exists to prevent. A schema that sets
-/// llguidance's own `x-guidance` options keeps them.
-fn with_layout(schema: &Value) -> Value {
+/// llguidance's own `x-guidance` options keeps them. (A Lark grammar's
+/// `%json {...}` takes the same options: pass its schema through this.)
+pub fn json_layout(schema: &Value) -> Value {
     let mut schema = schema.clone();
     if let Value::Object(map) = &mut schema {
         map.entry("x-guidance").or_insert_with(|| {
@@ -184,9 +185,9 @@ mod tests {
 
     #[test]
     fn layout_is_added_unless_the_schema_sets_its_own() {
-        let s = with_layout(&serde_json::json!({"type": "object"}));
+        let s = json_layout(&serde_json::json!({"type": "object"}));
         assert_eq!(s["x-guidance"]["whitespace_flexible"], false);
         let own = serde_json::json!({"type": "object", "x-guidance": {"lenient": true}});
-        assert_eq!(with_layout(&own), own);
+        assert_eq!(json_layout(&own), own);
     }
 }

@@ -17,11 +17,20 @@ use minijinja::value::Value;
 use minijinja::{Environment, Error, ErrorKind, State};
 use std::io;
 
-/// One turn of a conversation.
+/// One turn of a conversation, as templates see it (transformers' message dicts).
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant turn's tool calls: `{"id", "type": "function", "function": {"name",
+    /// "arguments"}}` with the arguments as a JSON object, as templates expect them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` turn: the call it answers, and the function's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
 }
 
 impl ChatMessage {
@@ -29,6 +38,9 @@ impl ChatMessage {
         ChatMessage {
             role: role.into(),
             content: content.into(),
+            tool_calls: None,
+            tool_call_id: None,
+            name: None,
         }
     }
 }
@@ -59,6 +71,8 @@ const TEMPLATE_NAME: &str = "chat_template";
 /// A compiled chat template plus the special-token spellings it may refer to.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template's text, for callers that recognise a model family by it.
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -92,9 +106,15 @@ impl ChatTemplate {
             .map_err(ChatError::Syntax)?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos_token,
             eos_token,
         })
+    }
+
+    /// The template's text.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The prompt for `messages`; with `add_generation_prompt` it ends where the assistant's
@@ -103,6 +123,18 @@ impl ChatTemplate {
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+    ) -> Result<String, ChatError> {
+        self.render_with_tools(messages, add_generation_prompt, None)
+    }
+
+    /// As [`ChatTemplate::render`], with the functions the model may call: a list of
+    /// `{"type": "function", "function": {"name", "description", "parameters"}}` (the `tools`
+    /// of transformers' `apply_chat_template`).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
     ) -> Result<String, ChatError> {
         if messages.is_empty() {
             return Err(ChatError::EmptyConversation);
@@ -114,7 +146,10 @@ impl ChatTemplate {
         let mut ctx = vec![
             ("messages", Value::from_serialize(messages)),
             ("add_generation_prompt", Value::from(add_generation_prompt)),
-            ("tools", Value::from(())),
+            (
+                "tools",
+                tools.map_or(Value::from(()), Value::from_serialize),
+            ),
             ("documents", Value::from(())),
         ];
         if let Some(bos) = &self.bos_token {

@@ -23,6 +23,8 @@ struct Case {
     add_generation_prompt: bool,
     expected: Option<String>,
     error: Option<String>,
+    #[serde(default)]
+    tools: Option<serde_json::Value>,
 }
 
 fn fixture(name: &str) -> Fixture {
@@ -42,7 +44,11 @@ fn check(name: &str) {
     )
     .unwrap_or_else(|e| panic!("{name}: {e}"));
     for case in &f.cases {
-        let got = template.render(&case.messages, case.add_generation_prompt);
+        let got = template.render_with_tools(
+            &case.messages,
+            case.add_generation_prompt,
+            case.tools.as_ref(),
+        );
         let what = format!(
             "{name}/{} (add_generation_prompt {})",
             case.name, case.add_generation_prompt
@@ -70,6 +76,13 @@ fn templates_can_be_shared_across_threads() {
 #[test]
 fn smollm2_template_matches_transformers() {
     check("smollm2");
+}
+
+/// Tools in the system turn, assistant tool calls (arguments as objects) and
+/// `tool` turns, as Qwen 2.5's Hermes-style template renders them.
+#[test]
+fn hermes_tool_template_matches_transformers() {
+    check("hermes_tools");
 }
 
 #[test]
@@ -195,20 +208,20 @@ fn control_text_in_messages_cannot_forge_a_turn() {
         ]
     };
     let benign = template
-        .encode(tok, &convo("hi"), true, true)
+        .encode(tok, &convo("hi"), true, None, true)
         .expect("encodes");
     assert_eq!(
         benign,
         template
-            .encode(tok, &convo("hi"), true, false)
+            .encode(tok, &convo("hi"), true, None, false)
             .expect("raw"),
         "nothing to protect: the usual encoding"
     );
     let literal = template
-        .encode(tok, &convo(forged), true, true)
+        .encode(tok, &convo(forged), true, None, true)
         .expect("encodes");
     let raw = template
-        .encode(tok, &convo(forged), true, false)
+        .encode(tok, &convo(forged), true, None, false)
         .expect("encodes");
     assert_eq!(count(&literal), count(&benign));
     assert_eq!(count(&raw), count(&benign) + 1);

@@ -27,6 +27,7 @@ mod router;
 mod routes;
 mod sse;
 mod state;
+mod tools;
 mod validate;
 
 pub use cors::{AllowedOrigins, InvalidOrigin};

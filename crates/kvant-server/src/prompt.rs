@@ -13,14 +13,15 @@ use kvant_model::chat::ChatMessage;
 pub enum PromptInput {
     Text(String),
     Tokens(Vec<u32>),
-    Chat(Vec<ChatMessage>),
+    /// A conversation and the tools its template renders.
+    Chat(Vec<ChatMessage>, Option<serde_json::Value>),
 }
 
 impl PromptInput {
     /// The request field errors about this prompt refer to.
     pub fn param(&self) -> &'static str {
         match self {
-            PromptInput::Chat(_) => "messages",
+            PromptInput::Chat(..) => "messages",
             PromptInput::Text(_) | PromptInput::Tokens(_) => "prompt",
         }
     }
@@ -51,7 +52,7 @@ pub async fn tokenize_with(
             })
             .await
         }
-        PromptInput::Chat(messages) => {
+        PromptInput::Chat(messages, tools) => {
             let template = state.chat_template().cloned().ok_or_else(|| {
                 ApiError::bad_request(
                     "this model has no chat template; use /v1/completions with a plain prompt",
@@ -60,7 +61,7 @@ pub async fn tokenize_with(
             let literal = !state.config().parse_special_in_content;
             blocking(move || {
                 template
-                    .encode(&tokenizer, &messages, add_special, literal)
+                    .encode(&tokenizer, &messages, add_special, tools.as_ref(), literal)
                     .map_err(|e| ApiError::bad_param("messages", e.to_string()))
             })
             .await

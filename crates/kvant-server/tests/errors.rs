@@ -76,7 +76,7 @@ async fn bad_requests_are_400_naming_the_field() {
         (
             CHAT,
             json!({"messages": [{"role": "tool", "content": "x"}]}),
-            Some("messages[0].role"),
+            Some("messages[0].tool_call_id"),
         ),
         (
             CHAT,

@@ -25,7 +25,8 @@ pub enum ConversationError {
 }
 
 impl ChatTemplate {
-    /// The prompt's token ids. `literal`: control-token spellings inside message contents are
+    /// The prompt's token ids, `tools` rendered as [`ChatTemplate::render_with_tools`] does.
+    /// `literal`: control-token spellings inside message contents are
     /// plain text; otherwise (the raw behaviour) the whole rendered text is tokenized at once.
     /// The rendered template carries its own BOS where the model wants one.
     pub fn encode(
@@ -33,6 +34,7 @@ impl ChatTemplate {
         tokenizer: &Tokenizer,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
+        tools: Option<&serde_json::Value>,
         literal: bool,
     ) -> Result<Vec<u32>, ConversationError> {
         let mut forged = Vec::new();
@@ -44,18 +46,21 @@ impl ChatTemplate {
             }
         }
         if forged.is_empty() {
-            let text = self.render(messages, add_generation_prompt)?;
+            let text = self.render_with_tools(messages, add_generation_prompt, tools)?;
             return Ok(tokenizer.encode(&text, false)?);
         }
         let masked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| match forged.contains(&i) {
-                true => ChatMessage::new(m.role.clone(), format!("{OPEN}{i}{CLOSE}")),
-                false => m.clone(),
+            .map(|(i, m)| {
+                let mut m = m.clone();
+                if forged.contains(&i) {
+                    m.content = format!("{OPEN}{i}{CLOSE}");
+                }
+                m
             })
             .collect();
-        let text = self.render(&masked, add_generation_prompt)?;
+        let text = self.render_with_tools(&masked, add_generation_prompt, tools)?;
         let mut ids = Vec::new();
         let mut rest = text.as_str();
         while let Some((before, index, after)) = next_marker(rest, messages.len()) {

@@ -23,7 +23,29 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the reply is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+}
+
+/// One function call of the reply (a whole call, or in a stream the delta
+/// that carries it, with its `index` among the choice's calls).
+#[derive(Debug, Serialize)]
+pub struct ToolCall {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// JSON text, as OpenAI sends it.
+    pub arguments: String,
 }
 
 #[derive(Debug, Serialize)]
@@ -45,13 +67,16 @@ pub struct ChatChunkChoice {
     pub finish_reason: Option<&'static str>,
 }
 
-/// What a chunk adds to the message: the role once, at the start, then text.
+/// What a chunk adds to the message: the role once, at the start, then
+/// text, then any tool calls, each whole in one delta.
 #[derive(Debug, Default, Serialize)]
 pub struct Delta {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
 }
 
 #[derive(Debug, Default, Serialize)]

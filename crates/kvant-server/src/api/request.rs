@@ -77,4 +77,7 @@ pub struct MessageIn {
     pub content: Option<Value>,
     pub tool_calls: Option<Value>,
     pub function_call: Option<Value>,
+    /// A `tool` message: the call it answers.
+    pub tool_call_id: Option<String>,
+    pub name: Option<String>,
 }

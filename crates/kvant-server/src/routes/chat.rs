@@ -12,6 +12,7 @@ use crate::generation::{self, ChoiceOutput};
 use crate::logprobs;
 use crate::sse::{self, event, ChunkWriter};
 use crate::state::{unix_now, AppState};
+use crate::tools::{self, ToolFormat, ToolStream};
 use crate::{constrain, prompt, validate};
 use axum::body::Bytes;
 use axum::extract::State;
@@ -24,6 +25,8 @@ use kvant_model::tokenizer::Tokenizer;
 use std::sync::Arc;
 
 const ROLE: &str = "assistant";
+/// The finish reason of a reply that calls tools.
+const TOOL_CALLS: &str = "tool_calls";
 
 pub async fn handle(
     State(state): State<Arc<AppState>>,
@@ -48,13 +51,23 @@ pub async fn handle(
                 tokenizer,
                 logprobs: with_logprobs,
                 include_usage: s.include_usage,
+                tools: plan
+                    .tools
+                    .map(|f| (0..gen.choices()).map(|_| ToolStream::new(f)).collect()),
             };
             Ok(sse::response(gen, writer, s.include_usage))
         }
         None => {
             let (outputs, usage) = generation::collect(gen).await?;
             let header = Header::new("chatcmpl", "chat.completion", unix_now(), model);
-            let resp = response(header, &tokenizer, outputs, usage, with_logprobs);
+            let resp = response(
+                header,
+                &tokenizer,
+                outputs,
+                usage,
+                with_logprobs,
+                plan.tools,
+            );
             Ok(Json(resp).into_response())
         }
     }
@@ -66,18 +79,31 @@ fn response(
     outputs: Vec<ChoiceOutput>,
     usage: Usage,
     with_logprobs: bool,
+    tools: Option<ToolFormat>,
 ) -> ChatResponse {
     let choices = outputs
         .into_iter()
         .enumerate()
-        .map(|(index, o)| ChatChoice {
-            index,
-            logprobs: with_logprobs.then(|| logprobs::chat(tokenizer, &o.logprobs)),
-            message: AssistantMessage {
-                role: ROLE,
-                content: o.text,
-            },
-            finish_reason: o.finish_reason.map(FinishReason::as_str),
+        .map(|(index, o)| {
+            let (content, calls) = match tools {
+                Some(f) => tools::parse(f, &o.text),
+                None => (o.text, Vec::new()),
+            };
+            let called = !calls.is_empty();
+            ChatChoice {
+                index,
+                logprobs: with_logprobs.then(|| logprobs::chat(tokenizer, &o.logprobs)),
+                message: AssistantMessage {
+                    role: ROLE,
+                    content: (!called || !content.is_empty()).then_some(content),
+                    tool_calls: called
+                        .then(|| calls.into_iter().map(|c| c.into_api(None)).collect()),
+                },
+                finish_reason: match called {
+                    true => Some(TOOL_CALLS),
+                    false => o.finish_reason.map(FinishReason::as_str),
+                },
+            }
         })
         .collect();
     ChatResponse {
@@ -94,6 +120,8 @@ struct Chunks {
     tokenizer: Arc<Tokenizer>,
     logprobs: bool,
     include_usage: bool,
+    /// Per choice, when the request has tools: its text with calls held back.
+    tools: Option<Vec<ToolStream>>,
 }
 
 impl Chunks {
@@ -110,8 +138,8 @@ impl Chunks {
         self.chunk(ChatChunkChoice {
             index,
             delta: Delta {
-                role: None,
                 content: Some(text),
+                ..Delta::default()
             },
             logprobs: (self.logprobs && !tokens.is_empty())
                 .then(|| logprobs::chat(&self.tokenizer, &tokens)),
@@ -129,6 +157,7 @@ impl ChunkWriter for Chunks {
                     delta: Delta {
                         role: Some(ROLE),
                         content: Some(String::new()),
+                        ..Delta::default()
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -139,6 +168,10 @@ impl ChunkWriter for Chunks {
 
     fn token(&mut self, index: usize, text: String, lp: Option<TokenLogprob>) -> Option<Bytes> {
         let lp = lp.filter(|_| self.logprobs);
+        let text = match self.tools.as_mut().and_then(|t| t.get_mut(index)) {
+            Some(stream) => stream.push(&text),
+            None => text,
+        };
         if text.is_empty() && lp.is_none() {
             return None;
         }
@@ -147,14 +180,36 @@ impl ChunkWriter for Chunks {
 
     fn finished(&mut self, index: usize, text: String, reason: FinishReason) -> Vec<Bytes> {
         let mut out = Vec::with_capacity(2);
+        let (text, calls) = match self.tools.as_mut().and_then(|t| t.get_mut(index)) {
+            Some(stream) => {
+                let mut sent = stream.push(&text);
+                let done = std::mem::replace(stream, ToolStream::new(stream.format()));
+                let (rest, calls) = done.finish();
+                sent.push_str(&rest);
+                (sent, calls)
+            }
+            None => (text, Vec::new()),
+        };
         if !text.is_empty() {
             out.push(self.content(index, text, None));
+        }
+        let called = !calls.is_empty();
+        for (k, call) in calls.into_iter().enumerate() {
+            out.push(self.chunk(ChatChunkChoice {
+                index,
+                delta: Delta {
+                    tool_calls: Some(vec![call.into_api(Some(k))]),
+                    ..Delta::default()
+                },
+                logprobs: None,
+                finish_reason: None,
+            }));
         }
         out.push(self.chunk(ChatChunkChoice {
             index,
             delta: Delta::default(),
             logprobs: None,
-            finish_reason: Some(reason.as_str()),
+            finish_reason: Some(if called { TOOL_CALLS } else { reason.as_str() }),
         }));
         out
     }

@@ -40,7 +40,7 @@ pub async fn handle(
             .map(|p| match p {
                 PromptInput::Text(t) => t.clone(),
                 PromptInput::Tokens(ids) => tokenizer.decode(ids, false).unwrap_or_default(),
-                PromptInput::Chat(_) => String::new(),
+                PromptInput::Chat(..) => String::new(),
             })
             .collect()
     });

@@ -38,7 +38,7 @@ pub async fn tokenize(
     let (input, add_special) = match (f.prompt, f.messages) {
         (Some(p), None) => (PromptInput::Text(p), f.add_special_tokens.unwrap_or(true)),
         (None, Some(m)) => (
-            PromptInput::Chat(validate::chat::conversation(Some(m))?),
+            PromptInput::Chat(validate::chat::conversation(Some(m))?, None),
             f.add_generation_prompt.unwrap_or(true),
         ),
         _ => {

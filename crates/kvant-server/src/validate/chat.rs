@@ -1,13 +1,15 @@
-//! `/v1/chat/completions` fields: the conversation, `max_completion_tokens`,
-//! `logprobs`/`top_logprobs`, and the tool-calling options this server
-//! does not implement.
+//! `/v1/chat/completions` fields: the conversation (with tool turns),
+//! `max_completion_tokens`, `logprobs`/`top_logprobs`, `tools` and
+//! `tool_choice`, and the legacy `functions`, which this server does not
+//! implement.
 
-use super::{common, Plan};
+use super::{common, tools, Plan};
 use crate::api::request::{ChatFields, CommonFields, MessageIn};
 use crate::body::fields;
 use crate::error::ApiError;
 use crate::prompt::PromptInput;
 use crate::state::AppState;
+use crate::tools::ToolFormat;
 use kvant_engine::serving::MAX_TOP_LOGPROBS;
 use kvant_model::chat::ChatMessage;
 use serde_json::Value;
@@ -45,7 +47,27 @@ pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiE
             Some(k as usize)
         }
     };
-    Ok((PromptInput::Chat(conversation(f.messages)?), plan))
+    let tools = tools::tool_list(f.tools)?;
+    let choice = tools::tool_choice(f.tool_choice)?;
+    let format = state
+        .chat_template()
+        .and_then(|t| ToolFormat::of_template(t.source()));
+    let tool_plan = tools::plan(tools.as_ref().map(|t| t.named.as_slice()), choice, format)?;
+    let mut rendered = None;
+    if let Some(tp) = tool_plan {
+        if let Some(forced) = tp.forced {
+            if let Some(g) = &plan.grammar {
+                return Err(ApiError::bad_param(
+                    g.param,
+                    format!("`{}` and a `tool_choice` that demands a call cannot both constrain the output", g.param),
+                ));
+            }
+            plan.grammar = Some(forced);
+        }
+        plan.tools = Some(tp.format);
+        rendered = tools.map(|t| t.rendered);
+    }
+    Ok((PromptInput::Chat(conversation(f.messages)?, rendered), plan))
 }
 
 /// `messages`: required, not empty, each a known role with text content.
@@ -65,21 +87,15 @@ pub fn conversation(messages: Option<Vec<MessageIn>>) -> Result<Vec<ChatMessage>
         .collect()
 }
 
-/// Tools, functions and response formats other than plain text change what
-/// the model must produce; refusing them beats silently ignoring them.
+/// The legacy `functions` API changes what the model must produce;
+/// refusing it beats silently ignoring it (`tools` replaces it).
 fn unsupported_options(f: &ChatFields) -> Result<(), ApiError> {
-    // "none" and "auto" without tools both mean: answer in text.
+    // "none" and "auto" without functions both mean: answer in text.
     let no_call = |v: &Option<Value>| match v {
         None | Some(Value::Null) => true,
         Some(Value::String(s)) => s == "none" || s == "auto",
         Some(_) => false,
     };
-    if present(&f.tools) {
-        return Err(ApiError::unsupported("tools"));
-    }
-    if !no_call(&f.tool_choice) {
-        return Err(ApiError::unsupported("tool_choice"));
-    }
     if present(&f.functions) {
         return Err(ApiError::unsupported("functions"));
     }
@@ -106,7 +122,8 @@ fn message(i: usize, m: MessageIn) -> Result<ChatMessage, ApiError> {
         "system" | "developer" => "system",
         "user" => "user",
         "assistant" => "assistant",
-        "tool" | "function" => return Err(ApiError::unsupported(&at("role"))),
+        "tool" => "tool",
+        "function" => return Err(ApiError::unsupported(&at("role"))),
         other => {
             return Err(ApiError::bad_param(
                 at("role"),
@@ -114,8 +131,23 @@ fn message(i: usize, m: MessageIn) -> Result<ChatMessage, ApiError> {
             ))
         }
     };
-    if present(&m.tool_calls) {
-        return Err(ApiError::unsupported(&at("tool_calls")));
+    let tool_calls = match (present(&m.tool_calls), m.tool_calls) {
+        (true, Some(calls)) if role == "assistant" => {
+            Some(tools::assistant_calls(calls, &at("tool_calls"))?)
+        }
+        (true, _) => {
+            return Err(ApiError::bad_param(
+                at("tool_calls"),
+                "only assistant messages carry `tool_calls`",
+            ))
+        }
+        (false, _) => None,
+    };
+    if role == "tool" && m.tool_call_id.is_none() {
+        return Err(ApiError::bad_param(
+            at("tool_call_id"),
+            "a tool message needs the `tool_call_id` it answers",
+        ));
     }
     if present(&m.function_call) {
         return Err(ApiError::unsupported(&at("function_call")));
@@ -132,7 +164,13 @@ fn message(i: usize, m: MessageIn) -> Result<ChatMessage, ApiError> {
             ))
         }
     };
-    Ok(ChatMessage::new(role, content))
+    let mut out = ChatMessage::new(role, content);
+    out.tool_calls = tool_calls;
+    if role == "tool" {
+        out.tool_call_id = m.tool_call_id;
+        out.name = m.name;
+    }
+    Ok(out)
 }
 
 /// `[{"type": "text", "text": ...}, ...]`, joined with newlines; at least
@@ -197,7 +235,6 @@ mod tests {
                 json!({"role": "wizard", "content": "x"}),
                 "messages[2].role",
             ),
-            (json!({"role": "tool", "content": "x"}), "messages[2].role"),
             (
                 json!({"role": "user", "content": null}),
                 "messages[2].content",
@@ -217,7 +254,15 @@ mod tests {
             ),
             (
                 json!({"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}),
-                "messages[2].tool_calls",
+                "messages[2].tool_calls[0].function",
+            ),
+            (
+                json!({"role": "tool", "content": "x"}),
+                "messages[2].tool_call_id",
+            ),
+            (
+                json!({"role": "function", "content": "x"}),
+                "messages[2].role",
             ),
         ];
         for (v, param) in cases {
@@ -229,10 +274,8 @@ mod tests {
     #[test]
     fn unsupported_options_are_refused_by_name() {
         let parse = |v: Value| fields::<ChatFields>(&v).and_then(|f| unsupported_options(&f));
-        assert!(parse(json!({"tools": [], "tool_choice": "none"})).is_ok());
+        assert!(parse(json!({"tools": [{"type": "function"}], "tool_choice": "required"})).is_ok());
         let cases = [
-            (json!({"tools": [{"type": "function"}]}), "tools"),
-            (json!({"tool_choice": "required"}), "tool_choice"),
             (json!({"functions": [{"name": "f"}]}), "functions"),
             (json!({"function_call": {"name": "f"}}), "function_call"),
         ];

@@ -6,6 +6,7 @@
 pub mod chat;
 pub mod completions;
 pub mod format;
+pub mod tools;
 
 use crate::api::request::CommonFields;
 use crate::error::ApiError;
@@ -52,6 +53,9 @@ pub struct Plan {
     pub grammar: Option<OutputGrammar>,
     /// Added to these tokens' logits before each sample.
     pub logit_bias: Vec<(u32, f32)>,
+    /// `/v1/chat/completions` with tools: read each choice's calls back in
+    /// this format.
+    pub tools: Option<crate::tools::ToolFormat>,
     /// `/v1/completions`: each choice's text starts with its prompt's.
     pub echo: bool,
     /// `/v1/completions`: sequences run per prompt, of which the `n` with
@@ -177,6 +181,7 @@ pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
         stream,
         grammar,
         logit_bias: logit_bias(c.logit_bias)?,
+        tools: None,
         echo: false,
         best_of: None,
     })

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 use kvant_engine::serving::{EngineConfig, EngineHandle, EngineThread};
+use kvant_model::chat::ChatTemplate;
 use kvant_model::tokenizer::Tokenizer;
 use kvant_server::{AppState, ServerConfig};
 use serde_json::Value;
@@ -40,6 +41,8 @@ pub struct Setup {
     pub server: ServerConfig,
     /// Serve the checkpoint's chat template (false: a model without one).
     pub chat_template: bool,
+    /// Serve this template's text instead of the checkpoint's.
+    pub template_source: Option<String>,
 }
 
 impl Setup {
@@ -55,6 +58,7 @@ impl Setup {
             },
             server: ServerConfig::new(name),
             chat_template: true,
+            template_source: None,
         }
     }
 }
@@ -78,10 +82,11 @@ pub async fn start(model: &Path, setup: Setup) -> TestServer {
         setup.engine.clone(),
     )
     .expect("starting the engine");
-    let template = m
-        .chat_template
-        .filter(|_| setup.chat_template)
-        .map(Arc::new);
+    let template = match &setup.template_source {
+        Some(src) => Some(ChatTemplate::new(src, None, None).expect("the template compiles")),
+        None => m.chat_template.filter(|_| setup.chat_template),
+    }
+    .map(Arc::new);
     let state = AppState::new(
         engine.clone(),
         &setup.engine,
