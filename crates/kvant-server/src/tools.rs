@@ -2,11 +2,19 @@
 //! out of its output (whole, or while it streams), and the grammar that
 //! makes a call certain when `tool_choice` demands one.
 //!
-//! The format is read off the chat template. Supported so far: Hermes
-//! (Qwen 2.5/3, Hermes, SmolLM3 and most tool-tuned ChatML models), each
-//! call `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
-//! A template that renders `tools` in a format this server cannot parse
-//! back is refused with a 400 rather than answered with unparsed text.
+//! The format is read off the chat template:
+//! - Hermes (Qwen 2.5/3, Hermes, most tool-tuned ChatML models): each call
+//!   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, after
+//!   any text;
+//! - Llama 3.1+ JSON: the whole reply is `{"name": ..., "parameters": {...}}`
+//!   (several separated by `;`), after the `<|python_tag|>` control token
+//!   where the model writes one (decoding drops control tokens);
+//! - Mistral: the whole reply is `[TOOL_CALLS]` (a control token in v3+
+//!   vocabularies) and a JSON array of `{"name", "arguments"}`.
+//!
+//! A template that renders `tools` in none of these is refused with a 400
+//! rather than answered with unparsed text. DeepSeek-V3's tool tokens are
+//! not read yet.
 
 use crate::api::chat::{FunctionCall, ToolCall};
 use kvant_engine::grammar::{json_layout, Grammar};
@@ -19,17 +27,24 @@ const HERMES_CLOSE: &str = "</tool_call>";
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ToolFormat {
     Hermes,
+    Llama3Json,
+    Mistral,
 }
+
+const PYTHON_TAG: &str = "<|python_tag|>";
+const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
 
 impl ToolFormat {
     /// The format a chat template's text announces, if any.
     pub fn of_template(source: &str) -> Option<Self> {
-        source.contains(HERMES_OPEN).then_some(ToolFormat::Hermes)
-    }
-
-    fn open(self) -> &'static str {
-        match self {
-            ToolFormat::Hermes => HERMES_OPEN,
+        if source.contains(HERMES_OPEN) {
+            Some(ToolFormat::Hermes)
+        } else if source.contains(MISTRAL_CALLS) {
+            Some(ToolFormat::Mistral)
+        } else if source.contains(PYTHON_TAG) {
+            Some(ToolFormat::Llama3Json)
+        } else {
+            None
         }
     }
 
@@ -37,25 +52,36 @@ impl ToolFormat {
     /// (each name and parameter schema), its arguments valid against the
     /// function's parameter schema, laid out as `json.dumps` writes JSON.
     pub fn forced_call(self, tools: &[(String, Value)]) -> Grammar {
+        let args_key = match self {
+            ToolFormat::Llama3Json => "parameters",
+            ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
+        };
         let calls: Vec<Value> = tools
             .iter()
             .map(|(name, params)| {
                 json!({
                     "type": "object",
-                    "properties": {"name": {"const": name}, "arguments": params},
-                    "required": ["name", "arguments"],
+                    "properties": {"name": {"const": name}, args_key: params},
+                    "required": ["name", args_key],
                     "additionalProperties": false,
                 })
             })
             .collect();
-        let schema = json_layout(&match calls.len() {
+        let call = match calls.len() {
             1 => calls.into_iter().next().unwrap_or(Value::Null),
             _ => json!({ "anyOf": calls }),
-        });
+        };
         match self {
             ToolFormat::Hermes => Grammar::Lark(format!(
-                "start: \"{HERMES_OPEN}\\n\" call \"\\n{HERMES_CLOSE}\"\ncall: %json {schema}"
+                "start: \"{HERMES_OPEN}\\n\" call \"\\n{HERMES_CLOSE}\"\ncall: %json {}",
+                json_layout(&call)
             )),
+            ToolFormat::Llama3Json => Grammar::JsonSchema(call),
+            // Without the control token, which a text grammar cannot write;
+            // the reader takes the bare array too.
+            ToolFormat::Mistral => Grammar::JsonSchema(
+                json!({"type": "array", "items": call, "minItems": 1, "maxItems": 1}),
+            ),
         }
     }
 }
@@ -87,10 +113,16 @@ impl ParsedCall {
 /// call) and its calls. Output whose calls do not parse is all text (the
 /// model wrote something else).
 pub fn parse(format: ToolFormat, text: &str) -> (String, Vec<ParsedCall>) {
-    let ToolFormat::Hermes = format;
-    let Some(first) = text.find(HERMES_OPEN) else {
-        return (text.to_string(), Vec::new());
+    let parsed = match format {
+        ToolFormat::Hermes => parse_hermes(text),
+        ToolFormat::Llama3Json => parse_llama3(text).map(|c| (String::new(), c)),
+        ToolFormat::Mistral => parse_mistral(text).map(|c| (String::new(), c)),
     };
+    parsed.unwrap_or_else(|| (text.to_string(), Vec::new()))
+}
+
+fn parse_hermes(text: &str) -> Option<(String, Vec<ParsedCall>)> {
+    let first = text.find(HERMES_OPEN)?;
     let mut calls = Vec::new();
     let mut rest = &text[first..];
     while let Some(body) = rest.strip_prefix(HERMES_OPEN) {
@@ -100,19 +132,46 @@ pub fn parse(format: ToolFormat, text: &str) -> (String, Vec<ParsedCall>) {
             Some(end) => (&body[..end], &body[end + HERMES_CLOSE.len()..]),
             None => (body, ""),
         };
-        match call_of(inner) {
-            Some(c) => calls.push(c),
-            None => return (text.to_string(), Vec::new()),
-        }
+        calls.push(call_of(inner)?);
         rest = after.trim_start();
     }
-    if !rest.is_empty() {
-        return (text.to_string(), Vec::new());
-    }
-    (text[..first].to_string(), calls)
+    rest.is_empty().then(|| (text[..first].to_string(), calls))
 }
 
-/// `{"name": "...", "arguments": {...}}` (Hermes also allows `"parameters"`).
+/// One or more `{"name", "parameters"}` objects, separated by `;`.
+fn parse_llama3(text: &str) -> Option<Vec<ParsedCall>> {
+    let body = text.trim();
+    let body = body.strip_prefix(PYTHON_TAG).unwrap_or(body).trim_start();
+    if !body.starts_with('{') {
+        return None;
+    }
+    body.split(';')
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .map(call_of)
+        .collect()
+}
+
+/// A JSON array of `{"name", "arguments"}`, after `[TOOL_CALLS]` if written.
+fn parse_mistral(text: &str) -> Option<Vec<ParsedCall>> {
+    let body = text.trim();
+    let body = body
+        .strip_prefix(MISTRAL_CALLS)
+        .unwrap_or(body)
+        .trim_start();
+    if !body.starts_with('[') {
+        return None;
+    }
+    let Value::Array(items) = serde_json::from_str::<Value>(body).ok()? else {
+        return None;
+    };
+    if items.is_empty() {
+        return None;
+    }
+    items.iter().map(|v| call_of(&v.to_string())).collect()
+}
+
+/// `{"name": "...", "arguments": {...}}` (or `"parameters"`, Llama's word).
 fn call_of(inner: &str) -> Option<ParsedCall> {
     let v: Value = serde_json::from_str(inner.trim()).ok()?;
     let name = v.get("name")?.as_str()?.to_string();
@@ -156,18 +215,36 @@ impl ToolStream {
     /// Adds generated text; returns the content that may go out now.
     pub fn push(&mut self, text: &str) -> String {
         self.all.push_str(text);
-        let open = self.format.open();
         let unsent = &self.all[self.sent..];
-        let keep_from = match unsent.find(open) {
-            Some(at) => at,
-            // Hold back a tail that could still grow into the marker.
-            None => (1..open.len().min(unsent.len() + 1))
-                .rev()
-                .find(|&k| {
-                    unsent.is_char_boundary(unsent.len() - k)
-                        && open.starts_with(&unsent[unsent.len() - k..])
-                })
-                .map_or(unsent.len(), |k| unsent.len() - k),
+        let keep_from = match self.format {
+            ToolFormat::Hermes => match unsent.find(HERMES_OPEN) {
+                Some(at) => at,
+                // Hold back a tail that could still grow into the marker.
+                None => (1..HERMES_OPEN.len().min(unsent.len() + 1))
+                    .rev()
+                    .find(|&k| {
+                        unsent.is_char_boundary(unsent.len() - k)
+                            && HERMES_OPEN.starts_with(&unsent[unsent.len() - k..])
+                    })
+                    .map_or(unsent.len(), |k| unsent.len() - k),
+            },
+            // Calls are the whole reply: hold everything while it may be
+            // one, stream freely once it cannot.
+            ToolFormat::Llama3Json | ToolFormat::Mistral => {
+                let (opener, marker) = match self.format {
+                    ToolFormat::Mistral => ('[', MISTRAL_CALLS),
+                    _ => ('{', PYTHON_TAG),
+                };
+                let head = self.all.trim_start();
+                let maybe_call = head.is_empty()
+                    || head.starts_with(opener)
+                    || head.starts_with(marker)
+                    || marker.starts_with(head);
+                match self.sent == 0 && maybe_call {
+                    true => 0,
+                    false => unsent.len(),
+                }
+            }
         };
         let out = unsent[..keep_from].to_string();
         self.sent += keep_from;
@@ -220,6 +297,71 @@ mod tests {
         ] {
             assert_eq!(parse(f, broken), (broken.to_string(), vec![]), "{broken}");
         }
+    }
+
+    #[test]
+    fn llama3_and_mistral_calls_parse_back() {
+        let l = ToolFormat::Llama3Json;
+        assert_eq!(
+            parse(l, " {\"name\": \"f\", \"parameters\": {\"a\": 1}}; {\"name\": \"g\", \"parameters\": {}}"),
+            (String::new(), vec![call("f", r#"{"a":1}"#), call("g", "{}")])
+        );
+        assert_eq!(
+            parse(l, "{not a call} sorry"),
+            ("{not a call} sorry".into(), vec![])
+        );
+        assert_eq!(
+            parse(l, "Hello {\"name\": \"f\"}"),
+            ("Hello {\"name\": \"f\"}".into(), vec![])
+        );
+        let m = ToolFormat::Mistral;
+        assert_eq!(
+            parse(
+                m,
+                "[TOOL_CALLS] [{\"name\": \"f\", \"arguments\": {\"x\": \"y\"}}]"
+            ),
+            (String::new(), vec![call("f", r#"{"x":"y"}"#)])
+        );
+        assert_eq!(
+            parse(
+                m,
+                "[{\"name\": \"f\", \"arguments\": {}}, {\"name\": \"g\", \"arguments\": {}}]"
+            ),
+            (String::new(), vec![call("f", "{}"), call("g", "{}")])
+        );
+        assert_eq!(parse(m, "[1, 2]"), ("[1, 2]".into(), vec![]));
+        assert_eq!(parse(m, "[]"), ("[]".into(), vec![]));
+    }
+
+    #[test]
+    fn whole_reply_formats_stream_text_at_once_and_hold_calls() {
+        let mut s = ToolStream::new(ToolFormat::Llama3Json);
+        let mut sent = s.push("  ");
+        sent.push_str(&s.push("Hello"));
+        sent.push_str(&s.push(" {x}"));
+        assert_eq!(sent, "  Hello {x}");
+        assert_eq!(s.finish(), (String::new(), vec![]));
+        let mut s = ToolStream::new(ToolFormat::Mistral);
+        assert_eq!(s.push("[{\"name\": \"f\", "), "");
+        assert_eq!(s.push("\"arguments\": {}}]"), "");
+        assert_eq!(s.finish(), (String::new(), vec![call("f", "{}")]));
+    }
+
+    #[test]
+    fn templates_name_their_format() {
+        assert_eq!(
+            ToolFormat::of_template("x <tool_call> y"),
+            Some(ToolFormat::Hermes)
+        );
+        assert_eq!(
+            ToolFormat::of_template("{{ '[TOOL_CALLS]' }}"),
+            Some(ToolFormat::Mistral)
+        );
+        assert_eq!(
+            ToolFormat::of_template("<|python_tag|>"),
+            Some(ToolFormat::Llama3Json)
+        );
+        assert_eq!(ToolFormat::of_template("{{ messages }}"), None);
     }
 
     #[test]

@@ -210,3 +210,31 @@ async fn what_cannot_work_is_a_400() {
     );
     s.shutdown().await;
 }
+
+/// Llama 3 JSON and Mistral formats: a template that names their marker
+/// gets demanded calls as the bare JSON those models write, read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn llama3_and_mistral_forms_call_too() {
+    // Minimal templates: the tools as JSON, then the turns; what matters is
+    // the marker that names the format.
+    let templates = [
+        "{{ '<|python_tag|>' if false }}{{ tools | tojson }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ",
+        "{{ '[TOOL_CALLS]' if false }}{{ tools | tojson }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ",
+    ];
+    for template in templates {
+        let mut setup = Setup::new(TINY_NAME);
+        setup.template_source = Some(template.to_string());
+        let s = start(&long_model(), setup).await;
+        let v = s
+            .ok(
+                "/v1/chat/completions",
+                &body(json!({"tool_choice": "required", "n": 3, "seed": 4})),
+            )
+            .await;
+        for c in v["choices"].as_array().expect("choices") {
+            assert_eq!(c["finish_reason"], "tool_calls", "{template}: {c}");
+            check_call(&c["message"]["tool_calls"][0]);
+        }
+        s.shutdown().await;
+    }
+}

@@ -160,7 +160,7 @@ pub fn plan(
         ApiError::bad_param(
             "tools",
             "this model's chat template writes no tool calls that this server can read back \
-             (supported: Hermes-style <tool_call> templates)",
+             (supported: Hermes <tool_call>, Llama 3 JSON with <|python_tag|>, Mistral [TOOL_CALLS])",
         )
     })?;
     let forced = match &choice {
