@@ -244,12 +244,7 @@ async fn chat_logprobs_shape() {
     assert_eq!(content.len(), 10);
     for entry in &content {
         let token = entry["token"].as_str().expect("token");
-        let bytes: Vec<u8> = entry["bytes"]
-            .as_array()
-            .expect("bytes")
-            .iter()
-            .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()).expect("byte"))
-            .collect();
+        let bytes = byte_list(&entry["bytes"]);
         assert_eq!(String::from_utf8_lossy(&bytes), token);
         assert!(entry["logprob"].as_f64().is_some_and(|l| l <= 0.0));
         let top = entry["top_logprobs"].as_array().expect("top_logprobs");
