@@ -133,6 +133,21 @@ pub struct ModelArg {
     /// whatever those positions give).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub ctx_size: Option<u32>,
+    /// Quantize the checkpoint's float weight matrices (F32, F16 or BF16, as
+    /// in Hugging Face safetensors; dense and MoE; the embedding and output
+    /// head too) while loading, rounded as ggml's reference quantizer rounds
+    /// them, and run them on the integer kernels. Norms and routers stay as
+    /// stored.
+    #[arg(long, value_enum)]
+    pub quantize: Option<QuantizeArg>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum QuantizeArg {
+    #[value(name = "q8_0")]
+    Q8_0,
+    #[value(name = "q4_0")]
+    Q4_0,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -188,6 +203,10 @@ impl ModelArg {
                 Some(MlaPrefillArg::Absorbed) => kvant_model::MlaPrefill::Absorbed,
             },
             context_length: self.ctx_size.map(|n| n as usize),
+            quantize: self.quantize.map(|q| match q {
+                QuantizeArg::Q8_0 => kvant_core::DType::Q8_0,
+                QuantizeArg::Q4_0 => kvant_core::DType::Q4_0,
+            }),
         }
     }
 }

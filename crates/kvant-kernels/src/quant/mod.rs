@@ -23,8 +23,11 @@ mod q5_1;
 mod q5_k;
 mod q6_k;
 pub(crate) mod q8_0;
+mod requantize;
 #[cfg(target_arch = "x86_64")]
 mod simd;
+
+pub use requantize::quantize_tensor;
 
 use crate::cpu::{self, SimdTier};
 use crate::dot::dot_f32_with;

@@ -26,6 +26,7 @@ use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::kv::{KvCache, KvDType, KvPool, KvShape, StateShape, SINGLE_TABLE};
 use crate::ModelError;
+use kvant_core::DType;
 use kvant_core::Tensor;
 use kvant_dist::layout::{ModelShape, Placement};
 use kvant_kernels::attention::SeqAttn;
@@ -79,6 +80,12 @@ pub struct LoadOptions {
     /// model was not trained on (benchmarks at depth do; outputs there are
     /// whatever the positions give).
     pub context_length: Option<usize>,
+    /// Quantize float weight matrices (F32, F16, BF16, rows of whole
+    /// 32-value blocks: projections, experts, the embedding and the output
+    /// head) to this type while loading: Q8_0 or Q4_0, rounded as ggml's
+    /// reference quantizer rounds them, then run on the integer kernels.
+    /// Norms and routers stay as stored.
+    pub quantize: Option<DType>,
 }
 
 impl LoadOptions {
@@ -90,6 +97,7 @@ impl LoadOptions {
         mtp: false,
         mla_prefill: MlaPrefill::Auto,
         context_length: None,
+        quantize: None,
     };
 }
 
@@ -101,6 +109,7 @@ impl Default for LoadOptions {
             mtp: false,
             mla_prefill: MlaPrefill::Auto,
             context_length: None,
+            quantize: None,
         }
     }
 }
@@ -252,6 +261,7 @@ impl DecoderModel {
         let ld = Loader {
             ckpt,
             int8: opts.int8_activations,
+            quantize: opts.quantize,
             // Hugging Face Gemma and Qwen3-Next store norm weights as offsets
             // from 1; GGUF files have the 1 added by the converter.
             norm_offset: if cfg.zero_centered_norms && matches!(ckpt, Checkpoint::Hf(_)) {
@@ -263,7 +273,7 @@ impl DecoderModel {
         };
         let h = cfg.hidden;
         let vocab = shard.vocab(cfg.vocab);
-        let embed = ld.matrix(g.embed, cfg.vocab, h)?.row_range(vocab.clone())?;
+        let embed = ld.quantized(ld.matrix(g.embed, cfg.vocab, h)?.row_range(vocab.clone())?)?;
         let output = if ld.has(g.output) {
             ld.weight_rows(g.output, [cfg.vocab, h], vocab.clone())?
         } else if cfg.tied_embeddings || matches!(ckpt, Checkpoint::Gguf(_)) {

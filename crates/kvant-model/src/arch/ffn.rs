@@ -1,7 +1,7 @@
 //! The gated feed-forward block, `down(act(gate(x)) ⊙ up(x))`: a dense
 //! layer's FFN, and the shared experts of a mixture-of-experts layer.
 
-use super::loader::Loader;
+use super::loader::{block_after, Loader};
 use super::shard::Shard;
 use crate::ModelError;
 use kvant_kernels::activation::{gated, Activation};
@@ -33,7 +33,7 @@ impl DenseFfn {
         ff: usize,
         shard: Shard,
     ) -> Result<Self, ModelError> {
-        let block = ld.tensor(down)?.dtype().block_size();
+        let block = block_after(&ld.tensor(down)?, ld.quantize);
         let cols = shard.cols(ff, block);
         if cols.is_empty() {
             return Ok(DenseFfn { w: None });

@@ -191,6 +191,7 @@ mod tests {
             let ld = Loader {
                 ckpt: &ckpt,
                 int8: false,
+                quantize: None,
                 norm_offset: 0.0,
                 shard: Shard::FULL,
             };

@@ -4,9 +4,11 @@
 use super::shard::Shard;
 use crate::checkpoint::Checkpoint;
 use crate::ModelError;
+use kvant_core::dtype::QK;
+use kvant_core::DType;
 use kvant_core::{CoreError, Tensor};
 use kvant_kernels::linear::{LinearInput, LinearWeight};
-use kvant_kernels::quant::dequantize_row;
+use kvant_kernels::quant::{dequantize_row, quantize_tensor};
 use std::ops::Range;
 
 /// A projection: a weight `[out, in]` prepared for its kernel and an optional bias.
@@ -42,6 +44,8 @@ pub(crate) struct Loader<'a> {
     pub ckpt: &'a Checkpoint,
     /// Prepare int8-capable weights for the int8 kernels.
     pub int8: bool,
+    /// Quantize float projection weights to this type first.
+    pub quantize: Option<DType>,
     /// Added to norm weights (Hugging Face Gemma stores `w - 1`).
     pub norm_offset: f32,
     /// This rank's tensor-parallel share.
@@ -95,8 +99,17 @@ impl Loader<'_> {
         )?)
     }
 
+    /// A projection weight for its kernel, quantized first when the load
+    /// asks for it (rows that are not whole blocks stay as stored, as
+    /// llama.cpp's quantizer leaves them).
     pub fn prepare(&self, t: Tensor) -> Result<LinearWeight, ModelError> {
-        Ok(LinearWeight::prepare(t, self.int8)?)
+        Ok(LinearWeight::prepare(self.quantized(t)?, self.int8)?)
+    }
+
+    /// `t` in the type the load quantizes float matrices to, if any (also
+    /// the token embedding, as gguf-py's and llama.cpp's quantizers do).
+    pub fn quantized(&self, t: Tensor) -> Result<Tensor, ModelError> {
+        quantized(t, self.quantize)
     }
 
     /// The `n` matrices `[rows, cols]` of a stacked tensor `[n, rows, cols]`
@@ -269,4 +282,30 @@ pub(crate) fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
         }
     }
     t
+}
+
+/// `t` as `to`, when that is a quantization of a float matrix whose rows are
+/// whole blocks; otherwise `t` as stored.
+pub(crate) fn quantized(t: Tensor, to: Option<DType>) -> Result<Tensor, ModelError> {
+    Ok(match to {
+        Some(q)
+            if matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
+                && t.shape().len() == 2
+                && t.row_len().is_multiple_of(QK) =>
+        {
+            quantize_tensor(&t, q)?
+        }
+        _ => t,
+    })
+}
+
+/// The column block a tensor-parallel cut of `t` must respect once the load
+/// quantizes it to `to`.
+pub(crate) fn block_after(t: &Tensor, to: Option<DType>) -> usize {
+    match to {
+        Some(q) if matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) => {
+            q.block_size()
+        }
+        _ => t.dtype().block_size(),
+    }
 }

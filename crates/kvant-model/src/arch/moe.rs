@@ -11,14 +11,14 @@
 //! bits as in one process).
 
 use super::ffn::{DenseFfn, FfnScratch};
-use super::loader::{cut_cols, Loader};
+use super::loader::{block_after, cut_cols, quantized, Loader};
 use super::moe_ep::{EpScratch, ExpertParallel};
 use super::parallel::Net;
 use super::shard::Shard;
 use crate::checkpoint::Checkpoint;
 use crate::config::{ExpertsConfig, ModelConfig};
 use crate::ModelError;
-use kvant_core::Tensor;
+use kvant_core::{DType, Tensor};
 use kvant_dist::layout::Placement;
 use kvant_kernels::activation::Activation;
 use kvant_kernels::int8::Q8Activations;
@@ -68,6 +68,8 @@ pub(crate) struct ExpertTensors {
     pub down: Vec<Tensor>,
     /// Prepare for the int8 kernels.
     pub int8: bool,
+    /// Quantize float experts to this type as they are prepared.
+    pub quantize: Option<DType>,
 }
 
 impl ExpertTensors {
@@ -83,7 +85,7 @@ impl ExpertTensors {
                             v.len()
                         )))
                     })?;
-                    Ok(LinearWeight::prepare(t.clone(), self.int8)?)
+                    self.weight(t.clone())
                 })
                 .collect()
         };
@@ -94,17 +96,25 @@ impl ExpertTensors {
         )?)
     }
 
+    /// One expert matrix for its kernel, quantized first if the load asks.
+    fn weight(&self, t: Tensor) -> Result<LinearWeight, ModelError> {
+        Ok(LinearWeight::prepare(
+            quantized(t, self.quantize)?,
+            self.int8,
+        )?)
+    }
+
     /// Every expert's `shard` of the intermediate (`None` when empty).
     fn prepare_share(&self, shard: Shard, names: [&str; 3]) -> Result<Option<Experts>, ModelError> {
         let Some(d0) = self.down.first() else {
             return Ok(None);
         };
         let ff = d0.shape()[1];
-        let cols = shard.cols(ff, d0.dtype().block_size());
+        let cols = shard.cols(ff, block_after(d0, self.quantize));
         if cols.is_empty() {
             return Ok(None);
         }
-        let prep = |t: Tensor| Ok::<_, ModelError>(LinearWeight::prepare(t, self.int8)?);
+        let prep = |t: Tensor| self.weight(t);
         let rows = |v: &[Tensor]| -> Result<Vec<LinearWeight>, ModelError> {
             v.iter().map(|t| prep(t.row_range(cols.clone())?)).collect()
         };
@@ -236,6 +246,7 @@ impl MoeFfn {
             up: tensors(&names.up, e.ff, h)?,
             down: tensors(&names.down, h, e.ff)?,
             int8: ld.int8,
+            quantize: ld.quantize,
         };
         let bias = match ld.has(&names.bias) {
             true => Some(ld.raw_vector(&names.bias, ne)?),

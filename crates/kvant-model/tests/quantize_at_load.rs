@@ -1,0 +1,99 @@
+//! Quantization at load (`LoadOptions::quantize`): a Hugging Face f32
+//! checkpoint quantized while loading runs the very weights that gguf-py's
+//! quantizer (ggml's reference rounding) writes into the GGUF fixtures made
+//! from it, so its logits match that GGUF's; and a mixture of experts
+//! quantizes its experts too.
+
+mod common;
+
+use common::{fixtures, open};
+use kvant_core::DType;
+use kvant_model::arch::decoder::{LoadOptions, Logits};
+
+fn logits(m: &kvant_model::arch::decoder::DecoderModel, prompt: &[u32]) -> Vec<f32> {
+    let mut cache = m.new_cache(prompt.len()).expect("cache");
+    m.forward(prompt, &mut cache, Logits::All).expect("forward")
+}
+
+const PROMPT: [u32; 9] = [1, 17, 203, 5, 99, 64, 250, 3, 42];
+
+/// The same bytes, the same kernels: the logits agree to f32 reassociation
+/// (the two loaders order q/k rows differently, which changes no value).
+#[test]
+fn hf_quantized_at_load_matches_the_gguf_of_the_same_weights() {
+    for (q, file) in [
+        (DType::Q8_0, "llama-gqa.Q8_0.gguf"),
+        (DType::Q4_0, "llama-gqa.Q4_0.gguf"),
+    ] {
+        for int8 in [false, true] {
+            let opts = LoadOptions {
+                int8_activations: int8,
+                ..LoadOptions::F32
+            };
+            let isq = open(
+                &fixtures().join("llama-gqa"),
+                LoadOptions {
+                    quantize: Some(q),
+                    ..opts
+                },
+            );
+            let gguf = open(&fixtures().join("gguf").join(file), opts);
+            let f32_model = open(&fixtures().join("llama-gqa"), opts);
+            let (a, b, exact) = (
+                logits(&isq, &PROMPT),
+                logits(&gguf, &PROMPT),
+                logits(&f32_model, &PROMPT),
+            );
+            let diff = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            let moved = a
+                .iter()
+                .zip(&exact)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff <= 1e-4,
+                "{q:?} int8 {int8}: ISQ vs GGUF differ by {diff}"
+            );
+            assert!(moved > 1e-4, "{q:?}: quantizing changed nothing ({moved})");
+        }
+    }
+}
+
+/// Experts are weight matrices like any other: a MoE checkpoint quantized
+/// at load keeps its greedy tokens close to the f32 model's and holds no
+/// f32 expert.
+#[test]
+fn moe_experts_quantize_too() {
+    let path = fixtures().join("mixtral-moe");
+    let f32_model = open(&path, LoadOptions::F32);
+    let q8 = open(
+        &path,
+        LoadOptions {
+            quantize: Some(DType::Q8_0),
+            ..LoadOptions::F32
+        },
+    );
+    let (a, b) = (logits(&q8, &PROMPT), logits(&f32_model, &PROMPT));
+    let scale = b.iter().map(|x| x.abs()).fold(0f32, f32::max);
+    let diff = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    // Q8_0 rounds each weight by at most half a step of max|block|/127:
+    // well under 5% of the logits' scale through two layers.
+    assert!(
+        diff > 0.0 && diff < 0.05 * scale,
+        "diff {diff}, scale {scale}"
+    );
+    assert!(
+        q8.total_weight_bytes() < f32_model.total_weight_bytes() / 3,
+        "{} vs {}",
+        q8.total_weight_bytes(),
+        f32_model.total_weight_bytes()
+    );
+}
