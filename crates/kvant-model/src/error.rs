@@ -18,6 +18,14 @@ pub enum ModelError {
     Kernel(#[from] kvant_kernels::KernelError),
     #[error(transparent)]
     Core(#[from] kvant_core::CoreError),
+    #[error("cannot quantize to {0:?}: kvant quantizes to Q8_0 and Q4_0")]
+    QuantizeTarget(kvant_core::DType),
+    #[error("writing {path}: {source}")]
+    Write {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("checkpoint has no tokenizer ({0} missing)")]
     MissingTokenizer(String),
     #[error("checkpoint lacks tensor `{0}`")]

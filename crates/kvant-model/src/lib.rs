@@ -9,6 +9,7 @@ pub mod gguf;
 pub mod hf;
 pub mod kv;
 pub mod load;
+pub mod quantize;
 pub mod tokenizer;
 
 pub use arch::decoder::{LoadOptions, MlaPrefill};

@@ -97,3 +97,61 @@ fn moe_experts_quantize_too() {
         f32_model.total_weight_bytes()
     );
 }
+
+/// `quantize_gguf` on the f32 GGUF fixture writes, tensor for tensor, the
+/// bytes gguf-py's quantizer wrote into the Q8_0 and Q4_0 fixtures of the
+/// same weights, with the file type set; the file loads.
+#[test]
+fn requantized_gguf_matches_gguf_py() {
+    use kvant_model::gguf::{GgufFile, Value};
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let src = fixtures().join("gguf/llama-gqa.F32.gguf");
+    for (q, file, ftype) in [
+        (DType::Q8_0, "llama-gqa.Q8_0.gguf", 7),
+        (DType::Q4_0, "llama-gqa.Q4_0.gguf", 2),
+    ] {
+        let dst = dir.path().join(file);
+        let mut calls = 0;
+        let report = kvant_model::quantize::quantize_gguf(&src, &dst, q, |_, _| calls += 1)
+            .expect("quantizes");
+        let (ours, theirs) = (
+            GgufFile::open(&dst).expect("reads"),
+            GgufFile::open(&fixtures().join("gguf").join(file)).expect("reads"),
+        );
+        assert_eq!(calls, ours.tensor_infos().len());
+        assert_eq!(
+            report.quantized,
+            theirs
+                .tensor_infos()
+                .iter()
+                .filter(|i| i.dtype == q)
+                .count()
+        );
+        for info in theirs.tensor_infos() {
+            let (a, b) = (
+                ours.tensor(&info.name).expect("tensor"),
+                theirs.tensor(&info.name).expect("tensor"),
+            );
+            assert_eq!(
+                (a.dtype(), a.shape()),
+                (b.dtype(), b.shape()),
+                "{}",
+                info.name
+            );
+            assert!(a.bytes() == b.bytes(), "{q:?} {}: bytes differ", info.name);
+        }
+        let ft = ours
+            .metadata()
+            .find(|(k, _)| *k == "general.file_type")
+            .map(|(_, v)| v.clone());
+        assert_eq!(ft, Some(Value::U32(ftype)));
+        open(&dst, LoadOptions::F32);
+    }
+    let e = kvant_model::quantize::quantize_gguf(
+        &src,
+        &dir.path().join("x.gguf"),
+        DType::Q4_K,
+        |_, _| {},
+    );
+    assert!(e.is_err());
+}

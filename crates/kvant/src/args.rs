@@ -94,6 +94,16 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).
     Serve(ServeArgs),
+    /// Write a GGUF with its float weight matrices quantized (as llama-quantize does for the
+    /// legacy types); to quantize a Hugging Face checkpoint, load it with --quantize instead.
+    Quantize {
+        /// The GGUF to read (F32, F16 or BF16 weights are quantized; others are copied).
+        input: PathBuf,
+        /// The GGUF to write.
+        output: PathBuf,
+        #[arg(long = "type", value_enum)]
+        kind: QuantizeArg,
+    },
 }
 
 #[derive(Args)]
@@ -150,6 +160,22 @@ pub enum QuantizeArg {
     Q4_0,
 }
 
+impl QuantizeArg {
+    pub fn dtype(self) -> kvant_core::DType {
+        match self {
+            QuantizeArg::Q8_0 => kvant_core::DType::Q8_0,
+            QuantizeArg::Q4_0 => kvant_core::DType::Q4_0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            QuantizeArg::Q8_0 => "q8_0",
+            QuantizeArg::Q4_0 => "q4_0",
+        }
+    }
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 pub enum MlaPrefillArg {
     Auto,
@@ -203,10 +229,7 @@ impl ModelArg {
                 Some(MlaPrefillArg::Absorbed) => kvant_model::MlaPrefill::Absorbed,
             },
             context_length: self.ctx_size.map(|n| n as usize),
-            quantize: self.quantize.map(|q| match q {
-                QuantizeArg::Q8_0 => kvant_core::DType::Q8_0,
-                QuantizeArg::Q4_0 => kvant_core::DType::Q4_0,
-            }),
+            quantize: self.quantize.map(QuantizeArg::dtype),
         }
     }
 }

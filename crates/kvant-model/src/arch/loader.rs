@@ -303,9 +303,7 @@ pub(crate) fn quantized(t: Tensor, to: Option<DType>) -> Result<Tensor, ModelErr
 /// quantizes it to `to`.
 pub(crate) fn block_after(t: &Tensor, to: Option<DType>) -> usize {
     match to {
-        Some(q) if matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) => {
-            q.block_size()
-        }
+        Some(q) if matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) => q.block_size(),
         _ => t.dtype().block_size(),
     }
 }

@@ -5,6 +5,7 @@ mod chat;
 mod generate;
 mod info;
 mod perplexity;
+mod quantize;
 mod serve;
 mod tokenize;
 
@@ -27,6 +28,11 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Detokenize { model, ids } => tokenize::detokenize(&model, &ids),
         Command::Perplexity(a) => perplexity::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Quantize {
+            input,
+            output,
+            kind,
+        } => quantize::run(&input, &output, kind),
         Command::Info { model, json } => info::run(&model, json),
         Command::Fetch => {
             println!("{}", fetch::ensure_default_model()?.display());
