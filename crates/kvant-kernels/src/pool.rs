@@ -311,7 +311,8 @@ fn wait_for_job(s: &Shared, seen: u64) -> u64 {
     loop {
         let g = s.generation.load(SeqCst);
         if g != seen {
-            let longer = (2 * limit).min(SPIN).max(MIN_SPIN);
+            // `limit` is never below MIN_SPIN: doubling only grows it.
+            let longer = (2 * limit).min(SPIN);
             s.spin.store(longer.as_nanos() as u64, Relaxed);
             return g;
         }
@@ -374,15 +375,7 @@ pub enum PoolError {
 /// [`PoolError::ZeroThreads`], or [`PoolError::AlreadyStarted`] when the
 /// pool already runs (on its own threads or a team).
 pub fn set_global_team(threads: usize, run: TeamRunner) -> Result<(), PoolError> {
-    if threads == 0 {
-        return Err(PoolError::ZeroThreads);
-    }
-    let mut fresh = Some(ThreadPool::on_team(threads, run));
-    let pool = GLOBAL.get_or_init(|| fresh.take().expect("set once"));
-    match fresh {
-        None => Ok(()),
-        Some(_) => Err(PoolError::AlreadyStarted(pool.threads())),
-    }
+    install(threads, || Ok(ThreadPool::on_team(threads, run)), false)
 }
 
 /// Starts the global pool with `threads` threads; call before any kernel.
@@ -391,12 +384,23 @@ pub fn set_global_team(threads: usize, run: TeamRunner) -> Result<(), PoolError>
 /// [`PoolError::ZeroThreads`], a failed thread start, or
 /// [`PoolError::AlreadyStarted`] when the pool already runs with another count.
 pub fn set_global_threads(threads: usize) -> Result<(), PoolError> {
+    install(threads, || Ok(ThreadPool::new(threads)?), true)
+}
+
+/// Makes `make()`'s pool the global one. If a pool already runs, that is
+/// fine only when `same_count_will_do` and it has `threads` threads.
+fn install(
+    threads: usize,
+    make: impl FnOnce() -> Result<ThreadPool, PoolError>,
+    same_count_will_do: bool,
+) -> Result<(), PoolError> {
     if threads == 0 {
         return Err(PoolError::ZeroThreads);
     }
-    let mut fresh = Some(ThreadPool::new(threads)?);
+    let mut fresh = Some(make()?);
     let pool = GLOBAL.get_or_init(|| fresh.take().expect("set once"));
-    match pool.threads() == threads {
+    let installed = fresh.is_none();
+    match installed || (same_count_will_do && pool.threads() == threads) {
         true => Ok(()),
         false => Err(PoolError::AlreadyStarted(pool.threads())),
     }

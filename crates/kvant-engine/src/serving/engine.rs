@@ -163,7 +163,7 @@ impl<'t> Engine<'t> {
             Ok(s) => s,
             Err(e) => {
                 self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
-                drop(InFlight(Arc::clone(&self.shared)));
+                self.shared.release_place();
                 sink(Event::Failed(e.to_string()));
                 return;
             }

@@ -28,13 +28,22 @@ pub(super) struct Shared {
     pub cache_tokens: usize,
 }
 
+impl Shared {
+    /// Gives back one accepted request's place in [`Shared::in_flight`].
+    pub fn release_place(&self) {
+        let n = &self.in_flight;
+        let _ = n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+    }
+}
+
 /// One accepted request's place in [`Shared::in_flight`], given back when
-/// its sequence is dropped, however it ends (finished, aborted, failed).
+/// dropped: the engine drops it just before the request's last event (a
+/// client that saw the end may submit again at once), and a sequence
+/// dropped any other way gives it back with it.
 pub(super) struct InFlight(pub Arc<Shared>);
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let n = &self.0.in_flight;
-        let _ = n.fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| v.checked_sub(1));
+        self.0.release_place();
     }
 }
