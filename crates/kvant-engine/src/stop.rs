@@ -56,9 +56,10 @@ impl StopMatcher {
     }
 }
 
-/// Length of the longest suffix of `text` that is a prefix of `stop`, on
-/// char boundaries.
-fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
+/// Length of the longest suffix of `text` that is a proper prefix of
+/// `stop`, on char boundaries: what a stream must hold back while it may
+/// still grow into `stop`.
+pub fn longest_suffix_prefix(text: &str, stop: &str) -> usize {
     let max = text.len().min(stop.len().saturating_sub(1));
     (1..=max)
         .rev()

@@ -7,9 +7,8 @@
 
 use crate::gguf::{GgufFile, GgufWriter, Value};
 use crate::ModelError;
-use kvant_core::dtype::QK;
 use kvant_core::{DType, Tensor};
-use kvant_kernels::quant::quantize_tensor;
+use kvant_kernels::quant::{quantizable, quantize_tensor};
 use std::path::Path;
 
 const FILE_TYPE_KEY: &str = "general.file_type";
@@ -39,10 +38,7 @@ fn file_type(to: DType) -> Result<u32, ModelError> {
 /// two dimensions of whole blocks, and not a router (llama.cpp keeps
 /// `ffn_gate_inp` in f32: rounding there flips expert choices).
 fn quantizes(name: &str, t: &Tensor) -> bool {
-    matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
-        && t.shape().len() >= 2
-        && t.row_len().is_multiple_of(QK)
-        && !name.contains("ffn_gate_inp")
+    quantizable(t) && t.shape().len() >= 2 && !name.contains("ffn_gate_inp")
 }
 
 /// Writes `src` with its weight matrices quantized to `to` (Q8_0 or Q4_0)
@@ -57,10 +53,13 @@ pub fn quantize_gguf(
     let ftype = file_type(to)?;
     let g = GgufFile::open(src)?;
     let mut w = GgufWriter::new();
-    let mut has_version = false;
+    let (mut has_file_type, mut has_version) = (false, false);
     for (k, v) in g.metadata() {
         match k {
-            FILE_TYPE_KEY => w.add(k, Value::U32(ftype))?,
+            FILE_TYPE_KEY => {
+                has_file_type = true;
+                w.add(k, Value::U32(ftype))?
+            }
             QUANT_VERSION_KEY => {
                 has_version = true;
                 w.add(k, Value::U32(QUANT_VERSION))?
@@ -68,7 +67,7 @@ pub fn quantize_gguf(
             _ => w.add(k, v.clone())?,
         }
     }
-    if !g.metadata().any(|(k, _)| k == FILE_TYPE_KEY) {
+    if !has_file_type {
         w.add(FILE_TYPE_KEY, Value::U32(ftype))?;
     }
     if !has_version {

@@ -18,6 +18,7 @@
 
 use crate::api::chat::{FunctionCall, ToolCall};
 use kvant_engine::grammar::{json_layout, Grammar};
+use kvant_engine::stop::longest_suffix_prefix;
 use serde_json::{json, Value};
 
 const HERMES_OPEN: &str = "<tool_call>";
@@ -220,13 +221,7 @@ impl ToolStream {
             ToolFormat::Hermes => match unsent.find(HERMES_OPEN) {
                 Some(at) => at,
                 // Hold back a tail that could still grow into the marker.
-                None => (1..HERMES_OPEN.len().min(unsent.len() + 1))
-                    .rev()
-                    .find(|&k| {
-                        unsent.is_char_boundary(unsent.len() - k)
-                            && HERMES_OPEN.starts_with(&unsent[unsent.len() - k..])
-                    })
-                    .map_or(unsent.len(), |k| unsent.len() - k),
+                None => unsent.len() - longest_suffix_prefix(unsent, HERMES_OPEN),
             },
             // Calls are the whole reply: hold everything while it may be
             // one, stream freely once it cannot.

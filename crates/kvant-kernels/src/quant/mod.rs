@@ -27,7 +27,7 @@ mod requantize;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
-pub use requantize::quantize_tensor;
+pub use requantize::{quantizable, quantize_tensor};
 
 use crate::cpu::{self, SimdTier};
 use crate::dot::dot_f32_with;

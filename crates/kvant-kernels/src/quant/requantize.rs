@@ -12,6 +12,13 @@ use std::sync::Mutex;
 const ROWS_PER_TASK: usize = 64;
 const OP: &str = "quantize_tensor";
 
+/// Whether [`quantize_tensor`] takes `t`: float elements and rows of whole
+/// 32-value blocks (what Q8_0 and Q4_0 store).
+pub fn quantizable(t: &Tensor) -> bool {
+    matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
+        && t.row_len().is_multiple_of(kvant_core::dtype::QK)
+}
+
 /// `t` (F32, F16 or BF16, rows a whole number of 32-value blocks) as a
 /// `to` tensor (Q8_0 or Q4_0), each row rounded as ggml's reference
 /// quantizer rounds it, so a weight quantized here is the bytes

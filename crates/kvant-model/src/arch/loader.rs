@@ -4,11 +4,10 @@
 use super::shard::Shard;
 use crate::checkpoint::Checkpoint;
 use crate::ModelError;
-use kvant_core::dtype::QK;
 use kvant_core::DType;
 use kvant_core::{CoreError, Tensor};
 use kvant_kernels::linear::{LinearInput, LinearWeight};
-use kvant_kernels::quant::{dequantize_row, quantize_tensor};
+use kvant_kernels::quant::{dequantize_row, quantizable, quantize_tensor};
 use std::ops::Range;
 
 /// A projection: a weight `[out, in]` prepared for its kernel and an optional bias.
@@ -288,13 +287,7 @@ pub(crate) fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
 /// whole blocks; otherwise `t` as stored.
 pub(crate) fn quantized(t: Tensor, to: Option<DType>) -> Result<Tensor, ModelError> {
     Ok(match to {
-        Some(q)
-            if matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16)
-                && t.shape().len() == 2
-                && t.row_len().is_multiple_of(QK) =>
-        {
-            quantize_tensor(&t, q)?
-        }
+        Some(q) if t.shape().len() == 2 && quantizable(&t) => quantize_tensor(&t, q)?,
         _ => t,
     })
 }

@@ -71,8 +71,8 @@ pub async fn handle(
         }
         None => {
             let (mut outputs, usage) = generation::collect(gen).await?;
-            if plan.best_of.is_some() {
-                outputs = best_of(outputs, plan.best_of.unwrap_or(plan.n), plan.n);
+            if let Some(per_prompt) = plan.best_of {
+                outputs = best_of(outputs, per_prompt, plan.n);
                 if !logprobs {
                     outputs.iter_mut().for_each(|o| o.logprobs.clear());
                 }

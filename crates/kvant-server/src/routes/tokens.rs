@@ -34,7 +34,7 @@ pub async fn tokenize(
     JsonObject(body): JsonObject,
 ) -> Result<Json<Value>, ApiError> {
     let f: TokenizeFields = fields(&body)?;
-    check_model(&state, f.model.as_deref())?;
+    validate::served_model(&state, f.model.as_deref())?;
     let (input, add_special) = match (f.prompt, f.messages) {
         (Some(p), None) => (PromptInput::Text(p), f.add_special_tokens.unwrap_or(true)),
         (None, Some(m)) => (
@@ -75,7 +75,7 @@ pub async fn detokenize(
     JsonObject(body): JsonObject,
 ) -> Result<Json<Value>, ApiError> {
     let f: DetokenizeFields = fields(&body)?;
-    check_model(&state, f.model.as_deref())?;
+    validate::served_model(&state, f.model.as_deref())?;
     let ids = f
         .tokens
         .ok_or_else(|| ApiError::bad_param("tokens", "`tokens` is required"))?;
@@ -84,11 +84,4 @@ pub async fn detokenize(
         .decode(&ids, false)
         .map_err(|e| ApiError::bad_param("tokens", e.to_string()))?;
     Ok(Json(json!({ "prompt": text })))
-}
-
-fn check_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != state.config().model_name => Err(ApiError::model_not_found(m)),
-        _ => Ok(()),
-    }
 }

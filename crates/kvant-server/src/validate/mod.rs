@@ -71,11 +71,7 @@ pub struct StreamPlan {
 
 /// Checks the fields both endpoints share.
 pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
-    if let Some(m) = &c.model {
-        if *m != state.config().model_name {
-            return Err(ApiError::model_not_found(m));
-        }
-    }
+    served_model(state, c.model.as_deref())?;
     let grammar = format::parse(&mut c)?;
     let stream = match (c.stream.unwrap_or(false), c.stream_options) {
         (true, opts) => Some(StreamPlan {
@@ -214,6 +210,14 @@ fn logit_bias(map: Option<Map<String, Value>>) -> Result<Vec<(u32, f32)>, ApiErr
             }
         })
         .collect()
+}
+
+/// A request's `model`: absent, or the name this server serves.
+pub fn served_model(state: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    match model {
+        Some(m) if m != state.config().model_name => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
 }
 
 /// `value` (or `default` when absent) as f32, if `ok` accepts it.
