@@ -2,13 +2,14 @@
 
 Run through run.sh, like test_openai_client.py: a chat model that invokes and
 streams, a completion model whose batch() sends one request with a list of
-prompts, and structured output through OpenAI's json_schema response format.
+prompts, structured output through OpenAI's json_schema response format, and
+embeddings of documents and queries.
 """
 
 import os
 
 import pydantic
-from langchain_openai import ChatOpenAI, OpenAI
+from langchain_openai import ChatOpenAI, OpenAI, OpenAIEmbeddings
 
 BASE_URL = os.environ["KVANT_BASE_URL"]
 API_KEY = os.environ["KVANT_API_KEY"]
@@ -45,3 +46,13 @@ def test_structured_output_parses():
     for _ in range(3):
         pet = llm.invoke("Invent a pet.")
         assert isinstance(pet, Pet)
+
+
+def test_embeddings_documents_and_query():
+    # Without the context-length check, which tokenizes with tiktoken (a
+    # download) and sends token ids of OpenAI's vocabulary.
+    emb = OpenAIEmbeddings(base_url=BASE_URL, api_key=API_KEY, model=MODEL, max_retries=0,
+                           check_embedding_ctx_length=False)
+    docs = emb.embed_documents(["The quick brown fox", "Once upon a time"])
+    assert len(docs) == 2 and len(docs[0]) == len(docs[1]) > 0
+    assert emb.embed_query("Once upon a time") == docs[1]

@@ -291,3 +291,23 @@ def test_prompt_list_echo_best_of_and_logit_bias(client):
     assert len(ids) == 1
     forced = complete(client, max_tokens=3, logit_bias={str(ids[0]): 100})
     assert forced.choices[0].text == "aaa"
+
+
+def test_embeddings(client):
+    """The client asks for base64 unless told otherwise; both carry the same
+    unit-length vectors, in input order, with the prompt tokens as usage."""
+    texts = ["The quick brown fox", "jumps over the lazy dog", PROMPT]
+    default = client.embeddings.create(model=MODEL, input=texts)
+    floats = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    assert [d.index for d in default.data] == [0, 1, 2]
+    for a, b in zip(default.data, floats.data):
+        assert a.embedding == pytest.approx(b.embedding, abs=1e-7)
+        assert sum(x * x for x in b.embedding) == pytest.approx(1.0, abs=1e-4)
+    assert floats.data[0].embedding == floats.data[2].embedding
+    assert floats.data[0].embedding != floats.data[1].embedding
+    assert floats.usage.prompt_tokens == floats.usage.total_tokens > 0
+    one = client.embeddings.create(model=MODEL, input=texts[1], encoding_format="float")
+    assert one.data[0].embedding == floats.data[1].embedding
+    with pytest.raises(openai.BadRequestError) as e:
+        client.embeddings.create(model=MODEL, input="")
+    assert e.value.body["param"] == "input"

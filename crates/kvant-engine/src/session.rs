@@ -315,5 +315,8 @@ fn sample(sampler: &mut Sampler, row: Row, history: &[u32]) -> Result<u32, Engin
     match row {
         Row::Logits(mut l) => Ok(sampler.sample(&mut l, history)?),
         Row::Argmax(t) => Ok(t.ok_or(SamplingError::NoFiniteLogit)?),
+        Row::Hidden(_) => Err(EngineError::Config(
+            "hidden states where a logits row was asked for".into(),
+        )),
     }
 }

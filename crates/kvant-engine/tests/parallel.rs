@@ -155,7 +155,7 @@ fn trace(model: &DecoderModel, cluster: Option<&Cluster>) -> Trace {
     };
     let full = |r: Row| match r {
         Row::Logits(l) => l,
-        Row::Argmax(_) => panic!("asked for a whole row"),
+        Row::Argmax(_) | Row::Hidden(_) => panic!("asked for a whole row"),
     };
     let mut rows = Vec::new();
     for chunk in [&p[..6], &p[6..]] {
@@ -555,6 +555,80 @@ fn serving_over_ranks_matches_one_process() {
             assert_eq!(m.requests_finished, 16);
             assert!(m.preemptions > 0, "{name}: the small pools should preempt");
             assert_eq!(m.expert_rebalances > 0, rebalance.is_some(), "{name}");
+            h.shutdown(Shutdown::Drain);
+            t.join().expect("engine stops");
+        });
+    }
+}
+
+/// Embedding requests over ranks, batched with generation on a crowded
+/// engine: the group's first rank sends each prompt's hidden states. Data
+/// and expert parallelism give the bits one process gives; tensor
+/// parallelism in f32 reorders sums only (within [`TP_F32_TOL`] of the
+/// largest value).
+#[test]
+fn embeddings_over_ranks_match_one_process() {
+    use kvant_engine::serving::{Event, Pooling};
+    let embed = |h: &EngineHandle, ids: Vec<u32>, pooling: Pooling| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        h.embed(ids, pooling, Box::new(move |e| tx.send(e).is_ok()))
+            .expect("accepted");
+        match rx.recv_timeout(Duration::from_secs(60)).expect("an event") {
+            Event::Embedding(v) => v,
+            e => panic!("expected an embedding, got {e:?}"),
+        }
+    };
+    let pooling = |i: usize| [Pooling::Mean, Pooling::Last, Pooling::First][i % 3];
+    for (name, opts, p, tol) in [
+        ("llama-gqa", f32_opts(), par(2, 1, 1, false), TP_F32_TOL),
+        ("deepseek-v3", f32_opts(), par(1, 2, 2, true), 0.0),
+        (
+            "gguf/llama-gqa.Q4_0.gguf",
+            int8_opts(),
+            par(1, 2, 1, false),
+            0.0,
+        ),
+    ] {
+        let m = load_with(&fixture(name), opts).expect("loads");
+        let reqs = requests(m.model.config().vocab);
+        let (h, t) = EngineHandle::start(
+            Arc::new(m.model),
+            Arc::new(m.tokenizer),
+            EngineConfig::default(),
+        )
+        .expect("engine");
+        let alone: Vec<Vec<f32>> = reqs
+            .iter()
+            .enumerate()
+            .map(|(i, r)| embed(&h, r.prompt_ids.clone(), pooling(i)))
+            .collect();
+        h.shutdown(Shutdown::Drain);
+        t.join().expect("engine stops");
+
+        with_rank0(name, opts, p, |c, tok| {
+            let (h, t) =
+                EngineHandle::start_on_cluster(Arc::clone(c), tok, crowded()).expect("engine");
+            // Generations alongside, so that hidden states and logits rows
+            // cross the ranks in the same steps.
+            let gens: Vec<_> = reqs.iter().map(|r| submit(&h, r.clone())).collect();
+            let scale = alone.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
+            for (i, r) in reqs.iter().enumerate() {
+                let got = embed(&h, r.prompt_ids.clone(), pooling(i));
+                assert!(!got.is_empty(), "{name} {p:?}: prompt {i}");
+                assert_eq!(got.len(), alone[i].len(), "{name} {p:?}: prompt {i}");
+                let worst = got
+                    .iter()
+                    .zip(&alone[i])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
+                match tol == 0.0 {
+                    true => assert_eq!(got, alone[i], "{name} {p:?}: prompt {i}"),
+                    false => assert!(worst <= tol * scale, "{name} {p:?}: {i}: {worst}"),
+                }
+            }
+            for rx in &gens {
+                collect(rx);
+            }
             h.shutdown(Shutdown::Drain);
             t.join().expect("engine stops");
         });

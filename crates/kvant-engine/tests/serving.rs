@@ -238,7 +238,7 @@ fn aborts_free_blocks_and_disturb_nobody() {
         match long.recv_timeout(Duration::from_secs(60)).unwrap() {
             Event::Finished { reason, .. } => break reason,
             Event::Token { .. } => continue,
-            Event::Failed(e) => panic!("{e}"),
+            e @ (Event::Failed(_) | Event::Embedding(_)) => panic!("{e:?}"),
         }
     };
     assert_eq!(aborted, FinishReason::Abort);
@@ -369,7 +369,7 @@ fn logprobs_and_stop_strings() {
                 n += 1;
             }
             Event::Finished { .. } => break,
-            Event::Failed(e) => panic!("{e}"),
+            e @ (Event::Failed(_) | Event::Embedding(_)) => panic!("{e:?}"),
         }
     }
     assert_eq!(n, 6);

@@ -47,6 +47,7 @@ fn tokens(rx: &Receiver<Event>) -> Vec<u32> {
             Event::Token { id, .. } => ids.push(id),
             Event::Finished { .. } => return ids,
             Event::Failed(e) => panic!("{e}"),
+            Event::Embedding(_) => panic!("an embedding for a generation request"),
         }
     }
 }

@@ -53,6 +53,14 @@ impl RequestStats {
         });
     }
 
+    /// An embeddings request's prompts, all of them.
+    pub fn prompts(&self, tokens: usize) {
+        self.with(|s| {
+            s.prompt_tokens += tokens;
+            s.finish.push("stop");
+        });
+    }
+
     /// One choice ended. The prompt is counted once, as in the response's usage.
     pub fn finished(&self, reason: FinishReason, usage: &Usage) {
         self.with(|s| {

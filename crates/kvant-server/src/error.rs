@@ -119,7 +119,7 @@ impl ApiError {
             SubmitError::EmptyPrompt | SubmitError::TokenOutOfRange { .. } => {
                 Self::bad_param(prompt_param, msg)
             }
-            SubmitError::PromptTooLong { .. } => {
+            SubmitError::PromptTooLong { .. } | SubmitError::PromptBeyondCache { .. } => {
                 Self::bad_param(prompt_param, msg).with_code("context_length_exceeded")
             }
             SubmitError::NoTokens | SubmitError::BeyondCache { .. } => {

@@ -39,10 +39,29 @@ struct PromptUsage {
 }
 
 /// Aborts the engine requests it holds when dropped, unless disarmed.
-struct AbortGuard {
+pub(crate) struct AbortGuard {
     engine: EngineHandle,
     ids: Vec<RequestId>,
     armed: bool,
+}
+
+impl AbortGuard {
+    pub fn new(engine: EngineHandle) -> Self {
+        AbortGuard {
+            engine,
+            ids: Vec::new(),
+            armed: true,
+        }
+    }
+
+    pub fn push(&mut self, id: RequestId) {
+        self.ids.push(id);
+    }
+
+    /// Every request has finished: nothing is left to abort.
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
 }
 
 impl Drop for AbortGuard {
@@ -77,11 +96,7 @@ pub fn start(
     };
     let seed = plan.seed.unwrap_or_else(rand::random);
     let (tx, events) = unbounded_channel();
-    let mut guard = AbortGuard {
-        engine: engine.clone(),
-        ids: Vec::with_capacity(prompts.len() * per_prompt),
-        armed: true,
-    };
+    let mut guard = AbortGuard::new(engine.clone());
     let n_prompts = prompts.len();
     for (p, prompt_ids) in prompts.into_iter().enumerate() {
         let max_tokens = plan.max_tokens.unwrap_or_else(|| {
@@ -113,7 +128,7 @@ pub fn start(
             let id = engine
                 .submit(req, sink)
                 .map_err(|e| ApiError::from_submit(e, prompt_param))?;
-            guard.ids.push(id);
+            guard.push(id);
         }
     }
     Ok(Generation {
@@ -161,7 +176,7 @@ impl Generation {
 
     /// Every choice has finished: nothing is left to abort.
     pub fn disarm(&mut self) {
-        self.guard.armed = false;
+        self.guard.disarm();
     }
 }
 
@@ -207,6 +222,8 @@ pub async fn collect(mut gen: Generation) -> Result<(Vec<ChoiceOutput>, Usage), 
                 }
             }
             Event::Failed(msg) => return Err(ApiError::internal(msg)),
+            // Generations never embed.
+            Event::Embedding(_) => {}
         }
     }
     gen.disarm();

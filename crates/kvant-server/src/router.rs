@@ -1,7 +1,7 @@
-//! The routes, the API-key layer on `/v1/*`, `/tokenize` and `/detokenize`, and OpenAI-style answers for
-//! unknown paths and methods.
+//! The routes, the API-key layer on `/v1/*`, `/tokenize` and `/detokenize`, and OpenAI-style
+//! answers for unknown paths and methods.
 
-use crate::routes::{chat, completions, models, ops, tokens};
+use crate::routes::{chat, completions, embeddings, models, ops, tokens};
 use crate::state::AppState;
 use crate::{access_log, auth};
 use axum::extract::DefaultBodyLimit;
@@ -18,6 +18,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()
         .route("/v1/completions", post(completions::handle))
         .route("/v1/chat/completions", post(chat::handle))
+        .route("/v1/embeddings", post(embeddings::handle))
         .route("/v1/models", get(models::list))
         .route("/v1/models/{id}", get(models::get))
         .route("/tokenize", post(tokens::tokenize))

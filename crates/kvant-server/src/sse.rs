@@ -130,6 +130,8 @@ impl<W: ChunkWriter> EventStream<W> {
                     }
                 }
                 Some((_, Event::Failed(msg))) => self.fail(&ApiError::internal(msg)),
+                // Generations never embed.
+                Some((_, Event::Embedding(_))) => {}
                 None => self.fail(&ApiError::internal(
                     "the engine stopped before the response finished",
                 )),

@@ -3,7 +3,7 @@
 
 use crate::constrain::GrammarTables;
 use crate::cors::AllowedOrigins;
-use kvant_engine::serving::{EngineConfig, EngineHandle};
+use kvant_engine::serving::{EngineConfig, EngineHandle, Pooling};
 use kvant_model::chat::ChatTemplate;
 use kvant_model::tokenizer::Tokenizer;
 use std::sync::Arc;
@@ -24,6 +24,8 @@ pub struct ServerConfig {
     pub parse_special_in_content: bool,
     /// Browser origins answered with CORS headers; `None`: none.
     pub allowed_origins: Option<AllowedOrigins>,
+    /// How `/v1/embeddings` pools a prompt's hidden states.
+    pub pooling: Pooling,
 }
 
 impl ServerConfig {
@@ -34,6 +36,7 @@ impl ServerConfig {
             shutdown_grace: Duration::from_secs(10),
             parse_special_in_content: false,
             allowed_origins: None,
+            pooling: Pooling::Last,
         }
     }
 }

@@ -516,6 +516,18 @@ pub struct ServeArgs {
     /// aborts at warn), as text or one JSON object per line.
     #[arg(long, value_enum, default_value = "text")]
     pub log_format: LogFormat,
+    /// How /v1/embeddings pools a prompt's hidden states (after the final norm; vectors are
+    /// scaled to unit length): the last token's, as decoder embedding models (e5-mistral,
+    /// gte-Qwen, Qwen3-Embedding) are trained; the mean over tokens; or the first token's.
+    #[arg(long, value_enum, default_value = "last")]
+    pub pooling: PoolingArg,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+pub enum PoolingArg {
+    Last,
+    Mean,
+    Cls,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]

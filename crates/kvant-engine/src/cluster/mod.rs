@@ -35,6 +35,9 @@ pub enum Row {
     Logits(Vec<f32>),
     /// Only its argmax ([`Want::LastArgmax`]); `None` when no logit is finite.
     Argmax(Option<u32>),
+    /// A [`Want::Hidden`] sequence's hidden states, `[tokens, hidden]`:
+    /// one entry for the whole sequence.
+    Hidden(Vec<f32>),
 }
 
 /// Rank 0's side of a parallel run.
@@ -108,7 +111,8 @@ impl Cluster {
 
     /// One forward pass: `groups[d]` are data-parallel group `d`'s
     /// sequences (group 0's run on `pool`, rank 0's; the others' on their
-    /// ranks' pools). Returns each group's logits rows in order.
+    /// ranks' pools). Returns each group's rows in order: its logits
+    /// rows, and one [`Row::Hidden`] per [`Want::Hidden`] sequence.
     ///
     /// # Errors
     /// A communication error (a lost rank), or the model's.
@@ -140,8 +144,8 @@ impl Cluster {
             .iter()
             .map(|g| g.iter().map(|(s, w)| (*w, s.tokens.len())).collect())
             .collect();
-        let (logits, _) = self.model.forward_step(pool, &mine, Some(overlap))?;
-        exchange_rows(&self.model, &wants, &logits)?
+        let (logits, hidden) = self.model.forward_step(pool, &mine, Some(overlap))?;
+        exchange_rows(&self.model, &wants, &logits, &hidden)?
             .ok_or_else(|| EngineError::Config("rank 0 received no logits".into()))
     }
 
@@ -222,8 +226,8 @@ pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
                     .get(dp)
                     .map(|g| g.iter().map(SeqPlan::step).collect())
                     .unwrap_or_default();
-                let (logits, _) = model.forward_step(pool, &mine, Some(overlap))?;
-                exchange_rows(model, &wants, &logits)?;
+                let (logits, hidden) = model.forward_step(pool, &mine, Some(overlap))?;
+                exchange_rows(model, &wants, &logits, &hidden)?;
             }
         }
     }
@@ -231,12 +235,15 @@ pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
 
 /// Sends rank 0 this rank's share of the step's logits rows, and on rank 0
 /// assembles every group's: the tensor-parallel ranks of a group hold
-/// vocabulary slices in order; replicas stay silent. `local` is this
-/// rank's `[rows, slice]` from the forward pass.
+/// vocabulary slices in order; replicas stay silent. Hidden states are
+/// whole on every rank of a group: its first rank sends them. `local` is
+/// this rank's `[rows, slice]` from the forward pass, `hidden` its hidden
+/// states.
 fn exchange_rows(
     model: &DecoderModel,
     wants: &[Vec<(Want, usize)>],
     local: &[f32],
+    hidden: &[f32],
 ) -> Result<Option<Vec<Vec<Row>>>, EngineError> {
     let Some(par) = model.parallel() else {
         return Err(EngineError::Config(
@@ -245,8 +252,11 @@ fn exchange_rows(
     };
     let layout = par.layout;
     let vocab = model.config().vocab;
+    let h = model.config().hidden;
     let slice = |rank: usize| split_even(vocab, layout.tp, layout.coords(rank).tp);
-    // Words rank `q` sends: per row, its slice or one (value, id) pair.
+    let reports_hidden = |q: usize| layout.group_leader(layout.coords(q).dp) == q;
+    // Words rank `q` sends: per row, its slice or one (value, id) pair;
+    // per hidden sequence, its rows (the group's first rank).
     let words_of = |q: usize| -> usize {
         if !layout.reports_logits(q) {
             return 0;
@@ -256,6 +266,7 @@ fn exchange_rows(
             .iter()
             .map(|&(w, n)| match w {
                 Want::LastArgmax => 2,
+                Want::Hidden if reports_hidden(q) => n * h,
                 w => w.rows(n) * slice(q).len(),
             })
             .sum()
@@ -266,7 +277,16 @@ fn exchange_rows(
         let width = slice(rank).len();
         let base = slice(rank).start as u32;
         let mut rows = local.chunks_exact(width.max(1));
+        let mut hidden_at = 0;
         for &(w, n) in &wants[par.coords.dp] {
+            let at = hidden_at * h;
+            hidden_at += w.logits().hidden_rows(n);
+            if w == Want::Hidden && reports_hidden(rank) {
+                let part = hidden.get(at..at + n * h).ok_or_else(|| {
+                    EngineError::Config("the forward pass returned too few hidden rows".into())
+                })?;
+                send.extend(part.iter().map(|v| v.to_bits()));
+            }
             for _ in 0..w.rows(n) {
                 let row = rows.next().ok_or_else(|| {
                     EngineError::Config("the forward pass returned too few rows".into())
@@ -311,6 +331,13 @@ fn exchange_rows(
         let mut cursor = vec![0usize; reporters.len()];
         let mut rows = Vec::new();
         for &(want, n) in seqs {
+            if want == Want::Hidden {
+                let part = &from[reporters[0]][cursor[0]..cursor[0] + n * h];
+                cursor[0] += n * h;
+                rows.push(Row::Hidden(
+                    part.iter().map(|&b| f32::from_bits(b)).collect(),
+                ));
+            }
             for _ in 0..want.rows(n) {
                 if want == Want::LastArgmax {
                     // The best over the slices; ties to the lower id, as

@@ -16,6 +16,9 @@ pub enum Want {
     LastArgmax,
     /// Every token's row, in full (perplexity).
     All,
+    /// No logits: every token's hidden state after the final norm, from
+    /// the group's first rank (an embedding's prompt).
+    Hidden,
 }
 
 impl Want {
@@ -25,13 +28,20 @@ impl Want {
             Want::Last => 1,
             Want::LastArgmax => 2,
             Want::All => 3,
+            Want::Hidden => 4,
         }
     }
 
     fn from_code(c: u32) -> Option<Want> {
-        [Want::None, Want::Last, Want::LastArgmax, Want::All]
-            .into_iter()
-            .find(|w| w.code() == c)
+        [
+            Want::None,
+            Want::Last,
+            Want::LastArgmax,
+            Want::All,
+            Want::Hidden,
+        ]
+        .into_iter()
+        .find(|w| w.code() == c)
     }
 
     /// What the model computes for it.
@@ -40,16 +50,13 @@ impl Want {
             Want::None => Logits::None,
             Want::Last | Want::LastArgmax => Logits::Last,
             Want::All => Logits::All,
+            Want::Hidden => Logits::Hidden,
         }
     }
 
     /// Logits rows of a sequence of `tokens` tokens.
     pub fn rows(self, tokens: usize) -> usize {
-        match self {
-            Want::None => 0,
-            Want::Last | Want::LastArgmax => 1,
-            Want::All => tokens,
-        }
+        self.logits().rows(tokens)
     }
 }
 
@@ -240,6 +247,12 @@ mod tests {
                         want: Want::LastArgmax,
                     },
                 ],
+                vec![SeqPlan {
+                    tokens: vec![1, 2],
+                    pos0: 4,
+                    table: vec![7],
+                    want: Want::Hidden,
+                }],
                 vec![],
             ],
         };

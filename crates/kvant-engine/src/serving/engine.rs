@@ -16,6 +16,7 @@
 
 use super::blocks::BlockManager;
 use super::config::{EngineConfig, Rebalance};
+use super::embedding::{Pooled, Pooling};
 use super::logprobs::token_logprob;
 use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
@@ -84,6 +85,31 @@ impl Rows {
             Rows::Groups(gs) => match gs.get_mut(g)?.get_mut(i)? {
                 Row::Logits(l) => Some(RowRef::Logits(l)),
                 Row::Argmax(t) => Some(RowRef::Argmax(*t)),
+                Row::Hidden(_) => None,
+            },
+        }
+    }
+
+    /// Entries a step of `n` tokens takes in a group's rows: its logits
+    /// rows (in one process, what the model computed; over ranks, what
+    /// rank 0 asked for), and over ranks one for a sequence's hidden
+    /// states.
+    fn taken(&self, want: Want, logits: Logits, n: usize) -> usize {
+        match (self, want) {
+            (Rows::Local(_), _) => logits.rows(n),
+            (Rows::Groups(_), Want::Hidden) => 1,
+            (Rows::Groups(_), _) => want.rows(n),
+        }
+    }
+
+    /// A [`Want::Hidden`] sequence's hidden states: over ranks its entry
+    /// `i` of group `g`, in one process `local[at..]`.
+    fn hidden<'a>(&'a self, g: usize, i: usize, local: &'a [f32], at: usize) -> &'a [f32] {
+        match self {
+            Rows::Local(_) => local.get(at..).unwrap_or(&[]),
+            Rows::Groups(gs) => match gs.get(g).and_then(|r| r.get(i)) {
+                Some(Row::Hidden(h)) => h,
+                _ => &[],
             },
         }
     }
@@ -157,8 +183,14 @@ impl<'t> Engine<'t> {
         !self.waiting.is_empty() || self.groups.iter().any(|g| !g.running.is_empty())
     }
 
-    /// Queues a validated request.
-    pub fn add(&mut self, id: RequestId, req: EngineRequest, mut sink: EventSink) {
+    /// Queues a validated request; with `embed`, an embedding of its prompt.
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        req: EngineRequest,
+        embed: Option<Pooling>,
+        mut sink: EventSink,
+    ) {
         let sampler = match Sampler::new(req.sampling.clone()) {
             Ok(s) => s,
             Err(e) => {
@@ -184,11 +216,12 @@ impl<'t> Engine<'t> {
             closed: false,
             arrived: Instant::now(),
             last_token: None,
-            mtp: self.spec.is_some().then(MtpState::default),
+            mtp: (self.spec.is_some() && embed.is_none()).then(MtpState::default),
             draft: None,
             state: None,
             restore: None,
             in_flight: Some(InFlight(Arc::clone(&self.shared))),
+            embed: embed.map(Pooled::new),
         });
     }
 
@@ -300,6 +333,21 @@ impl<'t> Engine<'t> {
                         let s = &g.running[p.seq];
                         let end = s.computed + p.n;
                         let last = end == s.tokens.len();
+                        if let Some(e) = &s.embed {
+                            let reads = e.pooling().reads(s.computed, end, s.prompt_len);
+                            let (logits, want) = match reads {
+                                true => (Logits::Hidden, Want::Hidden),
+                                false => (Logits::None, Want::None),
+                            };
+                            let step = SeqStep {
+                                tokens: &s.tokens[s.computed..end],
+                                pos0: s.computed,
+                                table: &s.blocks,
+                                logits,
+                                state: s.state.unwrap_or(0),
+                            };
+                            return (step, want);
+                        }
                         let (tokens, logits) = match v {
                             Some(pair) => (&pair[..], Logits::All),
                             None => (
@@ -336,17 +384,19 @@ impl<'t> Engine<'t> {
                     .collect()
             })
             .collect();
-        let logit_rows: Vec<Vec<usize>> = steps
+        // Each step's want, logits and tokens, and its rows of this
+        // process's hidden states.
+        let wants: Vec<Vec<(Want, Logits, usize)>> = steps
             .iter()
             .map(|g| {
                 g.iter()
-                    .map(|(s, _)| match s.logits {
-                        Logits::All => s.tokens.len(),
-                        Logits::Last | Logits::LastAndHidden => 1,
-                        Logits::None | Logits::Hidden => 0,
-                    })
+                    .map(|(s, w)| (*w, s.logits, s.tokens.len()))
                     .collect()
             })
+            .collect();
+        let hidden_rows: Vec<usize> = steps[0]
+            .iter()
+            .map(|(s, _)| s.logits.hidden_rows(s.tokens.len()))
             .collect();
         // Only steps of nothing but decodes measure the speculation policy.
         let decode_only = plans
@@ -398,16 +448,43 @@ impl<'t> Engine<'t> {
         for (g, (plan, verify)) in plans.iter().zip(&verify).enumerate() {
             let mut done = Vec::new();
             let mut row = 0;
-            for ((p, v), &rows) in plan.iter().zip(verify).zip(&logit_rows[g]) {
+            for (k, ((p, v), &(want, step_logits, n))) in
+                plan.iter().zip(verify).zip(&wants[g]).enumerate()
+            {
                 let group = &mut self.groups[g];
                 let s = &mut group.running[p.seq];
+                // This process's hidden rows (group 0 only over ranks).
+                let hn = match g {
+                    0 => hidden_rows.get(k).copied().unwrap_or(0),
+                    _ => 0,
+                };
+                let at = hrow * h;
+                hrow += hn;
+                let first = row;
+                row += logits.taken(want, step_logits, n);
+                if let Some(e) = &mut s.embed {
+                    if want == Want::Hidden {
+                        let rows = logits.hidden(g, first, &hidden, at);
+                        let rows = rows.get(..n * h).unwrap_or(rows);
+                        e.push(rows, h, s.computed, s.computed + n, s.prompt_len);
+                    }
+                    s.computed += p.n;
+                    s.register_full_blocks(&mut group.blocks);
+                    keep_snapshot(
+                        s,
+                        &mut self.states,
+                        &mut self.pool,
+                        group.blocks.block_size(),
+                    );
+                    if s.computed >= s.prompt_len {
+                        done.push((p.seq, FinishReason::Stop));
+                    }
+                    continue;
+                }
                 let hid = match mtp {
-                    true => &hidden[hrow * h..(hrow + p.n) * h],
+                    true => hidden.get(at..at + hn * h).unwrap_or(&[]),
                     false => &[][..],
                 };
-                hrow += p.n * usize::from(mtp);
-                let first = row;
-                row += rows;
                 s.draft = None;
                 let Some([_, draft]) = *v else {
                     s.computed += p.n;
@@ -421,7 +498,7 @@ impl<'t> Engine<'t> {
                         &mut self.pool,
                         group.blocks.block_size(),
                     );
-                    if rows == 0 {
+                    if row == first {
                         continue;
                     }
                     produced += 1;
@@ -528,6 +605,11 @@ impl<'t> Engine<'t> {
     /// Releases a sequence's blocks (in group `g`; a waiting one has
     /// none) and sends its last event.
     fn finish(&mut self, g: usize, mut s: Sequence<'t>, mut reason: FinishReason) {
+        // Before the blocks go: releasing them restarts the pooling.
+        let embedding = match (&s.embed, reason) {
+            (Some(e), FinishReason::Stop) => Some(e.finish()),
+            _ => None,
+        };
         s.release_blocks(&mut self.groups[g].blocks);
         s.in_flight = None;
         if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
@@ -558,6 +640,11 @@ impl<'t> Engine<'t> {
         // Counters first, so a client that sees its last event sees them.
         self.publish();
         if !s.closed {
+            if let Some(v) = embedding {
+                if !(s.sink)(Event::Embedding(v)) {
+                    return;
+                }
+            }
             (s.sink)(Event::Finished {
                 reason,
                 text,

@@ -7,13 +7,14 @@
 //! is refused before it reaches the engine and never disturbs other work.
 
 use super::config::EngineConfig;
+use super::embedding::Pooling;
 use super::engine::Engine;
 use super::metrics::{Metrics, MetricsSnapshot};
 use super::request::{EngineRequest, EventSink, RequestId, MAX_TOP_LOGPROBS};
 use super::shared::Shared;
 use crate::cluster::Cluster;
 use crate::error::EngineError;
-use crate::sampling::SamplingError;
+use crate::sampling::{SamplingError, SamplingParams};
 use kvant_model::arch::decoder::DecoderModel;
 use kvant_model::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -39,6 +40,8 @@ pub enum SubmitError {
     },
     #[error("the prompt plus max_tokens needs {needed} KV tokens, but the cache holds {capacity}")]
     BeyondCache { needed: usize, capacity: usize },
+    #[error("the prompt has {prompt} tokens, but the KV cache holds {capacity}")]
+    PromptBeyondCache { prompt: usize, capacity: usize },
     #[error("top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {0}")]
     TooManyLogprobs(usize),
     #[error("token id {id} is outside the vocabulary of {vocab}")]
@@ -65,7 +68,8 @@ pub enum Shutdown {
 }
 
 pub(super) enum Command {
-    Submit(RequestId, Box<EngineRequest>, EventSink),
+    /// A request; with a pooling, an embedding of its prompt.
+    Submit(RequestId, Box<EngineRequest>, Option<Pooling>, EventSink),
     Abort(RequestId),
     Shutdown(Shutdown),
 }
@@ -164,6 +168,7 @@ impl EngineHandle {
             context: model.config().max_context,
             vocab: model.config().vocab,
             cache_tokens: cfg.kv_blocks * cfg.block_size,
+            hidden: model.config().hidden,
         });
         let pool = match &cluster {
             Some(c) => c.pool(cfg.block_size, cfg.kv_blocks)?,
@@ -187,16 +192,8 @@ impl EngineHandle {
     /// Validates and queues a request; its events go to `sink`.
     pub fn submit(&self, req: EngineRequest, sink: EventSink) -> Result<RequestId, SubmitError> {
         let s = &self.shared;
-        if s.closed.load(Ordering::Acquire) {
-            return Err(SubmitError::ShuttingDown);
-        }
+        self.check_prompt(&req.prompt_ids)?;
         let prompt = req.prompt_ids.len();
-        if prompt == 0 {
-            return Err(SubmitError::EmptyPrompt);
-        }
-        if let Some(&id) = req.prompt_ids.iter().find(|&&id| id as usize >= s.vocab) {
-            return Err(SubmitError::TokenOutOfRange { id, vocab: s.vocab });
-        }
         if let Some(&(id, _)) = req
             .logit_bias
             .iter()
@@ -230,6 +227,72 @@ impl EngineHandle {
             return Err(SubmitError::TooManyLogprobs(n));
         }
         req.sampling.validate()?;
+        self.queue(req, None, sink)
+    }
+
+    /// Validates and queues an embedding of `prompt_ids`: the model's
+    /// hidden states after the final norm, pooled as `pooling` says, come
+    /// back as one [`super::Event::Embedding`] (not normalized), then
+    /// `Finished` with the prompt's usage. It runs batched with generation
+    /// and never reuses cached prefixes.
+    pub fn embed(
+        &self,
+        prompt_ids: Vec<u32>,
+        pooling: Pooling,
+        sink: EventSink,
+    ) -> Result<RequestId, SubmitError> {
+        let s = &self.shared;
+        self.check_prompt(&prompt_ids)?;
+        let prompt = prompt_ids.len();
+        if prompt > s.context {
+            return Err(SubmitError::PromptTooLong {
+                prompt,
+                context: s.context,
+            });
+        }
+        if prompt > s.cache_tokens {
+            return Err(SubmitError::PromptBeyondCache {
+                prompt,
+                capacity: s.cache_tokens,
+            });
+        }
+        let req = EngineRequest {
+            prompt_ids,
+            max_tokens: 0,
+            sampling: SamplingParams::greedy(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            constraint: None,
+            logit_bias: Vec::new(),
+        };
+        self.queue(req, Some(pooling), sink)
+    }
+
+    /// Refuses a closed engine, an empty prompt and ids outside the
+    /// vocabulary.
+    fn check_prompt(&self, ids: &[u32]) -> Result<(), SubmitError> {
+        let s = &self.shared;
+        if s.closed.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if ids.is_empty() {
+            return Err(SubmitError::EmptyPrompt);
+        }
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= s.vocab) {
+            return Err(SubmitError::TokenOutOfRange { id, vocab: s.vocab });
+        }
+        Ok(())
+    }
+
+    /// Reserves a place for a validated request and sends it to the engine.
+    fn queue(
+        &self,
+        req: EngineRequest,
+        embed: Option<Pooling>,
+        sink: EventSink,
+    ) -> Result<RequestId, SubmitError> {
+        let s = &self.shared;
         // Reserve a place; the sequence gives it back when it ends (its
         // `InFlight`), the engine the waiting count on admission.
         let reserved = s
@@ -244,7 +307,7 @@ impl EngineHandle {
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         if self
             .tx
-            .send(Command::Submit(id, Box::new(req), sink))
+            .send(Command::Submit(id, Box::new(req), embed, sink))
             .is_err()
         {
             s.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -284,6 +347,12 @@ impl EngineHandle {
     pub fn context_length(&self) -> usize {
         self.shared.context
     }
+
+    /// The length of an [`EngineHandle::embed`] vector: the model's hidden
+    /// size.
+    pub fn embedding_size(&self) -> usize {
+        self.shared.hidden
+    }
 }
 
 /// The engine thread's loop: apply commands, step while there is work,
@@ -319,7 +388,7 @@ fn run(engine: &mut Engine<'_>, rx: &Receiver<Command>) -> Result<(), EngineErro
             }
         };
         match cmd {
-            Some(Command::Submit(id, req, sink)) => engine.add(id, *req, sink),
+            Some(Command::Submit(id, req, embed, sink)) => engine.add(id, *req, embed, sink),
             Some(Command::Abort(id)) => engine.abort(id),
             Some(Command::Shutdown(mode)) => {
                 draining = true;

@@ -3,6 +3,7 @@
 
 mod blocks;
 mod config;
+mod embedding;
 mod engine;
 mod handle;
 mod logprobs;
@@ -14,6 +15,7 @@ mod shared;
 mod states;
 
 pub use config::{EngineConfig, Rebalance};
+pub use embedding::Pooling;
 pub use handle::{EngineHandle, EngineThread, Shutdown, SubmitError};
 pub use metrics::{Histogram, MetricsSnapshot, LATENCY_BUCKETS};
 pub use request::{

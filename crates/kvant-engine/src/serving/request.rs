@@ -44,7 +44,8 @@ pub struct TokenLogprob {
 pub type RequestId = u64;
 
 /// What the engine reports about one request, in order: any number of
-/// `Token`s, then exactly one `Finished` (or `Failed`).
+/// `Token`s (an embedding request: one `Embedding`), then exactly one
+/// `Finished` (or `Failed`).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Event {
     /// One generated token and the text it releases, which may be empty
@@ -54,6 +55,9 @@ pub enum Event {
         text: String,
         logprob: Option<TokenLogprob>,
     },
+    /// An embedding request's pooled hidden state (see
+    /// [`super::Pooling`]), not normalized: sent once, then `Finished`.
+    Embedding(Vec<f32>),
     Finished {
         reason: FinishReason,
         /// Text held back until the end (never part of a stop string).

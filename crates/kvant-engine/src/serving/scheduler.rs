@@ -11,7 +11,9 @@
 //! its blocks are released and it returns to the head of the queue, to be
 //! recomputed (its full blocks often still in the prefix cache). A waiting
 //! request whose prompt shares blocks with a prompt still being computed
-//! waits for them rather than computing them a second time.
+//! waits for them rather than computing them a second time. An embedding
+//! request needs every position's hidden state, so it takes no cached
+//! prefix (its blocks still go to the cache for later prompts).
 //!
 //! For a model with linear-attention layers, a cached prefix is usable
 //! only as deep as a state snapshot reaches (see `states.rs`), and prompt
@@ -119,7 +121,11 @@ pub(super) fn schedule<'t>(
     }
     while budget > 0 && running.len() < limits.max_running {
         let Some(s) = waiting.front_mut() else { break };
-        let mut hits = bm.lookup(&s.tokens);
+        // An embedding needs every position's hidden state: no reuse.
+        let mut hits = match s.embed {
+            Some(_) => Vec::new(),
+            None => bm.lookup(&s.tokens),
+        };
         // A hybrid model's prefix only as deep as a state snapshot.
         if let Some(st) = states {
             let usable = (0..=hits.len())
@@ -128,7 +134,10 @@ pub(super) fn schedule<'t>(
                 .unwrap_or(0);
             hits.truncate(usable);
         }
-        if bm.caches() && awaits_shared_prefill(s, hits.len(), running, bm.block_size()) {
+        if bm.caches()
+            && s.embed.is_none()
+            && awaits_shared_prefill(s, hits.len(), running, bm.block_size())
+        {
             // Strict FCFS: nobody overtakes it while it waits.
             break;
         }

@@ -3,6 +3,7 @@
 //! state of sampling and detokenization.
 
 use super::blocks::{BlockManager, ROOT};
+use super::embedding::Pooled;
 use super::request::{EngineRequest, Event, EventSink, RequestId};
 use super::shared::InFlight;
 use crate::sampling::Sampler;
@@ -47,6 +48,10 @@ pub(super) struct Sequence<'t> {
     /// event is sent (a client that saw it may submit at once), or when
     /// the sequence is dropped.
     pub in_flight: Option<InFlight>,
+    /// An embedding request: its prompt's pooling so far. It samples
+    /// nothing, ends when its prompt has run, and never starts from the
+    /// prefix cache (cached positions would give no hidden states).
+    pub embed: Option<Pooled>,
 }
 
 impl Sequence<'_> {
@@ -72,6 +77,9 @@ impl Sequence<'_> {
     pub fn restart_at(&mut self, computed: usize) {
         self.computed = computed;
         self.draft = None;
+        if let Some(e) = &mut self.embed {
+            e.reset();
+        }
         if let Some(m) = &mut self.mtp {
             *m = MtpState::starting_at(computed);
         }

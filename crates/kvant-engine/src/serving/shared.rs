@@ -21,11 +21,12 @@ pub(super) struct Shared {
     pub closed: AtomicBool,
     pub next_id: AtomicU64,
     /// The model's context length, vocabulary, the tokens the KV cache
-    /// holds, and the waiting requests allowed: what submissions are
-    /// checked against on the caller's thread.
+    /// holds: what submissions are checked against on the caller's
+    /// thread; and the model's hidden size (an embedding's length).
     pub context: usize,
     pub vocab: usize,
     pub cache_tokens: usize,
+    pub hidden: usize,
 }
 
 impl Shared {

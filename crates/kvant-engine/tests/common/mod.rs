@@ -34,6 +34,7 @@ pub fn collect(rx: &Receiver<Event>) -> (Vec<u32>, FinishReason, Usage) {
             Event::Token { id, .. } => ids.push(id),
             Event::Finished { reason, usage, .. } => return (ids, reason, usage),
             Event::Failed(e) => panic!("request failed: {e}"),
+            Event::Embedding(_) => panic!("an embedding for a generation request"),
         }
     }
 }

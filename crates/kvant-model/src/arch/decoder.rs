@@ -54,6 +54,33 @@ pub enum Logits {
     Hidden,
 }
 
+impl Logits {
+    /// Logits rows returned for a sequence of `tokens` tokens.
+    pub fn rows(self, tokens: usize) -> usize {
+        match self {
+            Logits::None | Logits::Hidden => 0,
+            Logits::Last | Logits::LastAndHidden => 1,
+            Logits::All => tokens,
+        }
+    }
+
+    /// Whether it asks for hidden states beyond those of its logits rows.
+    pub fn wants_hidden(self) -> bool {
+        matches!(self, Logits::LastAndHidden | Logits::Hidden)
+    }
+
+    /// Hidden-state rows a pass returns for a sequence of `tokens` tokens:
+    /// those its logits rows come from, every token's for the hidden
+    /// variants.
+    pub fn hidden_rows(self, tokens: usize) -> usize {
+        match self {
+            Logits::None => 0,
+            Logits::Last => 1,
+            Logits::All | Logits::LastAndHidden | Logits::Hidden => tokens,
+        }
+    }
+}
+
 /// How a model is prepared at load time.
 #[derive(Clone, Copy, Debug)]
 pub struct LoadOptions {
@@ -593,8 +620,8 @@ impl DecoderModel {
         Ok(self.forward_hidden(tokens, cache, want)?.0)
     }
 
-    /// [`Self::forward`], also returning the hidden states of the rows
-    /// whose logits it returns.
+    /// [`Self::forward`], also returning hidden states as
+    /// [`Self::forward_batch_hidden`] does.
     pub fn forward_hidden(
         &self,
         tokens: &[u32],
@@ -628,8 +655,9 @@ impl DecoderModel {
         Ok(self.forward_batch_hidden(pool, seqs)?.0)
     }
 
-    /// [`Self::forward_batch`], also returning the hidden states of the
-    /// rows whose logits it returns.
+    /// [`Self::forward_batch`], also returning hidden states after the
+    /// final norm, `[rows, hidden]`: each sequence's
+    /// [`Logits::hidden_rows`], in order.
     pub fn forward_batch_hidden(
         &self,
         pool: &mut KvPool,
@@ -670,16 +698,12 @@ impl DecoderModel {
             [&mut s.layer, &mut s.second],
             overlap,
         )?;
-        let hidden_rows = seqs.iter().zip(&attn_seqs).map(|(s, a)| match s.logits {
-            Logits::None => a.rows.start..a.rows.start,
-            Logits::Last => a.rows.end - 1..a.rows.end,
-            Logits::All | Logits::LastAndHidden | Logits::Hidden => a.rows.clone(),
-        });
-        let rows = gather(x, h, hidden_rows);
-        if !seqs
+        let hidden_rows = seqs
             .iter()
-            .any(|s| matches!(s.logits, Logits::LastAndHidden | Logits::Hidden))
-        {
+            .zip(&attn_seqs)
+            .map(|(s, a)| a.rows.end - s.logits.hidden_rows(a.rows.len())..a.rows.end);
+        let rows = gather(x, h, hidden_rows);
+        if !seqs.iter().any(|s| s.logits.wants_hidden()) {
             let logits = self.head(&rows, &self.final_norm, &self.output, s)?;
             return Ok((logits, s.rows_n[..rows.len()].to_vec()));
         }
@@ -688,17 +712,9 @@ impl DecoderModel {
         let mut at = 0;
         let mut logit_rows = Vec::with_capacity(seqs.len());
         for (sq, a) in seqs.iter().zip(&attn_seqs) {
-            let len = match sq.logits {
-                Logits::None => 0,
-                Logits::Last => 1,
-                Logits::All | Logits::LastAndHidden | Logits::Hidden => a.rows.len(),
-            };
-            logit_rows.push(match sq.logits {
-                Logits::LastAndHidden => at + len - 1..at + len,
-                Logits::Hidden => at..at,
-                _ => at..at + len,
-            });
+            let len = sq.logits.hidden_rows(a.rows.len());
             at += len;
+            logit_rows.push(at - sq.logits.rows(a.rows.len())..at);
         }
         let normed = gather(&hidden, h, logit_rows.into_iter());
         let logits = self.project(&normed, &self.output, s)?;

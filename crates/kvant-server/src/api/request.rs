@@ -70,6 +70,16 @@ pub struct ChatFields {
     pub function_call: Option<Value>,
 }
 
+/// `/v1/embeddings` fields (`input` is checked in `validate`; `user` is
+/// ignored).
+#[derive(Debug, Default, Deserialize)]
+pub struct EmbeddingFields {
+    pub model: Option<String>,
+    pub input: Option<Value>,
+    pub encoding_format: Option<String>,
+    pub dimensions: Option<u64>,
+}
+
 #[derive(Debug, Deserialize)]
 pub struct MessageIn {
     pub role: String,

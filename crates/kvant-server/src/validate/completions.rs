@@ -72,7 +72,7 @@ pub fn parse(body: &Value, state: &AppState) -> Result<(Vec<PromptInput>, Plan),
     let prompt = f
         .prompt
         .ok_or_else(|| ApiError::bad_param("prompt", "`prompt` is required"))?;
-    let prompts = prompt_inputs(prompt)?;
+    let prompts = prompt_inputs(prompt, "prompt", MAX_PROMPTS)?;
     let sequences = prompts.len() * plan.best_of.unwrap_or(plan.n);
     if sequences > MAX_SEQUENCES {
         return Err(ApiError::bad_param(
@@ -87,20 +87,31 @@ pub fn parse(body: &Value, state: &AppState) -> Result<(Vec<PromptInput>, Plan),
     Ok((prompts, plan))
 }
 
-const PROMPT_SHAPES: &str =
-    "`prompt` must be a string, an array of strings, an array of token ids, or an array of such arrays";
-
-/// A string, `[string, ...]`, `[id, ...]` or `[[id, ...], ...]`: one prompt
-/// or a batch (LangChain's `batch()` sends one request with a list).
-fn prompt_inputs(v: Value) -> Result<Vec<PromptInput>, ApiError> {
-    let bad = |msg: &str| ApiError::bad_param("prompt", msg);
+/// Field `param` as a string, `[string, ...]`, `[id, ...]` or
+/// `[[id, ...], ...]`: one prompt or a batch of at most `max` (LangChain's
+/// `batch()` sends one request with a list; embedding clients send their
+/// documents in one).
+pub(crate) fn prompt_inputs(
+    v: Value,
+    param: &'static str,
+    max: usize,
+) -> Result<Vec<PromptInput>, ApiError> {
+    let bad = |msg: &str| ApiError::bad_param(param, msg);
+    let shapes = format!(
+        "`{param}` must be a string, an array of strings, an array of token ids, \
+         or an array of such arrays"
+    );
+    let text = |s: String| match s.is_empty() {
+        true => Err(bad("the prompt is empty")),
+        false => Ok(PromptInput::Text(s)),
+    };
     match v {
         Value::String(s) => Ok(vec![text(s)?]),
         Value::Array(items) if items.is_empty() => Err(bad("the prompt is empty")),
         Value::Array(items) if items.iter().all(|v| v.is_string() || v.is_array()) => {
-            if items.len() > MAX_PROMPTS {
+            if items.len() > max {
                 return Err(bad(&format!(
-                    "at most {MAX_PROMPTS} prompts per request, got {}",
+                    "at most {max} prompts per request, got {}",
                     items.len()
                 )));
             }
@@ -108,20 +119,13 @@ fn prompt_inputs(v: Value) -> Result<Vec<PromptInput>, ApiError> {
                 .into_iter()
                 .map(|item| match item {
                     Value::String(s) => text(s),
-                    Value::Array(ids) => token_ids(&ids).ok_or_else(|| bad(PROMPT_SHAPES)),
-                    _ => Err(bad(PROMPT_SHAPES)),
+                    Value::Array(ids) => token_ids(&ids).ok_or_else(|| bad(&shapes)),
+                    _ => Err(bad(&shapes)),
                 })
                 .collect()
         }
-        Value::Array(items) => Ok(vec![token_ids(&items).ok_or_else(|| bad(PROMPT_SHAPES))?]),
-        _ => Err(bad(PROMPT_SHAPES)),
-    }
-}
-
-fn text(s: String) -> Result<PromptInput, ApiError> {
-    match s.is_empty() {
-        true => Err(ApiError::bad_param("prompt", "the prompt is empty")),
-        false => Ok(PromptInput::Text(s)),
+        Value::Array(items) => Ok(vec![token_ids(&items).ok_or_else(|| bad(&shapes))?]),
+        _ => Err(bad(&shapes)),
     }
 }
 
@@ -143,28 +147,32 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    fn inputs(v: Value) -> Result<Vec<PromptInput>, ApiError> {
+        prompt_inputs(v, "prompt", MAX_PROMPTS)
+    }
+
     #[test]
     fn prompt_shapes() {
         let text = |s: &str| PromptInput::Text(s.into());
-        assert_eq!(prompt_inputs(json!("hi")).ok(), Some(vec![text("hi")]));
-        assert_eq!(prompt_inputs(json!(["hi"])).ok(), Some(vec![text("hi")]));
+        assert_eq!(inputs(json!("hi")).ok(), Some(vec![text("hi")]));
+        assert_eq!(inputs(json!(["hi"])).ok(), Some(vec![text("hi")]));
         assert_eq!(
-            prompt_inputs(json!(["a", [7]])).ok(),
+            inputs(json!(["a", [7]])).ok(),
             Some(vec![text("a"), PromptInput::Tokens(vec![7])])
         );
         assert_eq!(
-            prompt_inputs(json!([3, 4])).ok(),
+            inputs(json!([3, 4])).ok(),
             Some(vec![PromptInput::Tokens(vec![3, 4])])
         );
         assert_eq!(
-            prompt_inputs(json!([[5], [6, 7]])).ok(),
+            inputs(json!([[5], [6, 7]])).ok(),
             Some(vec![
                 PromptInput::Tokens(vec![5]),
                 PromptInput::Tokens(vec![6, 7])
             ])
         );
         let many: Vec<Value> = (0..=MAX_PROMPTS).map(|_| json!("a")).collect();
-        assert!(prompt_inputs(Value::Array(many)).is_err());
+        assert!(inputs(Value::Array(many)).is_err());
         for bad in [
             json!(""),
             json!([]),
@@ -179,7 +187,7 @@ mod tests {
             json!(7),
             json!([""]),
         ] {
-            let e = prompt_inputs(bad.clone()).err();
+            let e = inputs(bad.clone()).err();
             assert_eq!(e.and_then(|e| e.param).as_deref(), Some("prompt"), "{bad}");
         }
     }

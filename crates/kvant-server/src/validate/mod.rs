@@ -5,6 +5,7 @@
 
 pub mod chat;
 pub mod completions;
+pub mod embeddings;
 pub mod format;
 pub mod tools;
 

@@ -1,9 +1,9 @@
 //! `kvant serve`: the OpenAI-compatible HTTP server.
 
-use crate::args::{LogFormat, ServeArgs};
+use crate::args::{LogFormat, PoolingArg, ServeArgs};
 use crate::ranks::{self, Run};
 use anyhow::{bail, Context, Result};
-use kvant_engine::serving::{EngineConfig, EngineHandle, Rebalance};
+use kvant_engine::serving::{EngineConfig, EngineHandle, Pooling, Rebalance};
 use kvant_server::{AllowedOrigins, AppState, ServerConfig};
 use std::io::Write;
 use std::path::Path;
@@ -84,6 +84,11 @@ fn serve(a: ServeArgs, run: &Run) -> Result<()> {
         shutdown_grace: Duration::from_secs(a.shutdown_grace),
         parse_special_in_content: a.parse_special_in_content,
         allowed_origins: AllowedOrigins::parse(&a.allowed_origins)?,
+        pooling: match a.pooling {
+            PoolingArg::Last => Pooling::Last,
+            PoolingArg::Mean => Pooling::Mean,
+            PoolingArg::Cls => Pooling::First,
+        },
     };
     let model_name = config.model_name.clone();
     let state = AppState::new(
