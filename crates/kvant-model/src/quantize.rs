@@ -1,14 +1,14 @@
 //! Requantizing a GGUF file (`kvant quantize`), as llama.cpp's
-//! `llama-quantize` does for the legacy types: every float weight matrix
-//! whose rows are whole 32-value blocks becomes Q8_0 or Q4_0, rounded as
-//! ggml's reference quantizer rounds it; vectors, routers and tensors
-//! already quantized are copied as they are, and the metadata is kept with
-//! `general.file_type` set to the new type.
+//! `llama-quantize --pure` does: every float weight matrix becomes Q8_0,
+//! Q4_0 or Q4_K (Q5_0 where its rows are not whole 256-value blocks, as
+//! llama.cpp falls back), rounded as ggml's reference quantizer rounds it;
+//! vectors, routers and tensors already quantized are copied as they are,
+//! and the metadata is kept with `general.file_type` set to the new type.
 
 use crate::gguf::{GgufFile, GgufWriter, Value};
 use crate::ModelError;
 use kvant_core::{DType, Tensor};
-use kvant_kernels::quant::{quantizable, quantize_tensor};
+use kvant_kernels::quant::{quantize_tensor, quantized_type};
 use std::path::Path;
 
 const FILE_TYPE_KEY: &str = "general.file_type";
@@ -20,6 +20,8 @@ const QUANT_VERSION: u32 = 2;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QuantizeReport {
     pub quantized: usize,
+    /// Of those, tensors that took the fallback type (Q4_K's Q5_0).
+    pub fallback: usize,
     pub kept: usize,
     pub bytes_in: usize,
     pub bytes_out: usize,
@@ -30,18 +32,25 @@ fn file_type(to: DType) -> Result<u32, ModelError> {
     match to {
         DType::Q8_0 => Ok(7),
         DType::Q4_0 => Ok(2),
+        // What llama-quantize writes for `Q4_K` (its Q4_K_M), `--pure` too.
+        DType::Q4_K => Ok(15),
         other => Err(ModelError::QuantizeTarget(other)),
     }
 }
 
-/// Whether `name`'s tensor is a weight matrix to quantize: float, at least
-/// two dimensions of whole blocks, and not a router (llama.cpp keeps
-/// `ffn_gate_inp` in f32: rounding there flips expert choices).
-fn quantizes(name: &str, t: &Tensor) -> bool {
-    quantizable(t) && t.shape().len() >= 2 && !name.contains("ffn_gate_inp")
+/// The type `name`'s tensor becomes for `to` ([`quantized_type`]) when it
+/// is a weight matrix to quantize: float, at least two dimensions, and not
+/// a router (llama.cpp keeps `ffn_gate_inp` in f32: rounding there flips
+/// expert choices); `None`: copied.
+fn target(name: &str, t: &Tensor, to: DType) -> Option<DType> {
+    match t.shape().len() >= 2 && !name.contains("ffn_gate_inp") {
+        true => quantized_type(t, to),
+        false => None,
+    }
 }
 
-/// Writes `src` with its weight matrices quantized to `to` (Q8_0 or Q4_0)
+/// Writes `src` with its weight matrices quantized to `to` (Q8_0, Q4_0 or
+/// Q4_K)
 /// to `dst`, through a temporary file beside it, so `dst` is never left
 /// half written. `calls` `progress(done, total)` after each tensor.
 pub fn quantize_gguf(
@@ -79,12 +88,13 @@ pub fn quantize_gguf(
     for (i, info) in infos.iter().enumerate() {
         let t = g.tensor(&info.name)?;
         report.bytes_in += t.byte_len();
-        let t = match quantizes(&info.name, &t) {
-            true => {
+        let t = match target(&info.name, &t, to) {
+            Some(q) => {
                 report.quantized += 1;
-                quantize_tensor(&t, to)?
+                report.fallback += usize::from(q != to);
+                quantize_tensor(&t, q)?
             }
-            false => {
+            None => {
                 report.kept += 1;
                 t
             }

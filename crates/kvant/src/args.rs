@@ -94,8 +94,8 @@ pub enum Command {
     Bench(BenchArgs),
     /// Serve an OpenAI-compatible HTTP API (completions, chat, streaming, metrics).
     Serve(ServeArgs),
-    /// Write a GGUF with its float weight matrices quantized (as llama-quantize does for the
-    /// legacy types); to quantize a Hugging Face checkpoint, load it with --quantize instead.
+    /// Write a GGUF with its float weight matrices quantized (the bytes `llama-quantize --pure`
+    /// writes); to quantize a Hugging Face checkpoint, load it with --quantize instead.
     Quantize {
         /// The GGUF to read (F32, F16 or BF16 weights are quantized; others are copied).
         input: PathBuf,
@@ -146,8 +146,9 @@ pub struct ModelArg {
     /// Quantize the checkpoint's float weight matrices (F32, F16 or BF16, as
     /// in Hugging Face safetensors; dense and MoE; the embedding and output
     /// head too) while loading, rounded as ggml's reference quantizer rounds
-    /// them, and run them on the integer kernels. Norms and routers stay as
-    /// stored.
+    /// them, and run them on the integer kernels. q4_k: matrices whose rows
+    /// are not whole 256-value blocks take q5_0, as llama-quantize gives
+    /// them. Norms and routers stay as stored.
     #[arg(long, value_enum)]
     pub quantize: Option<QuantizeArg>,
 }
@@ -158,6 +159,8 @@ pub enum QuantizeArg {
     Q8_0,
     #[value(name = "q4_0")]
     Q4_0,
+    #[value(name = "q4_k")]
+    Q4K,
 }
 
 impl QuantizeArg {
@@ -165,6 +168,7 @@ impl QuantizeArg {
         match self {
             QuantizeArg::Q8_0 => kvant_core::DType::Q8_0,
             QuantizeArg::Q4_0 => kvant_core::DType::Q4_0,
+            QuantizeArg::Q4K => kvant_core::DType::Q4_K,
         }
     }
 
@@ -172,6 +176,7 @@ impl QuantizeArg {
         match self {
             QuantizeArg::Q8_0 => "q8_0",
             QuantizeArg::Q4_0 => "q4_0",
+            QuantizeArg::Q4K => "q4_k",
         }
     }
 }

@@ -18,7 +18,7 @@ mod q3_k;
 pub(crate) mod q4_0;
 mod q4_1;
 pub(crate) mod q4_k;
-mod q5_0;
+pub(crate) mod q5_0;
 mod q5_1;
 mod q5_k;
 mod q6_k;
@@ -27,7 +27,7 @@ mod requantize;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
-pub use requantize::{quantizable, quantize_tensor};
+pub use requantize::{quantize_tensor, quantized_type};
 
 use crate::cpu::{self, SimdTier};
 use crate::dot::dot_f32_with;
@@ -318,6 +318,31 @@ pub fn quantize_row_q8_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError>
 pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
     check_row(DType::Q4_0, dst, src.len())?;
     q4_0::quantize_ref(src, dst);
+    Ok(())
+}
+
+/// Quantizes `src` (whole blocks of `dtype`) to `dtype` in `dst` as ggml's
+/// reference quantizer does (without an importance matrix): Q8_0, Q4_0,
+/// Q5_0 and Q4_K, the bytes `llama-quantize` writes.
+///
+/// # Errors
+/// [`KernelError::UnsupportedDType`] for another type; [`KernelError`]
+/// unless `dst` holds exactly the blocks of `src`.
+pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    let quantize: fn(&[f32], &mut [u8]) = match dtype {
+        DType::Q8_0 => q8_0::quantize_ref,
+        DType::Q4_0 => q4_0::quantize_ref,
+        DType::Q5_0 => q5_0::quantize_ref,
+        DType::Q4_K => q4_k::quantize_ref,
+        dtype => {
+            return Err(KernelError::UnsupportedDType {
+                op: "quantize_row",
+                dtype,
+            })
+        }
+    };
+    check_row(dtype, dst, src.len())?;
+    quantize(src, dst);
     Ok(())
 }
 

@@ -56,6 +56,165 @@ pub(crate) fn unpack_scales(packed: &[u8; 12]) -> [u32; 4] {
     ]
 }
 
+/// ggml's `nearest_int`: round to nearest, ties to even, by adding
+/// 1.5·2²³ and reading the mantissa (exact for |v| < 2²²).
+fn nearest_int(v: f32) -> i32 {
+    let bits = (v + 12_582_912.0f32).to_bits() as i32;
+    (bits & 0x007f_ffff) - 0x0040_0000
+}
+
+/// ggml's `make_qkx2_quants` for one group of 32 (`nmax` 15, `rmin` -1,
+/// `rdelta` 0.1, 20 steps, squared error): the scale and the (negated) min
+/// of `x ≈ scale·L - min` with `L` in `0..=15`, the weighted error least
+/// over 21 candidate scales, each refined by weighted least squares. The
+/// float operations are ggml's, in its order (ggml's base library is built
+/// without FMA contraction), so the bytes are llama-quantize's.
+fn group_scale_min(x: &[f32], w: &[f32], l_out: &mut [u8]) -> (f32, f32) {
+    const NMAX: i32 = 15;
+    let (rmin, rdelta, nstep) = (-1.0f32, 0.1f32, 20);
+    let n = x.len();
+    let (mut min, mut max) = (x[0], x[0]);
+    let mut sum_w = w[0];
+    let mut sum_x = sum_w * x[0];
+    for i in 1..n {
+        if x[i] < min {
+            min = x[i];
+        }
+        if x[i] > max {
+            max = x[i];
+        }
+        sum_w += w[i];
+        sum_x += w[i] * x[i];
+    }
+    if min > 0.0 {
+        min = 0.0;
+    }
+    if max == min {
+        l_out.fill(0);
+        return (0.0, -min);
+    }
+    let mut iscale = NMAX as f32 / (max - min);
+    let mut scale = 1.0 / iscale;
+    let mut best_error = 0f32;
+    for i in 0..n {
+        let l = nearest_int(iscale * (x[i] - min)).clamp(0, NMAX);
+        l_out[i] = l as u8;
+        let diff = scale * l as f32 + min - x[i];
+        best_error += w[i] * (diff * diff);
+    }
+    let mut aux = [0u8; 32];
+    for is in 0..=nstep {
+        iscale = (rmin + rdelta * is as f32 + NMAX as f32) / (max - min);
+        let (mut sum_l, mut sum_l2, mut sum_xl) = (0f32, 0f32, 0f32);
+        for i in 0..n {
+            let l = nearest_int(iscale * (x[i] - min)).clamp(0, NMAX);
+            aux[i] = l as u8;
+            let lf = l as f32;
+            sum_l += w[i] * lf;
+            sum_l2 += w[i] * lf * lf;
+            sum_xl += w[i] * lf * x[i];
+        }
+        let det = sum_w * sum_l2 - sum_l * sum_l;
+        if det > 0.0 {
+            let mut this_scale = (sum_w * sum_xl - sum_x * sum_l) / det;
+            let mut this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det;
+            if this_min > 0.0 {
+                this_min = 0.0;
+                this_scale = sum_xl / sum_l2;
+            }
+            let mut cur_error = 0f32;
+            for i in 0..n {
+                let diff = this_scale * aux[i] as f32 + this_min - x[i];
+                cur_error += w[i] * (diff * diff);
+            }
+            if cur_error < best_error {
+                l_out[..n].copy_from_slice(&aux[..n]);
+                best_error = cur_error;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    (scale, -min)
+}
+
+/// ggml's `quantize_row_q4_K_ref` (no importance matrix): each group of
+/// 32 gets a scale and min from [`group_scale_min`] (weights
+/// `rms(group) + |x|`), the block's largest of each becomes the f16 `d`
+/// and `dmin` (over 63), the groups' 6-bit multiples of them are packed
+/// as [`scale_min`] reads them, and every value is rounded again against
+/// the stored scale and min. A group whose stored scale is 0 keeps its
+/// first-pass values, as in ggml.
+pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(src.len() / QK_K * BLOCK_BYTES, dst.len());
+    for (x, b) in src
+        .chunks_exact(QK_K)
+        .zip(dst.chunks_exact_mut(BLOCK_BYTES))
+    {
+        let mut l = [0u8; QK_K];
+        let mut scales = [0f32; 8];
+        let mut mins = [0f32; 8];
+        let (mut max_scale, mut max_min) = (0f32, 0f32);
+        for j in 0..8 {
+            let g = &x[32 * j..32 * (j + 1)];
+            let mut sum_x2 = 0f32;
+            for &v in g {
+                sum_x2 += v * v;
+            }
+            let av_x = (sum_x2 / 32.0).sqrt();
+            let w: [f32; 32] = std::array::from_fn(|i| av_x + g[i].abs());
+            (scales[j], mins[j]) = group_scale_min(g, &w, &mut l[32 * j..32 * (j + 1)]);
+            if scales[j] > max_scale {
+                max_scale = scales[j];
+            }
+            if mins[j] > max_min {
+                max_min = mins[j];
+            }
+        }
+        let inv_scale = if max_scale > 0.0 {
+            63.0 / max_scale
+        } else {
+            0.0
+        };
+        let inv_min = if max_min > 0.0 { 63.0 / max_min } else { 0.0 };
+        let packed = &mut b[4..16];
+        packed.fill(0);
+        for j in 0..8 {
+            // C stores the int in a `uint8_t` (wrapping) before the min.
+            let ls = (nearest_int(inv_scale * scales[j]) as u8).min(63);
+            let lm = (nearest_int(inv_min * mins[j]) as u8).min(63);
+            if j < 4 {
+                packed[j] = ls;
+                packed[j + 4] = lm;
+            } else {
+                packed[j + 4] = (ls & 0x0F) | ((lm & 0x0F) << 4);
+                packed[j - 4] |= (ls >> 4) << 6;
+                packed[j] |= (lm >> 4) << 6;
+            }
+        }
+        let d = half::f16::from_f32(max_scale / 63.0);
+        let dmin = half::f16::from_f32(max_min / 63.0);
+        b[..2].copy_from_slice(&d.to_le_bytes());
+        b[2..4].copy_from_slice(&dmin.to_le_bytes());
+        for j in 0..8 {
+            let (sc, m) = scale_min(j, &b[4..16]);
+            let d = d.to_f32() * sc as f32;
+            if d == 0.0 {
+                continue;
+            }
+            let dm = dmin.to_f32() * m as f32;
+            for i in 32 * j..32 * (j + 1) {
+                l[i] = nearest_int((x[i] + dm) / d).clamp(0, 15) as u8;
+            }
+        }
+        for (c, q) in b[16..].chunks_exact_mut(32).enumerate() {
+            for i in 0..32 {
+                q[i] = l[64 * c + i] | (l[64 * c + i + 32] << 4);
+            }
+        }
+    }
+}
+
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
     debug_assert_eq!(src.len() / BLOCK_BYTES * QK_K, dst.len());
     for (b, y) in src

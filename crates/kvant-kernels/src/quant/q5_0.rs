@@ -24,6 +24,38 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// ggml's `quantize_row_q5_0_ref`: per block the value of largest
+/// magnitude (its sign kept) sets `d = max / -16`; each value becomes
+/// `min(31, trunc(x / d + 16.5))`, its low nibble in `qs` and its fifth bit
+/// in `qh`. `d` is stored as f16 while the values use the f32 `d`. It is
+/// llama.cpp's fallback for Q4_K rows that are not whole 256-value blocks.
+pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
+    debug_assert_eq!(src.len() / QK * BLOCK_BYTES, dst.len());
+    for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in x {
+            if amax < v.abs() {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        let d = max / -16.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
+        // C's `(int8_t)` conversion truncates toward zero, as `as i8` does
+        // (the argument lies in about 0.5..32.5).
+        let q = |v: f32| ((v * id + 16.5) as i8).min(31) as u8;
+        let mut qh = 0u32;
+        for j in 0..QK / 2 {
+            let (q0, q1) = (q(x[j]), q(x[j + QK / 2]));
+            b[6 + j] = (q0 & 0x0F) | ((q1 & 0x0F) << 4);
+            qh |= u32::from(q0 >> 4) << j;
+            qh |= u32::from(q1 >> 4) << (j + QK / 2);
+        }
+        b[2..6].copy_from_slice(&qh.to_le_bytes());
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use super::super::fused::{dot32, high_bits, masked_sum, FusedBlock, Legacy32};

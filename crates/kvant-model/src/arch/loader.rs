@@ -7,7 +7,7 @@ use crate::ModelError;
 use kvant_core::DType;
 use kvant_core::{CoreError, Tensor};
 use kvant_kernels::linear::{LinearInput, LinearWeight};
-use kvant_kernels::quant::{dequantize_row, quantizable, quantize_tensor};
+use kvant_kernels::quant::{dequantize_row, quantize_tensor, quantized_type};
 use std::ops::Range;
 
 /// A projection: a weight `[out, in]` prepared for its kernel and an optional bias.
@@ -283,20 +283,24 @@ pub(crate) fn transpose(w: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     t
 }
 
-/// `t` as `to`, when that is a quantization of a float matrix whose rows are
-/// whole blocks; otherwise `t` as stored.
+/// The type a float matrix `t` takes when the load quantizes to `to`
+/// ([`quantized_type`]: Q4_K rows that are not whole 256-value blocks
+/// become Q5_0, as llama-quantize makes them); `None`: kept as stored.
+fn load_type(t: &Tensor, to: Option<DType>) -> Option<DType> {
+    to.filter(|_| t.shape().len() == 2)
+        .and_then(|q| quantized_type(t, q))
+}
+
+/// `t` as the load quantizes it (see [`load_type`]), or as stored.
 pub(crate) fn quantized(t: Tensor, to: Option<DType>) -> Result<Tensor, ModelError> {
-    Ok(match to {
-        Some(q) if t.shape().len() == 2 && quantizable(&t) => quantize_tensor(&t, q)?,
-        _ => t,
+    Ok(match load_type(&t, to) {
+        Some(q) => quantize_tensor(&t, q)?,
+        None => t,
     })
 }
 
 /// The column block a tensor-parallel cut of `t` must respect once the load
 /// quantizes it to `to`.
 pub(crate) fn block_after(t: &Tensor, to: Option<DType>) -> usize {
-    match to {
-        Some(q) if matches!(t.dtype(), DType::F32 | DType::F16 | DType::BF16) => q.block_size(),
-        _ => t.dtype().block_size(),
-    }
+    load_type(t, to).unwrap_or(t.dtype()).block_size()
 }

@@ -1,4 +1,4 @@
-//! `kvant quantize IN.gguf OUT.gguf --type q8_0|q4_0`: the file's float
+//! `kvant quantize IN.gguf OUT.gguf --type q8_0|q4_0|q4_k`: the file's float
 //! weight matrices quantized on every core, with a progress bar.
 
 use crate::args::QuantizeArg;
@@ -32,8 +32,12 @@ pub fn run(input: &Path, output: &Path, kind: QuantizeArg) -> Result<()> {
     .with_context(|| format!("quantizing {}", input.display()))?;
     bar.finish_and_clear();
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let fallback = match report.fallback {
+        0 => String::new(),
+        n => format!(" ({n} of them q5_0: rows not whole 256-value blocks)"),
+    };
     println!(
-        "{}: {} tensors quantized to {}, {} copied; {:.1} MiB -> {:.1} MiB in {:.2} s",
+        "{}: {} tensors quantized to {}{fallback}, {} copied; {:.1} MiB -> {:.1} MiB in {:.2} s",
         output.display(),
         report.quantized,
         kind.name(),
