@@ -46,6 +46,7 @@ fn sampled(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> EngineRequest {
         logprobs: None,
         constraint: None,
         logit_bias: Vec::new(),
+        skip_special_tokens: true,
     }
 }
 

@@ -469,6 +469,7 @@ fn requests(vocab: usize) -> Vec<EngineRequest> {
                 logprobs: None,
                 constraint: None,
                 logit_bias: Vec::new(),
+                skip_special_tokens: true,
             }
         })
         .collect()

@@ -51,6 +51,7 @@ fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
         logprobs: None,
         constraint: None,
         logit_bias: Vec::new(),
+        skip_special_tokens: true,
     }
 }
 

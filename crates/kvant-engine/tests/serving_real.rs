@@ -34,6 +34,7 @@ fn submit(h: &EngineHandle, prompt: Vec<u32>) -> Receiver<Event> {
         logprobs: None,
         constraint: None,
         logit_bias: Vec::new(),
+        skip_special_tokens: true,
     };
     h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
         .expect("accepted");

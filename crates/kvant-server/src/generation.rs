@@ -118,6 +118,7 @@ pub fn start(
             logprobs,
             constraint: constraint.clone(),
             logit_bias: plan.logit_bias.clone(),
+            skip_special_tokens: plan.skip_special_tokens,
         };
         for j in 0..per_prompt {
             let index = p * per_prompt + j;

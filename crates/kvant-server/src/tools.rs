@@ -10,11 +10,15 @@
 //!   (several separated by `;`), after the `<|python_tag|>` control token
 //!   where the model writes one (decoding drops control tokens);
 //! - Mistral: the whole reply is `[TOOL_CALLS]` (a control token in v3+
-//!   vocabularies) and a JSON array of `{"name", "arguments"}`.
+//!   vocabularies) and a JSON array of `{"name", "arguments"}`;
+//! - DeepSeek-V3: after any text, `<｜tool▁calls▁begin｜>`, then per call
+//!   `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGS\n```<｜tool▁call▁end｜>`
+//!   (V3.1 and later: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`),
+//!   then `<｜tool▁calls▁end｜>`. The markers are control tokens, so such a
+//!   request decodes with them kept in the text.
 //!
 //! A template that renders `tools` in none of these is refused with a 400
-//! rather than answered with unparsed text. DeepSeek-V3's tool tokens are
-//! not read yet.
+//! rather than answered with unparsed text.
 
 use crate::api::chat::{FunctionCall, ToolCall};
 use kvant_engine::grammar::{json_layout, Grammar};
@@ -23,6 +27,14 @@ use serde_json::{json, Value};
 
 const HERMES_OPEN: &str = "<tool_call>";
 const HERMES_CLOSE: &str = "</tool_call>";
+const DS_CALLS_BEGIN: &str = "<｜tool▁calls▁begin｜>";
+const DS_CALLS_END: &str = "<｜tool▁calls▁end｜>";
+const DS_CALL_BEGIN: &str = "<｜tool▁call▁begin｜>";
+const DS_CALL_END: &str = "<｜tool▁call▁end｜>";
+const DS_SEP: &str = "<｜tool▁sep｜>";
+/// DeepSeek-V3's fence around a call's arguments, after the name.
+const DS_FENCE_OPEN: &str = "\n```json\n";
+const DS_FENCE_CLOSE: &str = "\n```";
 
 /// How a model family writes tool calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +42,10 @@ pub enum ToolFormat {
     Hermes,
     Llama3Json,
     Mistral,
+    /// DeepSeek-V3: type, name, then the arguments fenced as JSON.
+    DeepSeekV3,
+    /// DeepSeek-V3.1 and later: name, then the bare arguments.
+    DeepSeekV31,
 }
 
 const PYTHON_TAG: &str = "<|python_tag|>";
@@ -38,7 +54,12 @@ const MISTRAL_CALLS: &str = "[TOOL_CALLS]";
 impl ToolFormat {
     /// The format a chat template's text announces, if any.
     pub fn of_template(source: &str) -> Option<Self> {
-        if source.contains(HERMES_OPEN) {
+        if source.contains(DS_CALLS_BEGIN) {
+            Some(match source.contains("```json") {
+                true => ToolFormat::DeepSeekV3,
+                false => ToolFormat::DeepSeekV31,
+            })
+        } else if source.contains(HERMES_OPEN) {
             Some(ToolFormat::Hermes)
         } else if source.contains(MISTRAL_CALLS) {
             Some(ToolFormat::Mistral)
@@ -49,13 +70,19 @@ impl ToolFormat {
         }
     }
 
+    /// Whether its calls are written in control tokens, which the text
+    /// must keep for them to be read.
+    pub fn writes_control_tokens(self) -> bool {
+        matches!(self, ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31)
+    }
+
     /// A grammar for output that is exactly one call of one of `tools`
     /// (each name and parameter schema), its arguments valid against the
     /// function's parameter schema, laid out as `json.dumps` writes JSON.
     pub fn forced_call(self, tools: &[(String, Value)]) -> Grammar {
         let args_key = match self {
             ToolFormat::Llama3Json => "parameters",
-            ToolFormat::Hermes | ToolFormat::Mistral => "arguments",
+            _ => "arguments",
         };
         let calls: Vec<Value> = tools
             .iter()
@@ -83,7 +110,39 @@ impl ToolFormat {
             ToolFormat::Mistral => Grammar::JsonSchema(
                 json!({"type": "array", "items": call, "minItems": 1, "maxItems": 1}),
             ),
+            ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => self.forced_deepseek_call(tools),
         }
+    }
+
+    /// DeepSeek's call: the markers as the control tokens they are
+    /// (llguidance's `<token>` syntax; a vocabulary without them fails to
+    /// compile, a 400), one alternative per function.
+    fn forced_deepseek_call(self, tools: &[(String, Value)]) -> Grammar {
+        // A JSON string literal is a Lark string literal too.
+        let lit = |s: &str| serde_json::to_string(s).unwrap_or_default();
+        let alternatives: Vec<String> = tools
+            .iter()
+            .map(|(name, params)| {
+                let args = format!("%json {}", json_layout(params));
+                match self {
+                    ToolFormat::DeepSeekV3 => format!(
+                        "\"function\" {DS_SEP} {} {args} {}",
+                        lit(&format!("{name}{DS_FENCE_OPEN}")),
+                        lit(DS_FENCE_CLOSE)
+                    ),
+                    _ => format!("{} {DS_SEP} {args}", lit(name)),
+                }
+            })
+            .collect();
+        let calls: Vec<String> = (0..alternatives.len()).map(|i| format!("c{i}")).collect();
+        let mut g = format!(
+            "start: {DS_CALLS_BEGIN} {DS_CALL_BEGIN} call {DS_CALL_END} {DS_CALLS_END}\ncall: {}\n",
+            calls.join(" | ")
+        );
+        for (c, alt) in calls.iter().zip(&alternatives) {
+            g.push_str(&format!("{c}: {alt}\n"));
+        }
+        Grammar::Lark(g)
     }
 }
 
@@ -118,6 +177,7 @@ pub fn parse(format: ToolFormat, text: &str) -> (String, Vec<ParsedCall>) {
         ToolFormat::Hermes => parse_hermes(text),
         ToolFormat::Llama3Json => parse_llama3(text).map(|c| (String::new(), c)),
         ToolFormat::Mistral => parse_mistral(text).map(|c| (String::new(), c)),
+        ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => parse_deepseek(text),
     };
     parsed.unwrap_or_else(|| (text.to_string(), Vec::new()))
 }
@@ -137,6 +197,42 @@ fn parse_hermes(text: &str) -> Option<(String, Vec<ParsedCall>)> {
         rest = after.trim_start();
     }
     rest.is_empty().then(|| (text[..first].to_string(), calls))
+}
+
+/// Text, then `<｜tool▁calls▁begin｜>` and calls in either DeepSeek form
+/// (the V3 fence is recognised, else the V3.1 layout), each closed by
+/// `<｜tool▁call▁end｜>` (an unterminated last call, cut by `max_tokens`,
+/// is read to the end), then `<｜tool▁calls▁end｜>` or nothing.
+fn parse_deepseek(text: &str) -> Option<(String, Vec<ParsedCall>)> {
+    let first = text.find(DS_CALLS_BEGIN)?;
+    let mut rest = text[first + DS_CALLS_BEGIN.len()..].trim_start();
+    let mut calls = Vec::new();
+    while let Some(body) = rest.strip_prefix(DS_CALL_BEGIN) {
+        let (inner, after) = match body.find(DS_CALL_END) {
+            Some(end) => (&body[..end], &body[end + DS_CALL_END.len()..]),
+            None => (body, ""),
+        };
+        let (head, tail) = inner.split_once(DS_SEP)?;
+        let fenced = tail
+            .split_once(DS_FENCE_OPEN)
+            .and_then(|(name, args)| Some((name, args.strip_suffix(DS_FENCE_CLOSE)?)));
+        let (name, args) = match fenced {
+            Some((name, args)) if head.trim() == "function" => (name, args),
+            _ => (head, tail),
+        };
+        let args: Value = serde_json::from_str(args.trim()).ok()?;
+        let name = name.trim();
+        if name.is_empty() {
+            return None;
+        }
+        calls.push(ParsedCall {
+            name: name.to_string(),
+            arguments: args.to_string(),
+        });
+        rest = after.trim_start();
+    }
+    let rest = rest.strip_prefix(DS_CALLS_END).unwrap_or(rest);
+    (!calls.is_empty() && rest.trim().is_empty()).then(|| (text[..first].to_string(), calls))
 }
 
 /// One or more `{"name", "parameters"}` objects, separated by `;`.
@@ -218,11 +314,17 @@ impl ToolStream {
         self.all.push_str(text);
         let unsent = &self.all[self.sent..];
         let keep_from = match self.format {
-            ToolFormat::Hermes => match unsent.find(HERMES_OPEN) {
-                Some(at) => at,
-                // Hold back a tail that could still grow into the marker.
-                None => unsent.len() - longest_suffix_prefix(unsent, HERMES_OPEN),
-            },
+            ToolFormat::Hermes | ToolFormat::DeepSeekV3 | ToolFormat::DeepSeekV31 => {
+                let open = match self.format {
+                    ToolFormat::Hermes => HERMES_OPEN,
+                    _ => DS_CALLS_BEGIN,
+                };
+                match unsent.find(open) {
+                    Some(at) => at,
+                    // Hold back a tail that could still grow into the marker.
+                    None => unsent.len() - longest_suffix_prefix(unsent, open),
+                }
+            }
             // Calls are the whole reply: hold everything while it may be
             // one, stream freely once it cannot.
             ToolFormat::Llama3Json | ToolFormat::Mistral => {
@@ -340,6 +442,66 @@ mod tests {
         assert_eq!(s.push("[{\"name\": \"f\", "), "");
         assert_eq!(s.push("\"arguments\": {}}]"), "");
         assert_eq!(s.finish(), (String::new(), vec![call("f", "{}")]));
+    }
+
+    #[test]
+    fn deepseek_calls_parse_back() {
+        let v3 = "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
+        let want = vec![
+            call("get_weather", r#"{"city":"Paris"}"#),
+            call("now", "{}"),
+        ];
+        for f in [ToolFormat::DeepSeekV3, ToolFormat::DeepSeekV31] {
+            assert_eq!(parse(f, v3), ("Checking.".into(), want.clone()));
+        }
+        let v31 = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{\"city\": \"Paris\"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>now<｜tool▁sep｜>{}";
+        assert_eq!(parse(ToolFormat::DeepSeekV31, v31), (String::new(), want));
+        for broken in [
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>not json<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜><｜tool▁sep｜>{}<｜tool▁call▁end｜>",
+            "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜> more",
+        ] {
+            let f = ToolFormat::DeepSeekV31;
+            assert_eq!(parse(f, broken), (broken.to_string(), vec![]), "{broken}");
+        }
+        let mut s = ToolStream::new(ToolFormat::DeepSeekV3);
+        let mut sent = s.push("Hi <｜tool");
+        sent.push_str(&s.push(
+            "▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>now\n```json\n{}\n```",
+        ));
+        assert_eq!(sent, "Hi ");
+        assert_eq!(s.finish(), (String::new(), vec![call("now", "{}")]));
+    }
+
+    #[test]
+    fn deepseek_forced_calls_name_the_marker_tokens() {
+        let tools = vec![("now".to_string(), json!({"type": "object"}))];
+        let Grammar::Lark(g) = ToolFormat::DeepSeekV3.forced_call(&tools) else {
+            panic!("a Lark grammar");
+        };
+        assert!(
+            g.starts_with("start: <｜tool▁calls▁begin｜> <｜tool▁call▁begin｜> call"),
+            "{g}"
+        );
+        assert!(
+            g.contains(r#"c0: "function" <｜tool▁sep｜> "now\n```json\n" %json"#),
+            "{g}"
+        );
+        let Grammar::Lark(g) = ToolFormat::DeepSeekV31.forced_call(&tools) else {
+            panic!("a Lark grammar");
+        };
+        assert!(g.contains(r#"c0: "now" <｜tool▁sep｜> %json"#), "{g}");
+        assert_eq!(
+            ToolFormat::of_template("{{'<｜tool▁calls▁begin｜>'}}```json"),
+            Some(ToolFormat::DeepSeekV3)
+        );
+        assert_eq!(
+            ToolFormat::of_template("{{'<｜tool▁calls▁begin｜>'}}"),
+            Some(ToolFormat::DeepSeekV31)
+        );
+        assert!(ToolFormat::DeepSeekV3.writes_control_tokens());
+        assert!(!ToolFormat::Hermes.writes_control_tokens());
     }
 
     #[test]

@@ -604,3 +604,24 @@ async fn best_of_returns_the_most_likely_candidates() {
     assert_eq!(v["usage"]["completion_tokens"], 30);
     s.shutdown().await;
 }
+
+/// vLLM's `skip_special_tokens`: by default control tokens leave no text;
+/// false keeps their spelling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn skip_special_tokens_false_keeps_control_tokens() {
+    let s = tiny().await;
+    let im_start = s
+        .tokenizer
+        .encode("<|im_start|>", false)
+        .expect("tokenizes");
+    assert_eq!(im_start.len(), 1);
+    let forced = |skip: bool| {
+        json!({"prompt": "Hello", "max_tokens": 2, "ignore_eos": true, "temperature": 0,
+            "logit_bias": {im_start[0].to_string(): 100}, "skip_special_tokens": skip})
+    };
+    let kept = s.ok("/v1/completions", &forced(false)).await;
+    assert_eq!(kept["choices"][0]["text"], "<|im_start|><|im_start|>");
+    let skipped = s.ok("/v1/completions", &forced(true)).await;
+    assert_eq!(skipped["choices"][0]["text"], "");
+    s.shutdown().await;
+}

@@ -454,6 +454,7 @@ async fn full_queue_is_429() {
         logprobs: None,
         constraint: None,
         logit_bias: Vec::new(),
+        skip_special_tokens: true,
     };
     let id = s
         .engine

@@ -238,3 +238,109 @@ async fn llama3_and_mistral_forms_call_too() {
         s.shutdown().await;
     }
 }
+
+const DS_MARKERS: [&str; 5] = [
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+];
+
+/// The long fixture with DeepSeek's five tool-call markers as control
+/// tokens, in a copy: ids 315..320 are given to them (their byte-level
+/// pieces and the merges that made them leave the vocabulary), so the
+/// model keeps its 320-row embedding.
+fn deepseek_vocab_model() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("a temp dir");
+    for entry in std::fs::read_dir(long_model()).expect("the fixture") {
+        let path = entry.expect("an entry").path();
+        let to = dir.path().join(path.file_name().expect("a name"));
+        std::fs::copy(&path, &to).expect("copied");
+    }
+    let path = dir.path().join("tokenizer.json");
+    let mut tok: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read"))
+        .expect("tokenizer.json");
+    let vocab = tok["model"]["vocab"].as_object_mut().expect("a vocabulary");
+    let gone: Vec<String> = vocab
+        .iter()
+        .filter(|(_, id)| id.as_u64().is_some_and(|id| id >= 315))
+        .map(|(piece, _)| piece.clone())
+        .collect();
+    vocab.retain(|piece, _| !gone.contains(piece));
+    let merges = tok["model"]["merges"].as_array_mut().expect("merges");
+    merges.retain(|m| {
+        let joined: String = m
+            .as_array()
+            .map(|pair| pair.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        !gone.contains(&joined)
+    });
+    let added = tok["added_tokens"].as_array_mut().expect("added tokens");
+    for (i, m) in DS_MARKERS.iter().enumerate() {
+        added.push(
+            json!({"id": 315 + i, "content": m, "single_word": false, "lstrip": false,
+            "rstrip": false, "normalized": false, "special": true}),
+        );
+    }
+    std::fs::write(&path, tok.to_string()).expect("written");
+    dir
+}
+
+/// DeepSeek-V3 (fenced arguments) and V3.1 (bare): a demanded call is
+/// written in the marker tokens, which such requests keep in the text, and
+/// read back into `tool_calls`, streamed and whole alike; the vocabulary
+/// without the markers cannot force a call (a 400 naming `tool_choice`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deepseek_calls_are_written_in_control_tokens() {
+    let dir = deepseek_vocab_model();
+    let templates = [
+        "{{ '<｜tool▁calls▁begin｜>```json' if false }}{{ tools | tojson }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ",
+        "{{ '<｜tool▁calls▁begin｜>' if false }}{{ tools | tojson }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant: ",
+    ];
+    for template in templates {
+        let mut setup = Setup::new(TINY_NAME);
+        setup.template_source = Some(template.to_string());
+        let s = start(dir.path(), setup).await;
+        let v = s
+            .ok(
+                "/v1/chat/completions",
+                &body(json!({"tool_choice": "required", "n": 4, "seed": 2})),
+            )
+            .await;
+        for c in v["choices"].as_array().expect("choices") {
+            assert_eq!(c["finish_reason"], "tool_calls", "{template}: {c}");
+            assert!(c["message"]["content"].is_null(), "{c}");
+            check_call(&c["message"]["tool_calls"][0]);
+        }
+        let named = json!({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "seed": 5});
+        let whole = s.ok("/v1/chat/completions", &body(named.clone())).await;
+        let (name, _) = check_call(&whole["choices"][0]["message"]["tool_calls"][0]);
+        assert_eq!(name, "get_weather");
+        let mut streamed = body(named);
+        streamed["stream"] = json!(true);
+        let chunks = s.stream("/v1/chat/completions", &streamed).await;
+        let deltas: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+            .flatten()
+            .collect();
+        assert_eq!(deltas.len(), 1);
+        assert_eq!(
+            deltas[0]["function"],
+            whole["choices"][0]["message"]["tool_calls"][0]["function"]
+        );
+        s.shutdown().await;
+    }
+    let mut setup = Setup::new(TINY_NAME);
+    setup.template_source = Some(templates[1].to_string());
+    let s = start(&long_model(), setup).await;
+    let (status, v) = s
+        .json(
+            "/v1/chat/completions",
+            &body(json!({"tool_choice": "required"})),
+        )
+        .await;
+    assert_error(status, &v, 400, Some("tool_choice"), "no marker tokens");
+    s.shutdown().await;
+}

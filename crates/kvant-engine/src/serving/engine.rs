@@ -209,7 +209,7 @@ impl<'t> Engine<'t> {
             cids: Vec::new(),
             cached_tokens: None,
             stops: StopMatcher::new(req.stop.clone()),
-            stream: self.tokenizer.decode_stream(true),
+            stream: self.tokenizer.decode_stream(req.skip_special_tokens),
             req,
             sampler,
             sink,

@@ -265,6 +265,7 @@ impl EngineHandle {
             logprobs: None,
             constraint: None,
             logit_bias: Vec::new(),
+            skip_special_tokens: true,
         };
         self.queue(req, Some(pooling), sink)
     }

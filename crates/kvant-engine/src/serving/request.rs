@@ -25,6 +25,11 @@ pub struct EngineRequest {
     /// `logit_bias`; -100 all but bans a token). Ids inside the vocabulary,
     /// biases finite.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Leave control tokens (`<|im_end|>`, DeepSeek's tool-call markers)
+    /// out of the text, as vLLM's `skip_special_tokens` does by default;
+    /// `false` keeps their spelling (end-of-sequence ends the text either
+    /// way).
+    pub skip_special_tokens: bool,
 }
 
 /// OpenAI's limit on `top_logprobs`.

@@ -38,6 +38,8 @@ pub struct CommonFields {
     pub guided_regex: Option<Value>,
     pub guided_choice: Option<Value>,
     pub guided_grammar: Option<Value>,
+    /// Extension (vLLM): false keeps control tokens' text in the output.
+    pub skip_special_tokens: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -65,6 +65,9 @@ pub fn parse(body: &Value, state: &AppState) -> Result<(PromptInput, Plan), ApiE
             plan.grammar = Some(forced);
         }
         plan.tools = Some(tp.format);
+        if tp.format.writes_control_tokens() {
+            plan.skip_special_tokens = false;
+        }
         rendered = tools.map(|t| t.rendered);
     }
     Ok((PromptInput::Chat(conversation(f.messages)?, rendered), plan))

@@ -62,6 +62,9 @@ pub struct Plan {
     /// `/v1/completions`: sequences run per prompt, of which the `n` with
     /// the highest mean log-probability per token are returned; `None`: `n`.
     pub best_of: Option<usize>,
+    /// Leave control tokens out of the text (vLLM's field; default true).
+    /// Tool formats written in control tokens (DeepSeek-V3's) turn it off.
+    pub skip_special_tokens: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,6 +184,7 @@ pub fn common(mut c: CommonFields, state: &AppState) -> Result<Plan, ApiError> {
         tools: None,
         echo: false,
         best_of: None,
+        skip_special_tokens: c.skip_special_tokens.unwrap_or(true),
     })
 }
 
