@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Drives a real `kvant serve` through the official `openai` Python package
-# and LangChain's OpenAI adapters.
+# Drives a real `kvant serve` through the official `openai` Python package,
+# LangChain's OpenAI adapters and LiteLLM.
 #
 #   bash tools/serve_tests/run.sh [MODEL]
 #
@@ -12,7 +12,7 @@
 # (e.g. "--tp 2"); the graceful shutdown then goes to rank 0's process.
 # KVANT_STRUCTURED_SAMPLES (default 64) sets how many outputs at
 # temperature 1 the JSON-schema test validates.
-# The venv (openai, langchain-openai, pytest, jsonschema) lives in $KVANT_SERVE_VENV, default
+# The venv (openai, langchain-openai, litellm, pytest, jsonschema) lives in $KVANT_SERVE_VENV, default
 # target/serve-tests-venv, and is reused. The server listens on a free
 # loopback port with an API key; after the tests it gets SIGTERM and must
 # exit 0 (graceful shutdown).
@@ -28,9 +28,9 @@ key="test-key-$$"
 if [ ! -x "$bin" ]; then
   cargo build --locked --profile test -p kvant
 fi
-if [ ! -x "$venv/bin/pytest" ] || ! "$venv/bin/python" -c "import openai, jsonschema, langchain_openai" 2>/dev/null; then
+if [ ! -x "$venv/bin/pytest" ] || ! LITELLM_LOCAL_MODEL_COST_MAP=True "$venv/bin/python" -c "import openai, jsonschema, langchain_openai, litellm" 2>/dev/null; then
   python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet --disable-pip-version-check openai pytest jsonschema langchain-openai
+  "$venv/bin/pip" install --quiet --disable-pip-version-check openai pytest jsonschema langchain-openai litellm
 fi
 
 log="$(mktemp)"
@@ -85,8 +85,9 @@ fi
 
 status=0
 KVANT_BASE_URL="$url/v1" KVANT_API_KEY="$key" KVANT_SERVED_MODEL="$name" \
-  "$venv/bin/python" -m pytest -q -p no:cacheprovider tools/serve_tests/test_openai_client.py \
-  tools/serve_tests/test_langchain.py || status=$?
+  "$venv/bin/python" -m pytest -q -p no:cacheprovider \
+  -W "ignore::UserWarning:pydantic._internal._generate_schema" tools/serve_tests/test_openai_client.py \
+  tools/serve_tests/test_langchain.py tools/serve_tests/test_litellm.py || status=$?
 
 kill -TERM "$(rank0)"
 server_status=0

@@ -235,6 +235,7 @@ impl ModelArg {
             },
             context_length: self.ctx_size.map(|n| n as usize),
             quantize: self.quantize.map(QuantizeArg::dtype),
+            progress: Some(crate::progress::layer_loaded),
         }
     }
 }

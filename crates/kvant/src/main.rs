@@ -3,6 +3,7 @@
 mod args;
 mod commands;
 mod fetch;
+mod progress;
 mod ranks;
 
 use clap::Parser;

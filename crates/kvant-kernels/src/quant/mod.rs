@@ -329,6 +329,17 @@ pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError>
 /// [`KernelError::UnsupportedDType`] for another type; [`KernelError`]
 /// unless `dst` holds exactly the blocks of `src`.
 pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    quantize_row_with(cpu::tier(), dtype, src, dst)
+}
+
+/// [`quantize_row`] on a given tier (lowered to one the CPU supports):
+/// every tier writes the same bytes.
+pub fn quantize_row_with(
+    tier: SimdTier,
+    dtype: DType,
+    src: &[f32],
+    dst: &mut [u8],
+) -> Result<(), KernelError> {
     let quantize: fn(&[f32], &mut [u8]) = match dtype {
         DType::Q8_0 => q8_0::quantize_ref,
         DType::Q4_0 => q4_0::quantize_ref,
@@ -342,6 +353,14 @@ pub fn quantize_row(dtype: DType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
         }
     };
     check_row(dtype, dst, src.len())?;
+    #[cfg(target_arch = "x86_64")]
+    if dtype == DType::Q4_K && cpu::clamp(tier) >= SimdTier::Avx2 {
+        // SAFETY: `clamp` lowered the tier to one the CPU supports.
+        unsafe { q4_k::quantize_avx2(src, dst) };
+        return Ok(());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = tier;
     quantize(src, dst);
     Ok(())
 }

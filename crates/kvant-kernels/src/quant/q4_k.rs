@@ -138,6 +138,28 @@ fn group_scale_min(x: &[f32], w: &[f32], l_out: &mut [u8]) -> (f32, f32) {
     (scale, -min)
 }
 
+/// The first pass over one 256-value block: each group's scale and min
+/// and first-pass values.
+type FirstPass = fn(&[f32], &mut [u8; QK_K]) -> ([f32; 8], [f32; 8]);
+
+/// [`FirstPass`] group by group: weights `rms(group) + |x|`, then
+/// [`group_scale_min`].
+fn first_pass_ref(x: &[f32], l: &mut [u8; QK_K]) -> ([f32; 8], [f32; 8]) {
+    let mut scales = [0f32; 8];
+    let mut mins = [0f32; 8];
+    for j in 0..8 {
+        let g = &x[32 * j..32 * (j + 1)];
+        let mut sum_x2 = 0f32;
+        for &v in g {
+            sum_x2 += v * v;
+        }
+        let av_x = (sum_x2 / 32.0).sqrt();
+        let w: [f32; 32] = std::array::from_fn(|i| av_x + g[i].abs());
+        (scales[j], mins[j]) = group_scale_min(g, &w, &mut l[32 * j..32 * (j + 1)]);
+    }
+    (scales, mins)
+}
+
 /// ggml's `quantize_row_q4_K_ref` (no importance matrix): each group of
 /// 32 gets a scale and min from [`group_scale_min`] (weights
 /// `rms(group) + |x|`), the block's largest of each becomes the f16 `d`
@@ -146,24 +168,32 @@ fn group_scale_min(x: &[f32], w: &[f32], l_out: &mut [u8]) -> (f32, f32) {
 /// the stored scale and min. A group whose stored scale is 0 keeps its
 /// first-pass values, as in ggml.
 pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
+    quantize_blocks(src, dst, first_pass_ref);
+}
+
+/// [`quantize_ref`] with the first pass run on eight lanes, one group
+/// each: the same bytes. Loading a 0.9B-parameter bf16 checkpoint with
+/// `--quantize q4_k` took 30.8 s with the reference, 5.8 s with this
+/// (`tools/bench/isq_load.py`, 2 threads, Zen 4).
+///
+/// # Safety
+/// The CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+pub(crate) unsafe fn quantize_avx2(src: &[f32], dst: &mut [u8]) {
+    // SAFETY: the caller guarantees AVX2.
+    quantize_blocks(src, dst, |x, l| unsafe { avx2::first_pass(x, l) });
+}
+
+fn quantize_blocks(src: &[f32], dst: &mut [u8], first_pass: FirstPass) {
     debug_assert_eq!(src.len() / QK_K * BLOCK_BYTES, dst.len());
     for (x, b) in src
         .chunks_exact(QK_K)
         .zip(dst.chunks_exact_mut(BLOCK_BYTES))
     {
         let mut l = [0u8; QK_K];
-        let mut scales = [0f32; 8];
-        let mut mins = [0f32; 8];
+        let (scales, mins) = first_pass(x, &mut l);
         let (mut max_scale, mut max_min) = (0f32, 0f32);
         for j in 0..8 {
-            let g = &x[32 * j..32 * (j + 1)];
-            let mut sum_x2 = 0f32;
-            for &v in g {
-                sum_x2 += v * v;
-            }
-            let av_x = (sum_x2 / 32.0).sqrt();
-            let w: [f32; 32] = std::array::from_fn(|i| av_x + g[i].abs());
-            (scales[j], mins[j]) = group_scale_min(g, &w, &mut l[32 * j..32 * (j + 1)]);
             if scales[j] > max_scale {
                 max_scale = scales[j];
             }
@@ -244,6 +274,139 @@ pub(crate) mod avx2 {
     use super::{unpack_scales, BLOCK_BYTES, QK_K};
     use kvant_core::DType;
     use std::arch::x86_64::*;
+
+    /// `super::nearest_int` on eight lanes.
+    #[inline(always)]
+    unsafe fn nearest_int(v: __m256) -> __m256i {
+        let magic = _mm256_add_ps(v, _mm256_set1_ps(12_582_912.0));
+        let bits = _mm256_and_si256(_mm256_castps_si256(magic), _mm256_set1_epi32(0x007f_ffff));
+        _mm256_sub_epi32(bits, _mm256_set1_epi32(0x0040_0000))
+    }
+
+    /// `nearest_int(v)` clamped to `0..=15`, as a float.
+    #[inline(always)]
+    unsafe fn level(v: __m256) -> __m256 {
+        let l = _mm256_min_epi32(
+            _mm256_max_epi32(nearest_int(v), _mm256_setzero_si256()),
+            _mm256_set1_epi32(15),
+        );
+        _mm256_cvtepi32_ps(l)
+    }
+
+    /// `a` where `mask`, else `b`.
+    #[inline(always)]
+    unsafe fn pick(mask: __m256, a: __m256, b: __m256) -> __m256 {
+        _mm256_blendv_ps(b, a, mask)
+    }
+
+    /// `super::first_pass_ref` with lane `j` doing group `j`: every lane
+    /// runs the reference's float operations in the reference's order
+    /// (multiplies and adds apart, no FMA; IEEE division and square root;
+    /// comparisons false on NaN as in C), and the branches become masks,
+    /// so the results are the same bits.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `x` holds 256 values.
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn first_pass(x: &[f32], l_out: &mut [u8; QK_K]) -> ([f32; 8], [f32; 8]) {
+        debug_assert_eq!(x.len(), QK_K);
+        // Lanes across groups: xs[i] holds value i of each group.
+        let xs: [__m256; 32] = std::array::from_fn(|i| {
+            let lane: [f32; 8] = std::array::from_fn(|j| x[32 * j + i]);
+            // SAFETY: an 8-float array is 32 bytes; unaligned load.
+            unsafe { _mm256_loadu_ps(lane.as_ptr()) }
+        });
+        let sign = _mm256_set1_ps(-0.0);
+        let mut sum_x2 = _mm256_setzero_ps();
+        for &v in &xs {
+            sum_x2 = _mm256_add_ps(sum_x2, _mm256_mul_ps(v, v));
+        }
+        let av_x = _mm256_sqrt_ps(_mm256_div_ps(sum_x2, _mm256_set1_ps(32.0)));
+        let w: [__m256; 32] =
+            std::array::from_fn(|i| _mm256_add_ps(av_x, _mm256_andnot_ps(sign, xs[i])));
+
+        let (mut min, mut max) = (xs[0], xs[0]);
+        let mut sum_w = w[0];
+        let mut sum_x = _mm256_mul_ps(sum_w, xs[0]);
+        for i in 1..32 {
+            min = pick(_mm256_cmp_ps::<_CMP_LT_OQ>(xs[i], min), xs[i], min);
+            max = pick(_mm256_cmp_ps::<_CMP_GT_OQ>(xs[i], max), xs[i], max);
+            sum_w = _mm256_add_ps(sum_w, w[i]);
+            sum_x = _mm256_add_ps(sum_x, _mm256_mul_ps(w[i], xs[i]));
+        }
+        let zero = _mm256_setzero_ps();
+        min = pick(_mm256_cmp_ps::<_CMP_GT_OQ>(min, zero), zero, min);
+        let flat = _mm256_cmp_ps::<_CMP_EQ_OQ>(max, min);
+        let flat_min = min;
+        let iscale = _mm256_div_ps(_mm256_set1_ps(15.0), _mm256_sub_ps(max, min));
+        let mut scale = _mm256_div_ps(_mm256_set1_ps(1.0), iscale);
+        let mut best = zero;
+        let mut l: [__m256; 32] = [zero; 32];
+        for i in 0..32 {
+            l[i] = level(_mm256_mul_ps(iscale, _mm256_sub_ps(xs[i], min)));
+            let diff = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(scale, l[i]), min), xs[i]);
+            best = _mm256_add_ps(best, _mm256_mul_ps(w[i], _mm256_mul_ps(diff, diff)));
+        }
+        let (rmin, rdelta) = (-1.0f32, 0.1f32);
+        for is in 0..=20 {
+            // The min a better candidate found is the next one's origin,
+            // as in ggml.
+            let num = rmin + rdelta * is as f32 + 15.0;
+            let iscale = _mm256_div_ps(_mm256_set1_ps(num), _mm256_sub_ps(max, min));
+            let (mut sum_l, mut sum_l2, mut sum_xl) = (zero, zero, zero);
+            let mut aux: [__m256; 32] = [zero; 32];
+            for i in 0..32 {
+                aux[i] = level(_mm256_mul_ps(iscale, _mm256_sub_ps(xs[i], min)));
+                let wl = _mm256_mul_ps(w[i], aux[i]);
+                sum_l = _mm256_add_ps(sum_l, wl);
+                sum_l2 = _mm256_add_ps(sum_l2, _mm256_mul_ps(wl, aux[i]));
+                sum_xl = _mm256_add_ps(sum_xl, _mm256_mul_ps(wl, xs[i]));
+            }
+            let det = _mm256_sub_ps(_mm256_mul_ps(sum_w, sum_l2), _mm256_mul_ps(sum_l, sum_l));
+            let solvable = _mm256_cmp_ps::<_CMP_GT_OQ>(det, zero);
+            let mut this_scale = _mm256_div_ps(
+                _mm256_sub_ps(_mm256_mul_ps(sum_w, sum_xl), _mm256_mul_ps(sum_x, sum_l)),
+                det,
+            );
+            let mut this_min = _mm256_div_ps(
+                _mm256_sub_ps(_mm256_mul_ps(sum_l2, sum_x), _mm256_mul_ps(sum_l, sum_xl)),
+                det,
+            );
+            let positive = _mm256_cmp_ps::<_CMP_GT_OQ>(this_min, zero);
+            this_scale = pick(positive, _mm256_div_ps(sum_xl, sum_l2), this_scale);
+            this_min = pick(positive, zero, this_min);
+            let mut cur = zero;
+            for i in 0..32 {
+                let diff = _mm256_sub_ps(
+                    _mm256_add_ps(_mm256_mul_ps(this_scale, aux[i]), this_min),
+                    xs[i],
+                );
+                cur = _mm256_add_ps(cur, _mm256_mul_ps(w[i], _mm256_mul_ps(diff, diff)));
+            }
+            let better = _mm256_and_ps(solvable, _mm256_cmp_ps::<_CMP_LT_OQ>(cur, best));
+            for i in 0..32 {
+                l[i] = pick(better, aux[i], l[i]);
+            }
+            best = pick(better, cur, best);
+            scale = pick(better, this_scale, scale);
+            min = pick(better, this_min, min);
+        }
+        // A flat group: all values 0, scale 0, its min as first clamped.
+        scale = pick(flat, zero, scale);
+        min = pick(flat, flat_min, min);
+        let neg_min = _mm256_xor_ps(min, sign);
+        let (mut scales, mut mins) = ([0f32; 8], [0f32; 8]);
+        _mm256_storeu_ps(scales.as_mut_ptr(), scale);
+        _mm256_storeu_ps(mins.as_mut_ptr(), neg_min);
+        for (i, v) in l.iter().enumerate() {
+            let mut lane = [0f32; 8];
+            _mm256_storeu_ps(lane.as_mut_ptr(), pick(flat, zero, *v));
+            for j in 0..8 {
+                l_out[32 * j + i] = lane[j] as u8;
+            }
+        }
+        (scales, mins)
+    }
 
     /// Bit-identical to the reference (multiply, then subtract; no FMA; the
     /// group scales are the reference's `d·scale` and `dmin·min` products).

@@ -107,13 +107,20 @@ pub struct LoadOptions {
     /// model was not trained on (benchmarks at depth do; outputs there are
     /// whatever the positions give).
     pub context_length: Option<usize>,
-    /// Quantize float weight matrices (F32, F16, BF16, rows of whole
-    /// 32-value blocks: projections, experts, the embedding and the output
-    /// head) to this type while loading: Q8_0 or Q4_0, rounded as ggml's
-    /// reference quantizer rounds them, then run on the integer kernels.
-    /// Norms and routers stay as stored.
+    /// Quantize float weight matrices (F32, F16, BF16: projections,
+    /// experts, the embedding and the output head) to this type while
+    /// loading: Q8_0, Q4_0 or Q4_K (Q5_0 for rows that are not whole
+    /// 256-value blocks), rounded as ggml's reference quantizer rounds
+    /// them, then run on the integer kernels. Norms and routers stay as
+    /// stored.
     pub quantize: Option<DType>,
+    /// Called with `(layers loaded, layers)` after each layer (a progress
+    /// bar: quantizing a large checkpoint takes a while).
+    pub progress: Option<LoadProgress>,
 }
+
+/// See [`LoadOptions::progress`].
+pub type LoadProgress = fn(done: usize, total: usize);
 
 impl LoadOptions {
     /// Every activation and cached key/value in f32: results closest to an
@@ -125,6 +132,7 @@ impl LoadOptions {
         mla_prefill: MlaPrefill::Auto,
         context_length: None,
         quantize: None,
+        progress: None,
     };
 }
 
@@ -137,6 +145,7 @@ impl Default for LoadOptions {
             mla_prefill: MlaPrefill::Auto,
             context_length: None,
             quantize: None,
+            progress: None,
         }
     }
 }
@@ -382,6 +391,9 @@ impl DecoderModel {
                 },
                 cache,
             });
+            if let Some(progress) = opts.progress {
+                progress(i + 1, cfg.n_layers);
+            }
         }
         let mtp = match opts.mtp && cfg.mtp_layers > 0 {
             true => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,

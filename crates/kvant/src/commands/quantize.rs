@@ -19,11 +19,7 @@ pub fn run(input: &Path, output: &Path, kind: QuantizeArg) -> Result<()> {
         bail!("the output must be another file than the input");
     }
     let to = kind.dtype();
-    let bar = indicatif::ProgressBar::new(0).with_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} tensors")
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    bar.set_message(format!("quantizing to {}", kind.name()));
+    let bar = crate::progress::counting(format!("quantizing to {}", kind.name()), "tensors");
     let started = Instant::now();
     let report = kvant_model::quantize::quantize_gguf(input, output, to, |done, total| {
         bar.set_length(total as u64);
