@@ -8,7 +8,7 @@ for these this script calls ggml's own `quantize_row_<type>_ref` (what
 `libggml-base.so` of a llama.cpp build (see tools/reference/README.md for
 building one). It writes tests/fixtures/quant/quantize.json:
 `{"cases": [{"type", "source", "input_f32_le", "expected"}]}` with hex strings,
-so the comparison in crates/kvant-kernels/tests/quantizer_fixtures.rs is exact.
+so the comparison in crates/kvant-kernels/tests/quant_fixtures.rs is exact.
 
 Inputs per type: standard-normal rows, rows mixing group magnitudes over six
 orders (some groups' scales round to zero against the block's largest), all

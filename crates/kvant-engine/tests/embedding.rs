@@ -4,95 +4,14 @@
 //! the generation batched with them unchanged.
 
 mod common;
-use common::{collect, fixture, submit};
-use kvant_engine::serving::{
-    EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, Pooling, Shutdown, SubmitError,
-    Usage,
+use common::{
+    collect, crowded, embed, embedding, greedy, load_fixture as load, prompts,
+    start_fixture as start, submit,
 };
-use kvant_engine::{FinishReason, SamplingParams};
+use kvant_engine::serving::{EngineConfig, Pooling, Shutdown, SubmitError};
 use kvant_model::arch::decoder::Logits;
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
-use std::sync::mpsc::{channel, Receiver};
-use std::sync::Arc;
-use std::time::Duration;
 
 const DENSE: &str = "gguf/llama-gqa.Q4_0.gguf";
-
-fn load(name: &str, mtp: bool) -> kvant_model::LoadedModel {
-    let opts = kvant_model::LoadOptions {
-        mla_prefill: kvant_model::MlaPrefill::Absorbed,
-        mtp,
-        ..kvant_model::LoadOptions::default()
-    };
-    kvant_model::load_with(&fixture(name), opts).expect("fixture loads")
-}
-
-fn start(name: &str, mtp: bool, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
-    let m = load(name, mtp);
-    EngineHandle::start(Arc::new(m.model), Arc::new(m.tokenizer), cfg).expect("engine starts")
-}
-
-/// A small pool and step budget: prompts are chunked, some preempted.
-fn crowded() -> EngineConfig {
-    EngineConfig {
-        block_size: 4,
-        kv_blocks: 64,
-        max_batch_tokens: 40,
-        max_running: 12,
-        ..EngineConfig::default()
-    }
-}
-
-fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| {
-            let len = rng.random_range(3..70);
-            (0..len).map(|_| rng.random_range(3..250)).collect()
-        })
-        .collect()
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
-    EngineRequest {
-        prompt_ids: prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop: Vec::new(),
-        ignore_eos: true,
-        logprobs: None,
-        constraint: None,
-        logit_bias: Vec::new(),
-        skip_special_tokens: true,
-    }
-}
-
-fn embed(h: &EngineHandle, ids: Vec<u32>, pooling: Pooling) -> Receiver<Event> {
-    let (tx, rx) = channel();
-    h.embed(ids, pooling, Box::new(move |e| tx.send(e).is_ok()))
-        .expect("accepted");
-    rx
-}
-
-/// The embedding, then the usage of its `Finished`.
-fn embedding(rx: &Receiver<Event>) -> (Vec<f32>, Usage) {
-    let wait = || rx.recv_timeout(Duration::from_secs(60)).expect("an event");
-    let v = match wait() {
-        Event::Embedding(v) => {
-            assert!(!v.is_empty(), "an empty embedding");
-            v
-        }
-        e => panic!("expected the embedding, got {e:?}"),
-    };
-    match wait() {
-        Event::Finished { reason, usage, .. } => {
-            assert_eq!(reason, FinishReason::Stop);
-            (v, usage)
-        }
-        e => panic!("expected the end, got {e:?}"),
-    }
-}
 
 /// The pooling computed from the model's own forward pass over the
 /// whole prompt in one sequence.

@@ -31,8 +31,6 @@ fn start() -> (EngineHandle, EngineThread, Arc<Tokenizer>, GrammarCompiler) {
 /// probability over many tokens, so the mask does the work).
 fn sampled(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> EngineRequest {
     EngineRequest {
-        prompt_ids: prompt,
-        max_tokens,
         sampling: SamplingParams {
             temperature: 1.0,
             top_k: 0,
@@ -41,12 +39,7 @@ fn sampled(prompt: Vec<u32>, seed: u64, max_tokens: usize) -> EngineRequest {
             seed,
             ..SamplingParams::default()
         },
-        stop: Vec::new(),
-        ignore_eos: false,
-        logprobs: None,
-        constraint: None,
-        logit_bias: Vec::new(),
-        skip_special_tokens: true,
+        ..EngineRequest::greedy(prompt, max_tokens)
     }
 }
 

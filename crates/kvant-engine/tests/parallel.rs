@@ -13,7 +13,9 @@ use common::{collect, fixture, submit};
 use kvant_dist::Layout;
 use kvant_engine::cluster::{forward_seq, run_worker, Cluster, Row, Want};
 use kvant_engine::sampling::argmax;
-use kvant_engine::serving::{EngineConfig, EngineHandle, EngineRequest, Rebalance, Shutdown};
+use kvant_engine::serving::{
+    EngineConfig, EngineHandle, EngineRequest, EngineThread, Rebalance, Shutdown,
+};
 use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::{DecoderModel, SeqStep};
 use kvant_model::tokenizer::Tokenizer;
@@ -458,21 +460,29 @@ fn requests(vocab: usize) -> Vec<EngineRequest> {
                     ..SamplingParams::default()
                 },
             };
+            let prompt = (0..len)
+                .map(|_| rng.random_range(3..vocab as u32))
+                .collect();
             EngineRequest {
-                prompt_ids: (0..len)
-                    .map(|_| rng.random_range(3..vocab as u32))
-                    .collect(),
-                max_tokens: 12,
                 sampling,
-                stop: Vec::new(),
                 ignore_eos: true,
-                logprobs: None,
-                constraint: None,
-                logit_bias: Vec::new(),
-                skip_special_tokens: true,
+                ..EngineRequest::greedy(prompt, 12)
             }
         })
         .collect()
+}
+
+/// An engine over `name` in one process, and [`requests`] for its vocabulary.
+fn one_process(name: &str, opts: LoadOptions) -> (EngineHandle, EngineThread, Vec<EngineRequest>) {
+    let m = load_with(&fixture(name), opts).expect("loads");
+    let reqs = requests(m.model.config().vocab);
+    let (h, t) = EngineHandle::start(
+        Arc::new(m.model),
+        Arc::new(m.tokenizer),
+        EngineConfig::default(),
+    )
+    .expect("engine");
+    (h, t, reqs)
 }
 
 /// A pool and step budget small enough to chunk prompts and preempt.
@@ -524,15 +534,7 @@ fn serving_over_ranks_matches_one_process() {
             None,
         ),
     ] {
-        let m = load_with(&fixture(name), opts).expect("loads");
-        let vocab = m.model.config().vocab;
-        let reqs = requests(vocab);
-        let (h, t) = EngineHandle::start(
-            Arc::new(m.model),
-            Arc::new(m.tokenizer),
-            EngineConfig::default(),
-        )
-        .expect("engine");
+        let (h, t, reqs) = one_process(name, opts);
         let alone: Vec<Vec<u32>> = reqs
             .iter()
             .map(|r| collect(&submit(&h, r.clone())).0)
@@ -569,15 +571,9 @@ fn serving_over_ranks_matches_one_process() {
 /// largest value).
 #[test]
 fn embeddings_over_ranks_match_one_process() {
-    use kvant_engine::serving::{Event, Pooling};
+    use kvant_engine::serving::Pooling;
     let embed = |h: &EngineHandle, ids: Vec<u32>, pooling: Pooling| {
-        let (tx, rx) = std::sync::mpsc::channel();
-        h.embed(ids, pooling, Box::new(move |e| tx.send(e).is_ok()))
-            .expect("accepted");
-        match rx.recv_timeout(Duration::from_secs(60)).expect("an event") {
-            Event::Embedding(v) => v,
-            e => panic!("expected an embedding, got {e:?}"),
-        }
+        common::embedding(&common::embed(h, ids, pooling)).0
     };
     let pooling = |i: usize| [Pooling::Mean, Pooling::Last, Pooling::First][i % 3];
     for (name, opts, p, tol) in [
@@ -590,14 +586,7 @@ fn embeddings_over_ranks_match_one_process() {
             0.0,
         ),
     ] {
-        let m = load_with(&fixture(name), opts).expect("loads");
-        let reqs = requests(m.model.config().vocab);
-        let (h, t) = EngineHandle::start(
-            Arc::new(m.model),
-            Arc::new(m.tokenizer),
-            EngineConfig::default(),
-        )
-        .expect("engine");
+        let (h, t, reqs) = one_process(name, opts);
         let alone: Vec<Vec<f32>> = reqs
             .iter()
             .enumerate()
@@ -615,7 +604,6 @@ fn embeddings_over_ranks_match_one_process() {
             let scale = alone.iter().flatten().fold(0f32, |m, v| m.max(v.abs()));
             for (i, r) in reqs.iter().enumerate() {
                 let got = embed(&h, r.prompt_ids.clone(), pooling(i));
-                assert!(!got.is_empty(), "{name} {p:?}: prompt {i}");
                 assert_eq!(got.len(), alone[i].len(), "{name} {p:?}: prompt {i}");
                 let worst = got
                     .iter()

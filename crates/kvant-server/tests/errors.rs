@@ -5,7 +5,6 @@ mod common;
 
 use common::{assert_error, start, tiny, tiny_model, Setup, TINY_NAME};
 use kvant_engine::serving::EngineRequest;
-use kvant_engine::SamplingParams;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use serde_json::{json, Value};
@@ -446,15 +445,8 @@ async fn full_queue_is_429() {
     let (open, gate) = std::sync::mpsc::channel::<()>();
     let gate = std::sync::Mutex::new(gate);
     let held = EngineRequest {
-        prompt_ids: vec![1, 2, 3],
-        max_tokens: 4,
-        sampling: SamplingParams::greedy(),
-        stop: Vec::new(),
         ignore_eos: true,
-        logprobs: None,
-        constraint: None,
-        logit_bias: Vec::new(),
-        skip_special_tokens: true,
+        ..EngineRequest::greedy(vec![1, 2, 3], 4)
     };
     let id = s
         .engine

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{assert_error, start, streamed_text, tiny, Setup, TINY_NAME};
+use common::{assert_error, start, streamed_text, tiny, Setup, TestServer, TINY_NAME};
 use serde_json::{json, Value};
 use std::path::Path;
 
@@ -101,8 +101,14 @@ async fn demanded_calls_always_parse_into_the_schema() {
     assert_eq!(name, "get_weather");
     assert!(v["choices"][0]["message"]["content"].is_null());
 
-    // The stream carries the same call, in one delta, after the text.
-    let mut streamed = body(named);
+    streams_the_same_call(&s, named, &v).await;
+    s.shutdown().await;
+}
+
+/// The request `extra` streamed carries `whole`'s call, in one delta, and
+/// no text.
+async fn streams_the_same_call(s: &TestServer, extra: Value, whole: &Value) {
+    let mut streamed = body(extra);
     streamed["stream"] = json!(true);
     let chunks = s.stream("/v1/chat/completions", &streamed).await;
     let deltas: Vec<&Value> = chunks
@@ -114,11 +120,10 @@ async fn demanded_calls_always_parse_into_the_schema() {
     assert_eq!(deltas[0]["index"], 0);
     assert_eq!(
         deltas[0]["function"],
-        v["choices"][0]["message"]["tool_calls"][0]["function"]
+        whole["choices"][0]["message"]["tool_calls"][0]["function"]
     );
     let (text, finish) = streamed_text(&chunks, 0);
     assert_eq!((text.as_str(), finish.as_deref()), ("", Some("tool_calls")));
-    s.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -317,19 +322,7 @@ async fn deepseek_calls_are_written_in_control_tokens() {
         let whole = s.ok("/v1/chat/completions", &body(named.clone())).await;
         let (name, _) = check_call(&whole["choices"][0]["message"]["tool_calls"][0]);
         assert_eq!(name, "get_weather");
-        let mut streamed = body(named);
-        streamed["stream"] = json!(true);
-        let chunks = s.stream("/v1/chat/completions", &streamed).await;
-        let deltas: Vec<&Value> = chunks
-            .iter()
-            .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
-            .flatten()
-            .collect();
-        assert_eq!(deltas.len(), 1);
-        assert_eq!(
-            deltas[0]["function"],
-            whole["choices"][0]["message"]["tool_calls"][0]["function"]
-        );
+        streams_the_same_call(&s, named, &whole).await;
         s.shutdown().await;
     }
     let mut setup = Setup::new(TINY_NAME);

@@ -14,7 +14,7 @@ use super::request::{EngineRequest, EventSink, RequestId, MAX_TOP_LOGPROBS};
 use super::shared::Shared;
 use crate::cluster::Cluster;
 use crate::error::EngineError;
-use crate::sampling::{SamplingError, SamplingParams};
+use crate::sampling::SamplingError;
 use kvant_model::arch::decoder::DecoderModel;
 use kvant_model::tokenizer::Tokenizer;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -256,18 +256,8 @@ impl EngineHandle {
                 capacity: s.cache_tokens,
             });
         }
-        let req = EngineRequest {
-            prompt_ids,
-            max_tokens: 0,
-            sampling: SamplingParams::greedy(),
-            stop: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            constraint: None,
-            logit_bias: Vec::new(),
-            skip_special_tokens: true,
-        };
-        self.queue(req, Some(pooling), sink)
+        // Nothing is sampled: the request only carries the prompt.
+        self.queue(EngineRequest::greedy(prompt_ids, 0), Some(pooling), sink)
     }
 
     /// Refuses a closed engine, an empty prompt and ids outside the

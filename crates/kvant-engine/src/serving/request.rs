@@ -32,6 +32,26 @@ pub struct EngineRequest {
     pub skip_special_tokens: bool,
 }
 
+impl EngineRequest {
+    /// A greedy continuation of `prompt_ids` for at most `max_tokens`
+    /// tokens, with nothing else asked for (no stop strings, logprobs,
+    /// grammar or biases; control tokens left out of the text): the base
+    /// that callers set their fields on.
+    pub fn greedy(prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
+        EngineRequest {
+            prompt_ids,
+            max_tokens,
+            sampling: SamplingParams::greedy(),
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+            constraint: None,
+            logit_bias: Vec::new(),
+            skip_special_tokens: true,
+        }
+    }
+}
+
 /// OpenAI's limit on `top_logprobs`.
 pub const MAX_TOP_LOGPROBS: usize = 20;
 

@@ -365,6 +365,20 @@ pub fn quantize_row_with(
     Ok(())
 }
 
+/// The value of largest magnitude in `x`, its sign kept (the first of
+/// equal magnitudes; 0 for none): what sets the scale of ggml's symmetric
+/// legacy quantizers (Q4_0, Q5_0).
+pub(crate) fn signed_absmax(x: &[f32]) -> f32 {
+    let (mut amax, mut max) = (0f32, 0f32);
+    for &v in x {
+        if amax < v.abs() {
+            amax = v.abs();
+            max = v;
+        }
+    }
+    max
+}
+
 /// The scalar reference dequantizer, matching ggml's `dequantize_row_*`.
 pub fn dequantize_row_ref(dtype: DType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
     check_row(dtype, src, dst.len())?;

@@ -32,14 +32,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
     debug_assert_eq!(src.len() / QK * BLOCK_BYTES, dst.len());
     for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
-        let (mut amax, mut max) = (0f32, 0f32);
-        for &v in x {
-            if amax < v.abs() {
-                amax = v.abs();
-                max = v;
-            }
-        }
-        let d = max / -16.0;
+        let d = super::signed_absmax(x) / -16.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
         // C's `(int8_t)` conversion truncates toward zero, as `as i8` does
