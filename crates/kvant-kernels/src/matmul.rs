@@ -17,7 +17,7 @@
 //! tokens uses a narrower tile. So a token's output does not depend on
 //! the other tokens of the call (one decoding sequence alone or batched
 //! with others gives the same bits), which is why one token takes this
-//! path too rather than the fused row kernels of `quant`.
+//! path too rather than a row-at-a-time dot.
 
 use crate::cpu::{self, SimdTier};
 use crate::dot::dot_tile_f32_with;

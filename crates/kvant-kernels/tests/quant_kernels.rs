@@ -1,10 +1,10 @@
 //! Fast row kernels (dequantize, row dot, matmul) on every SIMD tier this CPU
 //! has, against the scalar references, on seeded random rows of odd sizes.
 //!
-//! The fused one-token kernels apply each block's scale to the block's sum
-//! (`d·Σ q·x + m·Σ x`) instead of to every weight, so they are compared with
+//! Dequantizers must match the reference bit for bit. Dot products add in
+//! a different order on each tier (lanes, tiles), so they are compared with
 //! the f64 dot of the reference weights under [`REL_TOL`], like every other
-//! f32 accumulation, not bit for bit.
+//! f32 accumulation.
 
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::cpu::{self, SimdTier};
@@ -18,10 +18,8 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 /// f32 accumulation over at most a few thousand products: the error stays
-/// far below 1e-5 of Σ|w·x| for random signs (the fused kernels' factored
-/// sums add a few ulps of `|d|·Σ|q·x| + |m|·|Σx|` per block, the same order),
-/// while one wrong, missing or duplicated term moves the result by ~1e-3 of
-/// it or more.
+/// far below 1e-5 of Σ|w·x| for random signs, while one wrong, missing or
+/// duplicated term moves the result by ~1e-3 of it or more.
 const REL_TOL: f64 = 1e-5;
 
 /// Byte offsets of the f16 scale fields in one block (ggml-common.h); the
@@ -72,9 +70,9 @@ fn random_row(rng: &mut ChaCha8Rng, dtype: DType, elements: usize) -> Vec<u8> {
 }
 
 /// Like [`random_row`], but with the minimum of each Q4_1/Q5_1 block set to
-/// `-(levels/2)·d`, as a quantizer makes it for zero-centred weights: the
-/// fused kernels' `d·Σ q·x` and `m·Σ x` then nearly cancel, the hardest case
-/// for their rounding.
+/// `-(levels/2)·d`, as a quantizer makes it for zero-centred weights: each
+/// weight `d·q + m` is then a difference of nearly equal terms, which a
+/// kernel that factored the block's `d·Σ q·x + m·Σ x` would round badly.
 fn centred_row(rng: &mut ChaCha8Rng, dtype: DType, elements: usize) -> Vec<u8> {
     let half_levels = match dtype {
         DType::Q4_1 => 7.5f32,
@@ -178,17 +176,13 @@ fn dot_row_is_accurate_when_the_minimum_cancels_the_scale() {
 
 fn check_dot_row(dtype: DType, row: &[u8], x: &[f32]) {
     let n = x.len();
-    {
-        {
-            let w = reference_values(dtype, row, n);
-            for tier in cpu::available_tiers() {
-                let got = dot_row_with(tier, dtype, row, x).unwrap();
-                assert_dot_close(got, &w, x, &format!("{dtype} {tier} n={n}"));
-            }
-            let got = dot_row(dtype, row, x).unwrap();
-            assert_dot_close(got, &w, x, &format!("{dtype} start-up tier n={n}"));
-        }
+    let w = reference_values(dtype, row, n);
+    for tier in cpu::available_tiers() {
+        let got = dot_row_with(tier, dtype, row, x).unwrap();
+        assert_dot_close(got, &w, x, &format!("{dtype} {tier} n={n}"));
     }
+    let got = dot_row(dtype, row, x).unwrap();
+    assert_dot_close(got, &w, x, &format!("{dtype} start-up tier n={n}"));
 }
 
 /// A `[out, inp]` weight of random rows, stored one byte into its buffer so
@@ -234,9 +228,9 @@ fn matmul_matches_reference_for_every_dtype() {
             1 => 67,
             b => 3 * b,
         };
-        // A last group of fewer than four rows (37 and 301 rows); 1 token
-        // takes the fused kernels, more the dot tiles of three tokens (2,
-        // 4, 5 and 7 leave every remainder). `large_matmul_matches_reference`
+        // A last group of fewer than four rows (37 and 301 rows); tokens
+        // go through the dot tiles of three (1, 2, 4, 5 and 7 leave every
+        // remainder). `large_matmul_matches_reference`
         // covers the parallel split.
         for (out, tokens) in [(37, &[1usize, 2, 3, 7][..]), (301, &[1, 4, 5][..])] {
             let w = random_weight(&mut rng, dtype, out, inp);
@@ -252,11 +246,9 @@ fn matmul_matches_reference_for_every_dtype() {
 }
 
 /// Calls are split across the pool only when each task gets enough work
-/// (over 32 KiB of weights for one token, 128 k multiply-adds for several),
-/// so a weight of a few MB runs the parallel paths, with a ragged last
-/// task, for every type: one token through the fused kernels, four through
-/// the dot tiles. (When another test holds the pool, the same tasks run on
-/// the calling thread.)
+/// (128 k multiply-adds), so a weight of a few MB runs the parallel paths,
+/// with a ragged last task, for every type, with one token and with four. (When another test
+/// holds the pool, the same tasks run on the calling thread.)
 #[test]
 fn large_matmul_matches_reference() {
     let mut rng = ChaCha8Rng::seed_from_u64(17);

@@ -29,8 +29,6 @@ pub(crate) fn dequantize_bf16_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, load32, FusedBlock};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// F16C widening, 8 values per instruction; bit-identical to the reference
@@ -65,82 +63,5 @@ pub(crate) mod avx2 {
             _mm256_storeu_ps(d.as_mut_ptr(), _mm256_castsi256_ps(w));
         }
         super::dequantize_bf16_ref(s.remainder(), d.into_remainder());
-    }
-
-    /// Fused float rows, 32 elements per block: widen (F16C for f16, a
-    /// shift for bf16) and multiply-add; the block's sum joins the row's
-    /// accumulator with one add, which keeps the dependency chain short.
-    pub(crate) struct F32Rows;
-    pub(crate) struct F16Rows;
-    pub(crate) struct Bf16Rows;
-
-    // SAFETY: `dot` reads 32 values (128 bytes), `prepare` 32 floats.
-    unsafe impl FusedBlock for F32Rows {
-        const DTYPE: DType = DType::F32;
-        const ELEMS: usize = 32;
-        const BYTES: usize = 128;
-        const SUM_GROUP: usize = 0;
-        type X = [__m256; 4];
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> [__m256; 4] {
-            load32(x)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &[__m256; 4], acc: __m256) -> __m256 {
-            let w = load32(w as *const f32);
-            _mm256_add_ps(acc, dot32(w, x, _mm256_setzero_ps()))
-        }
-    }
-
-    // SAFETY: `dot` reads 32 values (64 bytes), `prepare` 32 floats.
-    unsafe impl FusedBlock for F16Rows {
-        const DTYPE: DType = DType::F16;
-        const ELEMS: usize = 32;
-        const BYTES: usize = 64;
-        const SUM_GROUP: usize = 0;
-        type X = [__m256; 4];
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> [__m256; 4] {
-            load32(x)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &[__m256; 4], acc: __m256) -> __m256 {
-            let w = [0, 16, 32, 48]
-                .map(|k| _mm256_cvtph_ps(_mm_loadu_si128(w.add(k) as *const __m128i)));
-            _mm256_add_ps(acc, dot32(w, x, _mm256_setzero_ps()))
-        }
-    }
-
-    // SAFETY: `dot` reads 32 values (64 bytes), `prepare` 32 floats.
-    unsafe impl FusedBlock for Bf16Rows {
-        const DTYPE: DType = DType::BF16;
-        const ELEMS: usize = 32;
-        const BYTES: usize = 64;
-        const SUM_GROUP: usize = 0;
-        type X = [__m256; 4];
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> [__m256; 4] {
-            load32(x)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &[__m256; 4], acc: __m256) -> __m256 {
-            let w = [0, 16, 32, 48].map(|k| {
-                let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(w.add(k) as *const __m128i));
-                _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
-            });
-            _mm256_add_ps(acc, dot32(w, x, _mm256_setzero_ps()))
-        }
     }
 }

@@ -5,14 +5,13 @@
 //! follows ggml's `dequantize_row_*` (ggml-quants.c) operation for operation,
 //! so it matches the gguf Python package bit for bit. Every format also has
 //! an AVX2 dequantizer that is bit-identical to the reference (f32 needs
-//! none), and a fused AVX2 row·vector kernel (see `fused`) that never
-//! writes the dequantized row. [`RowKernel`] is the per-type table (in the spirit of
-//! ggml's type traits) that the row dot product and the matmul look kernels
-//! up in, once per call.
+//! none). [`RowKernel`] is the per-type table (in the spirit of ggml's type
+//! traits) that the row dot product and the matmul look kernels up in, once
+//! per call: both dequantize into a buffer that stays in L1 and dot the
+//! floats with the tier's f32 kernels (`crate::dot`), so a format's only
+//! fast kernel is its dequantizer.
 
 mod float;
-#[cfg(target_arch = "x86_64")]
-mod fused;
 mod q2_k;
 mod q3_k;
 pub(crate) mod q4_0;
@@ -44,42 +43,6 @@ fn f16_at(block: &[u8], off: usize) -> f32 {
 /// variants need the CPU features of the tier they were chosen for; every
 /// variant stays within both slices even if their lengths disagree.
 type DequantFn = unsafe fn(&[u8], &mut [f32]);
-
-/// A fused row kernel and the activation sums it wants (group size, 0 for none).
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Fused {
-    gemv: fused::GemvFn,
-    sum_group: usize,
-}
-
-#[cfg(target_arch = "x86_64")]
-fn fused_of<B: fused::FusedBlock>() -> Fused {
-    Fused {
-        gemv: fused::gemv::<B>,
-        sum_group: B::SUM_GROUP,
-    }
-}
-
-/// The fused AVX2 kernel of each type.
-#[cfg(target_arch = "x86_64")]
-fn avx2_fused(dtype: DType) -> Fused {
-    match dtype {
-        DType::F32 => fused_of::<float::avx2::F32Rows>(),
-        DType::F16 => fused_of::<float::avx2::F16Rows>(),
-        DType::BF16 => fused_of::<float::avx2::Bf16Rows>(),
-        DType::Q4_0 => fused_of::<q4_0::avx2::Fused>(),
-        DType::Q4_1 => fused_of::<q4_1::avx2::Fused>(),
-        DType::Q5_0 => fused_of::<q5_0::avx2::Fused>(),
-        DType::Q5_1 => fused_of::<q5_1::avx2::Fused>(),
-        DType::Q8_0 => fused_of::<q8_0::avx2::Fused>(),
-        DType::Q2_K => fused_of::<q2_k::avx2::Fused>(),
-        DType::Q3_K => fused_of::<q3_k::avx2::Fused>(),
-        DType::Q4_K => fused_of::<q4_k::avx2::Fused>(),
-        DType::Q5_K => fused_of::<q5_k::avx2::Fused>(),
-        DType::Q6_K => fused_of::<q6_k::avx2::Fused>(),
-    }
-}
 
 /// Elements dequantized at a time by [`dot_row`]: one k-quant super-block, or
 /// eight legacy blocks; the buffer stays in L1 next to the slice of `x`.
@@ -131,8 +94,6 @@ pub(crate) struct RowKernel {
     block: usize,
     block_bytes: usize,
     dequantize: DequantFn,
-    #[cfg(target_arch = "x86_64")]
-    fused: Option<Fused>,
 }
 
 impl RowKernel {
@@ -141,12 +102,9 @@ impl RowKernel {
         let tier = cpu::clamp(tier);
         let reference: DequantFn = ref_dequantizer(dtype);
         #[cfg(target_arch = "x86_64")]
-        let (dequantize, fused) = match tier {
-            SimdTier::Scalar => (reference, None),
-            SimdTier::Avx2 | SimdTier::Avx512 => (
-                avx2_dequantizer(dtype).unwrap_or(reference),
-                Some(avx2_fused(dtype)),
-            ),
+        let dequantize = match tier {
+            SimdTier::Scalar => reference,
+            SimdTier::Avx2 | SimdTier::Avx512 => avx2_dequantizer(dtype).unwrap_or(reference),
         };
         #[cfg(not(target_arch = "x86_64"))]
         let dequantize = reference;
@@ -155,8 +113,6 @@ impl RowKernel {
             block: dtype.block_size(),
             block_bytes: dtype.block_bytes(),
             dequantize,
-            #[cfg(target_arch = "x86_64")]
-            fused,
         }
     }
 
@@ -165,57 +121,6 @@ impl RowKernel {
         RowKernel {
             dequantize: ref_dequantizer(dtype),
             ..RowKernel::new(dtype, SimdTier::Scalar)
-        }
-    }
-
-    /// Whether [`Self::gemv`] runs a fused kernel (rather than dequantizing
-    /// a chunk at a time), which makes it the better path for one token.
-    pub(crate) fn is_fused(&self) -> bool {
-        #[cfg(target_arch = "x86_64")]
-        return self.fused.is_some();
-        #[cfg(not(target_arch = "x86_64"))]
-        return false;
-    }
-
-    /// How many activation sums [`Self::gemv`] needs for `n` activations.
-    pub(crate) fn sums_len(&self, n: usize) -> usize {
-        match self.sum_group() {
-            0 => 0,
-            g => n.div_ceil(g),
-        }
-    }
-
-    fn sum_group(&self) -> usize {
-        #[cfg(target_arch = "x86_64")]
-        return self.fused.map_or(0, |f| f.sum_group);
-        #[cfg(not(target_arch = "x86_64"))]
-        return 0;
-    }
-
-    /// Fills `sums` (of [`Self::sums_len`] elements) for activations `x`.
-    pub(crate) fn x_sums(&self, x: &[f32], sums: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        fused::x_sums(x, self.sum_group(), sums);
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (x, sums);
-    }
-
-    /// `y[r] = Σ_i W[r, i]·x[i]` for the `y.len()` rows stored back to back
-    /// in `w`, with `sums` from [`Self::x_sums`]. Lengths are checked by the
-    /// caller, as for [`Self::dequantize`].
-    pub(crate) fn gemv(&self, w: &[u8], x: &[f32], sums: &[f32], y: &mut [f32]) {
-        #[cfg(target_arch = "x86_64")]
-        if let Some(f) = self.fused {
-            // SAFETY: `fused` is only set in `new` for a tier that
-            // `cpu::clamp` lowered to one this CPU supports (AVX2, FMA and
-            // F16C); the kernel asserts its lengths.
-            unsafe { (f.gemv)(w, x, sums, y) };
-            return;
-        }
-        let _ = sums;
-        let row_bytes = self.bytes_for(x.len());
-        for (row, y) in w.chunks_exact(row_bytes.max(1)).zip(y.iter_mut()) {
-            *y = self.dot_dequantized(row, x);
         }
     }
 
@@ -240,30 +145,10 @@ impl RowKernel {
         unsafe { (self.dequantize)(src, dst) }
     }
 
-    /// `Σ w[i]·x[i]` for one row, a chunk of [`CHUNK`] elements at a time
-    /// (so the activation sums fit on the stack). Lengths are checked by the
-    /// caller, as for [`Self::dequantize`].
+    /// `Σ w[i]·x[i]` for one row, dequantizing a chunk at a time into a
+    /// stack buffer and dotting it with the tier's f32 dot. Lengths are
+    /// checked by the caller, as for [`Self::dequantize`].
     pub(crate) fn dot(&self, row: &[u8], x: &[f32]) -> f32 {
-        if !self.is_fused() {
-            return self.dot_dequantized(row, x);
-        }
-        let chunk_bytes = self.bytes_for(CHUNK);
-        // One sum per group of a chunk: never more than its elements.
-        let mut sums = [0f32; CHUNK];
-        let mut acc = 0f32;
-        for (src, xs) in row.chunks(chunk_bytes).zip(x.chunks(CHUNK)) {
-            let sums = &mut sums[..self.sums_len(xs.len())];
-            self.x_sums(xs, sums);
-            let mut y = [0f32];
-            self.gemv(src, xs, sums, &mut y);
-            acc += y[0];
-        }
-        acc
-    }
-
-    /// `Σ w[i]·x[i]` for one row, dequantizing a chunk at a time into a stack
-    /// buffer: the path of tiers without fused kernels.
-    fn dot_dequantized(&self, row: &[u8], x: &[f32]) -> f32 {
         let mut buf = [0f32; CHUNK];
         let chunk_bytes = self.bytes_for(CHUNK);
         let mut acc = 0f32;

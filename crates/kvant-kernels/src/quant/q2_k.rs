@@ -42,10 +42,8 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot16x2, lane, load32, FusedBlock, Super};
-    use super::super::simd::{f16_load, quarters, store_affine_u8x32};
+    use super::super::simd::{f16_load, store_affine_u8x32};
     use super::{BLOCK_BYTES, QK_K};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// The 2-bit values of weights `32j..32j+32` of a half, from its 32 `qs`
@@ -85,55 +83,6 @@ pub(crate) mod avx2 {
                     store_affine_u8x32(q, [scale(g), scale(g + 1)], [min(g), min(g + 1)], out);
                 }
             }
-        }
-    }
-
-    /// The fused Q2_K row kernel: per group `g` of 16,
-    /// `d·scale_g·Σ q·x - dmin·min_g·Σ x`, the second term two FMAs over the
-    /// sixteen precomputed group sums.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 84 bytes of one block; `Super` covers 256
-    // floats and 16 sums.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q2_K;
-        const ELEMS: usize = QK_K;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 16;
-        type X = Super;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, sums: *const f32) -> Super {
-            Super::new(x, sums, 16)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Super, mut acc: __m256) -> __m256 {
-            let d = _mm256_set1_ps(f16_load(w.add(80)));
-            let dmin = _mm256_set1_ps(f16_load(w.add(82)));
-            let packed = _mm_loadu_si128(w as *const __m128i);
-            let m4 = _mm_set1_epi8(0x0F);
-            let widen = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-            // Lane g of `sc[h]` / `mn[h]`: group 8h + g.
-            let (scales, mins) = (
-                _mm_and_si128(packed, m4),
-                _mm_and_si128(_mm_srli_epi16(packed, 4), m4),
-            );
-            let sc = [scales, _mm_srli_si128(scales, 8)].map(|v| _mm256_mul_ps(widen(v), d));
-            let mn = [mins, _mm_srli_si128(mins, 8)].map(|v| _mm256_mul_ps(widen(v), dmin));
-            acc = _mm256_fnmadd_ps(mn[0], x.sums[0], acc);
-            acc = _mm256_fnmadd_ps(mn[1], x.sums[1], acc);
-            for (half, sc) in sc.into_iter().enumerate() {
-                let qs = _mm256_loadu_si256(w.add(16 + 32 * half) as *const __m256i);
-                for j in 0..4 {
-                    let q = quarters::<false>(values(qs, j));
-                    let s = [lane(sc, 2 * j), lane(sc, 2 * j + 1)];
-                    acc = dot16x2(q, &load32(x.x.add(128 * half + 32 * j)), s, acc);
-                }
-            }
-            acc
         }
     }
 }

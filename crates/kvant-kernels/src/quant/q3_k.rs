@@ -13,24 +13,6 @@ use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
 
-/// The 16 scales (offset by 32) of a block's 12 packed bytes, one per byte
-/// of four little-endian words: `scales` with word-wide masks and shifts
-/// (ggml's trick), for the vector kernel.
-#[cfg(any(target_arch = "x86_64", test))]
-pub(crate) fn unpack_scales(packed: &[u8; 12]) -> [u32; 4] {
-    const LOW4: u32 = 0x0F0F_0F0F;
-    const LOW2: u32 = 0x0303_0303;
-    let word =
-        |i: usize| u32::from_le_bytes([packed[i], packed[i + 1], packed[i + 2], packed[i + 3]]);
-    let (a, b, c) = (word(0), word(4), word(8));
-    [
-        (a & LOW4) | ((c & LOW2) << 4),
-        (b & LOW4) | (((c >> 2) & LOW2) << 4),
-        ((a >> 4) & LOW4) | (((c >> 4) & LOW2) << 4),
-        ((b >> 4) & LOW4) | (((c >> 6) & LOW2) << 4),
-    ]
-}
-
 /// The 16 signed group scales of a block.
 fn scales(packed: &[u8]) -> [i32; 16] {
     let mut out = [0i32; 16];
@@ -73,10 +55,8 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot16x2, lane, load32, FusedBlock};
-    use super::super::simd::{f16_load, quarters, store_scaled_i8x32};
-    use super::{scales, unpack_scales, BLOCK_BYTES, QK_K};
-    use kvant_core::DType;
+    use super::super::simd::{f16_load, store_scaled_i8x32};
+    use super::{scales, BLOCK_BYTES, QK_K};
     use std::arch::x86_64::*;
 
     /// The signed 3-bit values of weights `32j..32j+32` of half `half`: the
@@ -121,70 +101,6 @@ pub(crate) mod avx2 {
                     store_scaled_i8x32(q, _mm256_set1_ps(s0), _mm256_set1_ps(s1), out);
                 }
             }
-        }
-    }
-
-    /// The fused Q3_K row kernel: per group `g` of 16, `(d·scale_g)·Σ q·x`
-    /// with `q = low - 4` where the high bit is clear, built bytewise.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 110 bytes of one block; `prepare` keeps the
-    // pointer to 256 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q3_K;
-        const ELEMS: usize = QK_K;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = *const f32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> *const f32 {
-            x
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &*const f32, mut acc: __m256) -> __m256 {
-            let d = _mm256_set1_ps(f16_load(w.add(108)));
-            let [s0, s1, s2, s3] =
-                unpack_scales(&*(w.add(96) as *const [u8; 12])).map(|u| u as i32);
-            let s = _mm_sub_epi8(_mm_setr_epi32(s0, s1, s2, s3), _mm_set1_epi8(32));
-            // Lane g of `sc[h]`: group 8h + g.
-            let sc = [s, _mm_srli_si128(s, 8)]
-                .map(|v| _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d));
-            let hmask = _mm256_loadu_si256(w as *const __m256i);
-            for (half, sc) in sc.into_iter().enumerate() {
-                let qs = _mm256_loadu_si256(w.add(32 + 32 * half) as *const __m256i);
-                for j in 0..4 {
-                    let q = quarters::<true>(values(hmask, qs, half, j));
-                    let s = [lane(sc, 2 * j), lane(sc, 2 * j + 1)];
-                    acc = dot16x2(q, &load32(x.add(128 * half + 32 * j)), s, acc);
-                }
-            }
-            acc
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::{Rng, SeedableRng};
-    use rand_chacha::ChaCha8Rng;
-
-    #[test]
-    fn unpacked_scales_match_scales() {
-        let mut rng = ChaCha8Rng::seed_from_u64(22);
-        for _ in 0..2000 {
-            let packed: [u8; 12] = rng.random();
-            let words = unpack_scales(&packed);
-            let bytes: Vec<i32> = words
-                .iter()
-                .flat_map(|w| w.to_le_bytes())
-                .map(|b| b as i32 - 32)
-                .collect();
-            assert_eq!(bytes, scales(&packed), "{packed:?}");
         }
     }
 }

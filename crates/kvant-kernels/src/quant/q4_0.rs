@@ -43,10 +43,8 @@ pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, FusedBlock, Legacy32};
-    use super::super::simd::{f16_splat, nibbles};
+    use super::super::simd::f16_splat;
     use super::{BLOCK_BYTES, QK};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// Bit-identical to the reference: the same `(q - 8) as f32 * d` per lane.
@@ -72,31 +70,6 @@ pub(crate) mod avx2 {
                 _mm256_storeu_ps(y.add(16 * k), _mm256_mul_ps(_mm256_cvtepi32_ps(a), d));
                 _mm256_storeu_ps(y.add(16 * k + 8), _mm256_mul_ps(_mm256_cvtepi32_ps(c), d));
             }
-        }
-    }
-
-    /// The fused Q4_0 row kernel: `d·(Σ q·x - 8·Σ x)` per block.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 18 bytes of one block, `prepare` 32 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q4_0;
-        const ELEMS: usize = QK;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = Legacy32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> Legacy32 {
-            Legacy32::load(x, -8.0)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Legacy32, acc: __m256) -> __m256 {
-            let s = dot32(nibbles(w.add(2)), &x.x, x.bias);
-            _mm256_fmadd_ps(f16_splat(w), s, acc)
         }
     }
 }

@@ -23,10 +23,8 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, FusedBlock, Legacy32};
-    use super::super::simd::{f16_at, f16_pair_splat, nibbles};
+    use super::super::simd::f16_at;
     use super::{BLOCK_BYTES, QK};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// Bit-identical to the reference: a separate multiply and add (no FMA),
@@ -52,32 +50,6 @@ pub(crate) mod avx2 {
                 _mm256_storeu_ps(y.add(16 * k), _mm256_add_ps(_mm256_mul_ps(a, d), m));
                 _mm256_storeu_ps(y.add(16 * k + 8), _mm256_add_ps(_mm256_mul_ps(c, d), m));
             }
-        }
-    }
-
-    /// The fused Q4_1 row kernel: `d·Σ q·x + m·Σ x` per block.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 20 bytes of one block, `prepare` 32 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q4_1;
-        const ELEMS: usize = QK;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = Legacy32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> Legacy32 {
-            Legacy32::load(x, 1.0)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Legacy32, acc: __m256) -> __m256 {
-            let s = dot32(nibbles(w.add(4)), &x.x, _mm256_setzero_ps());
-            let (d, m) = f16_pair_splat(w);
-            _mm256_fmadd_ps(m, x.bias, _mm256_fmadd_ps(d, s, acc))
         }
     }
 }

@@ -269,10 +269,8 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, lane, load32, FusedBlock, Super};
-    use super::super::simd::{f16_pair_splat, nibbles, store_affine_u8x32};
+    use super::super::simd::{f16_pair_splat, lane, store_affine_u8x32};
     use super::{unpack_scales, BLOCK_BYTES, QK_K};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// `super::nearest_int` on eight lanes.
@@ -454,46 +452,6 @@ pub(crate) mod avx2 {
         let mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
         let (d, dmin) = f16_pair_splat(w);
         (_mm256_mul_ps(sc, d), _mm256_mul_ps(mn, dmin))
-    }
-
-    /// The fused Q4_K row kernel: per group `g` of 32,
-    /// `d·scale_g·Σ q·x - dmin·min_g·Σ x`, the second term one FMA over the
-    /// eight precomputed group sums.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 144 bytes of one block; `Super` covers 256
-    // floats and 8 sums.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q4_K;
-        const ELEMS: usize = QK_K;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 32;
-        type X = Super;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, sums: *const f32) -> Super {
-            Super::new(x, sums, 8)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Super, acc: __m256) -> __m256 {
-            let (sc, mn) = scales_mins(w);
-            let mut acc = _mm256_fnmadd_ps(mn, x.sums[0], acc);
-            let z = _mm256_setzero_ps();
-            for c in 0..4 {
-                let q = w.add(16 + 32 * c);
-                let [a0, a1, a2, a3] = nibbles(q);
-                let [b0, b1, b2, b3] = nibbles(q.add(16));
-                let xs = x.x.add(64 * c);
-                let lo = dot32([a0, a1, b0, b1], &load32(xs), z);
-                let hi = dot32([a2, a3, b2, b3], &load32(xs.add(32)), z);
-                acc = _mm256_fmadd_ps(lane(sc, 2 * c), lo, acc);
-                acc = _mm256_fmadd_ps(lane(sc, 2 * c + 1), hi, acc);
-            }
-            acc
-        }
     }
 }
 

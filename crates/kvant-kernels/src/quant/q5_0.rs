@@ -51,10 +51,8 @@ pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, high_bits, masked_sum, FusedBlock, Legacy32};
-    use super::super::simd::{f16_splat, nibbles, nibbles_i32};
+    use super::super::simd::{f16_splat, high_bits, nibbles_i32};
     use super::{BLOCK_BYTES, QK};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// Bit-identical to the reference: `((q | h) - 16) as f32 * d` per lane.
@@ -78,34 +76,6 @@ pub(crate) mod avx2 {
                     _mm256_mul_ps(_mm256_cvtepi32_ps(v), d),
                 );
             }
-        }
-    }
-
-    /// The fused Q5_0 row kernel: with `h` the fifth bits,
-    /// `Σ (q + 16·h - 16)·x = Σ q·x + 16·Σ_h x - 16·Σ x` per block, times `d`.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 22 bytes of one block, `prepare` 32 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q5_0;
-        const ELEMS: usize = QK;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = Legacy32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> Legacy32 {
-            Legacy32::load(x, -16.0)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Legacy32, acc: __m256) -> __m256 {
-            let h = masked_sum(high_bits(w.add(2)), &x.x);
-            let init = _mm256_fmadd_ps(h, _mm256_set1_ps(16.0), x.bias);
-            let s = dot32(nibbles(w.add(6)), &x.x, init);
-            _mm256_fmadd_ps(f16_splat(w), s, acc)
         }
     }
 }

@@ -26,10 +26,8 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, high_bits, masked_sum, FusedBlock, Legacy32};
-    use super::super::simd::{f16_pair_splat, nibbles, nibbles_i32};
+    use super::super::simd::{f16_pair_splat, high_bits, nibbles_i32};
     use super::{BLOCK_BYTES, QK};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// Bit-identical to the reference: `(q | h) as f32 * d + m` per lane
@@ -54,38 +52,6 @@ pub(crate) mod avx2 {
                     _mm256_add_ps(_mm256_mul_ps(v, d), m),
                 );
             }
-        }
-    }
-
-    /// The fused Q5_1 row kernel: with `h` the fifth bits,
-    /// `d·(Σ q·x + 16·Σ_h x) + m·Σ x` per block.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 24 bytes of one block, `prepare` 32 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q5_1;
-        const ELEMS: usize = QK;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = Legacy32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> Legacy32 {
-            Legacy32::load(x, 1.0)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Legacy32, acc: __m256) -> __m256 {
-            let h = masked_sum(high_bits(w.add(4)), &x.x);
-            let s = dot32(
-                nibbles(w.add(8)),
-                &x.x,
-                _mm256_mul_ps(h, _mm256_set1_ps(16.0)),
-            );
-            let (d, m) = f16_pair_splat(w);
-            _mm256_fmadd_ps(m, x.bias, _mm256_fmadd_ps(d, s, acc))
         }
     }
 }

@@ -37,11 +37,9 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{dot32, lane, load32, masked_sum, FusedBlock, Super};
     use super::super::q4_k::avx2::scales_mins;
-    use super::super::simd::{nibbles, store_affine_u8x32};
+    use super::super::simd::{lane, store_affine_u8x32};
     use super::{BLOCK_BYTES, QK_K};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// Bit-identical to the reference (multiply, then subtract; no FMA).
@@ -80,57 +78,6 @@ pub(crate) mod avx2 {
                 store_affine_u8x32(lo, [d1, d1], [m1, m1], y);
                 store_affine_u8x32(hi, [d2, d2], [m2, m2], y.add(32));
             }
-        }
-    }
-
-    /// The fused Q5_K row kernel: Q4_K's, plus `16·Σ_h x` over the weights
-    /// whose fifth bit `h` is set, found by moving bit `g` of each `qh` byte
-    /// to the sign bit and blending.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 176 bytes of one block; `Super` covers 256
-    // floats and 8 sums.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q5_K;
-        const ELEMS: usize = QK_K;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 32;
-        type X = Super;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, sums: *const f32) -> Super {
-            Super::new(x, sums, 8)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Super, acc: __m256) -> __m256 {
-            let (sc, mn) = scales_mins(w);
-            let mut acc = _mm256_fnmadd_ps(mn, x.sums[0], acc);
-            // The `qh` bytes of weights 8i..8i+8 (of every group), one per lane.
-            let qh = [0, 8, 16, 24]
-                .map(|i| _mm256_cvtepu8_epi32(_mm_loadl_epi64(w.add(16 + i) as *const __m128i)));
-            let sixteen = _mm256_set1_ps(16.0);
-            for c in 0..4 {
-                let q = w.add(48 + 32 * c);
-                let [a0, a1, a2, a3] = nibbles(q);
-                let [b0, b1, b2, b3] = nibbles(q.add(16));
-                let xs = x.x.add(64 * c);
-                let (xlo, xhi) = (load32(xs), load32(xs.add(32)));
-                // Bit g of a qh byte moves to bit 31 with a shift by 31 - g.
-                let sign = |g: usize| {
-                    let count = _mm_cvtsi32_si128(31 - g as i32);
-                    qh.map(|v| _mm256_sll_epi32(v, count))
-                };
-                let hlo = _mm256_mul_ps(masked_sum(sign(2 * c), &xlo), sixteen);
-                let hhi = _mm256_mul_ps(masked_sum(sign(2 * c + 1), &xhi), sixteen);
-                let lo = dot32([a0, a1, b0, b1], &xlo, hlo);
-                let hi = dot32([a2, a3, b2, b3], &xhi, hhi);
-                acc = _mm256_fmadd_ps(lane(sc, 2 * c), lo, acc);
-                acc = _mm256_fmadd_ps(lane(sc, 2 * c + 1), hi, acc);
-            }
-            acc
         }
     }
 }

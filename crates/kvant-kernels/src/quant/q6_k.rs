@@ -42,10 +42,8 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{bytes8, dot16x2, lane, load32, FusedBlock};
-    use super::super::simd::{f16_at, f16_load, quarters, store_scaled_i8x32};
+    use super::super::simd::{f16_at, store_scaled_i8x32};
     use super::{BLOCK_BYTES, QK_K};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// The signed 6-bit values (`q - 32`) of half `half` of a block at `p`:
@@ -107,41 +105,6 @@ pub(crate) mod avx2 {
                     store_scaled_i8x32(q, s0, s1, y.add(32 * k));
                 }
             }
-        }
-    }
-
-    /// The fused Q6_K row kernel: per group `g` of 16,
-    /// `(d·scale_g)·Σ (q - 32)·x`.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 210 bytes of one block; `prepare` keeps the
-    // pointer to 256 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q6_K;
-        const ELEMS: usize = QK_K;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = *const f32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> *const f32 {
-            x
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &*const f32, mut acc: __m256) -> __m256 {
-            let d = _mm256_set1_ps(f16_load(w.add(208)));
-            for half in 0..2 {
-                let sc = _mm256_mul_ps(bytes8::<true>(w.add(192 + 8 * half)), d);
-                for (k, q) in values(w, half).into_iter().enumerate() {
-                    let q = quarters::<true>(q);
-                    let s = [lane(sc, 2 * k), lane(sc, 2 * k + 1)];
-                    acc = dot16x2(q, &load32(x.add(128 * half + 32 * k)), s, acc);
-                }
-            }
-            acc
         }
     }
 }

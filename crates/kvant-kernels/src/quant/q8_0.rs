@@ -36,10 +36,8 @@ pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::fused::{bytes8, dot32, FusedBlock, Legacy32};
     use super::super::simd::f16_splat;
     use super::{BLOCK_BYTES, QK};
-    use kvant_core::DType;
     use std::arch::x86_64::*;
 
     /// Bit-identical to the reference.
@@ -62,31 +60,6 @@ pub(crate) mod avx2 {
                 let v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(q.add(8 * k) as *const __m128i));
                 _mm256_storeu_ps(y.add(8 * k), _mm256_mul_ps(_mm256_cvtepi32_ps(v), d));
             }
-        }
-    }
-
-    /// The fused Q8_0 row kernel: `d·Σ q·x` per block.
-    pub(crate) struct Fused;
-
-    // SAFETY: `dot` reads the 34 bytes of one block, `prepare` 32 floats.
-    unsafe impl FusedBlock for Fused {
-        const DTYPE: DType = DType::Q8_0;
-        const ELEMS: usize = QK;
-        const BYTES: usize = BLOCK_BYTES;
-        const SUM_GROUP: usize = 0;
-        type X = Legacy32;
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn prepare(x: *const f32, _: *const f32) -> Legacy32 {
-            Legacy32::load(x, 0.0)
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        #[inline]
-        unsafe fn dot(w: *const u8, x: &Legacy32, acc: __m256) -> __m256 {
-            let q = [2, 10, 18, 26].map(|k| bytes8::<true>(w.add(k)));
-            _mm256_fmadd_ps(f16_splat(w), dot32(q, &x.x, _mm256_setzero_ps()), acc)
         }
     }
 }

@@ -1,5 +1,5 @@
-//! AVX2 helpers shared by the fast dequantizers and the fused row kernels:
-//! f16 scales through F16C, and packed integers widened to f32 lanes.
+//! AVX2 helpers shared by the fast dequantizers: f16 scales through F16C,
+//! and packed integers widened to f32 lanes.
 //!
 //! The fast dequantizers reproduce the reference arithmetic lane by lane (a
 //! multiply, then an add or subtract; never a fused FMA), so their output is
@@ -97,22 +97,6 @@ pub(crate) unsafe fn nibbles_i32(p: *const u8) -> [__m256i; 4] {
     ]
 }
 
-/// [`nibbles_i32`] as f32.
-///
-/// # Safety
-/// As for [`nibbles_i32`].
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-pub(crate) unsafe fn nibbles(p: *const u8) -> [__m256; 4] {
-    let [a, b, c, d] = nibbles_i32(p);
-    [
-        _mm256_cvtepi32_ps(a),
-        _mm256_cvtepi32_ps(b),
-        _mm256_cvtepi32_ps(c),
-        _mm256_cvtepi32_ps(d),
-    ]
-}
-
 /// Writes `q[i] as f32 * d[h] - m[h]` for the 32 unsigned bytes of `q`,
 /// with `h = i / 16`: one scale and minimum per group of 16 (Q2_K), or the
 /// same twice for groups of 32.
@@ -138,4 +122,30 @@ pub(crate) unsafe fn store_scaled_i8x32(q: __m256i, s0: __m256, s1: __m256, out:
         let s = if k < 2 { s0 } else { s1 };
         _mm256_storeu_ps(out.add(8 * k), _mm256_mul_ps(v, s));
     }
+}
+
+/// Broadcasts lane `i` of `v` (a per-group scale) to all eight lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) fn lane(v: __m256, i: usize) -> __m256 {
+    _mm256_permutevar8x32_ps(v, _mm256_set1_epi32(i as i32))
+}
+
+/// The 32 bits of the little-endian `u32` at `p`, one per lane in weight
+/// order (lanes of vector `k` hold bits `8k..8k+8`), moved to the sign bit:
+/// the fifth bits of a Q5_0/Q5_1 block, which an arithmetic shift right by
+/// 31 then spreads into a mask.
+///
+/// # Safety
+/// The CPU supports AVX2; `p` is valid for 4 bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn high_bits(p: *const u8) -> [__m256i; 4] {
+    let qh = _mm256_set1_epi32((p as *const i32).read_unaligned());
+    // Bit j (lane j % 8 of vector j / 8) shifts left by 31 - j.
+    let shift = |k: i32| {
+        let b = 31 - 8 * k;
+        _mm256_setr_epi32(b, b - 1, b - 2, b - 3, b - 4, b - 5, b - 6, b - 7)
+    };
+    [0, 1, 2, 3].map(|k| _mm256_sllv_epi32(qh, shift(k)))
 }
