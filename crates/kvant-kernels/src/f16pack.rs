@@ -29,6 +29,13 @@ pub const GROUP: usize = 8;
 /// load per two FMAs instead of one per FMA.
 const TOKEN_TILE: usize = 6;
 
+/// Tokens up to which a tile runs four groups (32 rows) at once instead of
+/// two: with one or two tokens, two groups keep only two or four FMA
+/// chains in flight, and each chain waits out the FMA latency at every
+/// weight index. Four groups double the chains; the per-lane sums are the
+/// same chains, so the bits do not change.
+const QUAD_TOKENS: usize = 2;
+
 /// The least multiply-adds worth a pool task (about a microsecond of work).
 const MIN_TASK_MACS: usize = 32 << 10;
 
@@ -139,6 +146,22 @@ pub fn gemm_with(
             let xt = &x[t * w.cols..(t + n) * w.cols];
             let mut g = mine.start;
             while g < mine.end {
+                if n <= QUAD_TOKENS && g + 3 < mine.end {
+                    let mut v = [[[0f32; GROUP]; QUAD_TOKENS]; 4];
+                    tile_quad(tier, w, g, xt, n, &mut v);
+                    for (dg, v) in v.iter().enumerate() {
+                        let gg = g + dg;
+                        let live = (w.rows - gg * GROUP).min(GROUP);
+                        for (dt, v) in v[..n].iter().enumerate() {
+                            let o = (t + dt) * w.rows + gg * GROUP;
+                            // SAFETY: rows `8gg..8gg+live` of each token
+                            // belong to this task only.
+                            unsafe { out.range(o..o + live) }.copy_from_slice(&v[..live]);
+                        }
+                    }
+                    g += 4;
+                    continue;
+                }
                 let pair = g + 1 < mine.end;
                 let mut v = [[[0f32; GROUP]; TOKEN_TILE]; 2];
                 let [v0, v1] = &mut v;
@@ -163,6 +186,33 @@ pub fn gemm_with(
         }
     });
     Ok(())
+}
+
+/// Groups `g..g + 4` against the `n` (1 or 2) tokens in `x`.
+fn tile_quad(
+    tier: SimdTier,
+    w: &F16Matrix,
+    g: usize,
+    x: &[f32],
+    n: usize,
+    out: &mut [[[f32; GROUP]; QUAD_TOKENS]; 4],
+) {
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `tile`, for all four groups.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
+            let ws = [w.group(g), w.group(g + 1), w.group(g + 2), w.group(g + 3)];
+            match n {
+                1 => avx2::tile_quad::<1>(ws, w.cols, x, out),
+                _ => avx2::tile_quad::<QUAD_TOKENS>(ws, w.cols, x, out),
+            }
+        },
+        _ => {
+            for (k, o) in out.iter_mut().enumerate() {
+                tile(tier, w, g + k, x, &mut o[..n]);
+            }
+        }
+    }
 }
 
 /// Groups `g` and `g + 1` against the 1..=6 tokens in `x`.
@@ -260,6 +310,56 @@ mod avx2 {
         }
         for (o, a) in out.iter_mut().zip(acc) {
             _mm256_storeu_ps(o.as_mut_ptr(), a);
+        }
+    }
+
+    /// Four groups at once for one or two tokens: per weight index four
+    /// converted registers and `T` broadcasts feed `4T` independent FMA
+    /// chains, each the chain [`tile`] computes.
+    ///
+    /// # Safety
+    /// As for [`tile`], for every group in `ws`; `T <= 2`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile_quad<const T: usize>(
+        ws: [&[half::f16]; 4],
+        cols: usize,
+        x: &[f32],
+        out: &mut [[[f32; GROUP]; super::QUAD_TOKENS]; 4],
+    ) {
+        assert!(ws.iter().all(|w| w.len() >= cols * GROUP));
+        assert!(T <= super::QUAD_TOKENS && x.len() >= T * cols);
+        let ps = [
+            ws[0].as_ptr() as *const __m128i,
+            ws[1].as_ptr() as *const __m128i,
+            ws[2].as_ptr() as *const __m128i,
+            ws[3].as_ptr() as *const __m128i,
+        ];
+        let xp = x.as_ptr();
+        // acc[t][k]: token t, group k.
+        let mut acc = [[_mm256_setzero_ps(); 4]; T];
+        for i in 0..cols {
+            // SAFETY: `i < cols`, in range of every group (asserted). No
+            // closure: it would not inherit this function's features.
+            let v = unsafe {
+                [
+                    _mm256_cvtph_ps(_mm_loadu_si128(ps[0].add(i))),
+                    _mm256_cvtph_ps(_mm_loadu_si128(ps[1].add(i))),
+                    _mm256_cvtph_ps(_mm_loadu_si128(ps[2].add(i))),
+                    _mm256_cvtph_ps(_mm_loadu_si128(ps[3].add(i))),
+                ]
+            };
+            for (t, at) in acc.iter_mut().enumerate() {
+                // SAFETY: `t < T`, `i < cols`: inside `x` (asserted).
+                let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i) });
+                for (a, w) in at.iter_mut().zip(v) {
+                    *a = _mm256_fmadd_ps(w, xv, *a);
+                }
+            }
+        }
+        for (t, at) in acc.iter().enumerate() {
+            for (o, a) in out.iter_mut().zip(at) {
+                _mm256_storeu_ps(o[t].as_mut_ptr(), *a);
+            }
         }
     }
 

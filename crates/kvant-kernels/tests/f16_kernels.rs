@@ -23,6 +23,7 @@ fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
         (9, 101),
         (33, 576),
         (20, 1536),
+        (70, 200),
     ] {
         let w: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0..1.0))
