@@ -24,6 +24,8 @@ fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
         (33, 576),
         (20, 1536),
         (70, 200),
+        (200, 77),
+        (130, 300),
     ] {
         let w: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0..1.0))
@@ -41,7 +43,7 @@ fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
         )
         .unwrap();
         let packed = F16Matrix::pack(&t).unwrap().unwrap();
-        for n in [1usize, 2, 3, 5, 6, 7, 13] {
+        for n in [1usize, 2, 3, 5, 6, 7, 12, 13, 25] {
             let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
             let mut want = vec![f32::NAN; n * rows];
             gemm_with(SimdTier::Scalar, &packed, &x, n, &mut want).unwrap();
