@@ -171,22 +171,32 @@ fn packing_refuses_other_types_and_bad_shapes_are_errors() {
 /// 32512`) and i32 block sum (`2·128·16·32·127`) is as large as it can be,
 /// and in the second case the AVX2 kernel's raw `Σ q x` (`8·63·127`) wraps
 /// its i16 before the offset comes off. Q5_K: every `q` 31, every scale 63
-/// and activations at 127, the largest i16 partial sum (`8·31·127`). A
+/// and activations at 127, the largest i16 partial sum (`8·31·127`). Q8_0:
+/// every weight at -128 (which no quantizer writes, but a file may hold)
+/// or 127, every activation at ±127: the VNNI kernel's offset sums
+/// `Σ (w + 128) x` at their largest (`32·255·127`) and at zero. A
 /// saturated or wrongly wrapped sum would be off by far more than the
-/// tolerance.
+/// tolerance; the tiers must also agree bit for bit.
 #[test]
-fn k_quant_largest_sums_neither_saturate_nor_wrap() {
+fn largest_sums_neither_saturate_nor_wrap() {
     let (rows, cols, n) = (9usize, 512usize, 7usize);
     for (dtype, fill, x) in [
         (DType::Q6_K, 0x00u8, -1.5f32),
         (DType::Q6_K, 0xFF, 1.5),
         (DType::Q5_K, 0xFF, 1.5),
+        (DType::Q8_0, 0x80, 1.5),
+        (DType::Q8_0, 0x80, -1.5),
+        (DType::Q8_0, 0x7F, 1.5),
+        (DType::Q8_0, 0x7F, -1.5),
     ] {
+        let block_values = if dtype == DType::Q8_0 { 32 } else { 256 };
         let mut bytes = Vec::new();
-        for b in 0..rows * cols / 256 {
+        for b in 0..rows * cols / block_values {
             let mut block = vec![fill; dtype.block_bytes()];
             let d = half::f16::from_f32(0.01).to_le_bytes();
-            if dtype == DType::Q6_K {
+            if dtype == DType::Q8_0 {
+                block[0..2].copy_from_slice(&d);
+            } else if dtype == DType::Q6_K {
                 for (j, sc) in block[192..208].iter_mut().enumerate() {
                     *sc = if (b + j) % 3 == 0 { 127 } else { 0x80 };
                 }
@@ -204,9 +214,15 @@ fn k_quant_largest_sums_neither_saturate_nor_wrap() {
         xq.quantize(SimdTier::Scalar, &vec![x; n * cols], n, cols)
             .unwrap();
         let exact = gemm_ref(&wd, rows, &xq);
+        let mut scalar = vec![f32::NAN; n * rows];
+        gemm_with(SimdTier::Scalar, &packed, &xq, &mut scalar).unwrap();
         for tier in cpu::available_tiers() {
             let mut y = vec![f32::NAN; n * rows];
             gemm_with(tier, &packed, &xq, &mut y).unwrap();
+            if dtype == DType::Q8_0 {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y), bits(&scalar), "{dtype} {tier} {fill:#x} {x}");
+            }
             for (&got, &e) in y.iter().zip(&exact) {
                 // Every product has the same sign: |e| is Σ|w·x| itself.
                 assert!(

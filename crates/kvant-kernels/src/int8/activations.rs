@@ -26,6 +26,9 @@ pub struct Q8Activations {
     pub(crate) d: Vec<f32>,
     /// `[n_tokens, k / BLOCK]`: `d · Σ q` of each block.
     pub(crate) s: Vec<f32>,
+    /// `[n_tokens, k / BLOCK]`: `Σ q` of each block, exact (the VNNI Q8_0
+    /// kernel's offset correction).
+    pub(crate) sums: Vec<i32>,
     pub(crate) n_tokens: usize,
     pub(crate) k: usize,
 }
@@ -58,24 +61,27 @@ impl Q8Activations {
         self.qs.resize(x.len(), 0);
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
+        self.sums.resize(nb, 0);
         self.n_tokens = n_tokens;
         self.k = k;
         let blocks = x
             .chunks_exact(BLOCK)
             .zip(self.qs.chunks_exact_mut(BLOCK))
-            .zip(self.d.iter_mut().zip(self.s.iter_mut()));
+            .zip(self.d.iter_mut().zip(self.s.iter_mut()).zip(&mut self.sums));
         match crate::cpu::clamp(tier) {
             #[cfg(target_arch = "x86_64")]
             SimdTier::Avx2 | SimdTier::Avx512 => {
-                for ((x, q), (d, s)) in blocks {
+                for ((x, q), ((d, s), n)) in blocks {
                     // SAFETY: the tier (clamped to the CPU) has AVX2; `x`
                     // and `q` are one block each.
-                    (*d, *s) = unsafe { avx2::quantize_block(x, q) };
+                    (*d, *n) = unsafe { avx2::quantize_block(x, q) };
+                    *s = *d * *n as f32;
                 }
             }
             _ => {
-                for ((x, q), (d, s)) in blocks {
-                    (*d, *s) = quantize_block_ref(x, q);
+                for ((x, q), ((d, s), n)) in blocks {
+                    (*d, *n) = quantize_block_ref(x, q);
+                    *s = *d * *n as f32;
                 }
             }
         }
@@ -90,6 +96,12 @@ impl Q8Activations {
             &self.d[t * nb..(t + 1) * nb],
             &self.s[t * nb..(t + 1) * nb],
         )
+    }
+
+    /// Token `t`'s exact block sums `Σ q`.
+    pub(crate) fn token_sums(&self, t: usize) -> &[i32] {
+        let nb = self.k / BLOCK;
+        &self.sums[t * nb..(t + 1) * nb]
     }
 
     /// Bytes of one row of `k` values in the form [`Self::write_row`]
@@ -132,10 +144,16 @@ impl Q8Activations {
         self.qs.clear();
         self.d.clear();
         self.s.clear();
+        self.sums.clear();
         let f32_at = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         for r in bytes.chunks_exact(row) {
             let (qs, scales) = r.split_at(k);
             self.qs.extend(qs.iter().map(|&q| q as i8));
+            // The exact sums are the values' own: rebuilt, not sent.
+            self.sums.extend(
+                qs.chunks_exact(BLOCK)
+                    .map(|b| b.iter().map(|&q| q as i8 as i32).sum::<i32>()),
+            );
             for pair in scales.chunks_exact(8) {
                 self.d.push(f32_at(&pair[..4]));
                 self.s.push(f32_at(&pair[4..]));
@@ -163,8 +181,8 @@ fn scales(amax: f32) -> (f32, f32) {
     (d, id)
 }
 
-/// The scalar reference: one block into `q`, returning `(d, d · Σ q)`.
-pub(crate) fn quantize_block_ref(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+/// The scalar reference: one block into `q`, returning `(d, Σ q)`.
+pub(crate) fn quantize_block_ref(x: &[f32], q: &mut [i8]) -> (f32, i32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (d, id) = scales(amax);
     let mut sum = 0i32;
@@ -173,7 +191,7 @@ pub(crate) fn quantize_block_ref(x: &[f32], q: &mut [i8]) -> (f32, f32) {
         *q = r as i8;
         sum += r as i32;
     }
-    (d, d * sum as f32)
+    (d, sum)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -186,7 +204,7 @@ mod avx2 {
     /// # Safety
     /// The CPU supports AVX2; `x` and `q` hold at least [`BLOCK`] values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, f32) {
+    pub(super) unsafe fn quantize_block(x: &[f32], q: &mut [i8]) -> (f32, i32) {
         assert!(x.len() >= BLOCK && q.len() >= BLOCK);
         let p = x.as_ptr();
         // SAFETY: `x` holds 32 floats (asserted).
@@ -222,7 +240,7 @@ mod avx2 {
         let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
-        (d, d * _mm_cvtsi128_si32(s) as f32)
+        (d, _mm_cvtsi128_si32(s))
     }
 }
 
@@ -251,6 +269,10 @@ mod tests {
                 assert_eq!(got.qs, want.qs, "{tier} n={n} k={k}");
                 assert_eq!(got.d, want.d);
                 assert_eq!(got.s, want.s);
+                assert_eq!(got.sums, want.sums);
+            }
+            for (b, &n) in want.qs.chunks(BLOCK).zip(&want.sums) {
+                assert_eq!(b.iter().map(|&q| q as i32).sum::<i32>(), n);
             }
             let back = want.dequantize();
             for ((xb, rb), &d) in x.chunks(BLOCK).zip(back.chunks(BLOCK)).zip(&want.d) {
@@ -279,6 +301,7 @@ mod tests {
         assert_eq!((b.n_tokens(), b.k()), (3, k));
         for (i, t) in [3, 0, 3].into_iter().enumerate() {
             assert_eq!(b.token(i), a.token(t));
+            assert_eq!(b.token_sums(i), a.token_sums(t));
         }
         assert!(b.read_rows(k, &wire[1..]).is_err());
         assert!(b.read_rows(40, &[]).is_err());

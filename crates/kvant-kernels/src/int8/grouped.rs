@@ -182,6 +182,7 @@ impl Q8Activations {
         self.qs.clear();
         self.d.clear();
         self.s.clear();
+        self.sums.clear();
         self.n_tokens = 0;
         self.k = k;
         if let Some(&bad) = rows.iter().find(|&&r| r >= src.n_tokens) {
@@ -195,6 +196,7 @@ impl Q8Activations {
             self.qs.extend_from_slice(&src.qs[r * k..(r + 1) * k]);
             self.d.extend_from_slice(&src.d[r * nb..(r + 1) * nb]);
             self.s.extend_from_slice(&src.s[r * nb..(r + 1) * nb]);
+            self.sums.extend_from_slice(&src.sums[r * nb..(r + 1) * nb]);
         }
         self.n_tokens = rows.len();
         Ok(())

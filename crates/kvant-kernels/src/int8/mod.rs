@@ -171,6 +171,7 @@ fn group_rows(
                     q: q.as_ptr(),
                     d: d.as_ptr(),
                     s: s.as_ptr(),
+                    n: x.token_sums(t).as_ptr(),
                 }
             };
             let most = match w.format() {
