@@ -67,7 +67,7 @@ fn every_tier_matches_the_scalar_kernel_and_the_f64_product() {
             let packed = PackedMatrix::pack(&w).unwrap().unwrap();
             let wd = dequantized(&w);
             // Every tile width, and a full tile plus one.
-            for n in [1usize, 2, 3, 4, 5, 7, 9] {
+            for n in [1usize, 2, 3, 4, 5, 7, 9, 17] {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
                 let mut xq = Q8Activations::default();
                 xq.quantize(SimdTier::Scalar, &x, n, cols).unwrap();
