@@ -10,7 +10,7 @@
 
 use crate::cpu::SimdTier;
 use crate::error::KernelError;
-use crate::f16pack::{self, F16Matrix};
+use crate::halfpack::{self, HalfMatrix};
 use crate::int8::{self, PackedMatrix, Q8Activations, Segment};
 use crate::linear::LinearWeight;
 use crate::matmul::matmul_with;
@@ -36,7 +36,7 @@ enum Kind {
 /// A weight whose kernel takes f32 activations.
 #[derive(Clone, Debug)]
 enum F32Weight {
-    F16(F16Matrix),
+    Half(HalfMatrix),
     Float(Tensor),
 }
 
@@ -74,7 +74,7 @@ impl MatrixGroup {
         for w in ws {
             match w {
                 LinearWeight::Int8(p) => packed.push(p),
-                LinearWeight::F16(p) => plain.push(F32Weight::F16(p)),
+                LinearWeight::Half(p) => plain.push(F32Weight::Half(p)),
                 LinearWeight::Float(t) => plain.push(F32Weight::Float(t)),
             }
         }
@@ -106,7 +106,7 @@ impl MatrixGroup {
         match &self.kind {
             Kind::Int8(v) => v[m].byte_len(),
             Kind::F32(v) => match &v[m] {
-                F32Weight::F16(p) => p.byte_len(),
+                F32Weight::Half(p) => p.byte_len(),
                 F32Weight::Float(t) => t.byte_len(),
             },
         }
@@ -180,7 +180,7 @@ impl MatrixGroup {
                         yr_len,
                     ))?;
                     match w {
-                        F32Weight::F16(p) => f16pack::gemm_with(tier, p, xr, r.len(), yr)?,
+                        F32Weight::Half(p) => halfpack::gemm_with(tier, p, xr, r.len(), yr)?,
                         F32Weight::Float(t) => matmul_with(tier, t, xr, r.len(), yr)?,
                     }
                 }

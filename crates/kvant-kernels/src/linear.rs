@@ -9,7 +9,7 @@
 
 use crate::cpu;
 use crate::error::KernelError;
-use crate::f16pack::{self, F16Matrix};
+use crate::halfpack::{self, HalfMatrix};
 use crate::int8::{self, PackedMatrix, Q8Activations};
 use crate::matmul::matmul;
 use kvant_core::Tensor;
@@ -19,16 +19,16 @@ use kvant_core::Tensor;
 pub enum LinearWeight {
     /// Repacked for the int8 kernels.
     Int8(PackedMatrix),
-    /// f16, repacked 8 rows interleaved (exact; f32 activations).
-    F16(F16Matrix),
+    /// f16 or bf16, repacked 8 rows interleaved (exact; f32 activations).
+    Half(HalfMatrix),
     /// As stored, for the f32-activation kernels.
     Float(Tensor),
 }
 
 impl LinearWeight {
     /// Repacks `w` for the int8 kernels when `int8` is set and its type has
-    /// them, f16 weights always (their packing is exact); keeps it as stored
-    /// otherwise.
+    /// them, f16 and bf16 weights always (their packing is exact); keeps it
+    /// as stored otherwise.
     ///
     /// # Errors
     /// [`KernelError::NotAMatrix`] unless `w` is 2-D.
@@ -46,7 +46,7 @@ impl LinearWeight {
         };
         let packed = match packed {
             Some(p) => Some(p),
-            None => F16Matrix::pack(&w)?.map(LinearWeight::F16),
+            None => HalfMatrix::pack(&w)?.map(LinearWeight::Half),
         };
         match packed {
             Some(p) => {
@@ -79,7 +79,7 @@ impl LinearWeight {
     pub fn rows(&self) -> usize {
         match self {
             LinearWeight::Int8(p) => p.rows(),
-            LinearWeight::F16(p) => p.rows(),
+            LinearWeight::Half(p) => p.rows(),
             LinearWeight::Float(t) => t.shape()[0],
         }
     }
@@ -88,7 +88,7 @@ impl LinearWeight {
     pub fn cols(&self) -> usize {
         match self {
             LinearWeight::Int8(p) => p.cols(),
-            LinearWeight::F16(p) => p.cols(),
+            LinearWeight::Half(p) => p.cols(),
             LinearWeight::Float(t) => t.shape()[1],
         }
     }
@@ -97,7 +97,7 @@ impl LinearWeight {
     pub fn byte_len(&self) -> usize {
         match self {
             LinearWeight::Int8(p) => p.byte_len(),
-            LinearWeight::F16(p) => p.byte_len(),
+            LinearWeight::Half(p) => p.byte_len(),
             LinearWeight::Float(t) => t.byte_len(),
         }
     }
@@ -121,7 +121,7 @@ impl LinearWeight {
                     actual: 0,
                 }),
             },
-            LinearWeight::F16(p) => f16pack::gemm(p, x.x, x.n_tokens, y),
+            LinearWeight::Half(p) => halfpack::gemm(p, x.x, x.n_tokens, y),
             LinearWeight::Float(t) => matmul(t, x.x, x.n_tokens, y),
         }
     }

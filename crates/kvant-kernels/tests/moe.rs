@@ -13,7 +13,7 @@
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::activation::{gated_with, Activation};
 use kvant_kernels::cpu::{self, SimdTier};
-use kvant_kernels::f16pack;
+use kvant_kernels::halfpack;
 use kvant_kernels::int8::{
     gemm_grouped_with, gemm_with, PackedFormat, PackedMatrix, Q8Activations, Segment, BLOCK,
 };
@@ -369,7 +369,7 @@ fn forward_one(tier: SimdTier, w: &LinearWeight, x: &[f32], y: &mut [f32]) {
             q.quantize(tier, x, 1, x.len()).unwrap();
             gemm_with(tier, p, &q, y).unwrap();
         }
-        LinearWeight::F16(p) => f16pack::gemm_with(tier, p, x, 1, y).unwrap(),
+        LinearWeight::Half(p) => halfpack::gemm_with(tier, p, x, 1, y).unwrap(),
         LinearWeight::Float(t) => matmul_with(tier, t, x, 1, y).unwrap(),
     }
 }

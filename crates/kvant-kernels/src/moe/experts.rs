@@ -15,7 +15,7 @@
 //!
 //! Batch invariance: every kernel here computes each (row, token) value
 //! the same way whatever the other tokens of the call (see `int8`,
-//! `f16pack`, `matmul`), activation quantization and gating are per row
+//! `halfpack`, `matmul`), activation quantization and gating are per row
 //! and per value, and the combine runs each token's slots in a fixed order
 //! and never mixes tokens; so a token's output is the same bits alone or
 //! in any batch, on any number of threads. Experts without tokens are never

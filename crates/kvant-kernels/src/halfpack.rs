@@ -1,16 +1,19 @@
-//! f16 weights repacked 8 rows interleaved, multiplied with f32 activations.
+//! 16-bit float weights (f16 and bf16) repacked 8 rows interleaved,
+//! multiplied with f32 activations.
 //!
-//! The row-major f16 kernels dot each row with each token and reduce every
+//! The row-major kernels dot each row with each token and reduce every
 //! product horizontally; here a group of 8 rows is stored `k`-major (the 8
-//! rows' weight `i` are 16 consecutive bytes), so one load and one F16C
-//! conversion give weight `i` of 8 rows, which one FMA per token multiplies
-//! by that token's broadcast `x[i]`: 8 rows' sums build up in the lanes of
-//! one register per token, with no horizontal sums, and a tile of tokens
-//! reuses each converted register (the register-blocked GEMM micro-kernel
-//! BLIS and llamafile's tinyBLAS use). The weights are used exactly.
+//! rows' weight `i` are 16 consecutive bytes), so one load and one widening
+//! (F16C's `vcvtph2ps` for f16; a zero-extension and a 16-bit shift for
+//! bf16, the top half of an f32) give weight `i` of 8 rows, which one FMA
+//! per token multiplies by that token's broadcast `x[i]`: 8 rows' sums
+//! build up in the lanes of one register per token, with no horizontal
+//! sums, and a tile of tokens reuses each widened register (the
+//! register-blocked GEMM micro-kernel BLIS and llamafile's tinyBLAS use).
+//! Both widenings are exact: the weights are used exactly.
 //!
 //! Every (row, token) sum is one chain of FMAs over `i` in order, whatever
-//! the tile: the latency is covered by running two groups (and several
+//! the tile: the latency is covered by running several groups (and several
 //! tokens) at once, never by splitting a sum into partial chains. So a
 //! token's output does not depend on how many tokens share the call (batch
 //! invariance: a decoding sequence gives the same bits alone or batched).
@@ -39,45 +42,55 @@ const QUAD_TOKENS: usize = 2;
 /// The least multiply-adds worth a pool task (about a microsecond of work).
 const MIN_TASK_MACS: usize = 32 << 10;
 
-/// A `[rows, cols]` f16 weight, 8-row interleaved.
+/// A `[rows, cols]` f16 or bf16 weight, 8-row interleaved.
 #[derive(Clone, Debug)]
-pub struct F16Matrix {
+pub struct HalfMatrix {
     rows: usize,
     cols: usize,
-    /// Group `g`: `cols × 8` f16 values, weight `i` of rows `8g..8g+8` at `8i`.
-    data: Vec<half::f16>,
+    /// bf16 values (else f16).
+    bf16: bool,
+    /// Group `g`: `cols × 8` values' bits, weight `i` of rows `8g..8g+8`
+    /// at `8i`.
+    data: Vec<u16>,
 }
 
-impl F16Matrix {
-    /// Repacks a 2-D f16 weight; `None` for other types.
+impl HalfMatrix {
+    /// Repacks a 2-D f16 or bf16 weight; `None` for other types.
     ///
     /// # Errors
     /// [`KernelError::NotAMatrix`] unless `w` is 2-D.
-    pub fn pack(w: &Tensor) -> Result<Option<F16Matrix>, KernelError> {
-        if w.dtype() != DType::F16 {
-            return Ok(None);
-        }
+    pub fn pack(w: &Tensor) -> Result<Option<HalfMatrix>, KernelError> {
+        let bf16 = match w.dtype() {
+            DType::F16 => false,
+            DType::BF16 => true,
+            _ => return Ok(None),
+        };
         let &[rows, cols] = w.shape() else {
             return Err(KernelError::NotAMatrix {
-                op: "pack f16",
+                op: "pack f16/bf16",
                 shape: w.shape().to_vec(),
             });
         };
         check_len(
-            "f16 weight bytes",
+            "f16/bf16 weight bytes",
             checked_mul("pack f16", checked_mul("pack f16", rows, cols)?, 2)?,
             w.bytes().len(),
         )?;
         let groups = rows.div_ceil(GROUP);
-        let mut data = vec![half::f16::ZERO; checked_mul("pack f16", groups * GROUP, cols)?];
+        let mut data = vec![0u16; checked_mul("pack f16", groups * GROUP, cols)?];
         for (r, row) in w.bytes().chunks_exact((2 * cols).max(1)).enumerate() {
             let (g, lane) = (r / GROUP, r % GROUP);
             let dst = &mut data[g * GROUP * cols..(g + 1) * GROUP * cols];
             for (i, b) in row.chunks_exact(2).enumerate() {
-                dst[GROUP * i + lane] = half::f16::from_le_bytes([b[0], b[1]]);
+                dst[GROUP * i + lane] = u16::from_le_bytes([b[0], b[1]]);
             }
         }
-        Ok(Some(F16Matrix { rows, cols, data }))
+        Ok(Some(HalfMatrix {
+            rows,
+            cols,
+            bf16,
+            data,
+        }))
     }
 
     pub fn rows(&self) -> usize {
@@ -88,12 +101,26 @@ impl F16Matrix {
         self.cols
     }
 
+    /// Whether the values are bf16 (else f16).
+    pub fn is_bf16(&self) -> bool {
+        self.bf16
+    }
+
     pub fn byte_len(&self) -> usize {
         2 * self.data.len()
     }
 
-    fn group(&self, g: usize) -> &[half::f16] {
+    fn group(&self, g: usize) -> &[u16] {
         &self.data[g * GROUP * self.cols..(g + 1) * GROUP * self.cols]
+    }
+}
+
+/// The value of stored bits `v` (bf16 when `BF`, else f16), exactly.
+#[inline(always)]
+fn widen<const BF: bool>(v: u16) -> f32 {
+    match BF {
+        true => f32::from_bits((v as u32) << 16),
+        false => half::f16::from_bits(v).to_f32(),
     }
 }
 
@@ -102,25 +129,25 @@ impl F16Matrix {
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] if the slices disagree with the shapes.
-pub fn gemm(w: &F16Matrix, x: &[f32], n_tokens: usize, y: &mut [f32]) -> Result<(), KernelError> {
+pub fn gemm(w: &HalfMatrix, x: &[f32], n_tokens: usize, y: &mut [f32]) -> Result<(), KernelError> {
     gemm_with(cpu::tier(), w, x, n_tokens, y)
 }
 
 /// [`gemm`] on a given tier (lowered to one the CPU supports).
 pub fn gemm_with(
     tier: SimdTier,
-    w: &F16Matrix,
+    w: &HalfMatrix,
     x: &[f32],
     n_tokens: usize,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
     check_len(
-        "f16 gemm input",
+        "f16/bf16 gemm input",
         checked_mul("f16 gemm", n_tokens, w.cols)?,
         x.len(),
     )?;
     check_len(
-        "f16 gemm output",
+        "f16/bf16 gemm output",
         checked_mul("f16 gemm", n_tokens, w.rows)?,
         y.len(),
     )?;
@@ -139,13 +166,17 @@ pub fn gemm_with(
     );
     let out = DisjointSlice::new(y);
     p.run(pool::chunks(groups, tasks, 2), &|i| {
-        task(tier, w, x, n_tokens, pool::chunk(groups, tasks, 2, i), &out);
+        let mine = pool::chunk(groups, tasks, 2, i);
+        match w.bf16 {
+            true => task::<true>(tier, w, x, n_tokens, mine, &out),
+            false => task::<false>(tier, w, x, n_tokens, mine, &out),
+        }
     });
     Ok(())
 }
 
 /// Writes the `n` tokens' rows of group `g` (`v[t]`, token `t0 + t`).
-fn store(w: &F16Matrix, out: &DisjointSlice<'_, f32>, g: usize, t0: usize, v: &[[f32; GROUP]]) {
+fn store(w: &HalfMatrix, out: &DisjointSlice<'_, f32>, g: usize, t0: usize, v: &[[f32; GROUP]]) {
     let live = (w.rows - g * GROUP).min(GROUP);
     for (dt, v) in v.iter().enumerate() {
         let o = (t0 + dt) * w.rows + g * GROUP;
@@ -155,10 +186,10 @@ fn store(w: &F16Matrix, out: &DisjointSlice<'_, f32>, g: usize, t0: usize, v: &[
     }
 }
 
-/// Groups `mine` against every token, on the scalar or AVX2 tiles.
-fn task(
+/// Groups `mine` against every token (bf16 values when `BF`).
+fn task<const BF: bool>(
     tier: SimdTier,
-    w: &F16Matrix,
+    w: &HalfMatrix,
     x: &[f32],
     n_tokens: usize,
     mine: std::ops::Range<usize>,
@@ -172,7 +203,7 @@ fn task(
         if tier == SimdTier::Avx512 && n <= avx512::TOKENS {
             // SAFETY: the tier was clamped to the CPU, so it has AVX-512
             // F/BW/VL besides AVX2/FMA/F16C.
-            unsafe { avx512::groups(w, xt, n, t, mine.clone(), out) };
+            unsafe { avx512::groups::<BF>(w, xt, n, t, mine.clone(), out) };
             t += n;
             continue;
         }
@@ -180,7 +211,7 @@ fn task(
         while g < mine.end {
             if n <= QUAD_TOKENS && g + 3 < mine.end {
                 let mut v = [[[0f32; GROUP]; QUAD_TOKENS]; 4];
-                tile_quad(tier, w, g, xt, n, &mut v);
+                tile_quad::<BF>(tier, w, g, xt, n, &mut v);
                 for (dg, v) in v.iter().enumerate() {
                     store(w, out, g + dg, t, &v[..n]);
                 }
@@ -191,9 +222,9 @@ fn task(
             let mut v = [[[0f32; GROUP]; TOKEN_TILE]; 2];
             let [v0, v1] = &mut v;
             if pair {
-                tile_pair(tier, w, g, xt, &mut v0[..n], &mut v1[..n]);
+                tile_pair::<BF>(tier, w, g, xt, &mut v0[..n], &mut v1[..n]);
             } else {
-                tile(tier, w, g, xt, &mut v0[..n]);
+                tile::<BF>(tier, w, g, xt, &mut v0[..n]);
             }
             for (dg, v) in v.iter().enumerate().take(1 + pair as usize) {
                 store(w, out, g + dg, t, &v[..n]);
@@ -205,9 +236,9 @@ fn task(
 }
 
 /// Groups `g..g + 4` against the `n` (1 or 2) tokens in `x`.
-fn tile_quad(
+fn tile_quad<const BF: bool>(
     tier: SimdTier,
-    w: &F16Matrix,
+    w: &HalfMatrix,
     g: usize,
     x: &[f32],
     n: usize,
@@ -219,22 +250,22 @@ fn tile_quad(
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
             let ws = [w.group(g), w.group(g + 1), w.group(g + 2), w.group(g + 3)];
             match n {
-                1 => avx2::tile_quad::<1>(ws, w.cols, x, out),
-                _ => avx2::tile_quad::<QUAD_TOKENS>(ws, w.cols, x, out),
+                1 => avx2::tile_quad::<BF, 1>(ws, w.cols, x, out),
+                _ => avx2::tile_quad::<BF, QUAD_TOKENS>(ws, w.cols, x, out),
             }
         },
         _ => {
             for (k, o) in out.iter_mut().enumerate() {
-                tile(tier, w, g + k, x, &mut o[..n]);
+                tile::<BF>(tier, w, g + k, x, &mut o[..n]);
             }
         }
     }
 }
 
 /// Groups `g` and `g + 1` against the 1..=6 tokens in `x`.
-fn tile_pair(
+fn tile_pair<const BF: bool>(
     tier: SimdTier,
-    w: &F16Matrix,
+    w: &HalfMatrix,
     g: usize,
     x: &[f32],
     out0: &mut [[f32; GROUP]],
@@ -246,23 +277,29 @@ fn tile_pair(
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
             let (a, b) = (w.group(g), w.group(g + 1));
             match out0.len() {
-                1 => avx2::tile_pair::<1>(a, b, w.cols, x, out0, out1),
-                2 => avx2::tile_pair::<2>(a, b, w.cols, x, out0, out1),
-                3 => avx2::tile_pair::<3>(a, b, w.cols, x, out0, out1),
-                4 => avx2::tile_pair::<4>(a, b, w.cols, x, out0, out1),
-                5 => avx2::tile_pair::<5>(a, b, w.cols, x, out0, out1),
-                _ => avx2::tile_pair::<TOKEN_TILE>(a, b, w.cols, x, out0, out1),
+                1 => avx2::tile_pair::<BF, 1>(a, b, w.cols, x, out0, out1),
+                2 => avx2::tile_pair::<BF, 2>(a, b, w.cols, x, out0, out1),
+                3 => avx2::tile_pair::<BF, 3>(a, b, w.cols, x, out0, out1),
+                4 => avx2::tile_pair::<BF, 4>(a, b, w.cols, x, out0, out1),
+                5 => avx2::tile_pair::<BF, 5>(a, b, w.cols, x, out0, out1),
+                _ => avx2::tile_pair::<BF, TOKEN_TILE>(a, b, w.cols, x, out0, out1),
             }
         },
         _ => {
-            tile(tier, w, g, x, out0);
-            tile(tier, w, g + 1, x, out1);
+            tile::<BF>(tier, w, g, x, out0);
+            tile::<BF>(tier, w, g + 1, x, out1);
         }
     }
 }
 
 /// The 8 rows of group `g` against the `out.len()` tokens in `x`.
-fn tile(tier: SimdTier, w: &F16Matrix, g: usize, x: &[f32], out: &mut [[f32; GROUP]]) {
+fn tile<const BF: bool>(
+    tier: SimdTier,
+    w: &HalfMatrix,
+    g: usize,
+    x: &[f32],
+    out: &mut [[f32; GROUP]],
+) {
     let wg = w.group(g);
     match tier {
         #[cfg(target_arch = "x86_64")]
@@ -270,29 +307,29 @@ fn tile(tier: SimdTier, w: &F16Matrix, g: usize, x: &[f32], out: &mut [[f32; GRO
         // holds `cols × 8` values and `x` `out.len() × cols`.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
             match out.len() {
-                1 => avx2::tile::<1>(wg, w.cols, x, out),
-                2 => avx2::tile::<2>(wg, w.cols, x, out),
-                3 => avx2::tile::<3>(wg, w.cols, x, out),
-                4 => avx2::tile::<4>(wg, w.cols, x, out),
-                5 => avx2::tile::<5>(wg, w.cols, x, out),
-                _ => avx2::tile::<TOKEN_TILE>(wg, w.cols, x, out),
+                1 => avx2::tile::<BF, 1>(wg, w.cols, x, out),
+                2 => avx2::tile::<BF, 2>(wg, w.cols, x, out),
+                3 => avx2::tile::<BF, 3>(wg, w.cols, x, out),
+                4 => avx2::tile::<BF, 4>(wg, w.cols, x, out),
+                5 => avx2::tile::<BF, 5>(wg, w.cols, x, out),
+                _ => avx2::tile::<BF, TOKEN_TILE>(wg, w.cols, x, out),
             }
         },
         _ => {
             for (o, xt) in out.iter_mut().zip(x.chunks_exact(w.cols.max(1))) {
-                *o = group_dot_ref(wg, xt);
+                *o = group_dot_ref::<BF>(wg, xt);
             }
         }
     }
 }
 
 /// The scalar kernel: per lane, one chain of FMAs over `i` in order, as
-/// the AVX2 kernels compute it.
-pub(crate) fn group_dot_ref(wg: &[half::f16], x: &[f32]) -> [f32; GROUP] {
+/// the SIMD kernels compute it.
+pub(crate) fn group_dot_ref<const BF: bool>(wg: &[u16], x: &[f32]) -> [f32; GROUP] {
     let mut acc = [0f32; GROUP];
     for (i, &xv) in x.iter().enumerate() {
         for (r, a) in acc.iter_mut().enumerate() {
-            *a = wg[GROUP * i + r].to_f32().mul_add(xv, *a);
+            *a = widen::<BF>(wg[GROUP * i + r]).mul_add(xv, *a);
         }
     }
     acc
@@ -303,12 +340,21 @@ mod avx2 {
     use super::GROUP;
     use std::arch::x86_64::*;
 
+    /// Weight `i` of 8 rows, `v` holding their bits, as f32 (bf16 when `BF`).
+    #[inline(always)]
+    pub(super) unsafe fn widen8<const BF: bool>(v: __m128i) -> __m256 {
+        match BF {
+            true => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(v))),
+            false => _mm256_cvtph_ps(v),
+        }
+    }
+
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C; `wg` holds `cols × 8` values,
     /// `x` `T × cols` and `out` `T` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile<const T: usize>(
-        wg: &[half::f16],
+    pub(super) unsafe fn tile<const BF: bool, const T: usize>(
+        wg: &[u16],
         cols: usize,
         x: &[f32],
         out: &mut [[f32; GROUP]],
@@ -318,7 +364,7 @@ mod avx2 {
         let mut acc = [_mm256_setzero_ps(); T];
         for i in 0..cols {
             // SAFETY: `i < cols`, in range of both (asserted).
-            let w = _mm256_cvtph_ps(unsafe { _mm_loadu_si128(wp.add(i)) });
+            let w = widen8::<BF>(unsafe { _mm_loadu_si128(wp.add(i)) });
             for (t, a) in acc.iter_mut().enumerate() {
                 let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i) });
                 *a = _mm256_fmadd_ps(w, xv, *a);
@@ -336,8 +382,8 @@ mod avx2 {
     /// # Safety
     /// As for [`tile`], for every group in `ws`; `T <= 2`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile_quad<const T: usize>(
-        ws: [&[half::f16]; 4],
+    pub(super) unsafe fn tile_quad<const BF: bool, const T: usize>(
+        ws: [&[u16]; 4],
         cols: usize,
         x: &[f32],
         out: &mut [[[f32; GROUP]; super::QUAD_TOKENS]; 4],
@@ -358,10 +404,10 @@ mod avx2 {
             // closure: it would not inherit this function's features.
             let v = unsafe {
                 [
-                    _mm256_cvtph_ps(_mm_loadu_si128(ps[0].add(i))),
-                    _mm256_cvtph_ps(_mm_loadu_si128(ps[1].add(i))),
-                    _mm256_cvtph_ps(_mm_loadu_si128(ps[2].add(i))),
-                    _mm256_cvtph_ps(_mm_loadu_si128(ps[3].add(i))),
+                    widen8::<BF>(_mm_loadu_si128(ps[0].add(i))),
+                    widen8::<BF>(_mm_loadu_si128(ps[1].add(i))),
+                    widen8::<BF>(_mm_loadu_si128(ps[2].add(i))),
+                    widen8::<BF>(_mm_loadu_si128(ps[3].add(i))),
                 ]
             };
             for (t, at) in acc.iter_mut().enumerate() {
@@ -385,9 +431,9 @@ mod avx2 {
     /// # Safety
     /// As for [`tile`], for both `wa` and `wb`.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn tile_pair<const T: usize>(
-        wa: &[half::f16],
-        wb: &[half::f16],
+    pub(super) unsafe fn tile_pair<const BF: bool, const T: usize>(
+        wa: &[u16],
+        wb: &[u16],
         cols: usize,
         x: &[f32],
         oa: &mut [[f32; GROUP]],
@@ -406,8 +452,8 @@ mod avx2 {
             // SAFETY: `i < cols`, in range of all three (asserted).
             let (va, vb) = unsafe {
                 (
-                    _mm256_cvtph_ps(_mm_loadu_si128(pa.add(i))),
-                    _mm256_cvtph_ps(_mm_loadu_si128(pb.add(i))),
+                    widen8::<BF>(_mm_loadu_si128(pa.add(i))),
+                    widen8::<BF>(_mm_loadu_si128(pb.add(i))),
                 )
             };
             for t in 0..T {
@@ -424,7 +470,7 @@ mod avx2 {
 }
 
 /// The AVX-512 tiles, for one or two tokens (decode): one 512-bit register
-/// holds the 16 rows of two 8-row groups (one 16-lane `vcvtph2ps` converts
+/// holds the 16 rows of two 8-row groups (one 16-lane widening converts
 /// weight `i` of both), and each lane still runs the one FMA chain over `i`
 /// of [`tile`], so every tier, tile and batch gives the same bits.
 ///
@@ -434,12 +480,11 @@ mod avx2 {
 /// Zen 4 thread against 53 with the AVX2 tiles. Prefill stays on the AVX2
 /// tiles: it is bound by FMA throughput, which 512-bit FMAs do not raise
 /// on Zen 4 (57 G lane-FMAs/s either way, timed on twelve independent FMA
-/// chains), and
-/// the inserts that pair two groups cost more than the fewer broadcasts
-/// save (12 tokens × 32 rows: 378 against 400 tok/s at pp512).
+/// chains), and the inserts that pair two groups cost more than the fewer
+/// broadcasts save (12 tokens × 32 rows: 378 against 400 tok/s at pp512).
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{F16Matrix, GROUP};
+    use super::{HalfMatrix, GROUP};
     use crate::cpu::SimdTier;
     use crate::pool::DisjointSlice;
     use std::arch::x86_64::*;
@@ -456,8 +501,8 @@ mod avx512 {
     /// # Safety
     /// The CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    pub(super) unsafe fn groups(
-        w: &F16Matrix,
+    pub(super) unsafe fn groups<const BF: bool>(
+        w: &HalfMatrix,
         x: &[f32],
         n: usize,
         t0: usize,
@@ -470,7 +515,7 @@ mod avx512 {
                 0 => {
                     // One group left: the AVX2 tile.
                     let mut v = [[0f32; GROUP]; TOKENS];
-                    super::tile(SimdTier::Avx2, w, g, x, &mut v[..n]);
+                    super::tile::<BF>(SimdTier::Avx2, w, g, x, &mut v[..n]);
                     super::store(w, out, g, t0, &v[..n]);
                     g += 1;
                     continue;
@@ -484,12 +529,12 @@ mod avx512 {
             // holds `n` tokens and `v` `WIDTH·TOKENS >= z·n` results.
             unsafe {
                 match (z, n) {
-                    (1, 1) => tile::<1, 1>(w, g, x, &mut v),
-                    (1, _) => tile::<1, TOKENS>(w, g, x, &mut v),
-                    (2, 1) => tile::<2, 1>(w, g, x, &mut v),
-                    (2, _) => tile::<2, TOKENS>(w, g, x, &mut v),
-                    (_, 1) => tile::<WIDTH, 1>(w, g, x, &mut v),
-                    (_, _) => tile::<WIDTH, TOKENS>(w, g, x, &mut v),
+                    (1, 1) => tile::<BF, 1, 1>(w, g, x, &mut v),
+                    (1, _) => tile::<BF, 1, TOKENS>(w, g, x, &mut v),
+                    (2, 1) => tile::<BF, 2, 1>(w, g, x, &mut v),
+                    (2, _) => tile::<BF, 2, TOKENS>(w, g, x, &mut v),
+                    (_, 1) => tile::<BF, WIDTH, 1>(w, g, x, &mut v),
+                    (_, _) => tile::<BF, WIDTH, TOKENS>(w, g, x, &mut v),
                 }
             }
             for k in 0..2 * z {
@@ -512,8 +557,8 @@ mod avx512 {
     /// # Safety
     /// The CPU supports AVX-512 F/VL, AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-    unsafe fn tile<const Z: usize, const T: usize>(
-        w: &F16Matrix,
+    unsafe fn tile<const BF: bool, const Z: usize, const T: usize>(
+        w: &HalfMatrix,
         g: usize,
         x: &[f32],
         out: &mut [[f32; 2 * GROUP]],
@@ -536,7 +581,13 @@ mod avx512 {
                 // SAFETY: `i < cols` and every group holds `cols × 8` values.
                 let (lo, hi) =
                     unsafe { (_mm_loadu_si128(p[0].add(i)), _mm_loadu_si128(p[1].add(i))) };
-                *v = _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi));
+                let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+                *v = match BF {
+                    true => {
+                        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(both)))
+                    }
+                    false => _mm512_cvtph_ps(both),
+                };
             }
             for (t, at) in acc.iter_mut().enumerate() {
                 // SAFETY: `t < T`, `i < cols`: inside `x` (asserted).
