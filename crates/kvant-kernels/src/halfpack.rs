@@ -49,17 +49,35 @@ pub struct HalfMatrix {
     cols: usize,
     /// bf16 values (else f16).
     bf16: bool,
-    /// Group `g`: `cols × 8` values' bits, weight `i` of rows `8g..8g+8`
-    /// at `8i`.
+    /// bf16 stored for `vdpbf16ps` (see [`pairs`]): pair `p` of a group,
+    /// weights `2p` and `2p + 1` of its 8 rows, at `16p`, row `r`'s two in
+    /// `16p + 2r` and `16p + 2r + 1`; an odd last column pairs with 0.
+    pairs: bool,
+    /// Group `g`: `stride() × 8` values' bits; without `pairs`, weight `i`
+    /// of rows `8g..8g+8` at `8i`.
     data: Vec<u16>,
 }
 
 impl HalfMatrix {
-    /// Repacks a 2-D f16 or bf16 weight; `None` for other types.
+    /// Repacks a 2-D f16 or bf16 weight for exact f32 activations; `None`
+    /// for other types.
     ///
     /// # Errors
     /// [`KernelError::NotAMatrix`] unless `w` is 2-D.
     pub fn pack(w: &Tensor) -> Result<Option<HalfMatrix>, KernelError> {
+        Self::pack_with(w, false)
+    }
+
+    /// [`Self::pack`]; with `bf16_activations`, a bf16 weight on a CPU
+    /// with AVX-512 BF16 (and that tier chosen) is stored for `vdpbf16ps`,
+    /// which rounds the activations to bf16 (see [`pairs`]).
+    ///
+    /// # Errors
+    /// As [`Self::pack`].
+    pub fn pack_with(
+        w: &Tensor,
+        bf16_activations: bool,
+    ) -> Result<Option<HalfMatrix>, KernelError> {
         let bf16 = match w.dtype() {
             DType::F16 => false,
             DType::BF16 => true,
@@ -76,19 +94,26 @@ impl HalfMatrix {
             checked_mul("pack f16", checked_mul("pack f16", rows, cols)?, 2)?,
             w.bytes().len(),
         )?;
+        let pairs = bf16 && bf16_activations && pairs::available(cpu::tier());
+        let stride = if pairs { 2 * cols.div_ceil(2) } else { cols };
         let groups = rows.div_ceil(GROUP);
-        let mut data = vec![0u16; checked_mul("pack f16", groups * GROUP, cols)?];
+        let mut data = vec![0u16; checked_mul("pack f16", groups * GROUP, stride)?];
         for (r, row) in w.bytes().chunks_exact((2 * cols).max(1)).enumerate() {
             let (g, lane) = (r / GROUP, r % GROUP);
-            let dst = &mut data[g * GROUP * cols..(g + 1) * GROUP * cols];
+            let dst = &mut data[g * GROUP * stride..(g + 1) * GROUP * stride];
             for (i, b) in row.chunks_exact(2).enumerate() {
-                dst[GROUP * i + lane] = u16::from_le_bytes([b[0], b[1]]);
+                let at = match pairs {
+                    true => 2 * GROUP * (i / 2) + 2 * lane + i % 2,
+                    false => GROUP * i + lane,
+                };
+                dst[at] = u16::from_le_bytes([b[0], b[1]]);
             }
         }
         Ok(Some(HalfMatrix {
             rows,
             cols,
             bf16,
+            pairs,
             data,
         }))
     }
@@ -106,12 +131,27 @@ impl HalfMatrix {
         self.bf16
     }
 
+    /// Whether products round the activations to bf16 (`vdpbf16ps`; see
+    /// [`Self::pack_with`]) on the start-up tier.
+    pub fn bf16_activations(&self) -> bool {
+        self.pairs
+    }
+
     pub fn byte_len(&self) -> usize {
         2 * self.data.len()
     }
 
+    /// Values per row of a group.
+    fn stride(&self) -> usize {
+        match self.pairs {
+            true => 2 * self.cols.div_ceil(2),
+            false => self.cols,
+        }
+    }
+
     fn group(&self, g: usize) -> &[u16] {
-        &self.data[g * GROUP * self.cols..(g + 1) * GROUP * self.cols]
+        let s = self.stride();
+        &self.data[g * GROUP * s..(g + 1) * GROUP * s]
     }
 }
 
@@ -164,6 +204,10 @@ pub fn gemm_with(
             .min((macs / MIN_TASK_MACS).max(1)),
         p.threads(),
     );
+    if w.pairs {
+        pairs::gemm(tier, w, x, n_tokens, y, tasks);
+        return Ok(());
+    }
     let out = DisjointSlice::new(y);
     p.run(pool::chunks(groups, tasks, 2), &|i| {
         let mine = pool::chunk(groups, tasks, 2, i);
@@ -601,6 +645,293 @@ mod avx512 {
             for (k, a) in at.iter().enumerate() {
                 // SAFETY: `t·Z + k < Z·T <= out.len()`, 16 floats each.
                 unsafe { _mm512_storeu_ps(out[t * Z + k].as_mut_ptr(), *a) };
+            }
+        }
+    }
+}
+
+/// bf16 weights times activations rounded to bf16, with AVX-512 BF16's
+/// `vdpbf16ps`: each 32-bit lane holds a row's weights `2p` and `2p + 1`,
+/// each call adds both exact products of the pair into the lane's f32 sum
+/// (denormals flushed), twice the multiply-adds of an f32 FMA per
+/// instruction. llama.cpp's bf16 path does the same (its `vec_dot_type`
+/// for bf16 is bf16), and in exchange for the activations' rounding
+/// (half an ulp of bf16, 2^-9 relative, as `--f32-activations` avoids)
+/// prefill runs at twice the FMA-bound rate of the exact kernels.
+///
+/// Every (row, token) sum is one chain over the pairs in order, whatever
+/// the tile, so a token's bits do not depend on the batch. Tiers without
+/// AVX-512 BF16 (only reached by asking for one explicitly: the layout is
+/// chosen at packing from the start-up tier) run the scalar kernel with
+/// exact activations.
+mod pairs {
+    use super::{HalfMatrix, GROUP};
+    use crate::cpu::{self, SimdTier};
+    use crate::pool::{self, DisjointSlice};
+    use std::cell::RefCell;
+
+    /// Whether `tier` runs the `vdpbf16ps` kernels on this CPU.
+    pub(super) fn available(tier: SimdTier) -> bool {
+        cfg!(target_arch = "x86_64") && tier == SimdTier::Avx512 && cpu::has_avx512_bf16()
+    }
+
+    thread_local! {
+        /// The activations of a call as bf16 pairs, reused between calls.
+        static PAIRS: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// [`super::gemm_with`] for a matrix stored in pairs (shapes checked).
+    pub(super) fn gemm(
+        tier: SimdTier,
+        w: &HalfMatrix,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        tasks: usize,
+    ) {
+        let groups = w.rows.div_ceil(GROUP);
+        let out = DisjointSlice::new(y);
+        let p = pool::global();
+        if !available(tier) {
+            p.run(pool::chunks(groups, tasks, 2), &|i| {
+                for g in pool::chunk(groups, tasks, 2, i) {
+                    for (t, xt) in x.chunks_exact(w.cols.max(1)).enumerate() {
+                        super::store(w, &out, g, t, &[group_dot_ref(w.group(g), xt)]);
+                    }
+                }
+            });
+            return;
+        }
+        let mut xb = PAIRS.with(|b| b.take());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `available` checked AVX-512 BF16.
+        unsafe {
+            avx512::round_pairs(x, n, w.cols, &mut xb)
+        };
+        #[cfg(target_arch = "x86_64")]
+        p.run(pool::chunks(groups, tasks, 2), &|i| {
+            let mine = pool::chunk(groups, tasks, 2, i);
+            // SAFETY: `available` checked AVX-512 BF16 (and the tier's
+            // F/BW/VL); `xb` holds `n` tokens' pairs.
+            unsafe { avx512::task(w, &xb, n, mine, &out) };
+        });
+        PAIRS.with(|b| b.replace(xb));
+    }
+
+    /// The scalar kernel on the pair layout, with exact activations: per
+    /// lane one chain of FMAs over `i` in order, as [`super::group_dot_ref`].
+    fn group_dot_ref(wg: &[u16], x: &[f32]) -> [f32; GROUP] {
+        let mut acc = [0f32; GROUP];
+        for (i, &xv) in x.iter().enumerate() {
+            for (r, a) in acc.iter_mut().enumerate() {
+                let v = wg[2 * GROUP * (i / 2) + 2 * r + i % 2];
+                *a = super::widen::<true>(v).mul_add(xv, *a);
+            }
+        }
+        acc
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    mod avx512 {
+        use super::super::{store, HalfMatrix, GROUP};
+        use crate::pool::DisjointSlice;
+        use std::arch::x86_64::*;
+
+        /// Tokens per tile of more than [`DECODE`] tokens: two registers
+        /// (four groups) per token, 24 sums, two weight registers and a
+        /// broadcast in the 32 registers.
+        const TOKENS: usize = 12;
+
+        /// Tokens up to which a tile runs four registers (eight groups) per
+        /// token, to keep four chains in flight.
+        const DECODE: usize = 2;
+
+        /// `x` (`[n, cols]`) as bf16 pairs, `[n, cols.div_ceil(2)]`, rounded
+        /// to nearest even (`vcvtneps2bf16`, 16 at a time; the tail by
+        /// `half`, which rounds alike but for denormals, which
+        /// `vdpbf16ps` reads as zero either way); an odd last column
+        /// pairs with 0.
+        ///
+        /// # Safety
+        /// The CPU supports AVX-512 F/BF16.
+        #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+        pub(in super::super) unsafe fn round_pairs(
+            x: &[f32],
+            n: usize,
+            cols: usize,
+            out: &mut Vec<u32>,
+        ) {
+            let half = cols.div_ceil(2);
+            out.clear();
+            out.resize(n * half, 0);
+            for (xt, ot) in x
+                .chunks_exact(cols.max(1))
+                .zip(out.chunks_exact_mut(half.max(1)))
+            {
+                let (whole, tail) = xt.split_at(cols / 16 * 16);
+                for (c, o) in whole.chunks_exact(16).zip(ot.chunks_exact_mut(8)) {
+                    // SAFETY: 16 floats in, 8 pairs (32 bytes) out.
+                    unsafe {
+                        let b = _mm512_cvtneps_pbh(_mm512_loadu_ps(c.as_ptr()));
+                        let b: __m256i = std::mem::transmute(b);
+                        _mm256_storeu_si256(o.as_mut_ptr() as *mut __m256i, b);
+                    }
+                }
+                for (o, p) in ot[whole.len() / 2..].iter_mut().zip(tail.chunks(2)) {
+                    let lo = half::bf16::from_f32(p[0]).to_bits() as u32;
+                    let hi = p
+                        .get(1)
+                        .map_or(0, |&v| half::bf16::from_f32(v).to_bits() as u32);
+                    *o = lo | hi << 16;
+                }
+            }
+        }
+
+        /// Groups `mine` against the `n` tokens whose pairs are `xb`.
+        ///
+        /// # Safety
+        /// The CPU supports AVX-512 F/BW/VL/BF16; `xb` holds `n` tokens of
+        /// `w.cols.div_ceil(2)` pairs.
+        #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+        pub(in super::super) unsafe fn task(
+            w: &HalfMatrix,
+            xb: &[u32],
+            n: usize,
+            mine: std::ops::Range<usize>,
+            out: &DisjointSlice<'_, f32>,
+        ) {
+            let half = w.cols.div_ceil(2);
+            assert!(xb.len() >= n * half);
+            let mut t = 0;
+            while t < n {
+                let m = (n - t).min(TOKENS);
+                let x = &xb[t * half..(t + m) * half];
+                let widest = if m <= DECODE { 4 } else { 2 };
+                let mut g = mine.start;
+                while g < mine.end {
+                    let left = mine.end - g;
+                    // Registers this tile runs, and whether its one register
+                    // holds a single group (twice: the upper lanes are dropped).
+                    let (z, single) = match left / 2 {
+                        0 => (1, true),
+                        1 => (1, false),
+                        2 | 3 => (2, false),
+                        _ => (widest, false),
+                    };
+                    let mut v = [[0f32; 2 * GROUP]; 2 * TOKENS];
+                    // SAFETY: groups `g..g + 2z` exist (or `g` alone when
+                    // `single`), `x` holds `m` tokens, `v` `z·m` results.
+                    unsafe { dispatch(z, m, w, g, single, x, &mut v) };
+                    let live = if single { 1 } else { 2 * z };
+                    for k in 0..live {
+                        let mut o = [[0f32; GROUP]; TOKENS];
+                        for (dt, o) in o[..m].iter_mut().enumerate() {
+                            let h = k % 2 * GROUP;
+                            o.copy_from_slice(&v[dt * z + k / 2][h..h + GROUP]);
+                        }
+                        store(w, out, g + k, t, &o[..m]);
+                    }
+                    g += live;
+                }
+                t += m;
+            }
+        }
+
+        /// [`tile`] for `z` registers and `m` tokens.
+        ///
+        /// # Safety
+        /// As for [`tile`].
+        #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+        unsafe fn dispatch(
+            z: usize,
+            m: usize,
+            w: &HalfMatrix,
+            g: usize,
+            single: bool,
+            x: &[u32],
+            v: &mut [[f32; 2 * GROUP]],
+        ) {
+            macro_rules! by_tokens {
+                ($z:literal; $($t:literal)*) => {
+                    match m {
+                        $($t => unsafe { tile::<$z, $t>(w, g, single, x, v) },)*
+                        _ => unsafe { tile::<$z, TOKENS>(w, g, single, x, v) },
+                    }
+                };
+            }
+            match z {
+                1 => by_tokens!(1; 1 2 3 4 5 6 7 8 9 10 11),
+                2 => by_tokens!(2; 1 2 3 4 5 6 7 8 9 10 11),
+                _ => match m {
+                    1 => unsafe { tile::<4, 1>(w, g, false, x, v) },
+                    _ => unsafe { tile::<4, DECODE>(w, g, false, x, v) },
+                },
+            }
+        }
+
+        /// Groups `g..g + 2Z` (group `g` twice when `single`, `Z = 1`)
+        /// against the `T` tokens whose pairs are `x`: per pair `Z` weight
+        /// registers and `T` broadcast pairs feed `Z·T` `vdpbf16ps`;
+        /// `out[t·Z + k]` gets token `t`'s rows of groups `g + 2k` (lanes
+        /// 0..8) and `g + 2k + 1` (lanes 8..16).
+        ///
+        /// # Safety
+        /// The CPU supports AVX-512 F/BF16; `x` holds `T` tokens' pairs and
+        /// `out` `Z·T` rows.
+        #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl,avx512bf16")]
+        unsafe fn tile<const Z: usize, const T: usize>(
+            w: &HalfMatrix,
+            g: usize,
+            single: bool,
+            x: &[u32],
+            out: &mut [[f32; 2 * GROUP]],
+        ) {
+            let half = w.cols.div_ceil(2);
+            assert!(x.len() >= T * half && out.len() >= Z * T);
+            // `group` panics unless the groups exist.
+            let mut ps = [[std::ptr::null::<__m256i>(); 2]; Z];
+            for (k, p) in ps.iter_mut().enumerate() {
+                let b = if single { g } else { g + 2 * k + 1 };
+                *p = [
+                    w.group(g + 2 * k).as_ptr() as *const __m256i,
+                    w.group(b).as_ptr() as *const __m256i,
+                ];
+            }
+            let xp = x.as_ptr() as *const i32;
+            let mut acc = [[_mm512_setzero_ps(); Z]; T];
+            for i in 0..half {
+                let mut v = [_mm512_setzero_si512(); Z];
+                for (v, p) in v.iter_mut().zip(&ps) {
+                    // SAFETY: pair `i < half`; each group holds `half`
+                    // pairs of 8 rows (32 bytes each).
+                    let (lo, hi) = unsafe {
+                        (
+                            _mm256_loadu_si256(p[0].add(i)),
+                            _mm256_loadu_si256(p[1].add(i)),
+                        )
+                    };
+                    *v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+                }
+                for (t, at) in acc.iter_mut().enumerate() {
+                    // SAFETY: `t < T`, `i < half`: inside `x` (asserted).
+                    let xv = _mm512_set1_epi32(unsafe { *xp.add(t * half + i) });
+                    for (a, v) in at.iter_mut().zip(v) {
+                        // SAFETY: reinterpretations of 512-bit registers.
+                        let (wv, xv) = unsafe {
+                            (
+                                std::mem::transmute::<__m512i, __m512bh>(v),
+                                std::mem::transmute::<__m512i, __m512bh>(xv),
+                            )
+                        };
+                        *a = _mm512_dpbf16_ps(*a, wv, xv);
+                    }
+                }
+            }
+            for (t, at) in acc.iter().enumerate() {
+                for (k, a) in at.iter().enumerate() {
+                    // SAFETY: `t·Z + k < Z·T <= out.len()`, 16 floats each.
+                    unsafe { _mm512_storeu_ps(out[t * Z + k].as_mut_ptr(), *a) };
+                }
             }
         }
     }

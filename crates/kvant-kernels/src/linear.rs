@@ -19,7 +19,8 @@ use kvant_core::Tensor;
 pub enum LinearWeight {
     /// Repacked for the int8 kernels.
     Int8(PackedMatrix),
-    /// f16 or bf16, repacked 8 rows interleaved (exact; f32 activations).
+    /// f16 or bf16, repacked 8 rows interleaved (exact weights; f32
+    /// activations, or bf16 ones on `vdpbf16ps`).
     Half(HalfMatrix),
     /// As stored, for the f32-activation kernels.
     Float(Tensor),
@@ -27,8 +28,11 @@ pub enum LinearWeight {
 
 impl LinearWeight {
     /// Repacks `w` for the int8 kernels when `int8` is set and its type has
-    /// them, f16 and bf16 weights always (their packing is exact); keeps it
-    /// as stored otherwise.
+    /// them, f16 and bf16 weights always (their packing is exact; with
+    /// `int8` set, bf16 ones for `vdpbf16ps` where the CPU has it, which
+    /// rounds the activations to bf16: see [`HalfMatrix::pack_with`]);
+    /// keeps it as stored otherwise. `int8` is the caller's consent to
+    /// reduced-precision activations (`--f32-activations` withholds it).
     ///
     /// # Errors
     /// [`KernelError::NotAMatrix`] unless `w` is 2-D.
@@ -46,7 +50,7 @@ impl LinearWeight {
         };
         let packed = match packed {
             Some(p) => Some(p),
-            None => HalfMatrix::pack(&w)?.map(LinearWeight::Half),
+            None => HalfMatrix::pack_with(&w, int8)?.map(LinearWeight::Half),
         };
         match packed {
             Some(p) => {

@@ -112,3 +112,66 @@ fn half_weights_are_packed_for_every_linear_layer() {
     let w = LinearWeight::prepare(f, false).unwrap();
     assert!(matches!(w, LinearWeight::Float(_)));
 }
+
+/// bf16 weights packed for `vdpbf16ps` (where the CPU has AVX-512 BF16):
+/// on that tier, within f32 summation error of the f64 product with the
+/// activations rounded to bf16 (to nearest even), the same bits for a
+/// token alone or in any batch; on the other tiers, the exact scalar
+/// kernel's bits (the activations unrounded).
+#[test]
+fn bf16_pairs_round_only_the_activations_and_are_batch_invariant() {
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    for &(rows, cols) in &[(1usize, 1usize), (9, 7), (33, 576), (130, 301), (200, 64)] {
+        let w: Vec<half::bf16> = (0..rows * cols)
+            .map(|_| half::bf16::from_f32(rng.random_range(-1.0..1.0)))
+            .collect();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let t = Tensor::new(
+            DType::BF16,
+            vec![rows, cols],
+            Storage::Owned(bytes.into()),
+            0,
+        )
+        .unwrap();
+        let exact = HalfMatrix::pack(&t).unwrap().unwrap();
+        let packed = HalfMatrix::pack_with(&t, true).unwrap().unwrap();
+        let pairs = cpu::tier() == SimdTier::Avx512 && cpu::has_avx512_bf16();
+        assert_eq!(packed.bf16_activations(), pairs);
+        for n in [1usize, 2, 3, 12, 13, 25] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            let mut want = vec![f32::NAN; n * rows];
+            gemm_with(SimdTier::Scalar, &exact, &x, n, &mut want).unwrap();
+            for tier in cpu::available_tiers() {
+                let mut got = vec![f32::NAN; n * rows];
+                gemm_with(tier, &packed, &x, n, &mut got).unwrap();
+                if !(pairs && tier == SimdTier::Avx512) {
+                    assert_eq!(bits(&got), bits(&want), "{tier} {rows}x{cols} n={n}");
+                    continue;
+                }
+                for (i, &g) in got.iter().enumerate() {
+                    let (tk, r) = (i / rows, i % rows);
+                    let xb = |j: usize| half::bf16::from_f32(x[tk * cols + j]).to_f64();
+                    let terms = (0..cols).map(|j| w[r * cols + j].to_f64() * xb(j));
+                    let e: f64 = terms.clone().sum();
+                    let mag: f64 = terms.map(f64::abs).sum();
+                    // One f32 rounding per addition (two per pair).
+                    let tol = cols as f64 * f32::EPSILON as f64 * mag;
+                    assert!(
+                        (g as f64 - e).abs() <= tol + 1e-30,
+                        "{rows}x{cols} n={n} [{tk},{r}]: {g} vs {e}"
+                    );
+                }
+                for tk in 0..n {
+                    let mut one = vec![f32::NAN; rows];
+                    gemm_with(tier, &packed, &x[tk * cols..(tk + 1) * cols], 1, &mut one).unwrap();
+                    assert_eq!(
+                        bits(&one),
+                        bits(&got[tk * rows..(tk + 1) * rows]),
+                        "n={n} token {tk}"
+                    );
+                }
+            }
+        }
+    }
+}

@@ -111,8 +111,10 @@ pub struct ModelArg {
     /// A .gguf file or a Hugging Face model directory [default: $KVANT_MODEL, else SmolLM2-135M-Instruct Q4_1, fetched on first use]
     #[arg(long, short)]
     pub model: Option<PathBuf>,
-    /// Keep activations in f32 for Q4_0/Q4_1/Q5_0/Q8_0 weights instead of
-    /// quantizing them to 8 bits (slower; closest to an f32 reference).
+    /// Keep activations in f32 for block-quantized weights (Q4_0, Q4_1,
+    /// Q5_0, Q8_0, the K-quants) instead of quantizing them to 8 bits, and
+    /// for BF16 weights instead of rounding them to bf16 on CPUs with
+    /// AVX-512 BF16 (slower; closest to an f32 reference).
     #[arg(long)]
     pub f32_activations: bool,
     /// Element type of the KV cache: f16 halves the memory and the bytes
