@@ -7,9 +7,14 @@
 //! what the CPU supports, so forcing is always safe.
 //!
 //! The `Avx512` tier runs the int8 products on AVX-512 VNNI where the CPU
-//! has it (`vpdpbusd` on 256-bit registers, `int8::avx2::group_tile_vnni`)
-//! and the AVX2 kernels everywhere else. AMX is never used: VMs here list
-//! it and fault on its tile instructions.
+//! has it (`vpdpbusd` on 256-bit registers with VL's 32 of them,
+//! `int8::avx2::group_tile_vnni`), one- and two-token f16/bf16 products on
+//! 512-bit registers, bf16 weights with `vdpbf16ps` where the CPU has
+//! AVX-512 BF16 (`halfpack`), the training kernels on 512-bit registers,
+//! and the AVX2 kernels everywhere else (attention, norms, activations: not
+//! written for 512-bit registers yet; Zen 4 runs 512-bit operations as two
+//! 256-bit halves, so there they would save instructions, not throughput).
+//! AMX is never used: VMs here list it and fault on its tile instructions.
 
 use std::sync::OnceLock;
 
