@@ -207,6 +207,66 @@ pub(crate) unsafe fn group_tile_vnni<const T: usize>(
     tile_body::<Vnni, T>(format, w, blocks, x)
 }
 
+/// Two groups of `Q8` (16 rows) on 512-bit VNNI registers: each chunk of
+/// both groups' weights in one register, one broadcast and one `vpdpbusd`
+/// per token for 16 rows instead of 8, and the block's scale arithmetic
+/// per token once for both groups. Lanes 0..8 are group `wa`'s rows, 8..16
+/// `wb`'s; each lane's integer sum is exact and its float operations are
+/// those of [`group_tile_vnni`] (the same bits).
+///
+/// # Safety
+/// As for [`group_tile`] for both groups (format `Q8`), and the CPU
+/// supports AVX-512 F, BW, VL and VNNI.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn q8_pair_vnni<const T: usize>(
+    wa: *const u8,
+    wb: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m512; T] {
+    let fmt = PackedFormat::Q8;
+    let (bb, hdr) = (fmt.block_bytes(), fmt.header());
+    let flip = _mm512_set1_epi8(i8::MIN);
+    let mut acc = [_mm512_setzero_ps(); T];
+    for b in 0..blocks {
+        // SAFETY (whole loop): as in `q8_tile`, for both groups.
+        let (ba, bq) = (wa.add(b * bb), wb.add(b * bb));
+        if T <= PREFETCH_TOKENS {
+            prefetch(ba.wrapping_add(PREFETCH_BYTES), bb);
+            prefetch(bq.wrapping_add(PREFETCH_BYTES), bb);
+        }
+        let d = _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(ba as *const __m128i)),
+            _mm_loadu_si128(bq as *const __m128i),
+        ));
+        let (qa, qb) = (ba.add(hdr), bq.add(hdr));
+        let mut s = [[_mm512_setzero_si512(); T]; 2];
+        for c in 0..8 {
+            let raw = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(qa.add(32 * c) as *const __m256i)),
+                _mm256_loadu_si256(qb.add(32 * c) as *const __m256i),
+            );
+            let u = _mm512_xor_si512(raw, flip);
+            let k = if T <= SPLIT_TOKENS { c % 2 } else { 0 };
+            for (t, s) in s[k].iter_mut().enumerate() {
+                let xq = (x[t].q.add(b * QK + 4 * c) as *const i32).read_unaligned();
+                *s = _mm512_dpbusd_epi32(*s, u, _mm512_set1_epi32(xq));
+            }
+        }
+        for t in 0..T {
+            let mut st = if T <= SPLIT_TOKENS {
+                _mm512_add_epi32(s[0][t], s[1][t])
+            } else {
+                s[0][t]
+            };
+            st = _mm512_sub_epi32(st, _mm512_set1_epi32(*x[t].n.add(b) << 7));
+            let dd = _mm512_mul_ps(d, _mm512_set1_ps(*x[t].d.add(b)));
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(st), dd, acc[t]);
+        }
+    }
+    acc
+}
+
 #[inline(always)]
 unsafe fn tile_body<I: Dot, const T: usize>(
     format: PackedFormat,
