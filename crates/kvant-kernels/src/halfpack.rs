@@ -102,11 +102,7 @@ impl HalfMatrix {
             let (g, lane) = (r / GROUP, r % GROUP);
             let dst = &mut data[g * GROUP * stride..(g + 1) * GROUP * stride];
             for (i, b) in row.chunks_exact(2).enumerate() {
-                let at = match pairs {
-                    true => 2 * GROUP * (i / 2) + 2 * lane + i % 2,
-                    false => GROUP * i + lane,
-                };
-                dst[at] = u16::from_le_bytes([b[0], b[1]]);
+                dst[at(pairs, i, lane)] = u16::from_le_bytes([b[0], b[1]]);
             }
         }
         Ok(Some(HalfMatrix {
@@ -152,6 +148,16 @@ impl HalfMatrix {
     fn group(&self, g: usize) -> &[u16] {
         let s = self.stride();
         &self.data[g * GROUP * s..(g + 1) * GROUP * s]
+    }
+}
+
+/// Where weight `i` of row `r` of a group lies in the group's values (see
+/// [`HalfMatrix`]'s `data` and `pairs`).
+#[inline(always)]
+fn at(pairs: bool, i: usize, r: usize) -> usize {
+    match pairs {
+        true => 2 * GROUP * (i / 2) + 2 * r + i % 2,
+        false => GROUP * i + r,
     }
 }
 
@@ -221,12 +227,37 @@ pub fn gemm_with(
 
 /// Writes the `n` tokens' rows of group `g` (`v[t]`, token `t0 + t`).
 fn store(w: &HalfMatrix, out: &DisjointSlice<'_, f32>, g: usize, t0: usize, v: &[[f32; GROUP]]) {
-    let live = (w.rows - g * GROUP).min(GROUP);
     for (dt, v) in v.iter().enumerate() {
-        let o = (t0 + dt) * w.rows + g * GROUP;
-        // SAFETY: rows `8g..8g+live` of every token belong to the task that
-        // owns group `g` only.
-        unsafe { out.range(o..o + live) }.copy_from_slice(&v[..live]);
+        store_row(w, out, g, t0 + dt, v);
+    }
+}
+
+/// Writes token `t`'s rows of group `g` (those that exist) from `v`.
+fn store_row(w: &HalfMatrix, out: &DisjointSlice<'_, f32>, g: usize, t: usize, v: &[f32]) {
+    let live = (w.rows - g * GROUP).min(GROUP);
+    let o = t * w.rows + g * GROUP;
+    // SAFETY: rows `8g..8g+live` of every token belong to the task that
+    // owns group `g` only.
+    unsafe { out.range(o..o + live) }.copy_from_slice(&v[..live]);
+}
+
+/// Writes groups `g..g + live` of the `n` tokens from 512-bit tile results
+/// `v`: token `t`'s rows of groups `g + 2k` and `g + 2k + 1` are lanes
+/// 0..8 and 8..16 of `v[t·z + k]`.
+#[cfg(target_arch = "x86_64")]
+fn store_wide(
+    w: &HalfMatrix,
+    out: &DisjointSlice<'_, f32>,
+    (g, live): (usize, usize),
+    (t0, n): (usize, usize),
+    v: &[[f32; 2 * GROUP]],
+    z: usize,
+) {
+    for (dt, regs) in v.chunks_exact(z).take(n).enumerate() {
+        for k in 0..live {
+            let h = k % 2 * GROUP;
+            store_row(w, out, g + k, t0 + dt, &regs[k / 2][h..h + GROUP]);
+        }
     }
 }
 
@@ -361,19 +392,20 @@ fn tile<const BF: bool>(
         },
         _ => {
             for (o, xt) in out.iter_mut().zip(x.chunks_exact(w.cols.max(1))) {
-                *o = group_dot_ref::<BF>(wg, xt);
+                *o = group_dot_ref::<BF>(wg, false, xt);
             }
         }
     }
 }
 
-/// The scalar kernel: per lane, one chain of FMAs over `i` in order, as
-/// the SIMD kernels compute it.
-pub(crate) fn group_dot_ref<const BF: bool>(wg: &[u16], x: &[f32]) -> [f32; GROUP] {
+/// The scalar kernel (on either layout, with exact activations): per
+/// lane, one chain of FMAs over `i` in order, as the f32-activation SIMD
+/// kernels compute it.
+fn group_dot_ref<const BF: bool>(wg: &[u16], pairs: bool, x: &[f32]) -> [f32; GROUP] {
     let mut acc = [0f32; GROUP];
     for (i, &xv) in x.iter().enumerate() {
         for (r, a) in acc.iter_mut().enumerate() {
-            *a = widen::<BF>(wg[GROUP * i + r]).mul_add(xv, *a);
+            *a = widen::<BF>(wg[at(pairs, i, r)]).mul_add(xv, *a);
         }
     }
     acc
@@ -581,14 +613,7 @@ mod avx512 {
                     (_, _) => tile::<BF, WIDTH, TOKENS>(w, g, x, &mut v),
                 }
             }
-            for k in 0..2 * z {
-                let mut o = [[0f32; GROUP]; TOKENS];
-                for (dt, o) in o[..n].iter_mut().enumerate() {
-                    let half = k % 2 * GROUP;
-                    o.copy_from_slice(&v[dt * z + k / 2][half..half + GROUP]);
-                }
-                super::store(w, out, g + k, t0, &o[..n]);
-            }
+            super::store_wide(w, out, (g, 2 * z), (t0, n), &v, z);
             g += 2 * z;
         }
     }
@@ -696,7 +721,8 @@ mod pairs {
             p.run(pool::chunks(groups, tasks, 2), &|i| {
                 for g in pool::chunk(groups, tasks, 2, i) {
                     for (t, xt) in x.chunks_exact(w.cols.max(1)).enumerate() {
-                        super::store(w, &out, g, t, &[group_dot_ref(w.group(g), xt)]);
+                        let v = super::group_dot_ref::<true>(w.group(g), true, xt);
+                        super::store(w, &out, g, t, &[v]);
                     }
                 }
             });
@@ -718,22 +744,9 @@ mod pairs {
         PAIRS.with(|b| b.replace(xb));
     }
 
-    /// The scalar kernel on the pair layout, with exact activations: per
-    /// lane one chain of FMAs over `i` in order, as [`super::group_dot_ref`].
-    fn group_dot_ref(wg: &[u16], x: &[f32]) -> [f32; GROUP] {
-        let mut acc = [0f32; GROUP];
-        for (i, &xv) in x.iter().enumerate() {
-            for (r, a) in acc.iter_mut().enumerate() {
-                let v = wg[2 * GROUP * (i / 2) + 2 * r + i % 2];
-                *a = super::widen::<true>(v).mul_add(xv, *a);
-            }
-        }
-        acc
-    }
-
     #[cfg(target_arch = "x86_64")]
     mod avx512 {
-        use super::super::{store, HalfMatrix, GROUP};
+        use super::super::{store_wide, HalfMatrix, GROUP};
         use crate::pool::DisjointSlice;
         use std::arch::x86_64::*;
 
@@ -823,14 +836,7 @@ mod pairs {
                     // `single`), `x` holds `m` tokens, `v` `z·m` results.
                     unsafe { dispatch(z, m, w, g, single, x, &mut v) };
                     let live = if single { 1 } else { 2 * z };
-                    for k in 0..live {
-                        let mut o = [[0f32; GROUP]; TOKENS];
-                        for (dt, o) in o[..m].iter_mut().enumerate() {
-                            let h = k % 2 * GROUP;
-                            o.copy_from_slice(&v[dt * z + k / 2][h..h + GROUP]);
-                        }
-                        store(w, out, g + k, t, &o[..m]);
-                    }
+                    store_wide(w, out, (g, live), (t, m), &v, z);
                     g += live;
                 }
                 t += m;

@@ -35,6 +35,22 @@ pub(crate) struct TokenPtrs {
     pub n: *const i32,
 }
 
+impl TokenPtrs {
+    /// Token `t`'s pointers into `x`.
+    ///
+    /// # Panics
+    /// If `t` is not a token of `x`.
+    pub(crate) fn of(x: &super::Q8Activations, t: usize) -> Self {
+        let (q, d, s) = x.token(t);
+        TokenPtrs {
+            q: q.as_ptr(),
+            d: d.as_ptr(),
+            s: s.as_ptr(),
+            n: x.token_sums(t).as_ptr(),
+        }
+    }
+}
+
 /// How far ahead of the block being read a one- or two-token call prefetches the
 /// packed weights. Decoding streams every weight once from DRAM, and this
 /// machine's hardware prefetchers alone kept a one-token product of a

@@ -173,6 +173,17 @@ pub fn gemm_batch_with(
     Ok(())
 }
 
+/// Writes token `t`'s rows of group `g` (those of the `rows` that exist)
+/// from `v` into `y` (`[n_tokens, rows]`).
+fn store_row(y: &DisjointSlice<'_, f32>, rows: usize, g: usize, t: usize, v: &[f32]) {
+    let first = g * GROUP;
+    let live = (rows - first).min(GROUP);
+    let o = t * rows + first;
+    // SAFETY: rows `first..first + live` of every token belong to the task
+    // that owns group `g` only.
+    unsafe { y.range(o..o + live) }.copy_from_slice(&v[..live]);
+}
+
 /// Writes rows `8g..8g+8` (those that exist) of tokens `tokens` (rows of
 /// `x` and of `y`, which is `[x.n_tokens(), w.rows()]`).
 fn group_rows(
@@ -183,28 +194,12 @@ fn group_rows(
     tokens: std::ops::Range<usize>,
     y: &DisjointSlice<'_, f32>,
 ) {
-    let rows = w.rows();
-    let first = g * GROUP;
-    let live = (rows - first).min(GROUP);
     let blk = w.group(g);
-    let store = |t: usize, v: &[f32; GROUP]| {
-        let o = t * rows + first;
-        // SAFETY: rows `first..first + live` of these tokens belong to this
-        // group's task only.
-        unsafe { y.range(o..o + live) }.copy_from_slice(&v[..live]);
-    };
+    let store = |t: usize, v: &[f32; GROUP]| store_row(y, w.rows(), g, t, v);
     match tier {
         #[cfg(target_arch = "x86_64")]
         SimdTier::Avx2 | SimdTier::Avx512 => {
-            let ptrs = |t: usize| {
-                let (q, d, s) = x.token(t);
-                avx2::TokenPtrs {
-                    q: q.as_ptr(),
-                    d: d.as_ptr(),
-                    s: s.as_ptr(),
-                    n: x.token_sums(t).as_ptr(),
-                }
-            };
+            let ptrs = |t: usize| avx2::TokenPtrs::of(x, t);
             let vnni = tier == SimdTier::Avx512 && cpu::has_avx512_vnni();
             let most = match (w.format(), vnni) {
                 (PackedFormat::Q5K | PackedFormat::Q6K, false) => K_TOKEN_TILE,
@@ -235,10 +230,6 @@ fn group_rows(
                         (5, true) => tile_vnni::<5>(w, blk, t, &ptrs, &store),
                         (6, true) => tile_vnni::<6>(w, blk, t, &ptrs, &store),
                         (7, true) => tile_vnni::<7>(w, blk, t, &ptrs, &store),
-                        (8, true) => tile_vnni::<8>(w, blk, t, &ptrs, &store),
-                        (9, true) => tile_vnni::<9>(w, blk, t, &ptrs, &store),
-                        (10, true) => tile_vnni::<10>(w, blk, t, &ptrs, &store),
-                        (11, true) => tile_vnni::<11>(w, blk, t, &ptrs, &store),
                         (_, true) => tile_vnni::<VNNI_TOKEN_TILE>(w, blk, t, &ptrs, &store),
                     }
                 };
@@ -287,17 +278,8 @@ unsafe fn group_pair_rows(
         // quants and `cols/32` scales and sums.
         let v = unsafe { run!(1 2 3 4 5 6 7) };
         for (dt, v) in v[..left].iter().enumerate() {
-            for (h, half) in v.chunks_exact(GROUP).enumerate() {
-                let first = (g + h) * GROUP;
-                if first >= rows {
-                    break;
-                }
-                let live = (rows - first).min(GROUP);
-                let o = (t + dt) * rows + first;
-                // SAFETY: rows `first..first + live` of these tokens belong
-                // to this pair's task only.
-                unsafe { y.range(o..o + live) }.copy_from_slice(&half[..live]);
-            }
+            store_row(y, rows, g, t + dt, &v[..GROUP]);
+            store_row(y, rows, g + 1, t + dt, &v[GROUP..]);
         }
         t += left;
     }
@@ -318,15 +300,7 @@ unsafe fn pair_tile<const T: usize>(
     t0: usize,
 ) -> [[f32; 2 * GROUP]; VNNI_TOKEN_TILE] {
     use std::arch::x86_64::_mm512_storeu_ps;
-    let ptrs: [avx2::TokenPtrs; T] = std::array::from_fn(|i| {
-        let (q, d, s) = x.token(t0 + i);
-        avx2::TokenPtrs {
-            q: q.as_ptr(),
-            d: d.as_ptr(),
-            s: s.as_ptr(),
-            n: x.token_sums(t0 + i).as_ptr(),
-        }
-    });
+    let ptrs: [avx2::TokenPtrs; T] = std::array::from_fn(|i| avx2::TokenPtrs::of(x, t0 + i));
     // SAFETY: the caller's contract.
     let acc = unsafe { avx2::q8_pair_vnni::<T>(wa, wb, blocks, &ptrs) };
     let mut out = [[0f32; 2 * GROUP]; VNNI_TOKEN_TILE];
