@@ -89,6 +89,7 @@ impl Q8Activations {
     }
 
     /// Token `t`'s quantized values, scales and scaled sums.
+    #[inline]
     pub(crate) fn token(&self, t: usize) -> (&[i8], &[f32], &[f32]) {
         let nb = self.k / BLOCK;
         (
@@ -99,6 +100,7 @@ impl Q8Activations {
     }
 
     /// Token `t`'s exact block sums `Σ q`.
+    #[inline]
     pub(crate) fn token_sums(&self, t: usize) -> &[i32] {
         let nb = self.k / BLOCK;
         &self.sums[t * nb..(t + 1) * nb]
