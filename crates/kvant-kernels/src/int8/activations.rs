@@ -29,6 +29,10 @@ pub struct Q8Activations {
     /// `[n_tokens, k / BLOCK]`: `Σ q` of each block, exact (the VNNI Q8_0
     /// kernel's offset correction).
     pub(crate) sums: Vec<i32>,
+    /// `[n_tokens, k / BLOCK]`: each block's [`offsets_ref`] (the Q6_K
+    /// kernels' `32 Σ x` of each half block, once per token instead of
+    /// once per row group and token).
+    pub(crate) offsets: Vec<[i32; 2]>,
     pub(crate) n_tokens: usize,
     pub(crate) k: usize,
 }
@@ -62,26 +66,33 @@ impl Q8Activations {
         self.d.resize(nb, 0.0);
         self.s.resize(nb, 0.0);
         self.sums.resize(nb, 0);
+        self.offsets.resize(nb, [0; 2]);
         self.n_tokens = n_tokens;
         self.k = k;
         let blocks = x
             .chunks_exact(BLOCK)
             .zip(self.qs.chunks_exact_mut(BLOCK))
-            .zip(self.d.iter_mut().zip(self.s.iter_mut()).zip(&mut self.sums));
+            .zip(
+                (self.d.iter_mut().zip(self.s.iter_mut()))
+                    .zip(self.sums.iter_mut().zip(&mut self.offsets)),
+            );
         match crate::cpu::clamp(tier) {
             #[cfg(target_arch = "x86_64")]
             SimdTier::Avx2 | SimdTier::Avx512 => {
-                for ((x, q), ((d, s), n)) in blocks {
+                for ((x, q), ((d, s), (n, o))) in blocks {
                     // SAFETY: the tier (clamped to the CPU) has AVX2; `x`
                     // and `q` are one block each.
                     (*d, *n) = unsafe { avx2::quantize_block(x, q) };
                     *s = *d * *n as f32;
+                    // SAFETY: as above.
+                    *o = unsafe { avx2::offsets(q) };
                 }
             }
             _ => {
-                for ((x, q), ((d, s), n)) in blocks {
+                for ((x, q), ((d, s), (n, o))) in blocks {
                     (*d, *n) = quantize_block_ref(x, q);
                     *s = *d * *n as f32;
+                    *o = offsets_ref(q);
                 }
             }
         }
@@ -104,6 +115,13 @@ impl Q8Activations {
     pub(crate) fn token_sums(&self, t: usize) -> &[i32] {
         let nb = self.k / BLOCK;
         &self.sums[t * nb..(t + 1) * nb]
+    }
+
+    /// Token `t`'s block offsets ([`offsets_ref`]).
+    #[inline]
+    pub(crate) fn token_offsets(&self, t: usize) -> &[[i32; 2]] {
+        let nb = self.k / BLOCK;
+        &self.offsets[t * nb..(t + 1) * nb]
     }
 
     /// Bytes of one row of `k` values in the form [`Self::write_row`]
@@ -147,15 +165,17 @@ impl Q8Activations {
         self.d.clear();
         self.s.clear();
         self.sums.clear();
+        self.offsets.clear();
         let f32_at = |b: &[u8]| f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
         for r in bytes.chunks_exact(row) {
             let (qs, scales) = r.split_at(k);
             self.qs.extend(qs.iter().map(|&q| q as i8));
-            // The exact sums are the values' own: rebuilt, not sent.
-            self.sums.extend(
-                qs.chunks_exact(BLOCK)
-                    .map(|b| b.iter().map(|&q| q as i8 as i32).sum::<i32>()),
-            );
+            // The exact sums and offsets are the values' own: rebuilt, not
+            // sent.
+            for b in self.qs[self.qs.len() - k..].chunks_exact(BLOCK) {
+                self.sums.push(b.iter().map(|&q| q as i32).sum());
+                self.offsets.push(offsets_ref(b));
+            }
             for pair in scales.chunks_exact(8) {
                 self.d.push(f32_at(&pair[..4]));
                 self.s.push(f32_at(&pair[4..]));
@@ -181,6 +201,25 @@ fn scales(amax: f32) -> (f32, f32) {
     let d = amax / 127.0;
     let id = if d != 0.0 { 1.0 / d } else { 0.0 };
     (d, id)
+}
+
+/// A block's Q6_K offsets: for each half of 16 values, `32 (x[4m + 2e] +
+/// x[4m + 2e + 1])` summed over `m < 4` in the i16 position `e` (0: low,
+/// 1: high) of a 32-bit word, which is what `vpmaddubsw` of the unsigned
+/// `q = w + 32` against the half sums in each row lane's two positions
+/// (the kernel subtracts it there; `|·| ≤ 32·8·127 = 32512`, an i16).
+pub(crate) fn offsets_ref(q: &[i8]) -> [i32; 2] {
+    let mut out = [0i32; 2];
+    for (o, h) in out.iter_mut().zip(q.chunks_exact(BLOCK / 2)) {
+        let pos = |e: usize| -> u32 {
+            let v: i32 = (0..4)
+                .map(|m| 32 * (h[4 * m + 2 * e] as i32 + h[4 * m + 2 * e + 1] as i32))
+                .sum();
+            v as i16 as u16 as u32
+        };
+        *o = (pos(0) | pos(1) << 16) as i32;
+    }
+    out
 }
 
 /// The scalar reference: one block into `q`, returning `(d, Σ q)`.
@@ -244,6 +283,23 @@ mod avx2 {
         let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
         (d, _mm_cvtsi128_si32(s))
     }
+
+    /// [`super::offsets_ref`], bit for bit: pairs `32 (x_2j + x_2j+1)`
+    /// (at most 8128), then the four 32-bit lanes of each 16-byte half
+    /// summed in i16 (at most 32512).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `q` holds at least [`BLOCK`] values.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn offsets(q: &[i8]) -> [i32; 2] {
+        assert!(q.len() >= BLOCK);
+        // SAFETY: `q` holds 32 bytes (asserted).
+        let x = unsafe { _mm256_loadu_si256(q.as_ptr() as *const __m256i) };
+        let v = _mm256_maddubs_epi16(_mm256_set1_epi8(32), x);
+        let v = _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0b01_00_11_10));
+        let v = _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0b10_11_00_01));
+        [_mm256_extract_epi32::<0>(v), _mm256_extract_epi32::<4>(v)]
+    }
 }
 
 #[cfg(test)]
@@ -272,6 +328,7 @@ mod tests {
                 assert_eq!(got.d, want.d);
                 assert_eq!(got.s, want.s);
                 assert_eq!(got.sums, want.sums);
+                assert_eq!(got.offsets, want.offsets);
             }
             for (b, &n) in want.qs.chunks(BLOCK).zip(&want.sums) {
                 assert_eq!(b.iter().map(|&q| q as i32).sum::<i32>(), n);
@@ -304,6 +361,7 @@ mod tests {
         for (i, t) in [3, 0, 3].into_iter().enumerate() {
             assert_eq!(b.token(i), a.token(t));
             assert_eq!(b.token_sums(i), a.token_sums(t));
+            assert_eq!(b.token_offsets(i), a.token_offsets(t));
         }
         assert!(b.read_rows(k, &wire[1..]).is_err());
         assert!(b.read_rows(40, &[]).is_err());

@@ -26,13 +26,14 @@ use kvant_core::dtype::QK;
 use std::arch::x86_64::*;
 
 /// Activation pointers of one token: quants, block scales, scaled sums,
-/// exact block sums.
+/// exact block sums, Q6_K offsets (two per block).
 #[derive(Clone, Copy)]
 pub(crate) struct TokenPtrs {
     pub q: *const i8,
     pub d: *const f32,
     pub s: *const f32,
     pub n: *const i32,
+    pub o: *const i32,
 }
 
 impl TokenPtrs {
@@ -48,6 +49,7 @@ impl TokenPtrs {
             d: d.as_ptr(),
             s: s.as_ptr(),
             n: x.token_sums(t).as_ptr(),
+            o: x.token_offsets(t).as_ptr() as *const i32,
         }
     }
 
@@ -66,6 +68,7 @@ impl TokenPtrs {
             d: std::ptr::null(),
             s: std::ptr::null(),
             n: std::ptr::null(),
+            o: std::ptr::null(),
         };
         let mut p = [none; T];
         for (i, p) in p.iter_mut().enumerate() {
@@ -150,7 +153,8 @@ unsafe fn bcast4(p: *const i8) -> __m256i {
 /// turns into one i32 per lane (AVX2: i16 pairs, widened once per few
 /// chunks; VNNI: already i32); `acc32` adds them into an i32 accumulator
 /// at once. `scaled` gives `Σ (p − off) · scale` per lane for Q6_K, from a
-/// narrow sum `p`, the offset `off` in [`q6k_offset`]'s i16 positions, and
+/// narrow sum `p`, the offset `off` in the i16 positions of
+/// [`super::activations::offsets_ref`], and
 /// the 8 rows' i8 scales.
 pub(crate) trait Dot {
     /// Whether 8-bit weights go in offset by 128 (`w ^ 0x80`, unsigned)
@@ -489,7 +493,9 @@ unsafe fn q4k_tile<I: Dot, const T: usize>(
 /// The unsigned 6-bit `q` is `vpmaddubsw`'s unsigned operand as stored, and
 /// the offset comes off once per sub-block: `Σ (q - 32) x = Σ q x - 32 Σ x`,
 /// with `32 Σ x` per i16 position computed once per token and sub-block
-/// (`q6k_offset`) instead of a subtraction, `vpabsb` and `vpsignb` per
+/// when the activations are quantized (`Q8Activations::offsets`; computed
+/// in the tile, once per row group, it was 4% of Gemma 3's pp512) instead
+/// of a subtraction, `vpabsb` and `vpsignb` per
 /// chunk. A `vpmaddubsw` pair is at most `2·63·127 = 16002`, so it
 /// never saturates; the four chunks of a sub-block of 16 then sum in i16
 /// with wrapping adds, and the sum less the offset is exact: the true
@@ -520,23 +526,6 @@ unsafe fn q6k_tile<I: Dot, const T: usize>(
         }
     }
     acc
-}
-
-/// `32 Σ x` of the 16 activations at `xq` (half a block) in the i16
-/// positions of the `vpmaddubsw` sums of a sub-block: in every 32-bit lane,
-/// position `e` sums `x[4k + 2e ..][..2]` over `k < 4`.
-///
-/// # Safety
-/// The CPU supports AVX2; `xq` is valid for 16 bytes.
-#[inline(always)]
-unsafe fn q6k_offset(xq: *const i8) -> __m256i {
-    // Pairs `32 (x_2m + x_2m+1)` (at most 8128), then the four 32-bit lanes
-    // of each 128-bit half (both the same 16 bytes) summed (at most 32512,
-    // an i16).
-    let x = _mm256_broadcastsi128_si256(_mm_loadu_si128(xq as *const __m128i));
-    let v = _mm256_maddubs_epi16(_mm256_set1_epi8(32), x);
-    let v = _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0b01_00_11_10));
-    _mm256_add_epi16(v, _mm256_shuffle_epi32(v, 0b10_11_00_01))
 }
 
 /// Activation block `2u + S` of super-block `sb` (packed at `blk`, row
@@ -581,7 +570,7 @@ unsafe fn q6k_block<I: Dot, const T: usize, const S: usize>(
         let sc =
             _mm_loadl_epi64(blk.add(2 * GROUP + GROUP * (4 * u + 2 * S + h)) as *const __m128i);
         for t in 0..T {
-            let off = q6k_offset(x[t].q.add(QK * xb + 16 * h));
+            let off = _mm256_set1_epi32(*x[t].o.add(2 * xb + h));
             isum[t] = _mm256_add_epi32(isum[t], I::scaled(p[t], off, sc));
         }
     }

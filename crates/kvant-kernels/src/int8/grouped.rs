@@ -183,6 +183,7 @@ impl Q8Activations {
         self.d.clear();
         self.s.clear();
         self.sums.clear();
+        self.offsets.clear();
         self.n_tokens = 0;
         self.k = k;
         if let Some(&bad) = rows.iter().find(|&&r| r >= src.n_tokens) {
@@ -197,6 +198,8 @@ impl Q8Activations {
             self.d.extend_from_slice(&src.d[r * nb..(r + 1) * nb]);
             self.s.extend_from_slice(&src.s[r * nb..(r + 1) * nb]);
             self.sums.extend_from_slice(&src.sums[r * nb..(r + 1) * nb]);
+            self.offsets
+                .extend_from_slice(&src.offsets[r * nb..(r + 1) * nb]);
         }
         self.n_tokens = rows.len();
         Ok(())
