@@ -132,7 +132,9 @@ impl DType {
         }
         (elements / block)
             .checked_mul(self.block_bytes())
-            .ok_or(CoreError::ShapeOverflow {
+            // Lazily: this runs for every matrix product, and the error's
+            // `Vec` was half the allocations of a decode step.
+            .ok_or_else(|| CoreError::ShapeOverflow {
                 shape: vec![elements],
             })
     }

@@ -184,6 +184,62 @@ impl DeltaInputs<'_> {
     }
 }
 
+thread_local! {
+    /// [`check_seqs`]'s marks, kept between calls (this runs per layer and
+    /// step).
+    static SEEN: std::cell::RefCell<Vec<bool>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Checks that `seqs` have rows inside `0..n`, each row in one sequence,
+/// and distinct slots below `slots` (`seen` is scratch).
+fn check_seqs(
+    seqs: &[DeltaSeq],
+    n: usize,
+    slots: usize,
+    seen: &mut Vec<bool>,
+) -> Result<(), KernelError> {
+    seen.clear();
+    seen.resize(n + slots, false);
+    let (rows_seen, slots_seen) = seen.split_at_mut(n);
+    for s in seqs {
+        if s.rows.start > s.rows.end || s.rows.end > n {
+            let what = "delta rule sequence row";
+            return Err(KernelError::IndexOutOfRange {
+                what,
+                index: s.rows.end,
+                len: n,
+            });
+        }
+        if s.slot >= slots || std::mem::replace(&mut slots_seen[s.slot], true) {
+            let what = "delta rule state slot (unique per call)";
+            return Err(KernelError::IndexOutOfRange {
+                what,
+                index: s.slot,
+                len: slots,
+            });
+        }
+        for r in s.rows.clone() {
+            if std::mem::replace(&mut rows_seen[r], true) {
+                let what = "delta rule row (each in one sequence)";
+                return Err(KernelError::IndexOutOfRange {
+                    what,
+                    index: r,
+                    len: n,
+                });
+            }
+        }
+        if s.pos0.checked_add(s.rows.len()).is_none() {
+            let what = "delta rule position";
+            return Err(KernelError::IndexOutOfRange {
+                what,
+                index: s.pos0,
+                len: usize::MAX,
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Runs the delta rule for every sequence of a ragged batch: reads and
 /// advances each sequence's state (`states`, slots of
 /// [`DeltaParams::state_len`] values; a sequence at position 0 starts from
@@ -227,44 +283,7 @@ pub fn delta_rule_with(
         });
     }
     let slots = states.len() / p.state_len();
-    let mut rows_seen = vec![false; n];
-    let mut slots_seen = vec![false; slots];
-    for s in seqs {
-        if s.rows.start > s.rows.end || s.rows.end > n {
-            let what = "delta rule sequence row";
-            return Err(KernelError::IndexOutOfRange {
-                what,
-                index: s.rows.end,
-                len: n,
-            });
-        }
-        if s.slot >= slots || std::mem::replace(&mut slots_seen[s.slot], true) {
-            let what = "delta rule state slot (unique per call)";
-            return Err(KernelError::IndexOutOfRange {
-                what,
-                index: s.slot,
-                len: slots,
-            });
-        }
-        for r in s.rows.clone() {
-            if std::mem::replace(&mut rows_seen[r], true) {
-                let what = "delta rule row (each in one sequence)";
-                return Err(KernelError::IndexOutOfRange {
-                    what,
-                    index: r,
-                    len: n,
-                });
-            }
-        }
-        if s.pos0.checked_add(s.rows.len()).is_none() {
-            let what = "delta rule position";
-            return Err(KernelError::IndexOutOfRange {
-                what,
-                index: s.pos0,
-                len: usize::MAX,
-            });
-        }
-    }
+    SEEN.with_borrow_mut(|seen| check_seqs(seqs, n, slots, seen))?;
     let tier = cpu::clamp(tier);
     let (nv, hl) = (p.n_v_heads, p.head_len());
     let states = DisjointSlice::new(states);
@@ -645,19 +664,17 @@ pub fn causal_conv1d(
             };
         }
     }
-    // The new tail: the last K − 1 inputs, older first.
-    let mut new_tail = vec![0f32; tail.len()];
+    // The new tail: the last K − 1 inputs, older first. In place (this
+    // runs per layer and step): row `r` is input `r + n` of the old tail
+    // and this call's rows together, a later row than `r` while it is
+    // still in the tail, so rows are written in order before being read.
     for r in 0..k1 {
-        let o = k1 - 1 - r;
-        for c in 0..ch {
-            new_tail[r * ch + c] = if n == 0 {
-                tail[r * ch + c]
-            } else {
-                input(n - 1, o, c)
-            };
+        let dst = r * ch..(r + 1) * ch;
+        match (r + n).checked_sub(k1) {
+            None => tail.copy_within((r + n) * ch..(r + n + 1) * ch, r * ch),
+            Some(t) => tail[dst].copy_from_slice(&x[t * ch..(t + 1) * ch]),
         }
     }
-    tail.copy_from_slice(&new_tail);
     Ok(())
 }
 

@@ -212,6 +212,24 @@ struct Scratch {
     layer: LayerScratch,
     /// The second micro-batch's, with two-batch overlap.
     second: LayerScratch,
+    /// The batch's tokens, state slots, sequences (as attention rows; kept
+    /// empty between passes, see [`recycle`]) and the hidden rows whose
+    /// logits or states a pass returns.
+    tokens: Vec<u32>,
+    slots: Vec<usize>,
+    seqs: Vec<SeqAttn<'static>>,
+    rows: Vec<f32>,
+}
+
+/// An empty `Vec` on `v`'s allocation, for sequences of another lifetime:
+/// the scratch keeps the batch's sequence list between passes, each pass's
+/// borrowing that pass's block tables. (Collecting an empty `into_iter`
+/// into a `Vec` of the same layout reuses its allocation; the
+/// step-allocation test counts on it.)
+#[allow(clippy::unnecessary_filter_map)] // it changes the items' lifetime
+fn recycle<'b>(mut v: Vec<SeqAttn<'_>>) -> Vec<SeqAttn<'b>> {
+    v.clear();
+    v.into_iter().filter_map(|_| None).collect()
 }
 
 /// The final hidden states (after the final norm: what the output head
@@ -689,23 +707,28 @@ impl DecoderModel {
         overlap: Option<bool>,
     ) -> Result<(Vec<f32>, Hidden), ModelError> {
         let c = &self.cfg;
-        let parts: Vec<(&[u32], usize, &[u32])> =
-            seqs.iter().map(|s| (s.tokens, s.pos0, s.table)).collect();
-        let attn_seqs = self.check_batch(pool, &parts)?;
-        let slots: Vec<usize> = seqs.iter().map(|s| s.state).collect();
-        self.check_slots(pool, &slots)?;
-        let h = c.hidden;
-        let n = attn_seqs.last().map_or(0, |a| a.rows.end);
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let s = &mut *guard;
+        // Every list of the pass lives in the scratch (no allocation once
+        // the buffers have grown to the batch).
+        let mut attn_seqs = recycle(std::mem::take(&mut s.seqs));
+        let parts = seqs.iter().map(|s| (s.tokens, s.pos0, s.table));
+        self.check_batch(pool, parts, &mut attn_seqs)?;
+        s.slots.clear();
+        s.slots.extend(seqs.iter().map(|s| s.state));
+        self.check_slots(pool, &s.slots)?;
+        let h = c.hidden;
+        let n = attn_seqs.last().map_or(0, |a| a.rows.end);
         let x = sized(&mut s.x, n * h);
-        let tokens: Vec<u32> = seqs.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        s.tokens.clear();
+        s.tokens
+            .extend(seqs.iter().flat_map(|s| s.tokens.iter().copied()));
         let overlap =
             overlap.unwrap_or_else(|| self.par.as_ref().is_some_and(|p| p.two_batch_overlap));
         self.run_layers(
             pool,
-            (&attn_seqs, &slots),
-            &tokens,
+            (&attn_seqs, &s.slots),
+            &s.tokens,
             x,
             [&mut s.layer, &mut s.second],
             overlap,
@@ -714,23 +737,27 @@ impl DecoderModel {
             .iter()
             .zip(&attn_seqs)
             .map(|(s, a)| a.rows.end - s.logits.hidden_rows(a.rows.len())..a.rows.end);
-        let rows = gather(x, h, hidden_rows);
-        if !seqs.iter().any(|s| s.logits.wants_hidden()) {
-            let logits = self.head(&rows, &self.final_norm, &self.output, s)?;
-            return Ok((logits, s.rows_n[..rows.len()].to_vec()));
-        }
-        let hidden = self.norm_rows(&rows, &self.final_norm, s).to_vec();
-        // Within the gathered rows, the ones whose logits are wanted.
-        let mut at = 0;
-        let mut logit_rows = Vec::with_capacity(seqs.len());
-        for (sq, a) in seqs.iter().zip(&attn_seqs) {
-            let len = sq.logits.hidden_rows(a.rows.len());
-            at += len;
-            logit_rows.push(at - sq.logits.rows(a.rows.len())..at);
-        }
-        let normed = gather(&hidden, h, logit_rows.into_iter());
-        let logits = self.project(&normed, &self.output, s)?;
-        Ok((logits, hidden))
+        let mut rows = std::mem::take(&mut s.rows);
+        gather(x, h, hidden_rows, &mut rows);
+        let out = if !seqs.iter().any(|s| s.logits.wants_hidden()) {
+            self.head(&rows, &self.final_norm, &self.output, s)
+                .map(|logits| (logits, s.rows_n[..rows.len()].to_vec()))
+        } else {
+            let hidden = self.norm_rows(&rows, &self.final_norm, s).to_vec();
+            // Within the gathered rows, the ones whose logits are wanted.
+            let mut at = 0;
+            let logit_rows = seqs.iter().zip(&attn_seqs).map(|(sq, a)| {
+                let len = sq.logits.hidden_rows(a.rows.len());
+                at += len;
+                at - sq.logits.rows(a.rows.len())..at
+            });
+            gather(&hidden, h, logit_rows, &mut rows);
+            self.project(&rows, &self.output, s)
+                .map(|logits| (logits, hidden))
+        };
+        s.rows = rows;
+        s.seqs = recycle(attn_seqs);
+        out
     }
 
     /// [`Self::mtp_forward`] for the sequence in `cache`: `tokens` are its
@@ -770,9 +797,9 @@ impl DecoderModel {
         };
         let c = &self.cfg;
         let h = c.hidden;
-        let parts: Vec<(&[u32], usize, &[u32])> =
-            steps.iter().map(|s| (s.tokens, s.slot0, s.table)).collect();
-        let attn_seqs = self.check_batch(pool, &parts)?;
+        let mut attn_seqs = Vec::with_capacity(steps.len());
+        let parts = steps.iter().map(|s| (s.tokens, s.slot0, s.table));
+        self.check_batch(pool, parts, &mut attn_seqs)?;
         let n = attn_seqs.last().map_or(0, |a| a.rows.end);
         if let Some(s) = steps.iter().find(|s| s.hidden.len() != s.tokens.len() * h) {
             return Err(ModelError::MtpHidden {
@@ -808,43 +835,39 @@ impl DecoderModel {
             slots: &[],
             rope_offset: 1,
         };
-        drive(
-            vec![Box::pin(mtp.layer.forward(
-                c,
-                at,
-                x,
-                n,
-                &mut s.layer,
-                &Net::LOCAL,
-            ))],
-            None,
-        )?;
+        {
+            let layer = std::pin::pin!(mtp.layer.forward(c, at, x, n, &mut s.layer, &Net::LOCAL));
+            drive(&mut [layer], None)?;
+        }
         let last = attn_seqs.iter().map(|a| a.rows.end - 1..a.rows.end);
-        let rows = gather(x, h, last);
+        let mut rows = Vec::new();
+        gather(x, h, last, &mut rows);
         let head = mtp.head.as_ref().unwrap_or(&self.output);
         self.head(&rows, &mtp.head_norm, head, s)
     }
 
     /// Checks a batch (non-empty token lists in the vocabulary, block
     /// tables covering them) and lays its sequences out as attention rows.
-    fn check_batch<'t>(
+    fn check_batch<'a, 't>(
         &self,
         pool: &KvPool,
-        parts: &[(&[u32], usize, &'t [u32])],
-    ) -> Result<Vec<SeqAttn<'t>>, ModelError> {
+        parts: impl Iterator<Item = (&'a [u32], usize, &'t [u32])> + Clone,
+        out: &mut Vec<SeqAttn<'t>>,
+    ) -> Result<(), ModelError> {
         let vocab = self.cfg.vocab;
         // A rank of a parallel run may have nothing to compute (a
         // data-parallel group without requests): it still joins the
         // collectives of every layer.
-        if (parts.is_empty() && self.par.is_none()) || parts.iter().any(|p| p.0.is_empty()) {
+        let none = parts.clone().next().is_none();
+        if (none && self.par.is_none()) || parts.clone().any(|p| p.0.is_empty()) {
             return Err(ModelError::EmptyInput);
         }
         if pool.shape() != self.kv_shape() {
             return Err(ModelError::KvShape);
         }
-        let mut out = Vec::with_capacity(parts.len());
+        out.clear();
         let mut row = 0;
-        for &(tokens, pos0, table) in parts {
+        for (tokens, pos0, table) in parts {
             pool.check_table(table, pos0 + tokens.len())?;
             if let Some(&id) = tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(ModelError::TokenOutOfRange { id, vocab });
@@ -856,7 +879,7 @@ impl DecoderModel {
             });
             row += tokens.len();
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Checks each sequence's state slot (models with linear layers only):
@@ -868,12 +891,11 @@ impl DecoderModel {
         if self.cfg.linear.is_none() {
             return Ok(());
         }
-        let mut seen = std::collections::HashSet::new();
-        match slots
-            .iter()
-            .find(|&&s| s >= pool.state_slots() || !seen.insert(s))
-        {
-            Some(&slot) => Err(ModelError::StateSlot { slot }),
+        // Pairwise: a batch holds at most a few hundred sequences, and a
+        // set would allocate every pass.
+        let taken = |i: usize| slots[..i].contains(&slots[i]);
+        match (0..slots.len()).find(|&i| slots[i] >= pool.state_slots() || taken(i)) {
+            Some(i) => Err(ModelError::StateSlot { slot: slots[i] }),
             None => Ok(()),
         }
     }
@@ -924,7 +946,12 @@ impl DecoderModel {
             true => tokens.len().div_ceil(2),
             false => tokens.len(),
         };
-        let ((seqs_a, slots_a), (seqs_b, slots_b)) = split_seqs(seqs, slots, cut);
+        // Without overlap the batch is one micro-batch, as it is.
+        let split = overlap.then(|| split_seqs(seqs, slots, cut));
+        let ((seqs_a, slots_a), (seqs_b, slots_b)) = match &split {
+            Some(((sa, la), (sb, lb))) => ((&sa[..], &la[..]), (&sb[..], &lb[..])),
+            None => ((seqs, slots), (&[][..], &[][..])),
+        };
         let (xa, xb) = x.split_at_mut(cut * h);
         let pool = RefCell::new(pool);
         let order = Order::default();
@@ -933,25 +960,17 @@ impl DecoderModel {
             order: overlap.then_some((i, &order)),
         };
         let (net_a, net_b) = (net(0), net(1));
-        let mut tasks: Vec<Task<'_>> = vec![Box::pin(self.micro_batch(
-            &pool,
-            (&seqs_a, &slots_a),
-            &tokens[..cut],
-            xa,
-            first,
-            &net_a,
-        ))];
-        if overlap {
-            tasks.push(Box::pin(self.micro_batch(
-                &pool,
-                (&seqs_b, &slots_b),
-                &tokens[cut..],
-                xb,
-                second,
-                &net_b,
-            )));
+        let exposed = par.map(Parallel::exposed_counter);
+        let a = (seqs_a, slots_a);
+        let a = std::pin::pin!(self.micro_batch(&pool, a, &tokens[..cut], xa, first, &net_a));
+        if !overlap {
+            let mut tasks: [Task<'_, '_>; 1] = [a];
+            return drive(&mut tasks, exposed);
         }
-        drive(tasks, par.map(Parallel::exposed_counter))
+        let b = (seqs_b, slots_b);
+        let b = std::pin::pin!(self.micro_batch(&pool, b, &tokens[cut..], xb, second, &net_b));
+        let mut tasks: [Task<'_, '_>; 2] = [a, b];
+        drive(&mut tasks, exposed)
     }
 
     /// One micro-batch's pass through the embedding and the layers.
@@ -1059,11 +1078,15 @@ fn split_seqs<'t>(
     (a, b)
 }
 
-/// The rows `ranges` of `x` (`[_, h]`), concatenated.
-fn gather(x: &[f32], h: usize, ranges: impl Iterator<Item = std::ops::Range<usize>>) -> Vec<f32> {
-    let mut out = Vec::new();
+/// The rows `ranges` of `x` (`[_, h]`), concatenated into `out`.
+fn gather(
+    x: &[f32],
+    h: usize,
+    ranges: impl Iterator<Item = std::ops::Range<usize>>,
+    out: &mut Vec<f32>,
+) {
+    out.clear();
     for r in ranges {
         out.extend_from_slice(&x[r.start * h..r.end * h]);
     }
-    out
 }

@@ -102,6 +102,7 @@ pub(crate) struct GdnScratch {
     v: Vec<f32>,
     g: Vec<f32>,
     core: Vec<f32>,
+    seqs: Vec<DeltaSeq>,
 }
 
 /// Where a linear layer's sequences keep their state: the pool, the
@@ -429,16 +430,13 @@ impl GatedDeltaNet {
             *b = 1.0 / (1.0 + (-*b).exp());
         }
         let core = sized(&mut s.core, n * nv * dv);
-        let seqs: Vec<DeltaSeq> = ctx
-            .seqs
-            .iter()
-            .zip(ctx.slots)
-            .map(|(sq, &slot)| DeltaSeq {
+        s.seqs.clear();
+        s.seqs
+            .extend(ctx.seqs.iter().zip(ctx.slots).map(|(sq, &slot)| DeltaSeq {
                 rows: sq.rows.clone(),
                 pos0: sq.pos0,
                 slot,
-            })
-            .collect();
+            }));
         let x = DeltaInputs {
             q,
             k,
@@ -446,7 +444,7 @@ impl GatedDeltaNet {
             beta: b,
             g,
         };
-        delta_rule(p, x, &seqs, states, core)?;
+        delta_rule(p, x, &s.seqs, states, core)?;
         // The gated norm per value head, then the output projection.
         for (o, zh) in core.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
             let ms = o.iter().map(|v| v * v).sum::<f32>() / dv as f32;

@@ -132,18 +132,23 @@ impl MhaAttention {
         let k = sized(&mut s.k, n * kvd);
         let v = sized(&mut s.v, n * kvd);
         let gate = sized(&mut s.gate, self.gate.as_ref().map_or(0, |_| n * qd));
-        let mut ws = vec![&self.q.weight, &self.k.weight, &self.v.weight];
-        ws.extend(self.gate.as_ref().map(|g| &g.weight));
-        let input = LinearInput::new(xn, n, q8, &ws)?;
-        let mut outs = vec![
-            (&self.q.weight, &mut *q),
-            (&self.k.weight, &mut *k),
-            (&self.v.weight, &mut *v),
+        // Arrays, not `Vec`s: this runs per layer and step (the arena).
+        let gate_w = self.gate.as_ref().map(|g| &g.weight);
+        let m = 3 + usize::from(gate_w.is_some());
+        let ws = [
+            &self.q.weight,
+            &self.k.weight,
+            &self.v.weight,
+            gate_w.unwrap_or(&self.q.weight),
         ];
-        if let Some(g) = &self.gate {
-            outs.push((&g.weight, &mut *gate));
-        }
-        forward_batch(&input, &mut outs)?;
+        let input = LinearInput::new(xn, n, q8, &ws[..m])?;
+        let mut outs = [
+            (ws[0], &mut *q),
+            (ws[1], &mut *k),
+            (ws[2], &mut *v),
+            (ws[3], &mut *gate),
+        ];
+        forward_batch(&input, &mut outs[..m])?;
         if let Some(g) = &self.gate {
             g.add_bias(gate);
         }

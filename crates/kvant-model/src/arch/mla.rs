@@ -328,13 +328,20 @@ impl MlaAttention {
         };
         let (qd, vd) = (nh * qk, nh * m.v_dim);
         let attn = sized(attn, n * vd);
-        let (expanded, absorbed): (Vec<&SeqAttn<'_>>, Vec<&SeqAttn<'_>>) =
-            ctx.seqs.iter().partition(|sq| {
-                sel.is_none()
-                    && self.expansion.is_some()
-                    && Expansion::cheaper(m, nh, sq.rows.len(), sq.pos0)
-            });
-        match self.expansion.as_ref().filter(|_| !expanded.is_empty()) {
+        // Which sequences run expanded, asked again where needed rather
+        // than partitioned into lists: this runs per layer and step.
+        let expands = |sq: &&SeqAttn<'_>| {
+            sel.is_none()
+                && self.expansion.is_some()
+                && Expansion::cheaper(m, nh, sq.rows.len(), sq.pos0)
+        };
+        let expanded = || ctx.seqs.iter().filter(expands);
+        let absorbed = || ctx.seqs.iter().filter(|sq| !expands(sq));
+        match self
+            .expansion
+            .as_ref()
+            .filter(|_| expanded().next().is_some())
+        {
             None => {
                 let rows = Rows {
                     seqs: ctx.seqs,
@@ -346,7 +353,7 @@ impl MlaAttention {
                 self.absorbed(cfg, m, at, rows, q8, absorb, attn)?;
             }
             Some(e) => {
-                for sq in expanded {
+                for sq in expanded() {
                     ctx.pool
                         .store(ctx.index, std::slice::from_ref(sq), (latent, None));
                     let c = Chunk {
@@ -358,12 +365,12 @@ impl MlaAttention {
                     };
                     e.attend(m, (nh, cfg.attn_scale), c, q8, expand)?;
                 }
-                if !absorbed.is_empty() {
+                if absorbed().next().is_some() {
                     // The other sequences' rows, packed together.
-                    let mut seqs = Vec::with_capacity(absorbed.len());
+                    let mut seqs = Vec::with_capacity(absorbed().count());
                     packed.q.clear();
                     packed.latent.clear();
-                    for sq in &absorbed {
+                    for sq in absorbed() {
                         let at = packed.latent.len() / lat;
                         packed
                             .q
@@ -386,7 +393,7 @@ impl MlaAttention {
                     };
                     let at = (&mut *ctx.pool, ctx.index, None);
                     self.absorbed(cfg, m, at, rows, q8, absorb, out)?;
-                    for (sq, p) in absorbed.iter().zip(&seqs) {
+                    for (sq, p) in absorbed().zip(&seqs) {
                         attn[sq.rows.start * vd..sq.rows.end * vd]
                             .copy_from_slice(&out[p.rows.start * vd..p.rows.end * vd]);
                     }

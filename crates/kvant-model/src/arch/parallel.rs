@@ -234,9 +234,10 @@ impl<'a> Net<'a> {
     }
 }
 
-/// A micro-batch's forward pass, boxed so that two of any shape can be
-/// driven together.
-pub(crate) type Task<'a> = Pin<Box<dyn Future<Output = Result<(), ModelError>> + 'a>>;
+/// A micro-batch's forward pass, pinned where its caller keeps it (on the
+/// stack: no allocation per pass) so that two of any shape can be driven
+/// together.
+pub(crate) type Task<'p, 'a> = Pin<&'p mut (dyn Future<Output = Result<(), ModelError>> + 'a)>;
 
 /// Runs `tasks` to completion, polling each in turn (see the module
 /// docs); returns the first error. The time every task waited on a
@@ -245,12 +246,17 @@ pub(crate) type Task<'a> = Pin<Box<dyn Future<Output = Result<(), ModelError>> +
 /// tested) and yields the core now and then: a rank per core waits by
 /// polling, as MPI does (sleeping instead made the next compute slower
 /// here, by up to a third on a VM whose idle cores are descheduled).
+///
+/// # Panics
+/// With more than 64 tasks (a pass has one or two micro-batches).
 pub(crate) fn drive(
-    mut tasks: Vec<Task<'_>>,
+    tasks: &mut [Task<'_, '_>],
     exposed: Option<&AtomicU64>,
 ) -> Result<(), ModelError> {
     let mut cx = Context::from_waker(Waker::noop());
-    let mut done = vec![false; tasks.len()];
+    assert!(tasks.len() <= 64, "at most 64 tasks");
+    // Bit `t`: task `t` has finished.
+    let mut done = 0u64;
     let mut spins = 0u32;
     let mut blocked_since: Option<Instant> = None;
     // A task's first poll computes up to its first collective.
@@ -259,13 +265,13 @@ pub(crate) fn drive(
         let round = Instant::now();
         PROGRESS.with(|p| p.set(first));
         first = false;
-        for (t, d) in tasks.iter_mut().zip(done.iter_mut()) {
-            if *d {
+        for (i, t) in tasks.iter_mut().enumerate() {
+            if done & (1 << i) != 0 {
                 continue;
             }
             if let Poll::Ready(r) = t.as_mut().poll(&mut cx) {
                 r?;
-                *d = true;
+                done |= 1 << i;
             }
         }
         let computed = PROGRESS.with(Cell::get);
@@ -273,7 +279,7 @@ pub(crate) fn drive(
             let ns = u64::try_from(round.saturating_duration_since(since).as_nanos());
             e.fetch_add(ns.unwrap_or(u64::MAX), Ordering::Relaxed);
         }
-        if done.iter().all(|&d| d) {
+        if done.count_ones() as usize == tasks.len() {
             return Ok(());
         }
         if computed {
