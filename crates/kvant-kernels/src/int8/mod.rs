@@ -196,6 +196,8 @@ fn store_row<const W: usize>(
     }
 }
 
+/// Writes rows `8g..8g+8` (those that exist) of tokens `tokens` (rows of
+/// `x` and of `y`, which is `[x.n_tokens(), w.rows()]`).
 fn group_rows(
     tier: SimdTier,
     w: &PackedMatrix,

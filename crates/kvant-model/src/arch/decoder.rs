@@ -711,9 +711,8 @@ impl DecoderModel {
         let s = &mut *guard;
         // Every list of the pass lives in the scratch (no allocation once
         // the buffers have grown to the batch).
-        let mut attn_seqs = recycle(std::mem::take(&mut s.seqs));
         let parts = seqs.iter().map(|s| (s.tokens, s.pos0, s.table));
-        self.check_batch(pool, parts, &mut attn_seqs)?;
+        let attn_seqs = self.check_batch(pool, parts, std::mem::take(&mut s.seqs))?;
         s.slots.clear();
         s.slots.extend(seqs.iter().map(|s| s.state));
         self.check_slots(pool, &s.slots)?;
@@ -797,9 +796,10 @@ impl DecoderModel {
         };
         let c = &self.cfg;
         let h = c.hidden;
-        let mut attn_seqs = Vec::with_capacity(steps.len());
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let s = &mut *guard;
         let parts = steps.iter().map(|s| (s.tokens, s.slot0, s.table));
-        self.check_batch(pool, parts, &mut attn_seqs)?;
+        let attn_seqs = self.check_batch(pool, parts, std::mem::take(&mut s.seqs))?;
         let n = attn_seqs.last().map_or(0, |a| a.rows.end);
         if let Some(s) = steps.iter().find(|s| s.hidden.len() != s.tokens.len() * h) {
             return Err(ModelError::MtpHidden {
@@ -808,8 +808,6 @@ impl DecoderModel {
                 values: s.hidden.len(),
             });
         }
-        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
-        let s = &mut *guard;
         let x = sized(&mut s.x, n * h);
         self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter()), x)?;
         let eh = sized(&mut s.eh, n * 2 * h);
@@ -840,20 +838,25 @@ impl DecoderModel {
             drive(&mut [layer], None)?;
         }
         let last = attn_seqs.iter().map(|a| a.rows.end - 1..a.rows.end);
-        let mut rows = Vec::new();
+        let mut rows = std::mem::take(&mut s.rows);
         gather(x, h, last, &mut rows);
         let head = mtp.head.as_ref().unwrap_or(&self.output);
-        self.head(&rows, &mtp.head_norm, head, s)
+        let logits = self.head(&rows, &mtp.head_norm, head, s);
+        s.rows = rows;
+        s.seqs = recycle(attn_seqs);
+        logits
     }
 
     /// Checks a batch (non-empty token lists in the vocabulary, block
     /// tables covering them) and lays its sequences out as attention rows.
+    /// The list is built on `spare`'s allocation (the scratch's; give it
+    /// back with [`recycle`]).
     fn check_batch<'a, 't>(
         &self,
         pool: &KvPool,
         parts: impl Iterator<Item = (&'a [u32], usize, &'t [u32])> + Clone,
-        out: &mut Vec<SeqAttn<'t>>,
-    ) -> Result<(), ModelError> {
+        spare: Vec<SeqAttn<'_>>,
+    ) -> Result<Vec<SeqAttn<'t>>, ModelError> {
         let vocab = self.cfg.vocab;
         // A rank of a parallel run may have nothing to compute (a
         // data-parallel group without requests): it still joins the
@@ -865,7 +868,7 @@ impl DecoderModel {
         if pool.shape() != self.kv_shape() {
             return Err(ModelError::KvShape);
         }
-        out.clear();
+        let mut out = recycle(spare);
         let mut row = 0;
         for (tokens, pos0, table) in parts {
             pool.check_table(table, pos0 + tokens.len())?;
@@ -879,7 +882,7 @@ impl DecoderModel {
             });
             row += tokens.len();
         }
-        Ok(())
+        Ok(out)
     }
 
     /// Checks each sequence's state slot (models with linear layers only):

@@ -139,6 +139,7 @@ impl MhaAttention {
             &self.q.weight,
             &self.k.weight,
             &self.v.weight,
+            // Without a gate, a placeholder past `m`.
             gate_w.unwrap_or(&self.q.weight),
         ];
         let input = LinearInput::new(xn, n, q8, &ws[..m])?;
