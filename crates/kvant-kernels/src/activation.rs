@@ -6,6 +6,7 @@
 //! has it: libm's per-value calls were 15% of Gemma 3's prefill.
 
 use crate::cpu::{self, SimdTier};
+use crate::pool;
 use crate::vecops::{exp, Fma, Plain};
 
 /// Which nonlinearity gates the up projection.
@@ -61,10 +62,26 @@ pub fn gated(act: Activation, gate: &mut [f32], up: &[f32]) {
     gated_with(cpu::tier(), act, gate, up)
 }
 
-/// [`gated`] on a given tier (lowered to one the CPU supports).
+/// [`gated`] on a given tier (lowered to one the CPU supports). Long
+/// inputs (a prefill chunk's rows) are split over the pool in pieces of
+/// 64 values; each value is computed on its own, so the split
+/// changes no bits.
 pub fn gated_with(tier: SimdTier, act: Activation, gate: &mut [f32], up: &[f32]) {
     debug_assert_eq!(gate.len(), up.len());
-    match cpu::clamp(tier) {
+    let tier = cpu::clamp(tier);
+    let len = gate.len().min(up.len());
+    let (whole, tail) = gate[..len].split_at_mut(len / PIECE * PIECE);
+    pool::for_rows_mut(whole, PIECE, &|r, g| {
+        gated_on(tier, act, g, &up[r.start * PIECE..r.end * PIECE])
+    });
+    gated_on(tier, act, tail, &up[len / PIECE * PIECE..len]);
+}
+
+/// The unit [`gated_with`] splits its input into.
+const PIECE: usize = 64;
+
+fn gated_on(tier: SimdTier, act: Activation, gate: &mut [f32], up: &[f32]) {
+    match tier {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe { gated_avx2(act, gate, up) },
@@ -85,13 +102,18 @@ mod tests {
     #[test]
     fn every_tier_matches_the_libm_reference() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
-        let mut x: Vec<f32> = (0..1001).map(|_| rng.random_range(-30.0..30.0)).collect();
+        // Long enough to be split over the pool (`pool::ROWS_MIN_PARALLEL`).
+        let mut x: Vec<f32> = (0..20_001).map(|_| rng.random_range(-30.0..30.0)).collect();
         x.extend([0.0, -0.0, 1e-6, -1e-6, 100.0, -100.0, 5.0, -5.0]);
         let up: Vec<f32> = (0..x.len()).map(|_| rng.random_range(-2.0..2.0)).collect();
         for act in [Activation::Silu, Activation::GeluTanh] {
             for tier in cpu::available_tiers() {
                 let mut g = x.clone();
                 gated_with(tier, act, &mut g, &up);
+                // The split over the pool changes no bits.
+                let mut whole = x.clone();
+                gated_on(cpu::clamp(tier), act, &mut whole, &up);
+                assert_eq!(g, whole, "{act:?} {tier}");
                 for ((&xi, &u), &got) in x.iter().zip(&up).zip(&g) {
                     let want = act.apply(xi) * u;
                     assert!(

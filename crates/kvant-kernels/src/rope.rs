@@ -5,6 +5,8 @@
 //! `pos * inv_freq` in f32, as transformers computes them, so positions up to
 //! the context length keep the reference's rounding.
 
+use crate::pool::{self, DisjointSlice};
+
 /// How the rotated dimensions are paired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RopeStyle {
@@ -25,25 +27,80 @@ pub fn rope_inplace(
     inv_freq: &[f32],
     style: RopeStyle,
 ) {
-    let half = inv_freq.len();
-    debug_assert!(2 * half <= head_dim);
+    let mut cs = [(0f32, 0f32); MAX_ROPE_HALF];
+    let table = angles(&mut cs, pos, inv_freq);
+    rotate(x, head_dim, table, style);
+}
+
+/// Rotates the rows of `q` and `k` (`rows` tokens each, any number of
+/// heads of `head_dim`), row `i` being the token at `pos0 + i`, in place,
+/// as [`rope_inplace`] on each row, bit for bit: one cos/sin table per
+/// token for both, and many rows (a prefill chunk) split over the pool.
+pub fn rope_rows(
+    (q, k): (&mut [f32], &mut [f32]),
+    rows: usize,
+    head_dim: usize,
+    pos0: usize,
+    inv_freq: &[f32],
+    style: RopeStyle,
+) {
+    let (Some(qw), Some(kw)) = (q.len().checked_div(rows), k.len().checked_div(rows)) else {
+        return;
+    };
+    let (qs, ks) = (DisjointSlice::new(q), DisjointSlice::new(k));
+    pool::for_rows(rows, qw + kw, &|r| {
+        // SAFETY: `for_rows` hands out disjoint row ranges.
+        let (q, k) = unsafe {
+            (
+                qs.range(r.start * qw..r.end * qw),
+                ks.range(r.start * kw..r.end * kw),
+            )
+        };
+        let mut cs = [(0f32, 0f32); MAX_ROPE_HALF];
+        for (j, i) in r.enumerate() {
+            let table = angles(&mut cs, pos0 + i, inv_freq);
+            rotate(&mut q[j * qw..(j + 1) * qw], head_dim, table, style);
+            rotate(&mut k[j * kw..(j + 1) * kw], head_dim, table, style);
+        }
+    });
+}
+
+/// cos/sin of `pos · inv_freq`, in f32 as transformers computes the angles.
+fn angles<'a>(
+    cs: &'a mut [(f32, f32); MAX_ROPE_HALF],
+    pos: usize,
+    inv_freq: &[f32],
+) -> &'a [(f32, f32)] {
     let p = pos as f32;
-    // cos/sin once per token, shared by all heads.
-    let mut cs = [(0f32, 0f32); 256];
-    let table = &mut cs[..half.min(256)];
+    let table = &mut cs[..inv_freq.len().min(MAX_ROPE_HALF)];
     for (c, &f) in table.iter_mut().zip(inv_freq) {
         let a = p * f;
         *c = (a.cos(), a.sin());
     }
+    table
+}
+
+/// Rotates each head of `x` by the angles in `table`.
+fn rotate(x: &mut [f32], head_dim: usize, table: &[(f32, f32)], style: RopeStyle) {
+    let half = table.len();
+    debug_assert!(2 * half <= head_dim);
     for head in x.chunks_exact_mut(head_dim) {
-        for (i, &(c, s)) in table.iter().enumerate() {
-            let (a, b) = match style {
-                RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-                RopeStyle::Neox => (i, i + half),
-            };
-            let (x0, x1) = (head[a], head[b]);
-            head[a] = x0 * c - x1 * s;
-            head[b] = x0 * s + x1 * c;
+        match style {
+            RopeStyle::Interleaved => {
+                for (p, &(c, s)) in head.chunks_exact_mut(2).zip(table) {
+                    let (x0, x1) = (p[0], p[1]);
+                    p[0] = x0 * c - x1 * s;
+                    p[1] = x0 * s + x1 * c;
+                }
+            }
+            RopeStyle::Neox => {
+                let (lo, hi) = head[..2 * half].split_at_mut(half);
+                for ((a, b), &(c, s)) in lo.iter_mut().zip(hi).zip(table) {
+                    let (x0, x1) = (*a, *b);
+                    *a = x0 * c - x1 * s;
+                    *b = x0 * s + x1 * c;
+                }
+            }
         }
     }
 }
@@ -82,6 +139,31 @@ pub fn rope_ref(
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn rows_rotate_as_each_token_alone() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+        let (head_dim, rot) = (80usize, 32usize);
+        let inv: Vec<f32> = (0..rot / 2)
+            .map(|i| 10000f32.powf(-(2.0 * i as f32) / rot as f32))
+            .collect();
+        // 3 q heads and 1 k head; 61 rows reach the pool (ROWS_MIN_PARALLEL).
+        for rows in [1usize, 7, 61] {
+            let mut q: Vec<f32> = (0..rows * 3 * head_dim).map(|_| rng.random()).collect();
+            let mut k: Vec<f32> = (0..rows * head_dim).map(|_| rng.random()).collect();
+            let (mut q1, mut k1) = (q.clone(), k.clone());
+            for style in [RopeStyle::Interleaved, RopeStyle::Neox] {
+                rope_rows((&mut q, &mut k), rows, head_dim, 9, &inv, style);
+                let q_rows = q1.chunks_exact_mut(3 * head_dim);
+                for (i, (qt, kt)) in q_rows.zip(k1.chunks_exact_mut(head_dim)).enumerate() {
+                    rope_inplace(qt, head_dim, 9 + i, &inv, style);
+                    rope_inplace(kt, head_dim, 9 + i, &inv, style);
+                }
+                assert_eq!(q, q1, "{rows} rows {style:?}");
+                assert_eq!(k, k1, "{rows} rows {style:?}");
+            }
+        }
+    }
 
     #[test]
     fn matches_reference_and_preserves_norm() {

@@ -13,6 +13,7 @@
 
 use crate::cpu::SimdTier;
 use crate::error::{check_len, checked_mul, KernelError};
+use crate::pool::{self, DisjointSlice};
 
 /// Values per activation block (matches the weight blocks of Q4_0/Q4_1/Q5_0/Q8_0).
 pub const BLOCK: usize = 32;
@@ -69,33 +70,35 @@ impl Q8Activations {
         self.offsets.resize(nb, [0; 2]);
         self.n_tokens = n_tokens;
         self.k = k;
-        let blocks = x
-            .chunks_exact(BLOCK)
-            .zip(self.qs.chunks_exact_mut(BLOCK))
-            .zip(
-                (self.d.iter_mut().zip(self.s.iter_mut()))
-                    .zip(self.sums.iter_mut().zip(&mut self.offsets)),
-            );
-        match crate::cpu::clamp(tier) {
-            #[cfg(target_arch = "x86_64")]
-            SimdTier::Avx2 | SimdTier::Avx512 => {
-                for ((x, q), ((d, s), (n, o))) in blocks {
-                    // SAFETY: the tier (clamped to the CPU) has AVX2; `x`
-                    // and `q` are one block each.
-                    (*d, *n) = unsafe { avx2::quantize_block(x, q) };
-                    *s = *d * *n as f32;
-                    // SAFETY: as above.
-                    *o = unsafe { avx2::offsets(q) };
-                }
-            }
-            _ => {
-                for ((x, q), ((d, s), (n, o))) in blocks {
-                    (*d, *n) = quantize_block_ref(x, q);
-                    *s = *d * *n as f32;
-                    *o = offsets_ref(q);
-                }
-            }
-        }
+        // A prefill chunk's tokens are split over the pool; each block is
+        // quantized on its own, so the split changes no bits.
+        let tier = crate::cpu::clamp(tier);
+        let (qs, d, s) = (
+            DisjointSlice::new(&mut self.qs),
+            DisjointSlice::new(&mut self.d),
+            DisjointSlice::new(&mut self.s),
+        );
+        let (sums, offsets) = (
+            DisjointSlice::new(&mut self.sums),
+            DisjointSlice::new(&mut self.offsets),
+        );
+        let per_token = k / BLOCK;
+        pool::for_rows(n_tokens, k, &|r| {
+            let b = r.start * per_token..r.end * per_token;
+            let v = b.start * BLOCK..b.end * BLOCK;
+            // SAFETY: `for_rows` hands out disjoint token ranges, so these
+            // block and value ranges are disjoint between tasks.
+            let (qs, d, s, sums, offsets) = unsafe {
+                (
+                    qs.range(v.clone()),
+                    d.range(b.clone()),
+                    s.range(b.clone()),
+                    sums.range(b.clone()),
+                    offsets.range(b),
+                )
+            };
+            quantize_blocks(tier, &x[v], qs, d, s, sums, offsets);
+        });
         Ok(())
     }
 
@@ -223,6 +226,43 @@ pub(crate) fn offsets_ref(q: &[i8]) -> [i32; 2] {
 }
 
 /// The scalar reference: one block into `q`, returning `(d, Σ q)`.
+/// Quantizes whole blocks `x` into `qs` and each block's scale, scaled
+/// sum, sum and offsets (see [`Q8Activations`]), on `tier` (clamped).
+fn quantize_blocks(
+    tier: SimdTier,
+    x: &[f32],
+    qs: &mut [i8],
+    d: &mut [f32],
+    s: &mut [f32],
+    sums: &mut [i32],
+    offsets: &mut [[i32; 2]],
+) {
+    let blocks = x
+        .chunks_exact(BLOCK)
+        .zip(qs.chunks_exact_mut(BLOCK))
+        .zip((d.iter_mut().zip(s)).zip(sums.iter_mut().zip(offsets)));
+    match tier {
+        #[cfg(target_arch = "x86_64")]
+        SimdTier::Avx2 | SimdTier::Avx512 => {
+            for ((x, q), ((d, s), (n, o))) in blocks {
+                // SAFETY: the tier (clamped to the CPU) has AVX2; `x`
+                // and `q` are one block each.
+                (*d, *n) = unsafe { avx2::quantize_block(x, q) };
+                *s = *d * *n as f32;
+                // SAFETY: as above.
+                *o = unsafe { avx2::offsets(q) };
+            }
+        }
+        _ => {
+            for ((x, q), ((d, s), (n, o))) in blocks {
+                (*d, *n) = quantize_block_ref(x, q);
+                *s = *d * *n as f32;
+                *o = offsets_ref(q);
+            }
+        }
+    }
+}
+
 pub(crate) fn quantize_block_ref(x: &[f32], q: &mut [i8]) -> (f32, i32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (d, id) = scales(amax);
@@ -310,7 +350,8 @@ mod tests {
     #[test]
     fn every_tier_matches_the_reference_bit_for_bit() {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-        for &(n, k) in &[(1usize, 32usize), (3, 96), (5, 576), (2, 1536)] {
+        // 37 tokens of 576 are split over the pool (`pool::ROWS_MIN_PARALLEL`).
+        for &(n, k) in &[(1usize, 32usize), (3, 96), (5, 576), (2, 1536), (37, 576)] {
             let mut x: Vec<f32> = (0..n * k).map(|_| rng.random_range(-3.0..3.0)).collect();
             // Ties, zeros, a zero block and a huge value.
             x[0] = 0.5;
@@ -329,6 +370,11 @@ mod tests {
                 assert_eq!(got.s, want.s);
                 assert_eq!(got.sums, want.sums);
                 assert_eq!(got.offsets, want.offsets);
+                // The last token alone gets the same bits.
+                let mut alone = Q8Activations::default();
+                alone.quantize(tier, &x[(n - 1) * k..], 1, k).unwrap();
+                assert_eq!(alone.qs, got.qs[(n - 1) * k..]);
+                assert_eq!(alone.d, got.d[(n - 1) * k / BLOCK..]);
             }
             for (b, &n) in want.qs.chunks(BLOCK).zip(&want.sums) {
                 assert_eq!(b.iter().map(|&q| q as i32).sum::<i32>(), n);

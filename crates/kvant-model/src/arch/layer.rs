@@ -13,7 +13,7 @@ use crate::kv::KvPool;
 use crate::ModelError;
 use kvant_kernels::attention::SeqAttn;
 use kvant_kernels::int8::Q8Activations;
-use kvant_kernels::norm::{rms_norm, rms_norm_inplace};
+use kvant_kernels::norm::{add_rms_norm, rms_norm};
 use std::cell::RefCell;
 
 pub(crate) enum Attention {
@@ -164,11 +164,8 @@ impl Layer {
         }
         net.after_attention(at.index);
         net.tp_sum(proj).await?;
-        if let Some(w) = &self.post_attn_norm {
-            rms_norm_inplace(proj, w, c.rms_eps);
-        }
-        add_assign(x, proj);
-        rms_norm(x, &self.ffn_norm, c.rms_eps, xn);
+        let (post, next) = (self.post_attn_norm.as_deref(), &self.ffn_norm[..]);
+        add_rms_norm(x, proj, h, post, Some((next, &mut *xn)), c.rms_eps);
         match &self.ffn {
             Ffn::Dense(f) => {
                 if n > 0 {
@@ -178,14 +175,7 @@ impl Layer {
             }
             Ffn::Moe(m) => m.forward(c.activation, xn, n, q8, moe, proj, net).await?,
         }
-        if let Some(w) = &self.post_ffn_norm {
-            rms_norm_inplace(proj, w, c.rms_eps);
-        }
-        add_assign(x, proj);
+        add_rms_norm(x, proj, h, self.post_ffn_norm.as_deref(), None, c.rms_eps);
         Ok(())
     }
-}
-
-fn add_assign(x: &mut [f32], y: &[f32]) {
-    x.iter_mut().zip(y).for_each(|(a, b)| *a += b);
 }

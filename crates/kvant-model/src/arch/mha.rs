@@ -14,7 +14,7 @@ use kvant_kernels::attention::AttnParams;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
-use kvant_kernels::rope::rope_inplace;
+use kvant_kernels::rope::rope_rows;
 
 pub(crate) struct MhaAttention {
     /// This rank's query and KV heads (all of them in one process).
@@ -164,15 +164,23 @@ impl MhaAttention {
         }
         let factor = cfg.rope.scaling.attention_factor();
         for sq in ctx.seqs {
-            for (i, t) in sq.rows.clone().enumerate() {
-                let pos = sq.pos0 + i + ctx.rope_offset;
-                let (qt, kt) = (&mut q[t * qd..(t + 1) * qd], &mut k[t * kvd..(t + 1) * kvd]);
-                rope_inplace(qt, cfg.head_dim, pos, inv_freq, cfg.rope.style);
-                rope_inplace(kt, cfg.head_dim, pos, inv_freq, cfg.rope.style);
-                if factor != 1.0 {
-                    scale_rotated(qt, cfg.head_dim, cfg.rope.dim, factor);
-                    scale_rotated(kt, cfg.head_dim, cfg.rope.dim, factor);
-                }
+            let r = &sq.rows;
+            let (qs, ks) = (
+                &mut q[r.start * qd..r.end * qd],
+                &mut k[r.start * kvd..r.end * kvd],
+            );
+            let pos0 = sq.pos0 + ctx.rope_offset;
+            rope_rows(
+                (&mut *qs, &mut *ks),
+                r.len(),
+                cfg.head_dim,
+                pos0,
+                inv_freq,
+                cfg.rope.style,
+            );
+            if factor != 1.0 {
+                scale_rotated(qs, cfg.head_dim, cfg.rope.dim, factor);
+                scale_rotated(ks, cfg.head_dim, cfg.rope.dim, factor);
             }
         }
         let params = AttnParams {
