@@ -280,46 +280,51 @@ unsafe fn group_pair_rows(
         macro_rules! run {
             ($($k:literal)*) => {
                 match left {
-                    $($k => pair_tile::<$k>(wa, wb, blocks, x, t),)*
-                    _ => pair_tile::<VNNI_TOKEN_TILE>(wa, wb, blocks, x, t),
+                    $($k => pair_tile::<$k>((wa, wb), blocks, x, t, (y, rows, g * GROUP)),)*
+                    _ => pair_tile::<VNNI_TOKEN_TILE>((wa, wb), blocks, x, t, (y, rows, g * GROUP)),
                 }
             };
         }
         // SAFETY: the caller's contract; each token's slices hold `cols`
         // quants and `cols/32` scales and sums.
-        let v = unsafe { run!(1 2 3 4 5 6 7) };
-        for (dt, v) in v[..left].iter().enumerate() {
-            // Groups `g` and `g + 1` are consecutive rows of the output.
-            store_row(y, rows, g * GROUP, t + dt, v);
-        }
+        unsafe { run!(1 2 3 4 5 6 7) };
         t += left;
     }
 }
 
-/// Tokens `t0..t0 + T` of a pair of groups, as 16 floats per token (up to
-/// [`VNNI_TOKEN_TILE`] tokens).
+/// Tokens `t0..t0 + T` of a pair of groups, written to their 16 rows of
+/// `y` (those that exist) straight from the registers: returning the tile
+/// through an array cost three copies of it per tile.
 ///
 /// # Safety
 /// As for [`avx2::q8_pair_vnni`].
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn pair_tile<const T: usize>(
-    wa: *const u8,
-    wb: *const u8,
+    (wa, wb): (*const u8, *const u8),
     blocks: usize,
     x: &Q8Activations,
     t0: usize,
-) -> [[f32; 2 * GROUP]; VNNI_TOKEN_TILE] {
+    (y, rows, first): (&DisjointSlice<'_, f32>, usize, usize),
+) {
     use std::arch::x86_64::_mm512_storeu_ps;
     let ptrs = avx2::TokenPtrs::tile::<T>(x, t0);
     // SAFETY: the caller's contract.
     let acc = unsafe { avx2::q8_pair_vnni::<T>(wa, wb, blocks, &ptrs) };
-    let mut out = [[0f32; 2 * GROUP]; VNNI_TOKEN_TILE];
-    for (o, a) in out.iter_mut().zip(acc) {
-        // SAFETY: `o` holds 16 floats; the store is unaligned.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), a) };
+    for (dt, a) in acc.into_iter().enumerate() {
+        let t = t0 + dt;
+        if rows - first >= 2 * GROUP {
+            let o = t * rows + first;
+            // SAFETY: rows `first..first + 16` of token `t` belong to this
+            // task's pair of groups only; the store is unaligned.
+            unsafe { _mm512_storeu_ps(y.range(o..o + 2 * GROUP).as_mut_ptr(), a) };
+        } else {
+            let mut v = [0f32; 2 * GROUP];
+            // SAFETY: `v` holds 16 floats; the store is unaligned.
+            unsafe { _mm512_storeu_ps(v.as_mut_ptr(), a) };
+            store_row(y, rows, first, t, &v);
+        }
     }
-    out
 }
 
 /// Runs tokens `t0..t0 + T` of one group; returns `T`.
