@@ -177,12 +177,33 @@ fn aborts_free_blocks_and_disturb_nobody() {
         }),
     )
     .unwrap();
-    let long = submit(&h, greedy(ps[1].clone(), 150));
-    // Abort `long` once it has produced something.
+    // Abort `long` once it has produced something. Its sink holds the
+    // engine thread at its first token until the abort is queued: on a
+    // loaded machine the tiny fixture otherwise could finish all 150 tokens
+    // before this thread got to send it (it did, once, under a full test run).
+    let (ltx, long) = channel();
+    let (at_first, held) = channel();
+    let (release, go) = channel::<()>();
+    let mut first = true;
+    h.submit(
+        greedy(ps[1].clone(), 150),
+        Box::new(move |e| {
+            let _ = ltx.send(e);
+            if std::mem::take(&mut first) {
+                let _ = at_first.send(());
+                let _ = go.recv_timeout(Duration::from_secs(60));
+            }
+            true
+        }),
+    )
+    .unwrap();
+    held.recv_timeout(Duration::from_secs(60)).unwrap();
     let first = long.recv_timeout(Duration::from_secs(60)).unwrap();
     assert!(matches!(first, Event::Token { .. }));
-    // Its id is the last submitted: ids count up from 1 per engine.
+    // Its id is the last submitted: ids count up from 1 per engine. Commands
+    // are taken before each step, so the abort lands before the next token.
     h.abort(4);
+    release.send(()).unwrap();
     let (ids, reason, _) = collect(&steady);
     assert_eq!(ids, expected);
     assert_eq!(reason, FinishReason::Length);
