@@ -233,12 +233,12 @@ fn store(w: &HalfMatrix, out: &DisjointSlice<'_, f32>, g: usize, t0: usize, v: &
 }
 
 /// Writes token `t`'s rows of group `g` (those that exist) from `v`.
-fn store_row(w: &HalfMatrix, out: &DisjointSlice<'_, f32>, g: usize, t: usize, v: &[f32]) {
+#[inline(always)]
+fn store_row(w: &HalfMatrix, out: &DisjointSlice<'_, f32>, g: usize, t: usize, v: &[f32; GROUP]) {
     let live = (w.rows - g * GROUP).min(GROUP);
-    let o = t * w.rows + g * GROUP;
     // SAFETY: rows `8g..8g+live` of every token belong to the task that
     // owns group `g` only.
-    unsafe { out.range(o..o + live) }.copy_from_slice(&v[..live]);
+    unsafe { out.write(t * w.rows + g * GROUP, v, live) }
 }
 
 /// Writes groups `g..g + live` of the `n` tokens from 512-bit tile results
@@ -255,8 +255,8 @@ fn store_wide(
 ) {
     for (dt, regs) in v.chunks_exact(z).take(n).enumerate() {
         for k in 0..live {
-            let h = k % 2 * GROUP;
-            store_row(w, out, g + k, t0 + dt, &regs[k / 2][h..h + GROUP]);
+            let (halves, _) = regs[k / 2].as_chunks::<GROUP>();
+            store_row(w, out, g + k, t0 + dt, &halves[k % 2]);
         }
     }
 }

@@ -451,6 +451,29 @@ impl<'a, T> DisjointSlice<'a, T> {
     }
 }
 
+impl<T: Copy> DisjointSlice<'_, T> {
+    /// Writes `v[..live]` (`live <= W`) at element `at`: one fixed-size
+    /// copy when `live == W`. A copy of run-time length is a `memmove`
+    /// call per kernel tile, measured at 3.6% of Gemma 3's pp512 profile
+    /// (the int8 tiles) and 2.8% of the BF16 copy of SmolLM2's (halfpack).
+    ///
+    /// # Safety
+    /// No other live reference from this `DisjointSlice` overlaps
+    /// `at..at + live`.
+    ///
+    /// # Panics
+    /// If `live > W` or the range is not inside the slice.
+    #[inline(always)]
+    pub unsafe fn write<const W: usize>(&self, at: usize, v: &[T; W], live: usize) {
+        // SAFETY: the caller's contract.
+        let dst = unsafe { self.range(at..at + live) };
+        match <&mut [T; W]>::try_from(&mut *dst) {
+            Ok(whole) => *whole = *v,
+            Err(_) => dst.copy_from_slice(&v[..live]),
+        }
+    }
+}
+
 /// `tasks` lowered to a whole multiple of `threads` (when at least
 /// `threads`): equal tasks then end together, where e.g. 5 tasks on 2
 /// threads leave one thread idle for a fifth of the job.

@@ -174,9 +174,7 @@ pub fn gemm_batch_with(
 }
 
 /// Writes token `t`'s `W` rows from row `first` (those of the `rows` that
-/// exist) from `v` into `y` (`[n_tokens, rows]`). A whole tile is one
-/// fixed-size copy: with the length known only at run time, each 8-float
-/// store was a `memmove` call (3.6% of Gemma 3's pp512 profile).
+/// exist) from `v` into `y` (`[n_tokens, rows]`).
 #[inline(always)]
 fn store_row<const W: usize>(
     y: &DisjointSlice<'_, f32>,
@@ -185,15 +183,9 @@ fn store_row<const W: usize>(
     t: usize,
     v: &[f32; W],
 ) {
-    let live = (rows - first).min(W);
-    let o = t * rows + first;
     // SAFETY: rows `first..first + live` of every token belong to the task
     // that owns their group(s) only.
-    let dst = unsafe { y.range(o..o + live) };
-    match <&mut [f32; W]>::try_from(&mut *dst) {
-        Ok(whole) => *whole = *v,
-        Err(_) => dst.copy_from_slice(&v[..live]),
-    }
+    unsafe { y.write(t * rows + first, v, (rows - first).min(W)) }
 }
 
 /// Writes rows `8g..8g+8` (those that exist) of tokens `tokens` (rows of
