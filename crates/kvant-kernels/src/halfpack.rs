@@ -550,10 +550,13 @@ mod avx2 {
 /// weight `i` of both), and each lane still runs the one FMA chain over `i`
 /// of [`tile`], so every tier, tile and batch gives the same bits.
 ///
-/// Four registers per token keep four chains in flight (the FMA latency
-/// over its throughput) with half the conversions and FMAs per weight of
-/// the AVX2 quad tile: SmolLM2's F16 copy decodes at 60–62 tok/s on one
-/// Zen 4 thread against 53 with the AVX2 tiles. Prefill stays on the AVX2
+/// Eight registers per token keep eight chains in flight, with half the
+/// conversions and FMAs per weight of the AVX2 quad tile, and read sixteen
+/// groups side by side: SmolLM2's F16 copy decodes at 60–62 tok/s on one
+/// Zen 4 thread against 53 with the AVX2 tiles, with four registers; eight
+/// took it from 62.3 to 67.3 tok/s on one thread and 107 to 117 on two (5
+/// alternated runs: more reads in flight from DRAM), and twelve fell to
+/// 47.5. Prefill stays on the AVX2
 /// tiles: it is bound by FMA throughput, which 512-bit FMAs do not raise
 /// on Zen 4 (57 G lane-FMAs/s either way, timed on twelve independent FMA
 /// chains), and the inserts that pair two groups cost more than the fewer
@@ -569,7 +572,7 @@ mod avx512 {
     pub(super) const TOKENS: usize = 2;
 
     /// Registers per token (two groups each) in the widest tile.
-    const WIDTH: usize = 4;
+    const WIDTH: usize = 8;
 
     /// Groups `mine` against the `n <= TOKENS` tokens in `x`, which are
     /// tokens `t0..t0 + n` of the call.
@@ -598,6 +601,7 @@ mod avx512 {
                 }
                 1 => 1,
                 2 | 3 => 2,
+                4..8 => 4,
                 _ => WIDTH,
             };
             let mut v = [[0f32; 2 * GROUP]; WIDTH * TOKENS];
@@ -609,6 +613,8 @@ mod avx512 {
                     (1, _) => tile::<BF, 1, TOKENS>(w, g, x, &mut v),
                     (2, 1) => tile::<BF, 2, 1>(w, g, x, &mut v),
                     (2, _) => tile::<BF, 2, TOKENS>(w, g, x, &mut v),
+                    (4, 1) => tile::<BF, 4, 1>(w, g, x, &mut v),
+                    (4, _) => tile::<BF, 4, TOKENS>(w, g, x, &mut v),
                     (_, 1) => tile::<BF, WIDTH, 1>(w, g, x, &mut v),
                     (_, _) => tile::<BF, WIDTH, TOKENS>(w, g, x, &mut v),
                 }

@@ -33,6 +33,8 @@ fn every_tier_matches(dtype: DType) {
         (70, 200),
         (200, 77),
         (130, 300),
+        // 38 groups: the AVX-512 decode tile's widest (16 groups) runs.
+        (300, 33),
     ] {
         let w: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0..1.0))
