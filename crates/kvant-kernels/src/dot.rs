@@ -118,8 +118,13 @@ pub fn dot_keys_with<E: Lanes, const T: usize>(
     match cpu::clamp(tier) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `dot_f32_with`; the lengths are checked above.
-        SimdTier::Avx2 | SimdTier::Avx512 => with_rows!(keys, k => unsafe {
+        SimdTier::Avx2 => with_rows!(keys, k => unsafe {
             avx2::dot_keys((k, tk, ahead), xs, out, stride)
+        }),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above, and the clamped tier has AVX-512 F/BW/VL.
+        SimdTier::Avx512 => with_rows!(keys, k => unsafe {
+            avx2::dot_keys_wide((k, tk, ahead), xs, out, stride)
         }),
         _ => {
             for (t, x) in xs.iter().enumerate() {
@@ -353,6 +358,37 @@ pub(crate) mod avx2 {
         out: &mut [f32],
         stride: usize,
     ) {
+        // SAFETY: the caller's contract.
+        unsafe { dot_keys_body((keys, tk, ahead), xs, out, stride) }
+    }
+
+    /// [`dot_keys`] with AVX-512 VL's 32 vector registers, for tiles of
+    /// up to six vectors (24 accumulators): the same FMA chains.
+    ///
+    /// # Safety
+    /// As for [`dot_keys`], and the CPU supports AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(crate) unsafe fn dot_keys_wide<'a, E: Lanes + 'a, P: RowPtrs<'a, E>, const T: usize>(
+        (keys, tk, ahead): (P, usize, &[&[E]]),
+        xs: [&[f32]; T],
+        out: &mut [f32],
+        stride: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe { dot_keys_body((keys, tk, ahead), xs, out, stride) }
+    }
+
+    /// The body of [`dot_keys`] and [`dot_keys_wide`].
+    ///
+    /// # Safety
+    /// As for [`dot_keys`], called only from the two.
+    #[inline(always)]
+    unsafe fn dot_keys_body<'a, E: Lanes + 'a, P: RowPtrs<'a, E>, const T: usize>(
+        (keys, tk, ahead): (P, usize, &[&[E]]),
+        xs: [&[f32]; T],
+        out: &mut [f32],
+        stride: usize,
+    ) {
         let n = xs[0].len();
         let px = xs.map(<[f32]>::as_ptr);
         let po = out.as_mut_ptr();
@@ -524,6 +560,15 @@ mod tests {
                             assert_close(got, key, &xs[t], tier.name());
                         }
                         assert_eq!(one[j].to_bits(), want[0][1].to_bits());
+                    }
+                    // Six vectors at once (AVX-512's widest tile): each as in three.
+                    let xs6 = [&xs[0][..], &xs[1], &xs[2], &xs[0], &xs[1], &xs[2]];
+                    let mut six = vec![f32::NAN; 5 * stride + tk];
+                    let k = (RowSet::strided(&keys, n, tk, n), &rows[..]);
+                    dot_keys_with(tier, k, xs6, &mut six, stride);
+                    for t in 0..6 {
+                        let (a, b) = (&six[t * stride..][..tk], &out[t % 3 * stride..][..tk]);
+                        assert_eq!(bits(a), bits(b), "{tier} n {n} tk {tk} six, vector {t}");
                     }
                     // Between rows, past `tk`: untouched.
                     assert!(out[tk..stride].iter().all(|v| v.is_nan()));

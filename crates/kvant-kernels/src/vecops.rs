@@ -114,16 +114,34 @@ fn weighted_rows_group_body<E: Lanes, F: Fma>(
 /// AVX2 registers; a row alone keeps 64 (8 FMA chains cover the latency).
 /// Gemma 3's 32-key value tile (32 KiB) lives in L2: the loads, not the
 /// FMAs, set the pace.
-const GROUP_ROWS: usize = 3;
+pub(crate) const GROUP_ROWS: usize = 3;
 const GROUP_COLS: usize = 32;
 const SINGLE_COLS: usize = 64;
+
+/// With AVX-512 VL's 32 vector registers: 6 × 32 lanes is 24 of them, so
+/// up to six rows (a token's heads that share a key-value head, Gemma 3's
+/// four among them) share each value-row load in one pass.
+pub(crate) const WIDE_GROUP_ROWS: usize = 6;
+
+/// Rows the next pass of a weighted-rows kernel takes, of `left`, at most
+/// `most`: two near-equal passes rather than a full one and a short one
+/// (a lone row loads a value vector per FMA, and each pass loads, or
+/// converts, the value rows again).
+#[inline(always)]
+pub(crate) fn rows_per_pass(left: usize, most: usize) -> usize {
+    match left {
+        _ if left <= most => left,
+        _ if left < 2 * most => left.div_ceil(2),
+        _ => most,
+    }
+}
 
 /// [`weighted_rows_group_body`] over f32 value rows as plain loops the
 /// compiler vectorizes (the prompt path, over tiles widened once per
 /// sweep): the same blocking written with intrinsics spilled and ran the
 /// prompt's attention 4–7% slower (one thread, 128 tokens after 2048).
 #[inline(always)]
-fn weighted_f32_body<'a, E: Lanes + 'a, F: Fma, P: RowPtrs<'a, E>>(
+fn weighted_f32_body<'a, E: Lanes + 'a, F: Fma, P: RowPtrs<'a, E>, const ROWS: usize>(
     (p, p_stride): (&[f32], usize),
     (rows, len): (P, usize),
     acc: &mut [f32],
@@ -132,11 +150,14 @@ fn weighted_f32_body<'a, E: Lanes + 'a, F: Fma, P: RowPtrs<'a, E>>(
     let n_rows = acc.len() / n.max(1);
     let mut r = 0;
     while r < n_rows {
-        let g = (n_rows - r).min(GROUP_ROWS);
+        let g = rows_per_pass(n_rows - r, ROWS);
         let p = &p[r * p_stride..];
         let acc = &mut acc[r * n..(r + g) * n];
         let rows = (rows, len);
         match g {
+            6 => weighted_f32_group::<E, F, P, 6, GROUP_COLS>((p, p_stride), rows, acc),
+            5 => weighted_f32_group::<E, F, P, 5, GROUP_COLS>((p, p_stride), rows, acc),
+            4 => weighted_f32_group::<E, F, P, 4, GROUP_COLS>((p, p_stride), rows, acc),
             3 => weighted_f32_group::<E, F, P, 3, GROUP_COLS>((p, p_stride), rows, acc),
             2 => weighted_f32_group::<E, F, P, 2, GROUP_COLS>((p, p_stride), rows, acc),
             _ => weighted_f32_group::<E, F, P, 1, SINGLE_COLS>((p, p_stride), rows, acc),
@@ -328,19 +349,6 @@ mod avx2 {
         exp_shifted_body::<Fused>(s, m)
     }
 
-    /// Rows of [`weighted_rows_group`] that share each load of a value
-    /// vector, by how many are left: three (12 accumulators, 3 weights and
-    /// 1 value vector fill the 16 registers; a fourth row would spill),
-    /// two and two rather than three and one (each pass over the value
-    /// rows converts them again, and a lone row loads a value vector per
-    /// FMA), else all of them.
-    fn group_rows(left: usize) -> usize {
-        match left {
-            4 => 2,
-            _ => left.min(3),
-        }
-    }
-
     /// # Safety
     /// The CPU supports AVX2, FMA and F16C; the slices are as
     /// [`super::weighted_rows_group`] checks.
@@ -351,13 +359,49 @@ mod avx2 {
         acc: &mut [f32],
         n: usize,
     ) {
+        // SAFETY: the caller's contract.
+        unsafe { weighted_rows_body::<E, P, GROUP_ROWS>((p, p_stride), (rows, len, ahead), acc, n) }
+    }
+
+    /// [`weighted_rows_group`] with AVX-512 VL's 32 vector registers: up
+    /// to six rows per pass ([`WIDE_GROUP_ROWS`]), the same FMA chains.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512 F/BW/VL, AVX2, FMA and F16C; the slices
+    /// are as [`super::weighted_rows_group`] checks.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
+    pub(super) unsafe fn weighted_rows_group_wide<'a, E: Lanes + 'a, P: RowPtrs<'a, E>>(
+        (p, p_stride): (&[f32], usize),
+        (rows, len, ahead): (P, usize, &[&[E]]),
+        acc: &mut [f32],
+        n: usize,
+    ) {
+        // SAFETY: the caller's contract.
+        unsafe {
+            weighted_rows_body::<E, P, WIDE_GROUP_ROWS>((p, p_stride), (rows, len, ahead), acc, n)
+        }
+    }
+
+    /// The body of both, `ROWS` rows sharing each value load at most
+    /// (three on AVX2: 12 accumulators, 3 weights and 1 value vector fill
+    /// the 16 registers; a fourth row would spill).
+    ///
+    /// # Safety
+    /// As for [`weighted_rows_group`], called only from it and the wide one.
+    #[inline(always)]
+    unsafe fn weighted_rows_body<'a, E: Lanes + 'a, P: RowPtrs<'a, E>, const ROWS: usize>(
+        (p, p_stride): (&[f32], usize),
+        (rows, len, ahead): (P, usize, &[&[E]]),
+        acc: &mut [f32],
+        n: usize,
+    ) {
         if E::F32 {
-            return weighted_f32_body::<E, Fused, P>((p, p_stride), (rows, len), acc, n);
+            return weighted_f32_body::<E, Fused, P, ROWS>((p, p_stride), (rows, len), acc, n);
         }
         let n_rows = acc.len() / n;
         let mut r = 0;
         while r < n_rows {
-            let g = group_rows(n_rows - r);
+            let g = rows_per_pass(n_rows - r, ROWS);
             let (p, acc) = (&p[r * p_stride..], &mut acc[r * n..(r + g) * n]);
             // The first group's pass prefetches; later ones find the lines requested.
             let ahead = if r == 0 { ahead } else { &[] };
@@ -365,6 +409,9 @@ mod avx2 {
             // SAFETY: `acc` holds `g` rows of `n`; the caller's contract.
             unsafe {
                 match g {
+                    6 => weighted_group::<E, P, 6, 4>((p, p_stride), rows, acc, n),
+                    5 => weighted_group::<E, P, 5, 4>((p, p_stride), rows, acc, n),
+                    4 => weighted_group::<E, P, 4, 4>((p, p_stride), rows, acc, n),
                     3 => weighted_group::<E, P, 3, 4>((p, p_stride), rows, acc, n),
                     2 => weighted_group::<E, P, 2, 4>((p, p_stride), rows, acc, n),
                     _ => weighted_group::<E, P, 1, 8>((p, p_stride), rows, acc, n),
@@ -532,8 +579,14 @@ pub fn weighted_rows_group<E: Lanes>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the clamped tier has AVX2, FMA and F16C; the lengths are
         // checked above.
-        SimdTier::Avx2 | SimdTier::Avx512 => with_rows!(rows, r => unsafe {
+        SimdTier::Avx2 => with_rows!(rows, r => unsafe {
             avx2::weighted_rows_group((p, p_stride), (r, rows.len(), ahead), acc, n)
+        }),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the clamped tier has AVX-512 F/BW/VL besides AVX2, FMA and
+        // F16C; the lengths are checked above.
+        SimdTier::Avx512 => with_rows!(rows, r => unsafe {
+            avx2::weighted_rows_group_wide((p, p_stride), (r, rows.len(), ahead), acc, n)
         }),
         _ => weighted_rows_group_body::<E, Plain>((p, p_stride), rows, acc, n),
     }

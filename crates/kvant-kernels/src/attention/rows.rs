@@ -20,7 +20,7 @@
 
 use super::kv::{KvBlocks, KvElem};
 use super::{AttnParams, MAX_ROWS};
-use crate::cpu::SimdTier;
+use crate::cpu::{self, SimdTier};
 use crate::dot::dot_keys_with;
 use crate::lanes::{Lanes, RowSet};
 use crate::vecops;
@@ -553,9 +553,10 @@ pub(super) fn fold(
 /// dot tile (one accumulator per pair), whatever the row and key counts: a
 /// short last group repeats its last key, odd rows use a narrower tile.
 /// That makes each score independent of its neighbours (batch invariance).
-/// The scores are written in place, up to three rows at a time, four rows
-/// as two and two (each pass converts the keys again; a lone row loads a
-/// key vector per FMA). Through a copy of each tile's results, this was a
+/// The scores are written in place, up to three rows at a time (six on
+/// AVX-512, whose 32 registers hold 24 accumulators), four rows as two and
+/// two ([`vecops::rows_per_pass`]: each pass converts the keys again; a
+/// lone row loads a key vector per FMA). Through a copy of each tile's results, this was a
 /// quarter of prefill attention's time at depth 4096: stores forwarded to
 /// mismatched loads.
 pub(super) fn scores<'q, E: Lanes>(
@@ -564,19 +565,24 @@ pub(super) fn scores<'q, E: Lanes>(
     (keys, ahead): (RowSet<'_, '_, E>, &[&[E]]),
     s: &mut [f32],
 ) {
+    let most = match cpu::clamp(tier) {
+        SimdTier::Avx512 => vecops::WIDE_GROUP_ROWS,
+        _ => vecops::GROUP_ROWS,
+    };
     let mut r = 0;
     while r < n_rows {
         let out = &mut s[r * KEY_TILE..];
-        let g = match n_rows - r {
-            4 => 2,
-            left => left.min(3),
-        };
+        let g = vecops::rows_per_pass(n_rows - r, most);
         // The first pass prefetches the rows ahead; later ones find them requested.
         let k = (keys, if r == 0 { ahead } else { &[] });
+        let q = |i: usize| qrow(r + i);
         match g {
-            1 => dot_keys_with(tier, k, [qrow(r)], out, KEY_TILE),
-            2 => dot_keys_with(tier, k, [qrow(r), qrow(r + 1)], out, KEY_TILE),
-            _ => dot_keys_with(tier, k, [qrow(r), qrow(r + 1), qrow(r + 2)], out, KEY_TILE),
+            1 => dot_keys_with(tier, k, [q(0)], out, KEY_TILE),
+            2 => dot_keys_with(tier, k, [q(0), q(1)], out, KEY_TILE),
+            3 => dot_keys_with(tier, k, [q(0), q(1), q(2)], out, KEY_TILE),
+            4 => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3)], out, KEY_TILE),
+            5 => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3), q(4)], out, KEY_TILE),
+            _ => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3), q(4), q(5)], out, KEY_TILE),
         }
         r += g;
     }
