@@ -6,10 +6,12 @@
 
 pub mod dtype;
 pub mod error;
+pub mod huge;
 pub mod storage;
 pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{CoreError, Result};
+pub use huge::HugeSlice;
 pub use storage::Storage;
 pub use tensor::Tensor;

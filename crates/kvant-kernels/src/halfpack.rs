@@ -55,7 +55,7 @@ pub struct HalfMatrix {
     pairs: bool,
     /// Group `g`: `stride() × 8` values' bits; without `pairs`, weight `i`
     /// of rows `8g..8g+8` at `8i`.
-    data: Vec<u16>,
+    data: kvant_core::HugeSlice<u16>,
 }
 
 impl HalfMatrix {
@@ -110,7 +110,8 @@ impl HalfMatrix {
             cols,
             bf16,
             pairs,
-            data,
+            // On huge pages: decode streams every weight once per token.
+            data: kvant_core::HugeSlice::from_vec(data),
         }))
     }
 

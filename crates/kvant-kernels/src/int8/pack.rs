@@ -222,7 +222,7 @@ pub struct PackedMatrix {
     format: PackedFormat,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
+    data: kvant_core::HugeSlice<u8>,
 }
 
 impl PackedMatrix {
@@ -286,7 +286,8 @@ impl PackedMatrix {
             format,
             rows,
             cols,
-            data,
+            // On huge pages: decode streams every weight once per token.
+            data: kvant_core::HugeSlice::from_vec(data),
         }))
     }
 
