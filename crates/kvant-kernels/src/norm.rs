@@ -15,14 +15,19 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     debug_assert_eq!(x.len(), out.len());
     debug_assert_eq!(x.len() % dim.max(1), 0);
     pool::for_rows_mut(out, dim, &|r, out| {
-        let x = &x[r.start * dim..r.end * dim];
-        for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-            let scale = inv_rms(xr, eps);
-            for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
-                *o = v * scale * w;
-            }
-        }
+        norm_rows(&x[r.start * dim..r.end * dim], weight, eps, out)
     });
+}
+
+/// [`rms_norm`] of `x`'s rows into `out`, on the calling thread.
+fn norm_rows(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let dim = weight.len();
+    for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
+        let scale = inv_rms(xr, eps);
+        for ((o, &v), &w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = v * scale * w;
+        }
+    }
 }
 
 /// In-place variant for per-head norms (Qwen3 / Gemma 3 q/k norm): every
@@ -77,13 +82,7 @@ pub fn add_rms_norm(
         if let Some(w) = next_w {
             // SAFETY: `for_rows_mut` hands out disjoint row ranges, and
             // `out` has as many rows as `x`.
-            let out = unsafe { out.range(r.start * dim..r.end * dim) };
-            for (xr, or) in x.chunks_exact(dim).zip(out.chunks_exact_mut(dim)) {
-                let scale = inv_rms(xr, eps);
-                for ((o, &v), &w) in or.iter_mut().zip(xr).zip(w) {
-                    *o = v * scale * w;
-                }
-            }
+            norm_rows(x, w, eps, unsafe { out.range(r.start * dim..r.end * dim) });
         }
     });
 }

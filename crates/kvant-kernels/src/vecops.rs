@@ -114,14 +114,24 @@ fn weighted_rows_group_body<E: Lanes, F: Fma>(
 /// AVX2 registers; a row alone keeps 64 (8 FMA chains cover the latency).
 /// Gemma 3's 32-key value tile (32 KiB) lives in L2: the loads, not the
 /// FMAs, set the pace.
-pub(crate) const GROUP_ROWS: usize = 3;
+const GROUP_ROWS: usize = 3;
 const GROUP_COLS: usize = 32;
 const SINGLE_COLS: usize = 64;
 
 /// With AVX-512 VL's 32 vector registers: 6 × 32 lanes is 24 of them, so
 /// up to six rows (a token's heads that share a key-value head, Gemma 3's
 /// four among them) share each value-row load in one pass.
-pub(crate) const WIDE_GROUP_ROWS: usize = 6;
+const WIDE_GROUP_ROWS: usize = 6;
+
+/// Most rows `tier`'s attention kernels run in one pass (the score tile of
+/// `dot_keys` as the weighted-rows kernel here): [`WIDE_GROUP_ROWS`] where
+/// AVX-512 VL's 32 registers hold them, else [`GROUP_ROWS`].
+pub(crate) fn rows_per_tile(tier: SimdTier) -> usize {
+    match cpu::clamp(tier) {
+        SimdTier::Avx512 => WIDE_GROUP_ROWS,
+        _ => GROUP_ROWS,
+    }
+}
 
 /// Rows the next pass of a weighted-rows kernel takes, of `left`, at most
 /// `most`: two near-equal passes rather than a full one and a short one

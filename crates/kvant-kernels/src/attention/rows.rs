@@ -20,7 +20,7 @@
 
 use super::kv::{KvBlocks, KvElem};
 use super::{AttnParams, MAX_ROWS};
-use crate::cpu::{self, SimdTier};
+use crate::cpu::SimdTier;
 use crate::dot::dot_keys_with;
 use crate::lanes::{Lanes, RowSet};
 use crate::vecops;
@@ -565,10 +565,7 @@ pub(super) fn scores<'q, E: Lanes>(
     (keys, ahead): (RowSet<'_, '_, E>, &[&[E]]),
     s: &mut [f32],
 ) {
-    let most = match cpu::clamp(tier) {
-        SimdTier::Avx512 => vecops::WIDE_GROUP_ROWS,
-        _ => vecops::GROUP_ROWS,
-    };
+    let most = vecops::rows_per_tile(tier);
     let mut r = 0;
     while r < n_rows {
         let out = &mut s[r * KEY_TILE..];

@@ -225,7 +225,6 @@ pub(crate) fn offsets_ref(q: &[i8]) -> [i32; 2] {
     out
 }
 
-/// The scalar reference: one block into `q`, returning `(d, Σ q)`.
 /// Quantizes whole blocks `x` into `qs` and each block's scale, scaled
 /// sum, sum and offsets (see [`Q8Activations`]), on `tier` (clamped).
 fn quantize_blocks(
@@ -263,6 +262,7 @@ fn quantize_blocks(
     }
 }
 
+/// The scalar reference: one block into `q`, returning `(d, Σ q)`.
 pub(crate) fn quantize_block_ref(x: &[f32], q: &mut [i8]) -> (f32, i32) {
     let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
     let (d, id) = scales(amax);
