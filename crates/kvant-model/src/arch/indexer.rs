@@ -28,7 +28,7 @@ use kvant_kernels::attention::{IndexerParams, TopK};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
 use kvant_kernels::norm::layer_norm_inplace;
-use kvant_kernels::rope::{rope_inplace, RopeStyle};
+use kvant_kernels::rope::{rope_rows, RopeStyle};
 
 /// The LayerNorm epsilon of the indexer's keys (fixed in DeepSeek's code
 /// and transformers'; no config key carries it).
@@ -125,16 +125,23 @@ impl Indexer {
         // transformers scales cos and sin by YaRN's attention factor.
         let factor = cfg.rope.scaling.attention_factor();
         for sq in ctx.seqs {
-            for (i, t) in sq.rows.clone().enumerate() {
-                let pos = sq.pos0 + i + ctx.rope_offset;
-                let kt = &mut k[t * d..(t + 1) * d];
-                rope_inplace(kt, d, pos, inv_freq, RopeStyle::Neox);
-                let qt = &mut q[t * nh * d..(t + 1) * nh * d];
-                rope_inplace(qt, d, pos, inv_freq, RopeStyle::Neox);
-                if factor != 1.0 {
-                    for head in qt.chunks_exact_mut(d).chain([&mut *kt]) {
-                        head[..rope].iter_mut().for_each(|v| *v *= factor);
-                    }
+            let r = &sq.rows;
+            let (qs, ks) = (
+                &mut q[r.start * nh * d..r.end * nh * d],
+                &mut k[r.start * d..r.end * d],
+            );
+            let pos0 = sq.pos0 + ctx.rope_offset;
+            rope_rows(
+                (&mut *qs, &mut *ks),
+                r.len(),
+                d,
+                pos0,
+                inv_freq,
+                RopeStyle::Neox,
+            );
+            if factor != 1.0 {
+                for head in qs.chunks_exact_mut(d).chain(ks.chunks_exact_mut(d)) {
+                    head[..rope].iter_mut().for_each(|v| *v *= factor);
                 }
             }
         }
