@@ -12,6 +12,16 @@
 //! register-blocked GEMM micro-kernel BLIS and llamafile's tinyBLAS use).
 //! Both widenings are exact: the weights are used exactly.
 //!
+//! Groups are stored in bands (see [`band`]): a band holds weight `i` of
+//! its groups side by side (256 bytes: 16 groups, or 8 with `pairs`), then
+//! weight `i + 1`, so the one-token tile, which reads a band's groups at
+//! once, reads one contiguous stream instead of one per group. The same
+//! bytes in sixteen streams 9 KiB apart read at 23–24 GB/s on one Zen 4
+//! thread, as one stream at 35 (a probe of the two layouts, three
+//! alternated rounds, huge pages); SmolLM2's F16 copy decodes at 113.5
+//! tok/s on one thread instead of 83.5, 129.1 on two instead of 118.1 (5
+//! alternated runs, one-token prompt).
+//!
 //! Every (row, token) sum is one chain of FMAs over `i` in order, whatever
 //! the tile: the latency is covered by running several groups (and several
 //! tokens) at once, never by splitting a sum into partial chains. So a
@@ -25,6 +35,18 @@ use kvant_core::{DType, Tensor};
 
 /// Rows per interleaved group (8 f32 lanes).
 pub const GROUP: usize = 8;
+
+/// Bytes of a band's row (see the module doc): the widest one-token
+/// tile's read per weight index. Bands of 8 groups (128 bytes) decoded
+/// the F16 copy at 110.3 tok/s on one thread against 113.5 for 16.
+const BAND_BYTES: usize = 256;
+
+/// Groups per band: a tile never crosses one, so its groups share one
+/// stride.
+#[inline(always)]
+fn band(pairs: bool) -> usize {
+    BAND_BYTES / (2 * unit(pairs))
+}
 
 /// Tokens per tile. Tiles run two groups (16 rows) at once: per weight
 /// index, two converted weight registers and six broadcast activations feed
@@ -50,11 +72,15 @@ pub struct HalfMatrix {
     /// bf16 values (else f16).
     bf16: bool,
     /// bf16 stored for `vdpbf16ps` (see [`pairs`]): pair `p` of a group,
-    /// weights `2p` and `2p + 1` of its 8 rows, at `16p`, row `r`'s two in
-    /// `16p + 2r` and `16p + 2r + 1`; an odd last column pairs with 0.
+    /// weights `2p` and `2p + 1` of its 8 rows, in its unit `p` (16
+    /// values), row `r`'s two at `2r` and `2r + 1`; an odd last column
+    /// pairs with 0.
     pairs: bool,
-    /// Group `g`: `stride() × 8` values' bits; without `pairs`, weight `i`
-    /// of rows `8g..8g+8` at `8i`.
+    /// Bands of [`band`] groups (the last may hold fewer), each
+    /// `stride() × 8` values per group: a group's unit `u` (weight `i` of
+    /// its 8 rows, or pair `i` with `pairs`: [`unit`] values) lies at
+    /// `u × nb + k` units into its band, for the band's `k`-th of `nb`
+    /// groups (see [`at`]).
     data: kvant_core::HugeSlice<u16>,
 }
 
@@ -100,9 +126,9 @@ impl HalfMatrix {
         let mut data = vec![0u16; checked_mul("pack f16", groups * GROUP, stride)?];
         for (r, row) in w.bytes().chunks_exact((2 * cols).max(1)).enumerate() {
             let (g, lane) = (r / GROUP, r % GROUP);
-            let dst = &mut data[g * GROUP * stride..(g + 1) * GROUP * stride];
+            let (first, skip) = locate(groups, stride, pairs, g);
             for (i, b) in row.chunks_exact(2).enumerate() {
-                dst[at(pairs, i, lane)] = u16::from_le_bytes([b[0], b[1]]);
+                data[first + at(pairs, skip, i, lane)] = u16::from_le_bytes([b[0], b[1]]);
             }
         }
         Ok(Some(HalfMatrix {
@@ -146,19 +172,65 @@ impl HalfMatrix {
         }
     }
 
-    fn group(&self, g: usize) -> &[u16] {
-        let s = self.stride();
-        &self.data[g * GROUP * s..(g + 1) * GROUP * s]
+    /// Group `g`'s values from its first unit to its band's end, and the
+    /// band's group count (the units between two of the group's own).
+    /// Groups `g + 1 ..` of the band follow its units at once: a tile of
+    /// groups within one band reads them from here, `k·unit` values on.
+    ///
+    /// # Panics
+    /// If group `g` does not exist.
+    fn group(&self, g: usize) -> (&[u16], usize) {
+        let groups = self.rows.div_ceil(GROUP);
+        assert!(g < groups, "group {g} of {groups}");
+        let (first, skip) = locate(groups, self.stride(), self.pairs, g);
+        let band = band(self.pairs);
+        let end = (g / band * band + skip) * GROUP * self.stride();
+        (&self.data[first..end], skip)
     }
 }
 
-/// Where weight `i` of row `r` of a group lies in the group's values (see
-/// [`HalfMatrix`]'s `data` and `pairs`).
+/// The group after the last of `g`'s band of `band` groups.
 #[inline(always)]
-fn at(pairs: bool, i: usize, r: usize) -> usize {
+fn band_end(g: usize, band: usize) -> usize {
+    (g / band + 1) * band
+}
+
+/// Values per unit of a group: weight `i` of its 8 rows, or with `pairs`
+/// weights `2p` and `2p + 1` of them.
+#[inline(always)]
+fn unit(pairs: bool) -> usize {
     match pairs {
-        true => 2 * GROUP * (i / 2) + 2 * r + i % 2,
-        false => GROUP * i + r,
+        true => 2 * GROUP,
+        false => GROUP,
+    }
+}
+
+/// Where group `g`'s first unit lies in the data of `groups` groups of
+/// `stride` values per row, and how many groups share its band.
+fn locate(groups: usize, stride: usize, pairs: bool, g: usize) -> (usize, usize) {
+    let size = band(pairs);
+    let band = g / size * size;
+    let skip = (groups - band).min(size);
+    (band * GROUP * stride + (g - band) * unit(pairs), skip)
+}
+
+/// Where weight `i` of row `r` of a group lies from its first unit, in a
+/// band of `skip` groups (see [`HalfMatrix`]'s `data` and `pairs`).
+#[inline(always)]
+fn at(pairs: bool, skip: usize, i: usize, r: usize) -> usize {
+    match pairs {
+        true => 2 * GROUP * skip * (i / 2) + 2 * r + i % 2,
+        false => GROUP * skip * i + r,
+    }
+}
+
+/// Values a tile of `groups` groups from one band of `skip` reads from
+/// its first group's first unit, over `units` units each.
+#[inline(always)]
+fn span(units: usize, skip: usize, groups: usize, unit: usize) -> usize {
+    match units {
+        0 => 0,
+        _ => ((units - 1) * skip + groups) * unit,
     }
 }
 
@@ -216,14 +288,29 @@ pub fn gemm_with(
         return Ok(());
     }
     let out = DisjointSlice::new(y);
-    p.run(pool::chunks(groups, tasks, 2), &|i| {
-        let mine = pool::chunk(groups, tasks, 2, i);
+    let align = task_align(n_tokens, false);
+    p.run(pool::chunks(groups, tasks, align), &|i| {
+        let mine = pool::chunk(groups, tasks, align, i);
         match w.bf16 {
             true => task::<true>(tier, w, x, n_tokens, mine, &out),
             false => task::<false>(tier, w, x, n_tokens, mine, &out),
         }
     });
     Ok(())
+}
+
+/// Groups a task's range is a multiple of: whole bands for a one- or
+/// two-token call, whose tiles then each read one band as one stream
+/// (ranges of two groups left SmolLM2's F16 copy decoding 26% slower on two
+/// threads than the old layout: tiles reading parts of a band's rows);
+/// pairs of groups for a prompt, whose tiles are bound by arithmetic, so
+/// that the threads get equal shares (72 groups in whole bands of 16 are
+/// five ranges for two threads).
+fn task_align(n_tokens: usize, pairs: bool) -> usize {
+    match n_tokens {
+        0..=2 => band(pairs),
+        _ => 2,
+    }
 }
 
 /// Writes the `n` tokens' rows of group `g` (`v[t]`, token `t0 + t`).
@@ -285,7 +372,9 @@ fn task<const BF: bool>(
         }
         let mut g = mine.start;
         while g < mine.end {
-            if n <= QUAD_TOKENS && g + 3 < mine.end {
+            // A tile's groups share a band (and so one stride).
+            let end = mine.end.min(band_end(g, band(false)));
+            if n <= QUAD_TOKENS && g + 3 < end {
                 let mut v = [[[0f32; GROUP]; QUAD_TOKENS]; 4];
                 tile_quad::<BF>(tier, w, g, xt, n, &mut v);
                 for (dg, v) in v.iter().enumerate() {
@@ -294,7 +383,7 @@ fn task<const BF: bool>(
                 g += 4;
                 continue;
             }
-            let pair = g + 1 < mine.end;
+            let pair = g + 1 < end;
             let mut v = [[[0f32; GROUP]; TOKEN_TILE]; 2];
             let [v0, v1] = &mut v;
             if pair {
@@ -311,7 +400,7 @@ fn task<const BF: bool>(
     }
 }
 
-/// Groups `g..g + 4` against the `n` (1 or 2) tokens in `x`.
+/// Groups `g..g + 4` (of one band) against the `n` (1 or 2) tokens in `x`.
 fn tile_quad<const BF: bool>(
     tier: SimdTier,
     w: &HalfMatrix,
@@ -324,10 +413,10 @@ fn tile_quad<const BF: bool>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `tile`, for all four groups.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-            let ws = [w.group(g), w.group(g + 1), w.group(g + 2), w.group(g + 3)];
+            let wg = w.group(g);
             match n {
-                1 => avx2::tile_quad::<BF, 1>(ws, w.cols, x, out),
-                _ => avx2::tile_quad::<BF, QUAD_TOKENS>(ws, w.cols, x, out),
+                1 => avx2::tile_quad::<BF, 1>(wg, w.cols, x, out),
+                _ => avx2::tile_quad::<BF, QUAD_TOKENS>(wg, w.cols, x, out),
             }
         },
         _ => {
@@ -338,7 +427,7 @@ fn tile_quad<const BF: bool>(
     }
 }
 
-/// Groups `g` and `g + 1` against the 1..=6 tokens in `x`.
+/// Groups `g` and `g + 1` (of one band) against the 1..=6 tokens in `x`.
 fn tile_pair<const BF: bool>(
     tier: SimdTier,
     w: &HalfMatrix,
@@ -351,14 +440,14 @@ fn tile_pair<const BF: bool>(
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in `tile`, for both groups.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-            let (a, b) = (w.group(g), w.group(g + 1));
+            let wg = w.group(g);
             match out0.len() {
-                1 => avx2::tile_pair::<BF, 1>(a, b, w.cols, x, out0, out1),
-                2 => avx2::tile_pair::<BF, 2>(a, b, w.cols, x, out0, out1),
-                3 => avx2::tile_pair::<BF, 3>(a, b, w.cols, x, out0, out1),
-                4 => avx2::tile_pair::<BF, 4>(a, b, w.cols, x, out0, out1),
-                5 => avx2::tile_pair::<BF, 5>(a, b, w.cols, x, out0, out1),
-                _ => avx2::tile_pair::<BF, TOKEN_TILE>(a, b, w.cols, x, out0, out1),
+                1 => avx2::tile_pair::<BF, 1>(wg, w.cols, x, out0, out1),
+                2 => avx2::tile_pair::<BF, 2>(wg, w.cols, x, out0, out1),
+                3 => avx2::tile_pair::<BF, 3>(wg, w.cols, x, out0, out1),
+                4 => avx2::tile_pair::<BF, 4>(wg, w.cols, x, out0, out1),
+                5 => avx2::tile_pair::<BF, 5>(wg, w.cols, x, out0, out1),
+                _ => avx2::tile_pair::<BF, TOKEN_TILE>(wg, w.cols, x, out0, out1),
             }
         },
         _ => {
@@ -380,7 +469,7 @@ fn tile<const BF: bool>(
     match tier {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU); `wg`
-        // holds `cols × 8` values and `x` `out.len() × cols`.
+        // holds the group's `cols` units and `x` `out.len() × cols`.
         SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
             match out.len() {
                 1 => avx2::tile::<BF, 1>(wg, w.cols, x, out),
@@ -401,12 +490,16 @@ fn tile<const BF: bool>(
 
 /// The scalar kernel (on either layout, with exact activations): per
 /// lane, one chain of FMAs over `i` in order, as the f32-activation SIMD
-/// kernels compute it.
-fn group_dot_ref<const BF: bool>(wg: &[u16], pairs: bool, x: &[f32]) -> [f32; GROUP] {
+/// kernels compute it. `(wg, skip)` as [`HalfMatrix::group`] gives them.
+fn group_dot_ref<const BF: bool>(
+    (wg, skip): (&[u16], usize),
+    pairs: bool,
+    x: &[f32],
+) -> [f32; GROUP] {
     let mut acc = [0f32; GROUP];
     for (i, &xv) in x.iter().enumerate() {
         for (r, a) in acc.iter_mut().enumerate() {
-            *a = widen::<BF>(wg[at(pairs, i, r)]).mul_add(xv, *a);
+            *a = widen::<BF>(wg[at(pairs, skip, i, r)]).mul_add(xv, *a);
         }
     }
     acc
@@ -414,7 +507,7 @@ fn group_dot_ref<const BF: bool>(wg: &[u16], pairs: bool, x: &[f32]) -> [f32; GR
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::GROUP;
+    use super::{span, GROUP};
     use std::arch::x86_64::*;
 
     /// Weight `i` of 8 rows, `v` holding their bits, as f32 (bf16 when `BF`).
@@ -427,21 +520,23 @@ mod avx2 {
     }
 
     /// # Safety
-    /// The CPU supports AVX2, FMA and F16C; `wg` holds `cols × 8` values,
-    /// `x` `T × cols` and `out` `T` rows.
+    /// The CPU supports AVX2, FMA and F16C; `wg` holds a group's `cols`
+    /// units `skip` apart (as `HalfMatrix::group` gives), `x` `T × cols`
+    /// and `out` `T` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile<const BF: bool, const T: usize>(
-        wg: &[u16],
+        (wg, skip): (&[u16], usize),
         cols: usize,
         x: &[f32],
         out: &mut [[f32; GROUP]],
     ) {
-        assert!(wg.len() >= cols * GROUP && x.len() >= T * cols && out.len() >= T);
+        assert!(wg.len() >= span(cols, skip, 1, GROUP));
+        assert!(x.len() >= T * cols && out.len() >= T);
         let (wp, xp) = (wg.as_ptr() as *const __m128i, x.as_ptr());
         let mut acc = [_mm256_setzero_ps(); T];
         for i in 0..cols {
             // SAFETY: `i < cols`, in range of both (asserted).
-            let w = widen8::<BF>(unsafe { _mm_loadu_si128(wp.add(i)) });
+            let w = widen8::<BF>(unsafe { _mm_loadu_si128(wp.add(i * skip)) });
             for (t, a) in acc.iter_mut().enumerate() {
                 let xv = _mm256_set1_ps(unsafe { *xp.add(t * cols + i) });
                 *a = _mm256_fmadd_ps(w, xv, *a);
@@ -457,22 +552,18 @@ mod avx2 {
     /// chains, each the chain [`tile`] computes.
     ///
     /// # Safety
-    /// As for [`tile`], for every group in `ws`; `T <= 2`.
+    /// As for [`tile`], for the four groups from `wg`'s (of one band);
+    /// `T <= 2`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile_quad<const BF: bool, const T: usize>(
-        ws: [&[u16]; 4],
+        (wg, skip): (&[u16], usize),
         cols: usize,
         x: &[f32],
         out: &mut [[[f32; GROUP]; super::QUAD_TOKENS]; 4],
     ) {
-        assert!(ws.iter().all(|w| w.len() >= cols * GROUP));
+        assert!(wg.len() >= span(cols, skip, 4, GROUP));
         assert!(T <= super::QUAD_TOKENS && x.len() >= T * cols);
-        let ps = [
-            ws[0].as_ptr() as *const __m128i,
-            ws[1].as_ptr() as *const __m128i,
-            ws[2].as_ptr() as *const __m128i,
-            ws[3].as_ptr() as *const __m128i,
-        ];
+        let wp = wg.as_ptr() as *const __m128i;
         let xp = x.as_ptr();
         // acc[t][k]: token t, group k.
         let mut acc = [[_mm256_setzero_ps(); 4]; T];
@@ -480,11 +571,12 @@ mod avx2 {
             // SAFETY: `i < cols`, in range of every group (asserted). No
             // closure: it would not inherit this function's features.
             let v = unsafe {
+                let p = wp.add(i * skip);
                 [
-                    widen8::<BF>(_mm_loadu_si128(ps[0].add(i))),
-                    widen8::<BF>(_mm_loadu_si128(ps[1].add(i))),
-                    widen8::<BF>(_mm_loadu_si128(ps[2].add(i))),
-                    widen8::<BF>(_mm_loadu_si128(ps[3].add(i))),
+                    widen8::<BF>(_mm_loadu_si128(p)),
+                    widen8::<BF>(_mm_loadu_si128(p.add(1))),
+                    widen8::<BF>(_mm_loadu_si128(p.add(2))),
+                    widen8::<BF>(_mm_loadu_si128(p.add(3))),
                 ]
             };
             for (t, at) in acc.iter_mut().enumerate() {
@@ -506,31 +598,27 @@ mod avx2 {
     /// two converted registers and `T` broadcasts feed `2T` FMAs.
     ///
     /// # Safety
-    /// As for [`tile`], for both `wa` and `wb`.
+    /// As for [`tile`], for the two groups from `wg`'s (of one band).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile_pair<const BF: bool, const T: usize>(
-        wa: &[u16],
-        wb: &[u16],
+        (wg, skip): (&[u16], usize),
         cols: usize,
         x: &[f32],
         oa: &mut [[f32; GROUP]],
         ob: &mut [[f32; GROUP]],
     ) {
-        assert!(wa.len() >= cols * GROUP && wb.len() >= cols * GROUP);
+        assert!(wg.len() >= span(cols, skip, 2, GROUP));
         assert!(x.len() >= T * cols && oa.len() >= T && ob.len() >= T);
-        let (pa, pb, xp) = (
-            wa.as_ptr() as *const __m128i,
-            wb.as_ptr() as *const __m128i,
-            x.as_ptr(),
-        );
+        let (wp, xp) = (wg.as_ptr() as *const __m128i, x.as_ptr());
         let mut aa = [_mm256_setzero_ps(); T];
         let mut ab = [_mm256_setzero_ps(); T];
         for i in 0..cols {
-            // SAFETY: `i < cols`, in range of all three (asserted).
+            // SAFETY: `i < cols`, in range of both (asserted).
             let (va, vb) = unsafe {
+                let p = wp.add(i * skip);
                 (
-                    widen8::<BF>(_mm_loadu_si128(pa.add(i))),
-                    widen8::<BF>(_mm_loadu_si128(pb.add(i))),
+                    widen8::<BF>(_mm_loadu_si128(p)),
+                    widen8::<BF>(_mm_loadu_si128(p.add(1))),
                 )
             };
             for t in 0..T {
@@ -552,16 +640,22 @@ mod avx2 {
 /// of [`tile`], so every tier, tile and batch gives the same bits.
 ///
 /// Eight registers per token keep eight chains in flight, with half the
-/// conversions and FMAs per weight of the AVX2 quad tile, and read sixteen
-/// groups side by side: SmolLM2's F16 copy decodes at 60–62 tok/s on one
-/// Zen 4 thread against 53 with the AVX2 tiles, with four registers; eight
-/// took it from 62.3 to 67.3 tok/s on one thread and 107 to 117 on two (5
-/// alternated runs: more reads in flight from DRAM), and twelve fell to
-/// 47.5. Prefill stays on the AVX2
-/// tiles: it is bound by FMA throughput, which 512-bit FMAs do not raise
-/// on Zen 4 (57 G lane-FMAs/s either way, timed on twelve independent FMA
-/// chains), and the inserts that pair two groups cost more than the fewer
-/// broadcasts save (12 tokens × 32 rows: 378 against 400 tok/s at pp512).
+/// conversions and FMAs per weight of the AVX2 quad tile, and read a whole
+/// band (sixteen groups, 256 bytes per weight index) as one stream: with
+/// the groups one after another, eight registers read sixteen streams and
+/// decoded SmolLM2's F16 copy at 67–72 tok/s on one Zen 4 thread, the band
+/// at 110–114 (see the module doc). Two groups' units sit side by side in
+/// the band, so one 32-byte load fills a register's two halves.
+///
+/// Prefill stays on the AVX2 tiles: it is bound by FMA throughput, which
+/// 512-bit FMAs do not raise on Zen 4 (57 G lane-FMAs/s either way, timed
+/// on twelve independent FMA chains). A six-token tile of four registers
+/// per token on the band layout ran pp512 as fast as the AVX2 tiles on
+/// one thread (434.5 against 432.6 tok/s before the bands) but at 652
+/// against 792 on two, for reasons not found. The AVX2 tiles read 32 of a
+/// band row's 256 bytes per weight index and pay for the layout: pp512
+/// 374.7 against 408.8 tok/s on one thread (7 alternated runs), the price
+/// of the decode speed above.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{HalfMatrix, GROUP};
@@ -591,7 +685,8 @@ mod avx512 {
     ) {
         let mut g = mine.start;
         while g < mine.end {
-            let z = match (mine.end - g) / 2 {
+            // A tile's groups share a band: its 16-byte units side by side.
+            let z = match (mine.end.min(super::band_end(g, super::band(false))) - g) / 2 {
                 0 => {
                     // One group left: the AVX2 tile.
                     let mut v = [[0f32; GROUP]; TOKENS];
@@ -606,8 +701,9 @@ mod avx512 {
                 _ => WIDTH,
             };
             let mut v = [[0f32; 2 * GROUP]; WIDTH * TOKENS];
-            // SAFETY: groups `g..g + 2z` exist (`2z <= mine.end - g`), `x`
-            // holds `n` tokens and `v` `WIDTH·TOKENS >= z·n` results.
+            // SAFETY: groups `g..g + 2z` exist and share a band (`2z` at
+            // most what is left of it), `x` holds `n` tokens and `v`
+            // `WIDTH·TOKENS >= z·n` results.
             unsafe {
                 match (z, n) {
                     (1, 1) => tile::<BF, 1, 1>(w, g, x, &mut v),
@@ -625,8 +721,9 @@ mod avx512 {
         }
     }
 
-    /// Groups `g..g + 2Z` against the `T` tokens in `x`: per weight index
-    /// `Z` converted registers and `T` broadcasts feed `Z·T` FMAs;
+    /// Groups `g..g + 2Z` (of one band) against the `T` tokens in `x`: per
+    /// weight index `Z` converted registers (each two groups' adjacent
+    /// units, one 32-byte load) and `T` broadcasts feed `Z·T` FMAs;
     /// `out[t·Z + k]` gets token `t`'s rows of groups `g + 2k` (lanes 0..8)
     /// and `g + 2k + 1` (lanes 8..16).
     ///
@@ -641,23 +738,20 @@ mod avx512 {
     ) {
         let cols = w.cols;
         assert!(x.len() >= T * cols && out.len() >= Z * T);
-        // `group` panics unless groups `g..g + 2Z` exist.
-        let mut ps = [[std::ptr::null::<__m128i>(); 2]; Z];
-        for (k, p) in ps.iter_mut().enumerate() {
-            *p = [
-                w.group(g + 2 * k).as_ptr() as *const __m128i,
-                w.group(g + 2 * k + 1).as_ptr() as *const __m128i,
-            ];
-        }
+        // `group` panics unless group `g` exists; the span, that the band
+        // holds the tile's other groups.
+        let (wg, skip) = w.group(g);
+        assert!(wg.len() >= super::span(cols, skip, 2 * Z, GROUP));
+        let wp = wg.as_ptr() as *const __m128i;
         let xp = x.as_ptr();
         let mut acc = [[_mm512_setzero_ps(); Z]; T];
         for i in 0..cols {
             let mut v = [_mm512_setzero_ps(); Z];
-            for (v, p) in v.iter_mut().zip(&ps) {
-                // SAFETY: `i < cols` and every group holds `cols × 8` values.
-                let (lo, hi) =
-                    unsafe { (_mm_loadu_si128(p[0].add(i)), _mm_loadu_si128(p[1].add(i))) };
-                let both = _mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi);
+            for (k, v) in v.iter_mut().enumerate() {
+                // SAFETY: units `i·skip + 2k` and the next are inside the
+                // span asserted above (`i < cols`, `2k + 1 < 2Z`).
+                let both =
+                    unsafe { _mm256_loadu_si256(wp.add(i * skip + 2 * k) as *const __m256i) };
                 *v = match BF {
                     true => {
                         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(both)))
@@ -742,8 +836,9 @@ mod pairs {
             avx512::round_pairs(x, n, w.cols, &mut xb)
         };
         #[cfg(target_arch = "x86_64")]
-        p.run(pool::chunks(groups, tasks, 2), &|i| {
-            let mine = pool::chunk(groups, tasks, 2, i);
+        let align = super::task_align(n, true);
+        p.run(pool::chunks(groups, tasks, align), &|i| {
+            let mine = pool::chunk(groups, tasks, align, i);
             // SAFETY: `available` checked AVX-512 BF16 (and the tier's
             // F/BW/VL); `xb` holds `n` tokens' pairs.
             unsafe { avx512::task(w, &xb, n, mine, &out) };
@@ -753,7 +848,7 @@ mod pairs {
 
     #[cfg(target_arch = "x86_64")]
     mod avx512 {
-        use super::super::{store_wide, HalfMatrix, GROUP};
+        use super::super::{span, store_wide, HalfMatrix, GROUP};
         use crate::pool::DisjointSlice;
         use std::arch::x86_64::*;
 
@@ -829,7 +924,11 @@ mod pairs {
                 let widest = if m <= DECODE { 4 } else { 2 };
                 let mut g = mine.start;
                 while g < mine.end {
-                    let left = mine.end - g;
+                    // A tile's groups share a band.
+                    let left = mine
+                        .end
+                        .min(super::super::band_end(g, super::super::band(true)))
+                        - g;
                     // Registers this tile runs, and whether its one register
                     // holds a single group (twice: the upper lanes are dropped).
                     let (z, single) = match left / 2 {
@@ -901,29 +1000,27 @@ mod pairs {
         ) {
             let half = w.cols.div_ceil(2);
             assert!(x.len() >= T * half && out.len() >= Z * T);
-            // `group` panics unless the groups exist.
-            let mut ps = [[std::ptr::null::<__m256i>(); 2]; Z];
-            for (k, p) in ps.iter_mut().enumerate() {
-                let b = if single { g } else { g + 2 * k + 1 };
-                *p = [
-                    w.group(g + 2 * k).as_ptr() as *const __m256i,
-                    w.group(b).as_ptr() as *const __m256i,
-                ];
-            }
+            // `group` panics unless group `g` exists; the span, that the
+            // band holds the tile's other groups.
+            let (wg, skip) = w.group(g);
+            let groups = if single { 1 } else { 2 * Z };
+            assert!(wg.len() >= span(half, skip, groups, 2 * GROUP));
+            let wp = wg.as_ptr() as *const __m256i;
             let xp = x.as_ptr() as *const i32;
             let mut acc = [[_mm512_setzero_ps(); Z]; T];
             for i in 0..half {
                 let mut v = [_mm512_setzero_si512(); Z];
-                for (v, p) in v.iter_mut().zip(&ps) {
-                    // SAFETY: pair `i < half`; each group holds `half`
-                    // pairs of 8 rows (32 bytes each).
-                    let (lo, hi) = unsafe {
-                        (
-                            _mm256_loadu_si256(p[0].add(i)),
-                            _mm256_loadu_si256(p[1].add(i)),
-                        )
+                for (k, v) in v.iter_mut().enumerate() {
+                    // SAFETY: pair `i < half`: units `i·skip + 2k` and
+                    // (unless `single`) the next are inside the span
+                    // asserted above, 32 bytes each.
+                    *v = unsafe {
+                        let p = wp.add(i * skip + 2 * k);
+                        match single {
+                            true => _mm512_broadcast_i64x4(_mm256_loadu_si256(p)),
+                            false => _mm512_loadu_si512(p as *const __m512i),
+                        }
                     };
-                    *v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                 }
                 for (t, at) in acc.iter_mut().enumerate() {
                     // SAFETY: `t < T`, `i < half`: inside `x` (asserted).

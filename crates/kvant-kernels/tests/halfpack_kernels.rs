@@ -33,8 +33,12 @@ fn every_tier_matches(dtype: DType) {
         (70, 200),
         (200, 77),
         (130, 300),
-        // 38 groups: the AVX-512 decode tile's widest (16 groups) runs.
+        // 38 groups: the AVX-512 decode tile's widest (16 groups) runs;
+        // bands of 16, 16 and 6 groups.
         (300, 33),
+        // Two full bands and one of a single group; four and one.
+        (264, 45),
+        (520, 17),
     ] {
         let w: Vec<f32> = (0..rows * cols)
             .map(|_| rng.random_range(-1.0..1.0))
@@ -123,7 +127,14 @@ fn half_weights_are_packed_for_every_linear_layer() {
 #[test]
 fn bf16_pairs_round_only_the_activations_and_are_batch_invariant() {
     let mut rng = ChaCha8Rng::seed_from_u64(22);
-    for &(rows, cols) in &[(1usize, 1usize), (9, 7), (33, 576), (130, 301), (200, 64)] {
+    for &(rows, cols) in &[
+        (1usize, 1usize),
+        (9, 7),
+        (33, 576),
+        (130, 301),
+        (200, 64),
+        (264, 45),
+    ] {
         let w: Vec<half::bf16> = (0..rows * cols)
             .map(|_| half::bf16::from_f32(rng.random_range(-1.0..1.0)))
             .collect();
