@@ -643,8 +643,8 @@ mod avx2 {
 /// conversions and FMAs per weight of the AVX2 quad tile, and read a whole
 /// band (sixteen groups, 256 bytes per weight index) as one stream: with
 /// the groups one after another, eight registers read sixteen streams and
-/// decoded SmolLM2's F16 copy at 67–72 tok/s on one Zen 4 thread, the band
-/// at 110–114 (see the module doc). Two groups' units sit side by side in
+/// decoded SmolLM2's F16 copy at 83.5 tok/s on one Zen 4 thread, the band
+/// at 113.5 (see the module doc). Two groups' units sit side by side in
 /// the band, so one 32-byte load fills a register's two halves.
 ///
 /// Prefill stays on the AVX2 tiles: it is bound by FMA throughput, which
