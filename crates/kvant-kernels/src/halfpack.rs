@@ -17,7 +17,7 @@
 //! weight `i + 1`, so the one-token tile, which reads a band's groups at
 //! once, reads one contiguous stream instead of one per group. The same
 //! bytes in sixteen streams 9 KiB apart read at 23–24 GB/s on one Zen 4
-//! thread, as one stream at 35 (a probe of the two layouts, three
+//! thread, as one stream at 32–35 (`tools/bench/streams.c`: three
 //! alternated rounds, huge pages); SmolLM2's F16 copy decodes at 113.5
 //! tok/s on one thread instead of 83.5, 129.1 on two instead of 118.1 (5
 //! alternated runs, one-token prompt).
