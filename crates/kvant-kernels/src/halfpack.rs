@@ -183,16 +183,17 @@ impl HalfMatrix {
         let groups = self.rows.div_ceil(GROUP);
         assert!(g < groups, "group {g} of {groups}");
         let (first, skip) = locate(groups, self.stride(), self.pairs, g);
-        let band = band(self.pairs);
-        let end = (g / band * band + skip) * GROUP * self.stride();
+        let end = self.band_end(g).min(groups) * GROUP * self.stride();
         (&self.data[first..end], skip)
     }
-}
 
-/// The group after the last of `g`'s band of `band` groups.
-#[inline(always)]
-fn band_end(g: usize, band: usize) -> usize {
-    (g / band + 1) * band
+    /// The group after the last of `g`'s band (past the last group for
+    /// the last band): a tile from `g` stops before it.
+    #[inline(always)]
+    fn band_end(&self, g: usize) -> usize {
+        let band = band(self.pairs);
+        (g / band + 1) * band
+    }
 }
 
 /// Values per unit of a group: weight `i` of its 8 rows, or with `pairs`
@@ -288,7 +289,7 @@ pub fn gemm_with(
         return Ok(());
     }
     let out = DisjointSlice::new(y);
-    let align = task_align(n_tokens, false);
+    let align = task_align(w, n_tokens);
     p.run(pool::chunks(groups, tasks, align), &|i| {
         let mine = pool::chunk(groups, tasks, align, i);
         match w.bf16 {
@@ -306,9 +307,9 @@ pub fn gemm_with(
 /// pairs of groups for a prompt, whose tiles are bound by arithmetic, so
 /// that the threads get equal shares (72 groups in whole bands of 16 are
 /// five ranges for two threads).
-fn task_align(n_tokens: usize, pairs: bool) -> usize {
+fn task_align(w: &HalfMatrix, n_tokens: usize) -> usize {
     match n_tokens {
-        0..=2 => band(pairs),
+        0..=2 => band(w.pairs),
         _ => 2,
     }
 }
@@ -373,7 +374,7 @@ fn task<const BF: bool>(
         let mut g = mine.start;
         while g < mine.end {
             // A tile's groups share a band (and so one stride).
-            let end = mine.end.min(band_end(g, band(false)));
+            let end = mine.end.min(w.band_end(g));
             if n <= QUAD_TOKENS && g + 3 < end {
                 let mut v = [[[0f32; GROUP]; QUAD_TOKENS]; 4];
                 tile_quad::<BF>(tier, w, g, xt, n, &mut v);
@@ -686,7 +687,7 @@ mod avx512 {
         let mut g = mine.start;
         while g < mine.end {
             // A tile's groups share a band: its 16-byte units side by side.
-            let z = match (mine.end.min(super::band_end(g, super::band(false))) - g) / 2 {
+            let z = match (mine.end.min(w.band_end(g)) - g) / 2 {
                 0 => {
                     // One group left: the AVX2 tile.
                     let mut v = [[0f32; GROUP]; TOKENS];
@@ -836,13 +837,15 @@ mod pairs {
             avx512::round_pairs(x, n, w.cols, &mut xb)
         };
         #[cfg(target_arch = "x86_64")]
-        let align = super::task_align(n, true);
-        p.run(pool::chunks(groups, tasks, align), &|i| {
-            let mine = pool::chunk(groups, tasks, align, i);
-            // SAFETY: `available` checked AVX-512 BF16 (and the tier's
-            // F/BW/VL); `xb` holds `n` tokens' pairs.
-            unsafe { avx512::task(w, &xb, n, mine, &out) };
-        });
+        {
+            let align = super::task_align(w, n);
+            p.run(pool::chunks(groups, tasks, align), &|i| {
+                let mine = pool::chunk(groups, tasks, align, i);
+                // SAFETY: `available` checked AVX-512 BF16 (and the tier's
+                // F/BW/VL); `xb` holds `n` tokens' pairs.
+                unsafe { avx512::task(w, &xb, n, mine, &out) };
+            });
+        }
         PAIRS.with(|b| b.replace(xb));
     }
 
@@ -925,10 +928,7 @@ mod pairs {
                 let mut g = mine.start;
                 while g < mine.end {
                     // A tile's groups share a band.
-                    let left = mine
-                        .end
-                        .min(super::super::band_end(g, super::super::band(true)))
-                        - g;
+                    let left = mine.end.min(w.band_end(g)) - g;
                     // Registers this tile runs, and whether its one register
                     // holds a single group (twice: the upper lanes are dropped).
                     let (z, single) = match left / 2 {
