@@ -67,6 +67,10 @@ struct Shared {
     /// Parking: a worker waits here once it has spun for `spin`.
     sleep: Mutex<()>,
     wake: Condvar,
+    /// Workers parked (or about to park) on `wake`: a job notifies only
+    /// when some are, so a decode step's jobs, whose workers all spin,
+    /// skip the lock and the futex call (see [`ThreadPool::run`]).
+    parked: AtomicUsize,
 }
 
 // SAFETY: `job` is written only by the submitting thread while it holds the
@@ -110,6 +114,7 @@ impl ThreadPool {
             spin: AtomicU64::new(SPIN.as_nanos() as u64),
             sleep: Mutex::new(()),
             wake: Condvar::new(),
+            parked: AtomicUsize::new(0),
         });
         ThreadPool {
             shared,
@@ -197,9 +202,13 @@ impl ThreadPool {
         s.panicked.store(false, Relaxed);
         s.open.store(true, SeqCst);
         s.generation.fetch_add(1, SeqCst);
-        {
-            // Wake parked workers; taking the lock orders this notify after
-            // a parking worker's last check of `generation`.
+        // Wake parked workers, if any: a worker counts itself in `parked`
+        // before its last check of `generation` (both SeqCst, as the bump
+        // above and this load), so either it sees the new job or this sees
+        // it parking; taking the lock orders the notify after that check.
+        // Notifying unconditionally cost every job a futex system call on
+        // the caller's critical path, workers spinning or not.
+        if s.parked.load(SeqCst) > 0 {
             let _l = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
             s.wake.notify_all();
         }
@@ -321,13 +330,16 @@ fn wait_for_job(s: &Shared, seen: u64) -> u64 {
         if spins.is_multiple_of(1024) && start.elapsed() > limit {
             s.spin.store(MIN_SPIN.as_nanos() as u64, Relaxed);
             let mut l = s.sleep.lock().unwrap_or_else(|p| p.into_inner());
-            loop {
+            s.parked.fetch_add(1, SeqCst);
+            let g = loop {
                 let g = s.generation.load(SeqCst);
                 if g != seen {
-                    return g;
+                    break g;
                 }
                 l = s.wake.wait(l).unwrap_or_else(|p| p.into_inner());
-            }
+            };
+            s.parked.fetch_sub(1, SeqCst);
+            return g;
         }
     }
 }
