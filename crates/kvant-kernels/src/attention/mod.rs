@@ -134,8 +134,11 @@ struct Widened {
 }
 
 /// Runs an item over one partition into `state.part`, reading the
-/// partition's keys from the [`Widened`] buffer when given.
-type RunPartition<'a> = dyn Fn(&Planned, usize, &mut State, Option<&Widened>) + Sync + 'a;
+/// partition's keys from the [`Widened`] buffer when given. The partition
+/// comes with the one the same thread runs next for the same item, if
+/// any, whose first tile is prefetched while the last one runs.
+type RunPartition<'a> =
+    dyn Fn(&Planned, (usize, Option<usize>), &mut State, Option<&Widened>) + Sync + 'a;
 
 /// Widens partition `part` of KV head `kvh` of sequence `seq` into a [`Widened`].
 type Widen<'a> = dyn Fn(usize, usize, usize, &mut Widened) + Sync + 'a;
@@ -294,7 +297,7 @@ pub fn attention_with<T: KvElem>(
         execute(
             (plan, tasks, off),
             (p.n_heads, vd),
-            &|pl, part, st, w| {
+            &|pl, (part, next), st, w| {
                 let tiles = match w {
                     Some(w) => Tiles::Widened {
                         at: w.at,
@@ -303,7 +306,14 @@ pub fn attention_with<T: KvElem>(
                     },
                     None => Tiles::Cache,
                 };
-                rows::run_partition(tier, p, &operands(pl.seq), &pl.item, (part, tiles), st)
+                rows::run_partition(
+                    tier,
+                    p,
+                    &operands(pl.seq),
+                    &pl.item,
+                    (part, next, tiles),
+                    st,
+                )
             },
             Some(&widen),
             &rows_of,
@@ -368,7 +378,8 @@ fn execute(
                         for pl in sweep.items().map(|i| &plan[i]) {
                             m.reset(pl.item.rows(), vd);
                             for part in pl.parts.0..pl.parts.1 {
-                                run(pl, part, st, None);
+                                let next = (part + 1 < pl.parts.1).then_some(part + 1);
+                                run(pl, (part, next), st, None);
                                 fold_rows(m, &st.part, vd);
                             }
                             finish(pl, m);
@@ -408,7 +419,7 @@ fn execute(
             let mine = unsafe { shared.range(at..at + (b - a) * stride) };
             STATE.with_borrow_mut(|st| {
                 for (part, dst) in (a..b).zip(mine.chunks_exact_mut(stride)) {
-                    run(pl, part, st, None);
+                    run(pl, (part, (part + 1 < b).then_some(part + 1)), st, None);
                     dst[..rows].copy_from_slice(&st.part.m);
                     dst[rows..2 * rows].copy_from_slice(&st.part.l);
                     dst[2 * rows..].copy_from_slice(&st.part.acc);
@@ -527,7 +538,7 @@ fn run_sweep(
                 widen(seq, kvh, part, w);
                 for (m, i) in states.iter_mut().zip(sweep.items()) {
                     if sees(&i) {
-                        run(&plan[i], part, st, Some(w));
+                        run(&plan[i], (part, None), st, Some(w));
                         fold_rows(m, &st.part, vd);
                     }
                 }

@@ -73,6 +73,18 @@ impl<T> SeqOperands<'_, T> {
         p.key_range(self.pos0 + it.row(r).0)
     }
 
+    /// The keys some row of `it` sees in partition `part` (empty if none).
+    fn partition_keys(&self, p: &AttnParams, it: &Item, part: usize) -> Range<usize> {
+        let keys = part * PARTITION..(part + 1) * PARTITION;
+        let row = |r: usize| {
+            let kr = self.row_keys(p, it, r);
+            kr.start.max(keys.start)..kr.end.min(keys.end)
+        };
+        let lo = (0..it.rows()).map(|r| row(r).start).min().unwrap_or(0);
+        let hi = (0..it.rows()).map(|r| row(r).end).max().unwrap_or(0);
+        lo..hi
+    }
+
     /// The partitions that hold keys some row of `it` sees.
     pub fn partitions(&self, p: &AttnParams, it: &Item) -> Range<usize> {
         let lo = (0..it.rows())
@@ -231,13 +243,14 @@ const STORED_ROWS: usize = 4;
 /// (each tile's `Keys`), leaving the state in `st.part` (which the caller
 /// has reset): for items of at most [`STORED_ROWS`] rows (decode) f32,
 /// f16 and bf16 rows as stored, else (and for the block types) widened
-/// tile by tile into `st.kt` and `st.vt`.
+/// tile by tile into `st.kt` and `st.vt`. `then`: the tile the caller
+/// runs next (the next partition's first), prefetched during the last.
 pub(super) fn run_cached<'k, T: KvElem>(
     tier: SimdTier,
     p: &AttnParams,
     rows: &Rows<'_, '_>,
     (kv, table, kvh): (&KvBlocks<'_, T>, &[u32], usize),
-    tiles: impl Iterator<Item = Keys<'k>>,
+    (tiles, then): (impl Iterator<Item = Keys<'k>>, Option<Keys<'k>>),
     st: &mut State,
 ) {
     let (hd, vd) = (p.head_dim, p.v_dim);
@@ -253,7 +266,7 @@ pub(super) fn run_cached<'k, T: KvElem>(
     macro_rules! as_stored {
         ($($e:ty),*) => {$(
             if let Some(kv) = kv.cast::<$e>() {
-                return run_stored(tier, p, rows, (&kv, table, kvh), tiles, &mut state);
+                return run_stored(tier, p, rows, (&kv, table, kvh), (tiles, then), &mut state);
             }
         )*};
     }
@@ -264,6 +277,7 @@ pub(super) fn run_cached<'k, T: KvElem>(
     if !latent {
         vt.resize(KEY_TILE * vd, 0.0);
     }
+    let _ = then; // widened tile by tile: nothing read ahead
     for keys in tiles {
         let tk = keys.len();
         match keys {
@@ -279,13 +293,17 @@ pub(super) fn run_cached<'k, T: KvElem>(
 
 /// [`run_cached`] for a cache whose units are values (f32, f16, bf16):
 /// each tile's rows are read as stored, while the next tile's are
-/// prefetched into L2 (see [`run_tile`]).
+/// prefetched into L2 (see [`run_tile`]), the last tile prefetching
+/// `then`'s. A decode step runs its partitions one after another, and
+/// without `then` the first tile of each (one in four) started cold:
+/// SmolLM2 Q8_0 decoding after 2048 positions read its cache at about 7
+/// GB/s against 12 in L2.
 fn run_stored<'k, E: KvElem + Lanes>(
     tier: SimdTier,
     p: &AttnParams,
     rows: &Rows<'_, '_>,
     (kv, table, kvh): (&KvBlocks<'_, E>, &[u32], usize),
-    tiles: impl Iterator<Item = Keys<'k>>,
+    (tiles, then): (impl Iterator<Item = Keys<'k>>, Option<Keys<'k>>),
     state: &mut (&mut Partial, &mut [f32], &mut Vec<usize>),
 ) {
     let dims = (p.head_dim, p.v_dim);
@@ -296,7 +314,7 @@ fn run_stored<'k, E: KvElem + Lanes>(
     }
     let mut cur = 0;
     while let Some(keys) = tiles.next() {
-        let next = tiles.peek().copied();
+        let next = tiles.peek().copied().or(then);
         if let Some(next) = next {
             stored_rows(
                 kv,
@@ -353,7 +371,7 @@ pub(super) fn run_partition<T: KvElem>(
     p: &AttnParams,
     seq: &SeqOperands<'_, T>,
     it: &Item,
-    (part, tiles): (usize, Tiles<'_>),
+    (part, next, tiles): (usize, Option<usize>, Tiles<'_>),
     st: &mut State,
 ) {
     let (hd, vd) = (p.head_dim, p.v_dim);
@@ -393,7 +411,25 @@ pub(super) fn run_partition<T: KvElem>(
         }
         Tiles::Cache => {
             let tiles = runs.map(|(j0, len)| Keys::Run { j0, len });
-            run_cached(tier, p, &rows, (seq.kv, seq.table, it.kvh), tiles, st);
+            // The next partition's first tile, as its own call will cut it.
+            let then = next
+                .map(|np| seq.partition_keys(p, it, np))
+                .filter(|k| !k.is_empty())
+                .map(|k| {
+                    let j0 = k.start / KEY_TILE * KEY_TILE;
+                    Keys::Run {
+                        j0,
+                        len: KEY_TILE.min(k.end - j0),
+                    }
+                });
+            run_cached(
+                tier,
+                p,
+                &rows,
+                (seq.kv, seq.table, it.kvh),
+                (tiles, then),
+                st,
+            );
         }
     }
 }

@@ -127,7 +127,7 @@ pub fn sparse_attention_with<T: KvElem>(
         }
         let out = DisjointSlice::new(out);
         let rows_of = |seq: usize| seqs[seq].rows.start;
-        let run = |pl: &Planned, part: usize, st: &mut State, _: Option<&_>| {
+        let run = |pl: &Planned, (part, _): (usize, _), st: &mut State, _: Option<&_>| {
             let s = &seqs[pl.seq];
             let row = s.rows.start + pl.item.t0;
             let picked = sel.get(row).unwrap_or(&[]);
@@ -172,7 +172,7 @@ fn run_partition<T: KvElem>(
     st.part.reset(hs, vd);
     st.s.resize(hs * KEY_TILE, 0.0);
     let tiles = picked.chunks(KEY_TILE).map(Keys::Picked);
-    run_cached(tier, p, &rows, (kv, table, it.kvh), tiles, st);
+    run_cached(tier, p, &rows, (kv, table, it.kvh), (tiles, None), st);
 }
 
 #[cfg(test)]
