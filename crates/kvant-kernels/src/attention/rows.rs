@@ -326,10 +326,14 @@ fn run_stored<'k, E: KvElem + Lanes>(
         let (a, t, tk) = (&bufs[1 - cur], &bufs[cur], keys.len());
         let n = next.map_or(0, |k| k.len());
         let ahead = (&a.0[..n], &a.1[..n]);
-        let set = (
-            RowSet::gathered(&t.0[..tk], p.head_dim),
-            RowSet::gathered(&t.1[..tk], p.v_dim),
-        );
+        // SAFETY: `stored_rows` cut every key row to `head_dim` values and
+        // every value row to `v_dim` (whole units of the cache's rows).
+        let set = unsafe {
+            (
+                RowSet::gathered_unchecked(&t.0[..tk], p.head_dim),
+                RowSet::gathered_unchecked(&t.1[..tk], p.v_dim),
+            )
+        };
         run_tile(tier, p, rows, (keys.cut(), tk), (set, ahead), state);
         cur = 1 - cur;
     }
@@ -352,13 +356,21 @@ fn stored_rows<'a, E: KvElem>(
             Keys::Picked(_) => 1,
         };
         let (k, v, run) = kv.rows_from(table, n_kv_heads, (hd, vd), kvh, (keys.pos(i), max));
-        for (r, key) in k.chunks_exact(ku).enumerate() {
-            t.0[i + r] = key;
-            t.1[i + r] = if latent {
-                &key[..vu]
-            } else {
-                &v[r * vu..(r + 1) * vu]
-            };
+        let (tk, tv) = (&mut t.0[i..i + run], &mut t.1[i..i + run]);
+        for (dst, key) in tk.iter_mut().zip(k.chunks_exact(ku)) {
+            *dst = key;
+        }
+        match latent {
+            true => {
+                for (dst, key) in tv.iter_mut().zip(k.chunks_exact(ku)) {
+                    *dst = &key[..vu];
+                }
+            }
+            false => {
+                for (dst, value) in tv.iter_mut().zip(v.chunks_exact(vu)) {
+                    *dst = value;
+                }
+            }
         }
         i += run;
     }
