@@ -409,10 +409,7 @@ pub(super) fn run_partition<T: KvElem>(
         q: &qs[..n_rows],
         keys: &ks[..n_rows],
     };
-    // Tiles start at absolute multiples of KEY_TILE (see the module doc).
-    let runs = (lo / KEY_TILE * KEY_TILE..hi)
-        .step_by(KEY_TILE)
-        .map(|j0| (j0, KEY_TILE.min(hi - j0)));
+    let runs = tile_runs(lo..hi);
     match tiles {
         Tiles::Widened { at, k, v } => {
             let mut state = (&mut st.part, &mut st.s[..], &mut st.lens);
@@ -427,13 +424,8 @@ pub(super) fn run_partition<T: KvElem>(
             let then = next
                 .map(|np| seq.partition_keys(p, it, np))
                 .filter(|k| !k.is_empty())
-                .map(|k| {
-                    let j0 = k.start / KEY_TILE * KEY_TILE;
-                    Keys::Run {
-                        j0,
-                        len: KEY_TILE.min(k.end - j0),
-                    }
-                });
+                .and_then(|k| tile_runs(k).next())
+                .map(|(j0, len)| Keys::Run { j0, len });
             run_cached(
                 tier,
                 p,
@@ -444,6 +436,14 @@ pub(super) fn run_partition<T: KvElem>(
             );
         }
     }
+}
+
+/// The tiles `(first key, keys)` over `keys`: tiles start at absolute
+/// multiples of [`KEY_TILE`] (see the module doc), the last cut at the end.
+fn tile_runs(keys: Range<usize>) -> impl Iterator<Item = (usize, usize)> {
+    (keys.start / KEY_TILE * KEY_TILE..keys.end)
+        .step_by(KEY_TILE)
+        .map(move |j0| (j0, KEY_TILE.min(keys.end - j0)))
 }
 
 /// One tile of [`run_partition`]: the `tk` keys from `j0` (their key and
