@@ -73,13 +73,15 @@ impl<T> SeqOperands<'_, T> {
         p.key_range(self.pos0 + it.row(r).0)
     }
 
+    /// Keys row `r` of `it` may see in partition `part` (empty if none).
+    fn row_keys_in(&self, p: &AttnParams, it: &Item, r: usize, part: usize) -> Range<usize> {
+        let kr = self.row_keys(p, it, r);
+        kr.start.max(part * PARTITION)..kr.end.min((part + 1) * PARTITION)
+    }
+
     /// The keys some row of `it` sees in partition `part` (empty if none).
     fn partition_keys(&self, p: &AttnParams, it: &Item, part: usize) -> Range<usize> {
-        let keys = part * PARTITION..(part + 1) * PARTITION;
-        let row = |r: usize| {
-            let kr = self.row_keys(p, it, r);
-            kr.start.max(keys.start)..kr.end.min(keys.end)
-        };
+        let row = |r: usize| self.row_keys_in(p, it, r, part);
         let lo = (0..it.rows()).map(|r| row(r).start).min().unwrap_or(0);
         let hi = (0..it.rows()).map(|r| row(r).end).max().unwrap_or(0);
         lo..hi
@@ -390,17 +392,12 @@ pub(super) fn run_partition<T: KvElem>(
     let n_rows = it.rows();
     st.part.reset(n_rows, vd);
     st.s.resize(n_rows * KEY_TILE, 0.0);
-    let keys = part * PARTITION..(part + 1) * PARTITION;
-    let row_keys = |r: usize| {
-        let kr = seq.row_keys(p, it, r);
-        kr.start.max(keys.start)..kr.end.min(keys.end)
-    };
     let mut qs: [&[f32]; MAX_ROWS] = [&[]; MAX_ROWS];
     let mut ks = [(0, 0); MAX_ROWS];
     for r in 0..n_rows {
         let (t, h) = it.row(r);
         qs[r] = &seq.q[(t * p.n_heads + h) * hd..][..hd];
-        let kr = row_keys(r);
+        let kr = seq.row_keys_in(p, it, r, part);
         ks[r] = (kr.start, kr.end);
     }
     let lo = ks[..n_rows].iter().map(|k| k.0).min().unwrap_or(0);
