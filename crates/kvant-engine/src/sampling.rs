@@ -6,6 +6,7 @@
 //! Truncation works on a partial selection of candidates, never a full sort
 //! of the vocabulary.
 
+use kvant_kernels::{cpu, vecops};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 use std::collections::HashMap;
@@ -254,13 +255,7 @@ fn truncate_sorted(cands: &mut Vec<(u32, f32)>, p: &SamplingParams) -> f32 {
 
 /// Index of the largest finite logit (the first on ties), as torch.argmax.
 pub fn argmax(logits: &[f32]) -> Option<u32> {
-    let mut best: Option<(usize, f32)> = None;
-    for (i, &l) in logits.iter().enumerate() {
-        if l.is_finite() && best.is_none_or(|(_, b)| l > b) {
-            best = Some((i, l));
-        }
-    }
-    best.map(|(i, _)| i as u32)
+    vecops::argmax_finite(cpu::tier(), logits).map(|i| i as u32)
 }
 
 #[cfg(test)]

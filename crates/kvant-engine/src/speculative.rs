@@ -228,18 +228,10 @@ impl MtpDrafter {
         // A mismatch of rows and tokens is the model's typed `MtpHidden` error.
         let logits = model.mtp_draft(&inputs, input.hidden, input.slot0, cache)?;
         self.state.consumed(model.config().hidden);
-        Ok(argmax(&logits))
+        // A draft is a guess the verifying pass checks: with no finite
+        // logit, token 0 (rejected like any wrong guess).
+        Ok(crate::sampling::argmax(&logits).unwrap_or(0))
     }
-}
-
-pub(crate) fn argmax(v: &[f32]) -> u32 {
-    let mut best = (0, f32::NEG_INFINITY);
-    for (i, &x) in v.iter().enumerate() {
-        if x > best.1 {
-            best = (i, x);
-        }
-    }
-    best.0 as u32
 }
 
 #[cfg(test)]

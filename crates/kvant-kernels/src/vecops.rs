@@ -342,6 +342,62 @@ fn scale_max_body(a: f32, y: &mut [f32]) -> f32 {
     m
 }
 
+/// Lanes of [`argmax_finite`]'s two passes: two vectors of 8 on AVX2.
+const ARGMAX_LANES: usize = 16;
+
+#[inline(always)]
+fn max_finite_body(x: &[f32]) -> f32 {
+    // Running maxima per lane, as in `scale_max_body`; a value that is not
+    // finite (NaN, ±inf) counts as -inf, so `m` is finite exactly when some
+    // value is.
+    let finite = |v: f32| {
+        if v.abs() < f32::INFINITY {
+            v
+        } else {
+            f32::NEG_INFINITY
+        }
+    };
+    let mut lanes = [f32::NEG_INFINITY; ARGMAX_LANES];
+    let mut chunks = x.chunks_exact(ARGMAX_LANES);
+    for c in &mut chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            let v = finite(v);
+            *l = if v > *l { v } else { *l };
+        }
+    }
+    let m = lanes.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    chunks.remainder().iter().fold(m, |m, &v| m.max(finite(v)))
+}
+
+#[inline(always)]
+fn first_equal_body(x: &[f32], m: f32) -> Option<usize> {
+    // A whole chunk compared at once (no exit inside it, so it stays one
+    // vector compare per 8 lanes), then the hit located within the chunk.
+    let mut chunks = x.chunks_exact(ARGMAX_LANES);
+    for (i, c) in (&mut chunks).enumerate() {
+        if c.iter().fold(false, |hit, &v| hit | (v == m)) {
+            return c.iter().position(|&v| v == m).map(|j| i * ARGMAX_LANES + j);
+        }
+    }
+    let at = x.len() - chunks.remainder().len();
+    chunks
+        .remainder()
+        .iter()
+        .position(|&v| v == m)
+        .map(|j| at + j)
+}
+
+#[inline(always)]
+fn argmax_finite_body(x: &[f32]) -> Option<usize> {
+    let m = max_finite_body(x);
+    // `x[i] == m` only for finite `x[i]` when `m` is finite; -0.0 == 0.0,
+    // as the one-pass comparison `x[i] > best` treats them.
+    match m > f32::NEG_INFINITY {
+        true => first_equal_body(x, m),
+        false => None,
+    }
+}
+
 #[inline(always)]
 fn scale_body(a: f32, y: &mut [f32]) {
     for v in y.iter_mut() {
@@ -548,6 +604,11 @@ mod avx2 {
     pub(super) fn scale_max(a: f32, y: &mut [f32]) -> f32 {
         scale_max_body(a, y)
     }
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) fn argmax_finite(x: &[f32]) -> Option<usize> {
+        argmax_finite_body(x)
+    }
 }
 
 /// `s[j] = e^(s[j] - m)` in place (0 where `s[j]` is `-inf`); returns `Σ s`.
@@ -676,6 +737,21 @@ pub fn scale_max(tier: SimdTier, a: f32, y: &mut [f32]) -> f32 {
     }
 }
 
+/// Index of the largest finite value, the first of equal ones (`-0.0`
+/// equals `0.0`), or `None` if no value is finite: `torch.argmax` over the
+/// finite values, as greedy sampling takes it. Two passes (the maximum,
+/// then its first index), each vectorized: the one-pass loop with its
+/// running index stayed scalar, 2.2% of a Gemma 3 decode step (a
+/// 262,144-logit row) in `perf`.
+pub fn argmax_finite(tier: SimdTier, x: &[f32]) -> Option<usize> {
+    match cpu::clamp(tier) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in `exp_shifted`.
+        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::argmax_finite(x) },
+        _ => argmax_finite_body(x),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -712,6 +788,69 @@ mod tests {
                 );
             }
             assert!((sum as f64 - want_sum).abs() <= 1e-5 * want_sum);
+        }
+    }
+
+    /// The plain one-pass argmax greedy sampling ran before: the first
+    /// finite value greater than every earlier finite one.
+    fn argmax_finite_ref(x: &[f32]) -> Option<usize> {
+        let mut best: Option<(usize, f32)> = None;
+        for (i, &v) in x.iter().enumerate() {
+            if v.is_finite() && best.is_none_or(|(_, b)| v > b) {
+                best = Some((i, v));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    #[test]
+    fn argmax_finite_matches_the_one_pass_loop() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        let specials = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            0.0,
+            -0.0,
+            f32::MAX,
+            f32::MIN,
+        ];
+        let mut cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![f32::NAN],
+            vec![f32::NAN, f32::NEG_INFINITY, f32::INFINITY],
+            vec![-0.0, 0.0],
+            vec![1.0, 3.0, 3.0, f32::NAN],
+            vec![f32::INFINITY; 40],
+        ];
+        for n in [1usize, 5, 15, 16, 17, 31, 33, 100, 1023, 49_152] {
+            // Few distinct values, so ties (and ±0) are common; a value
+            // drawn from `specials` one time in eight.
+            let mut x: Vec<f32> = (0..n)
+                .map(|_| match rng.random_range(0..8) {
+                    0 => specials[rng.random_range(0..specials.len())],
+                    _ => rng.random_range(-4i32..4) as f32 * 0.5,
+                })
+                .collect();
+            cases.push(x.clone());
+            // The maximum in the remainder after the whole chunks only.
+            x.push(1e30);
+            cases.push(x);
+            let mut all_bad = vec![f32::NAN; n];
+            all_bad[n / 2] = f32::INFINITY;
+            cases.push(all_bad.clone());
+            all_bad[n - 1] = -7.0;
+            cases.push(all_bad);
+        }
+        for tier in cpu::available_tiers() {
+            for x in &cases {
+                assert_eq!(
+                    argmax_finite(tier, x),
+                    argmax_finite_ref(x),
+                    "{tier}, {} values",
+                    x.len()
+                );
+            }
         }
     }
 

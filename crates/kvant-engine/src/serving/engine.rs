@@ -27,7 +27,7 @@ use crate::cluster::{Cluster, Row, Want};
 use crate::error::EngineError;
 use crate::sampling::{Sampler, SamplingError};
 use crate::session::FinishReason;
-use crate::speculative::{argmax, MtpState, Speculation};
+use crate::speculative::{MtpState, Speculation};
 use crate::stop::StopMatcher;
 use kvant_model::arch::decoder::{DecoderModel, Logits, MtpStep, SeqStep};
 use kvant_model::kv::KvPool;
@@ -598,7 +598,7 @@ impl<'t> Engine<'t> {
             if let Some(m) = &mut s.mtp {
                 m.consumed(h);
             }
-            s.draft = Some(argmax(row));
+            s.draft = crate::sampling::argmax(row);
         }
     }
 
