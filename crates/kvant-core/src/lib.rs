@@ -12,6 +12,6 @@ pub mod tensor;
 
 pub use dtype::DType;
 pub use error::{CoreError, Result};
-pub use huge::HugeSlice;
+pub use huge::{HugeSlice, HugeZeroed};
 pub use storage::Storage;
 pub use tensor::Tensor;

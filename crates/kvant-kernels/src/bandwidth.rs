@@ -25,7 +25,8 @@ use std::time::Instant;
 #[repr(C, align(64))]
 struct Block([u64; 16]);
 
-impl kvant_core::huge::Plain for Block {}
+// SAFETY: sixteen `u64`s: every bit pattern, zero included, is a value.
+unsafe impl kvant_core::huge::Plain for Block {}
 
 const BLOCK_BYTES: usize = std::mem::size_of::<Block>();
 

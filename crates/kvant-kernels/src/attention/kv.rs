@@ -38,7 +38,7 @@ use crate::cpu::{self, SimdTier};
 use crate::error::{checked_mul, KernelError};
 use crate::quant::RowKernel;
 use half::slice::HalfFloatSliceExt;
-use kvant_core::DType;
+use kvant_core::{DType, HugeZeroed};
 use std::any::TypeId;
 
 /// The element types a KV cache can hold.
@@ -536,14 +536,16 @@ fn head_rows(
 
 /// Zeroed storage for values of a KV element type chosen at run time:
 /// what a pool allocates per layer and per array (keys, values, or any
-/// other per-layer rows). The memory comes from the allocator already
-/// zero, so a large pool costs no start-up time and its pages are
-/// committed only when first written.
+/// other per-layer rows). The memory comes from the system already zero,
+/// so a large pool costs no start-up time and its pages are committed
+/// only when first written (huge pages, 2 MiB, for a buffer of one or
+/// more).
 pub struct KvBuffer {
     dtype: KvDType,
     units: usize,
-    /// The units' bytes, in 4-byte words (the largest unit alignment).
-    words: Vec<u32>,
+    /// The units' bytes, in 4-byte words (the largest unit alignment), on
+    /// huge pages when large (see [`HugeZeroed`]).
+    words: HugeZeroed<u32>,
 }
 
 impl KvBuffer {
@@ -569,10 +571,15 @@ impl KvBuffer {
                 b: dtype.unit_bytes(),
             });
         }
+        let words = HugeZeroed::new(bytes.div_ceil(4)).ok_or(KernelError::SizeOverflow {
+            op: "KV buffer",
+            a: units,
+            b: dtype.unit_bytes(),
+        })?;
         Ok(KvBuffer {
             dtype,
             units,
-            words: vec![0u32; bytes.div_ceil(4)],
+            words,
         })
     }
 
