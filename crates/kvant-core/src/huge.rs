@@ -86,11 +86,40 @@ pub struct HugeSlice<T: Plain> {
 #[derive(Clone)]
 enum Inner<T: Plain> {
     Heap(Arc<[T]>),
-    Huge {
-        chunk: Arc<Chunk>,
-        offset: usize,
-        len: usize,
-    },
+    Huge(Placed),
+}
+
+/// A range of a chunk that [`reserve`] handed to one buffer: `len` values
+/// of the buffer's type at byte `offset` (64-byte aligned in a page-aligned
+/// map, so aligned for the type), the chunk kept alive with it.
+#[derive(Clone)]
+struct Placed {
+    chunk: Arc<Chunk>,
+    offset: usize,
+    len: usize,
+}
+
+impl Placed {
+    fn ptr<T>(&self) -> *mut T {
+        self.chunk.base.wrapping_add(self.offset) as *mut T
+    }
+
+    /// # Safety
+    /// The range was reserved for `T` and its bytes are values of `T`
+    /// (written, or zero for a [`Plain`] type), which nothing writes while
+    /// the slice lives.
+    unsafe fn slice<T>(&self) -> &[T] {
+        // SAFETY: the caller's contract; the range lies inside the chunk.
+        unsafe { std::slice::from_raw_parts(self.ptr(), self.len) }
+    }
+
+    /// # Safety
+    /// As for [`Self::slice`], and nothing else reads the range while the
+    /// slice lives.
+    unsafe fn slice_mut<T>(&mut self) -> &mut [T] {
+        // SAFETY: the caller's contract; the range lies inside the chunk.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr(), self.len) }
+    }
 }
 
 impl<T: Plain> HugeSlice<T> {
@@ -98,10 +127,9 @@ impl<T: Plain> HugeSlice<T> {
     pub fn from_vec(v: Vec<T>) -> Self {
         match reserve::<T>(&OPEN, v.len()) {
             // SAFETY: `reserve`'s range is `v.len()` values, ours alone.
-            Some((chunk, offset)) => unsafe {
-                let dst = chunk.base.add(offset) as *mut T;
-                std::ptr::copy_nonoverlapping(v.as_ptr(), dst, v.len());
-                Self::huge(chunk, offset, v.len())
+            Some(placed) => unsafe {
+                std::ptr::copy_nonoverlapping(v.as_ptr(), placed.ptr(), v.len());
+                Self::huge(placed)
             },
             None => HugeSlice {
                 inner: Inner::Heap(v.into()),
@@ -114,10 +142,10 @@ impl<T: Plain> HugeSlice<T> {
     pub fn from_fn(len: usize, f: impl Fn(usize) -> T) -> Self {
         match reserve::<T>(&OPEN, len) {
             // SAFETY: `reserve`'s range is `len` values, ours alone.
-            Some((chunk, offset)) => unsafe {
-                let dst = chunk.base.add(offset) as *mut T;
+            Some(placed) => unsafe {
+                let dst = placed.ptr::<T>();
                 (0..len).for_each(|i| dst.add(i).write(f(i)));
-                Self::huge(chunk, offset, len)
+                Self::huge(placed)
             },
             None => HugeSlice {
                 inner: Inner::Heap((0..len).map(f).collect()),
@@ -126,24 +154,24 @@ impl<T: Plain> HugeSlice<T> {
     }
 
     /// # Safety
-    /// `len` values of `T` were written at `offset` in `chunk`, a range
-    /// from [`reserve`].
-    unsafe fn huge(chunk: Arc<Chunk>, offset: usize, len: usize) -> Self {
+    /// Values of `T` were written to the whole of `placed`, a range from
+    /// [`reserve`] for `T`.
+    unsafe fn huge(placed: Placed) -> Self {
         HugeSlice {
-            inner: Inner::Huge { chunk, offset, len },
+            inner: Inner::Huge(placed),
         }
     }
 
     /// Whether the values are on a map advised for huge pages (else the heap).
     pub fn on_huge_pages(&self) -> bool {
-        matches!(self.inner, Inner::Huge { .. })
+        matches!(self.inner, Inner::Huge(_))
     }
 }
 
-/// A range of `len` values of `T` in a chunk (its chunk and byte offset),
-/// handed out once: no buffer covers it and no other call gets it. `None`
-/// for no values, or when no chunk can be made.
-fn reserve<T: Plain>(open: &Open, len: usize) -> Option<(Arc<Chunk>, usize)> {
+/// A range of `len` values of `T` in a chunk of `open`'s, handed out once:
+/// no buffer covers it and no other call gets it. `None` for no values, or
+/// when no chunk can be made.
+fn reserve<T: Plain>(open: &Open, len: usize) -> Option<Placed> {
     const { assert!(std::mem::align_of::<T>() <= ALIGN) };
     let bytes = len.checked_mul(std::mem::size_of::<T>())?;
     if bytes == 0 {
@@ -160,7 +188,7 @@ fn reserve<T: Plain>(open: &Open, len: usize) -> Option<(Arc<Chunk>, usize)> {
         None => (new_chunk(bytes)?, 0),
     };
     *open = Some((Arc::downgrade(&chunk), offset + bytes));
-    Some((chunk, offset))
+    Some(Placed { chunk, offset, len })
 }
 
 /// A chunk of at least `bytes`, advised for huge pages; `None` if the
@@ -180,13 +208,9 @@ impl<T: Plain> std::ops::Deref for HugeSlice<T> {
     fn deref(&self) -> &[T] {
         match &self.inner {
             Inner::Heap(v) => v,
-            // SAFETY: `from_vec` wrote `len` values of `T` at `offset`
-            // (64-byte aligned in a page-aligned map, so aligned for `T`),
-            // inside the chunk, which this buffer keeps alive, and nothing
-            // writes them again.
-            Inner::Huge { chunk, offset, len } => unsafe {
-                std::slice::from_raw_parts(chunk.base.add(*offset) as *const T, *len)
-            },
+            // SAFETY: `from_vec` or `from_fn` wrote the range's values of
+            // `T`, and nothing writes them again.
+            Inner::Huge(placed) => unsafe { placed.slice() },
         }
     }
 }
@@ -202,7 +226,8 @@ impl<T: Plain> std::fmt::Debug for HugeSlice<T> {
 
 /// A zeroed, writable buffer that decode writes a little of per token and
 /// reads ever more of (the KV cache), on huge pages as [`HugeSlice`]s are
-/// (carved from the same chunks; the heap where the system refuses them).
+/// (carved from chunks of their own; the heap where the system refuses
+/// them).
 /// On 4 KiB pages attention's stream through a layer's keys and values
 /// crosses a page every 4 KiB, as the weights' did (see the module's
 /// notes). Caches here against the heap, alternated runs on one Zen 4 VM:
@@ -219,11 +244,7 @@ pub struct HugeZeroed<T: Plain> {
 
 enum ZeroedInner<T: Plain> {
     Heap(Vec<T>),
-    Huge {
-        chunk: Arc<Chunk>,
-        offset: usize,
-        len: usize,
-    },
+    Huge(Placed),
 }
 
 impl<T: Plain> HugeZeroed<T> {
@@ -231,7 +252,7 @@ impl<T: Plain> HugeZeroed<T> {
     pub fn new(len: usize) -> Option<Self> {
         len.checked_mul(std::mem::size_of::<T>())?;
         let inner = match reserve::<T>(&OPEN_ZEROED, len) {
-            Some((chunk, offset)) => ZeroedInner::Huge { chunk, offset, len },
+            Some(placed) => ZeroedInner::Huge(placed),
             // SAFETY: all-zero bytes are a `T` (the `Plain` contract).
             None => ZeroedInner::Heap(vec![unsafe { std::mem::zeroed() }; len]),
         };
@@ -240,7 +261,7 @@ impl<T: Plain> HugeZeroed<T> {
 
     /// Whether the values are on a map advised for huge pages (else the heap).
     pub fn on_huge_pages(&self) -> bool {
-        matches!(self.inner, ZeroedInner::Huge { .. })
+        matches!(self.inner, ZeroedInner::Huge(_))
     }
 }
 
@@ -250,14 +271,10 @@ impl<T: Plain> std::ops::Deref for HugeZeroed<T> {
     fn deref(&self) -> &[T] {
         match &self.inner {
             ZeroedInner::Heap(v) => v,
-            // SAFETY: `reserve` handed this buffer `len` values' bytes at
-            // `offset` (64-byte aligned in a page-aligned map, so aligned
-            // for `T`) in the chunk, which the buffer keeps alive; they are
-            // zero from the system or written as `T` through `deref_mut`,
-            // and all-zero bytes are a `T` (`Plain`).
-            ZeroedInner::Huge { chunk, offset, len } => unsafe {
-                std::slice::from_raw_parts(chunk.base.add(*offset) as *const T, *len)
-            },
+            // SAFETY: the range was reserved for `T`; its bytes are zero
+            // from the system (a `T`, by `Plain`) or were written as `T`
+            // through `deref_mut`, whose borrow has ended.
+            ZeroedInner::Huge(placed) => unsafe { placed.slice() },
         }
     }
 }
@@ -268,9 +285,7 @@ impl<T: Plain> std::ops::DerefMut for HugeZeroed<T> {
             ZeroedInner::Heap(v) => v,
             // SAFETY: as in `deref`; no other buffer covers the range, and
             // the borrow of this one is unique.
-            ZeroedInner::Huge { chunk, offset, len } => unsafe {
-                std::slice::from_raw_parts_mut(chunk.base.add(*offset) as *mut T, *len)
-            },
+            ZeroedInner::Huge(placed) => unsafe { placed.slice_mut() },
         }
     }
 }
@@ -312,7 +327,7 @@ mod tests {
         // with the buffer.
         let big = HugeSlice::from_vec(vec![7u8; CHUNK + PAGE]);
         assert!(big.iter().all(|&v| v == 7) && big.len() == CHUNK + PAGE);
-        if let Inner::Huge { chunk, offset, .. } = &big.inner {
+        if let Inner::Huge(Placed { chunk, offset, .. }) = &big.inner {
             assert_eq!((*offset, chunk.map.len()), (0, CHUNK + PAGE));
             let weak = Arc::downgrade(chunk);
             drop(big);
