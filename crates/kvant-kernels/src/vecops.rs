@@ -833,7 +833,8 @@ mod tests {
                 })
                 .collect();
             cases.push(x.clone());
-            // The maximum in the remainder after the whole chunks only.
+            // A unique maximum at the end (in the remainder after the
+            // whole chunks, for lengths not a multiple of the lanes).
             x.push(1e30);
             cases.push(x);
             let mut all_bad = vec![f32::NAN; n];

@@ -537,14 +537,13 @@ fn head_rows(
 /// Zeroed storage for values of a KV element type chosen at run time:
 /// what a pool allocates per layer and per array (keys, values, or any
 /// other per-layer rows). The memory comes from the system already zero,
-/// so a large pool costs no start-up time and its pages are committed
-/// only when first written (huge pages, 2 MiB, for a buffer of one or
-/// more).
+/// so a large pool costs no start-up time and its pages (2 MiB huge pages
+/// where the system grants them) are committed only when first written.
 pub struct KvBuffer {
     dtype: KvDType,
     units: usize,
     /// The units' bytes, in 4-byte words (the largest unit alignment), on
-    /// huge pages when large (see [`HugeZeroed`]).
+    /// huge pages (see [`HugeZeroed`]).
     words: HugeZeroed<u32>,
 }
 
