@@ -40,6 +40,17 @@ impl Checkpoint {
         })
     }
 
+    /// Drops this process's resident pages of the checkpoint's files once
+    /// a model has copied out what it repacks (see
+    /// [`kvant_core::Storage::release_all_resident_pages`]).
+    #[cfg(unix)]
+    pub fn release_resident_pages(&self) {
+        match self {
+            Checkpoint::Gguf(g) => g.release_resident_pages(),
+            Checkpoint::Hf(h) => h.release_resident_pages(),
+        }
+    }
+
     pub fn has_tensor(&self, name: &str) -> bool {
         match self {
             Checkpoint::Gguf(g) => g.tensor_info(name).is_some(),

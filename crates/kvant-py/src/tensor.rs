@@ -14,6 +14,7 @@
 //!   (Rust's `&mut` must be exclusive, and a kernel reading its own output
 //!   would give wrong gradients silently).
 
+use kvant_kernels::KernelError;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -256,6 +257,26 @@ impl Tensors {
     /// last dimension contiguous); the kernel checks its rows do not overlap.
     pub fn strided_out(&mut self, obj: &Bound<'_, PyAny>, name: &'static str) -> PyResult<View> {
         self.view(obj, name, true, false)
+    }
+
+    /// A kernel's error as a `ValueError`; a size mismatch, which the
+    /// kernel states in flattened lengths ("expected length 5005, found
+    /// 7007"), followed by the shapes of the call's tensors as the caller
+    /// passed them.
+    pub fn error(&self, e: KernelError) -> PyErr {
+        let sizes = matches!(
+            e,
+            KernelError::LengthMismatch { .. } | KernelError::InvalidShape { .. }
+        );
+        if !sizes || self.views.is_empty() {
+            return PyValueError::new_err(e.to_string());
+        }
+        let shapes: Vec<String> = self
+            .views
+            .iter()
+            .map(|v| format!("{} {:?}", v.name, v.shape))
+            .collect();
+        PyValueError::new_err(format!("{e} (shapes: {})", shapes.join(", ")))
     }
 
     /// Fails if a written tensor overlaps any other tensor of the call.

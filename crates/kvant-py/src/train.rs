@@ -15,10 +15,6 @@ use pyo3::prelude::*;
 
 type Any<'py> = Bound<'py, PyAny>;
 
-fn kerr(e: KernelError) -> PyErr {
-    PyValueError::new_err(e.to_string())
-}
-
 fn f32s(views: &[&View]) -> PyResult<()> {
     views.iter().try_for_each(|v| v.expect(Dt::F32).map(drop))
 }
@@ -102,7 +98,7 @@ pub fn rms_norm_fwd(
             unsafe { norm::rms_norm_fwd::<E>(x.slice(), w.slice(), a, y.slice_mut(), rstd.slice_mut()) }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -139,7 +135,7 @@ pub fn rms_norm_bwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -175,7 +171,7 @@ pub fn add_rms_norm_fwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -216,7 +212,7 @@ pub fn add_rms_norm_bwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -246,7 +242,7 @@ pub fn layer_norm_fwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -290,7 +286,7 @@ pub fn layer_norm_bwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 /// Rotates a 4-D `x` [batch, heads, seq, head_dim] (any strides, the last
@@ -360,7 +356,7 @@ pub fn rope_apply(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -376,7 +372,7 @@ pub fn glu_fwd(py: Python<'_>, kind: &str, a: &Any<'_>, b: &Any<'_>, c: &Any<'_>
             unsafe { glu::glu_fwd::<E>(kind, a.slice(), b.slice(), c.slice_mut()) }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 /// Overwrites `a` with its gradient and `b` with its.
@@ -393,7 +389,7 @@ pub fn glu_bwd(py: Python<'_>, kind: &str, dc: &Any<'_>, a: &Any<'_>, b: &Any<'_
             unsafe { glu::glu_bwd::<E>(kind, dc.slice(), a.slice_mut(), b.slice_mut()) }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 /// Options of the cross-entropy family.
@@ -470,7 +466,7 @@ pub fn cross_entropy_fwd(
                 }
             })
         })
-        .map_err(kerr)?;
+        .map_err(|e| t.error(e))?;
     Ok((r.loss, r.z_loss, r.counted))
 }
 
@@ -541,7 +537,7 @@ pub fn linear_cross_entropy(
                 }
             })
         })
-        .map_err(kerr)?;
+        .map_err(|e| t.error(e))?;
     Ok((r.loss, r.z_loss, r.counted))
 }
 
@@ -577,7 +573,7 @@ pub fn jsd_fwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 fn check_beta(beta: f32) -> PyResult<()> {
@@ -613,7 +609,7 @@ pub fn kl_div_fwd(
             unsafe { distill::kl_div_fwd::<E>(i.slice(), tg.slice(), vocab, log_target, red, e.slice_mut()) }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -645,7 +641,7 @@ pub fn kl_div_bwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 /// Fused linear JSD (distillation). Returns (loss, counted); student
@@ -707,7 +703,7 @@ pub fn linear_jsd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 fn flash_shape(
@@ -780,7 +776,7 @@ pub fn flash_attn_fwd(
             unsafe { flash::flash_attn_fwd::<E>(&s, q.slice(), k.slice(), v.slice(), o.slice_mut(), lse.slice_mut()) }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -832,7 +828,7 @@ pub fn flash_attn_bwd(
             }
         })
     })
-    .map_err(kerr)
+    .map_err(|e| t.error(e))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -112,3 +112,41 @@ def test_patched_families_match(name):
         for k, v in saved.items():
             setattr(m, k, v)
         getattr(m, f"{prefix}ForCausalLM").forward = saved_fwd
+
+
+def test_patched_bf16_forward_matches_hugging_face_outputs(restore_llama, monkeypatch):
+    """A bfloat16 model's training loss comes back in float32, as Hugging
+    Face's (computed from logits upcast to float32), close to it; an
+    inference forward returns the KV cache under the output's own field
+    name, and no forward logs transformers' deprecation of the old one."""
+    from transformers.utils import generic
+
+    logged = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda *a, **k: logged.append(a))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )
+    ref = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    ids = torch.randint(0, 1000, (2, 24))
+    # Hugging Face's own outputs first: the patch replaces the class's forward.
+    want = ref(input_ids=ids, labels=ids).loss
+    with torch.no_grad():
+        base = ref.eval()(input_ids=ids, use_cache=True)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).train()
+    model.load_state_dict(ref.state_dict())
+    apply_kvant_kernel_to_llama(model=model)
+    logged.clear()
+    got = model(input_ids=ids, labels=ids).loss
+    assert want.dtype == torch.float32 and got.dtype == torch.float32
+    # kvant's logits are float32 sums of the bf16 products, Hugging Face's
+    # are rounded to bf16 first (2^-8 relative per logit).
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=0)
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True)
+    field = "cache" if "cache" in type(out).__dataclass_fields__ else "past_key_values"
+    assert getattr(out, field) is not None
+    assert type(getattr(out, field)) is type(getattr(base, field))
+    assert not any("deprecated" in str(a) for a in logged), logged

@@ -71,6 +71,72 @@ def test_cross_entropy(dtype, shape, reduction, opts):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4])
+def test_masked_logits_give_torchs_finite_loss(dtype, reduction, z_loss):
+    """-inf logits (a masked vocabulary, a -inf bias) leave the loss
+    finite, as torch's (it was NaN: 0 times an infinite sum); the first
+    300 logits of row 0 masked start a row with whole blocks of -inf."""
+    n, v = 33, 1001
+    logits = torch.randn(n, v) * 4
+    target = targets(n, v)
+    if (target != II).sum() == 0:
+        target[0] = 1
+    target[0] = v - 1
+    mask = torch.rand(n, v) < 0.2
+    mask[0, :300] = True
+    mask[torch.arange(n)[target != II], target[target != II]] = False
+    logits = logits.masked_fill(mask, float("-inf")).to(dtype).requires_grad_()
+    atol, rtol = CE_TOL[dtype]
+    if z_loss:
+        atol = max(atol, 1e-6 if dtype == torch.float32 else 1e-2)
+    kf = lambda x: ops.cross_entropy(x, target, II, 0.0, reduction, z_loss)
+    assert torch.isfinite(kf(logits)).all()
+    check(kf, lambda x: ref_ce(x, target, 0.0, reduction, z_loss), [logits], atol, rtol, name="cross_entropy")
+    # With label smoothing the loss is +inf in both (the mean of -log p
+    # takes the masked logits).
+    got = ops.cross_entropy(logits.detach(), target, II, 0.1, reduction, z_loss)
+    want = ref_ce(logits.detach(), target, 0.1, reduction, z_loss)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.isinf(want).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_cross_entropy_with_a_masking_bias(dtype):
+    """A -inf bias entry masks a vocabulary column: a finite loss and
+    torch's gradients for x and the weight."""
+    n, h, v = 33, 48, 1001
+    x = torch.randn(n, h).to(dtype).requires_grad_()
+    w = (torch.randn(v, h) / h**0.5).to(dtype).requires_grad_()
+    bias = torch.zeros(v)
+    bias[torch.randperm(v)[:200]] = float("-inf")
+    target = targets(n, v, seed=3)
+    target[target != II] = torch.nonzero(bias == 0).flatten()[: int((target != II).sum())]
+    bias = bias.to(dtype)
+    loss = ops.linear_cross_entropy(x, w, target, bias)
+    assert torch.isfinite(loss)
+
+    def tf(x, w):
+        return ref_ce(up(F.linear(x, w, bias.to(x.dtype))), target).to(x.dtype)
+
+    check(lambda x, w: ops.linear_cross_entropy(x, w, target, bias), tf, [x, w], *LCE_TOL[("mean", dtype)],
+          name="linear_cross_entropy")
+
+
+def test_linear_cross_entropy_loss_dtype():
+    """``loss_dtype=torch.float32`` gives the float32 sum of a bfloat16
+    run (as Hugging Face's loss), of which the default is the rounding."""
+    x = torch.randn(9, 16, dtype=torch.bfloat16)
+    w = torch.randn(40, 16, dtype=torch.bfloat16)
+    t = torch.randint(0, 40, (9,))
+    full = ops.linear_cross_entropy(x, w, t, loss_dtype=torch.float32)
+    assert full.dtype == torch.float32
+    assert ops.linear_cross_entropy(x, w, t).dtype == torch.bfloat16
+    assert ops.linear_cross_entropy(x, w, t) == full.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="loss_dtype"):
+        ops.linear_cross_entropy(x, w, t, loss_dtype=torch.int64)
+
+
 def test_cross_entropy_bad_target():
     logits = torch.randn(3, 5)
     with pytest.raises(ValueError):

@@ -50,6 +50,16 @@ def test_native_checks_hold_without_the_wrappers():
         _kvant.rms_norm_fwd(x, "w", torch.empty(4, 8), rstd, 1e-6, 0.0, "llama")
 
 
+def test_native_size_errors_name_the_shapes():
+    """A size mismatch the kernel finds states the shapes passed, not
+    only the flattened lengths it compared."""
+    logits = torch.randn(5, 1001)
+    with pytest.raises(ValueError, match=r"shapes: logits \[5, 1001\], target \[5\], losses \[5\], grad \[7, 1001\]"):
+        _kvant.cross_entropy_fwd(
+            logits, torch.zeros(5, dtype=torch.long), torch.empty(5), torch.empty(7, 1001), -100, 0.0, 0.0, None, "mean"
+        )
+
+
 def test_overlapping_rope_rows_are_refused():
     base = torch.randn(64)
     x = base.as_strided((1, 2, 4, 8), (0, 4, 8, 1))  # heads overlap

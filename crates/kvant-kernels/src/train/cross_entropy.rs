@@ -230,6 +230,13 @@ fn row_stats<E: Elem, F: Fma>(row: &[E], p: Prepared, sc: &mut Scratch) -> RowSt
             s *= exp::<F>(m - blk);
             m = blk;
         }
+        if m == f32::NEG_INFINITY {
+            // Every value so far is -inf (a masked vocabulary): each one's
+            // share is 0, where `exp(z - m)` would be exp(NaN).
+            b.fill(0.0);
+            *bm = m;
+            continue;
+        }
         let mut se = [0f32; LANES];
         let mut it = b.chunks_exact_mut(LANES);
         for c in &mut it {
@@ -248,12 +255,21 @@ fn row_stats<E: Elem, F: Fma>(row: &[E], p: Prepared, sc: &mut Scratch) -> RowSt
     RowStats { m, s, sum_z }
 }
 
-/// The row's log-sum-exp, loss and z-loss term.
+/// The row's log-sum-exp, loss and z-loss term. A term whose weight is 0
+/// is left out rather than multiplied by 0: a -inf logit makes `Σz` -inf
+/// (and a -inf target `z_y`), and `0 · inf` is NaN where torch's loss is
+/// finite.
 #[inline(always)]
 fn row_loss(st: RowStats, zy: f32, vocab: usize, p: Prepared) -> (f32, f32, f32) {
     let lse = st.m + st.s.ln();
     let zl = p.z_loss * lse * lse;
-    let loss = lse - (1.0 - p.eps) * zy - p.eps * st.sum_z / vocab as f32 + zl;
+    let mut loss = lse + zl;
+    if p.eps < 1.0 {
+        loss -= (1.0 - p.eps) * zy;
+    }
+    if p.eps > 0.0 {
+        loss -= p.eps * st.sum_z / vocab as f32;
+    }
     (lse, loss, zl)
 }
 
@@ -745,7 +761,9 @@ pub fn cross_entropy_ref(
         let nll = lse - z[y];
         let smooth = z.iter().map(|&z| lse - z).sum::<f64>() / v;
         let zl = s * lse * lse;
-        r.losses[i] = (1.0 - eps) * nll + eps * smooth + zl;
+        // Terms of weight 0 left out: `0 · inf` (a -inf logit) is NaN.
+        let weighted = |w: f64, x: f64| if w == 0.0 { 0.0 } else { w * x };
+        r.losses[i] = weighted(1.0 - eps, nll) + weighted(eps, smooth) + zl;
         r.z_losses[i] = zl;
         for (j, &zj) in z.iter().enumerate() {
             let p = (zj - lse).exp();
@@ -824,9 +842,30 @@ mod tests {
     /// gradients within 1e-6 · scale absolute (probabilities ≤ 1). bf16:
     /// losses are f32 internally (same bound); the stored gradient is
     /// rounded once, 2^-8 relative, plus the same absolute slack.
-    fn check<E: Elem>(rows: usize, vocab: usize, seed: u64) {
+    ///
+    /// `masked`: a fifth of the logits that are not targets are -inf, and
+    /// so are the first 300 of row 0 (more than a block: the running
+    /// maximum is still -inf when its first blocks end), as a masked
+    /// vocabulary or a -inf bias makes them; with label smoothing the
+    /// loss is then +inf, as torch's.
+    fn check<E: Elem>(rows: usize, vocab: usize, seed: u64, masked: bool) {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
-        let (x, t) = data(&mut rng, rows, vocab, 8.0);
+        let (mut x, mut t) = data(&mut rng, rows, vocab, 8.0);
+        if masked && vocab > 1 {
+            t[0] = vocab as i64 - 1;
+            for (i, row) in x.chunks_exact_mut(vocab).enumerate() {
+                for (j, v) in row.iter_mut().enumerate() {
+                    if j as i64 != t[i] && ((i == 0 && j < 300) || rng.random_bool(0.2)) {
+                        *v = f32::NEG_INFINITY;
+                    }
+                }
+            }
+        }
+        // Equal infinities, or finite and within `tol`.
+        let close = |a: f64, b: f64, tol: f64| match b.is_finite() {
+            true => (a - b).abs() <= tol,
+            false => a == b,
+        };
         let xe: Vec<E> = x.iter().map(|&v| E::from_f32(v)).collect();
         let x64: Vec<f64> = xe.iter().map(|v| v.to_f32() as f64).collect();
         let rel = if E::F32 { 0.0 } else { 1.0 / 256.0 };
@@ -853,13 +892,13 @@ mod tests {
                 assert_eq!(tot.counted, want.counted);
                 for (i, (&l, &w)) in losses.iter().zip(&want.losses).enumerate() {
                     assert!(
-                        (l as f64 - w).abs() <= 2e-5 * w.abs().max(1.0),
+                        close(l as f64, w, 2e-5 * w.abs().max(1.0)),
                         "{tier} {o:?} row {i}: {l} vs {w}"
                     );
                 }
                 if want.counted > 0 || o.reduction != Reduction::Mean {
                     assert!(
-                        (tot.loss as f64 - want.loss).abs() <= 2e-5 * want.loss.abs().max(1.0),
+                        close(tot.loss as f64, want.loss, 2e-5 * want.loss.abs().max(1.0)),
                         "{tier} {o:?}: {} vs {}",
                         tot.loss,
                         want.loss
@@ -922,15 +961,27 @@ mod tests {
             .iter()
             .enumerate()
         {
-            check::<f32>(rows, vocab, i as u64);
-            check::<bf16>(rows, vocab, 100 + i as u64);
+            check::<f32>(rows, vocab, i as u64, false);
+            check::<bf16>(rows, vocab, 100 + i as u64, false);
         }
     }
 
     #[test]
     fn matches_the_reference_at_a_realistic_vocab() {
-        check::<f32>(6, 32000, 7);
-        check::<bf16>(3, 32000, 8);
+        check::<f32>(6, 32000, 7, false);
+        check::<bf16>(3, 32000, 8, false);
+    }
+
+    /// -inf logits (a masked vocabulary): finite losses without label
+    /// smoothing, +inf with it, and the reference's gradients. The loss
+    /// used to be NaN (`0 · Σz` with `Σz = -inf`; `exp(-inf - -inf)` in a
+    /// leading all-masked block).
+    #[test]
+    fn masked_logits_match_the_reference() {
+        for (i, &(rows, vocab)) in [(3, 7), (5, 301), (4, 1001), (2, 1500)].iter().enumerate() {
+            check::<f32>(rows, vocab, 200 + i as u64, true);
+            check::<bf16>(rows, vocab, 300 + i as u64, true);
+        }
     }
 
     /// Central differences of the reference's losses (f64, h = 1e-6) agree

@@ -426,8 +426,14 @@ impl DecoderModel {
             (None, None) => cfg.n_kv_heads,
             (Some(_), _) => 1,
         };
+        let final_norm = ld.vector(g.final_norm, h)?;
+        // What the model still reads from the file (an embedding kept as
+        // stored, float weights) faults back in as it is read; the rest
+        // (the header, everything copied out) stops counting as resident.
+        #[cfg(unix)]
+        ckpt.release_resident_pages();
         Ok(DecoderModel {
-            final_norm: ld.vector(g.final_norm, h)?,
+            final_norm,
             embed,
             output,
             vocab,

@@ -260,6 +260,8 @@ pub(crate) fn to_f32(t: &Tensor) -> Result<Vec<f32>, ModelError> {
     for (r, row) in out.chunks_exact_mut(cols.max(1)).enumerate() {
         dequantize_row(t.dtype(), t.row_bytes(r), row)?;
     }
+    #[cfg(unix)]
+    t.release_resident_pages();
     Ok(out)
 }
 
@@ -268,6 +270,10 @@ fn to_f32_vec(t: &Tensor, name: &str, len: usize, offset: f32) -> Result<Vec<f32
     check_shape(t, name, &[len])?;
     let mut out = vec![0f32; len];
     dequantize_row(t.dtype(), t.bytes(), &mut out)?;
+    // The copy replaces the file's bytes, and reading them may have mapped
+    // a large folio of weights already repacked around them.
+    #[cfg(unix)]
+    t.release_resident_pages();
     out.iter_mut().for_each(|v| *v += offset);
     Ok(out)
 }

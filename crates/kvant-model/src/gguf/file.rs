@@ -62,6 +62,13 @@ impl GgufFile {
         self.header.tensors.get(i)
     }
 
+    /// Drops this process's resident pages of the file (see
+    /// [`Storage::release_all_resident_pages`]).
+    #[cfg(unix)]
+    pub fn release_resident_pages(&self) {
+        self.storage.release_all_resident_pages();
+    }
+
     /// A view of tensor `name` in its stored type, borrowing the file bytes.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let info = self

@@ -80,6 +80,13 @@ impl HfDir {
         self.tensor_shard.contains_key(name)
     }
 
+    /// Drops this process's resident pages of every weight file (see
+    /// [`kvant_core::Storage::release_all_resident_pages`]).
+    #[cfg(unix)]
+    pub fn release_resident_pages(&self) {
+        self.shards.iter().for_each(|s| s.release_resident_pages());
+    }
+
     /// A view of tensor `name` in its stored type, borrowing the mapped file.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let shard = self

@@ -68,6 +68,13 @@ impl SafetensorsFile {
         self.entries.contains_key(name)
     }
 
+    /// Drops this process's resident pages of the file (see
+    /// [`Storage::release_all_resident_pages`]).
+    #[cfg(unix)]
+    pub fn release_resident_pages(&self) {
+        self.storage.release_all_resident_pages();
+    }
+
     /// A view of tensor `name` borrowing the mapped bytes.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
         let entry = self

@@ -410,9 +410,10 @@ def _linear_cross_entropy(
     reduction: str,
     want_grad: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(loss, dx, dw, db): gradients of the reduced loss computed in the
-    forward pass (empty for 'none', whose backward recomputes them scaled
-    by grad_output, or without want_grad)."""
+    """(loss, dx, dw, db): the loss in float32 (the kernel's own sum; the
+    public function casts it), gradients of the reduced loss computed in
+    the forward pass (empty for 'none', whose backward recomputes them
+    scaled by grad_output, or without want_grad)."""
     h = x.shape[-1]
     x2 = x.contiguous().view(-1, h)
     w = weight.contiguous()
@@ -428,7 +429,7 @@ def _linear_cross_entropy(
     )
     out = losses.view(target.shape) if reduction == "none" else torch.tensor(loss, dtype=torch.float32)
     return (
-        out.to(x.dtype),
+        out,
         dx.view(x.shape) if dx is not None else x.new_empty(0),
         dw if dw is not None else x.new_empty(0, dtype=torch.float32),
         db if db is not None else x.new_empty(0, dtype=torch.float32),
@@ -437,7 +438,8 @@ def _linear_cross_entropy(
 
 @_linear_cross_entropy.register_fake
 def _(x, weight, target, bias, ignore_index, label_smoothing, z_loss, softcap, reduction, want_grad):
-    out = x.new_empty(target.shape) if reduction == "none" else x.new_empty(())
+    shape = target.shape if reduction == "none" else ()
+    out = x.new_empty(shape, dtype=torch.float32)
     grads = want_grad and reduction != "none"
     dx = torch.empty_like(x) if grads else x.new_empty(0)
     dw = weight.new_empty(weight.shape, dtype=torch.float32) if grads else x.new_empty(0, dtype=torch.float32)
@@ -840,10 +842,16 @@ def linear_cross_entropy(
     reduction: str = "mean",
     z_loss: float = 0.0,
     softcap: Optional[float] = None,
+    loss_dtype: Optional[torch.dtype] = None,
 ) -> Tensor:
     """``cross_entropy(x @ weight.T + bias, target)`` without materialising
     the logits: rows are processed in chunks and both gradients are
-    computed in the forward pass (the weight gradient in float32)."""
+    computed in the forward pass (the weight gradient in float32).
+
+    The loss comes back in ``loss_dtype``: x's dtype by default, as
+    ``F.cross_entropy`` of x-typed logits; ``torch.float32`` gives the
+    kernel's float32 sum unrounded, as Hugging Face's loss (computed from
+    logits upcast to float32) is."""
     _float_check("x", x)
     _float_check("weight", weight)
     if bias is not None:
@@ -857,10 +865,13 @@ def linear_cross_entropy(
     want = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+    if loss_dtype is not None and not loss_dtype.is_floating_point:
+        raise ValueError(f"loss_dtype must be a floating-point dtype, got {loss_dtype}")
     t = target.reshape(x.shape[:-1])
-    return torch.ops.kvant.linear_cross_entropy(
+    loss = torch.ops.kvant.linear_cross_entropy(
         x, weight, t, bias, int(ignore_index), float(label_smoothing), float(z_loss), softcap, reduction, want
     )[0]
+    return loss.to(loss_dtype or x.dtype)
 
 
 def kl_div(input: Tensor, target: Tensor, reduction: str = "batchmean", log_target: bool = False) -> Tensor:

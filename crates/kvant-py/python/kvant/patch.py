@@ -72,6 +72,12 @@ def _register_attention() -> None:
     AttentionMaskInterface.register("kvant", sdpa_mask)
 
 
+def _cache_field(cls: type) -> Optional[str]:
+    """The name an output dataclass gives its KV cache, if it has one."""
+    declared = getattr(cls, "__dataclass_fields__", {})
+    return next((k for k in ("cache", "past_key_values") if k in declared), None)
+
+
 def _causal_lm_forward(
     self,
     input_ids=None,
@@ -115,6 +121,8 @@ def _causal_lm_forward(
             ignore_index=ignore_index,
             reduction="sum" if n_items is not None else "mean",
             softcap=softcap,
+            # Hugging Face's loss is float32 (its logits are upcast first).
+            loss_dtype=torch.float32,
         )
         if n_items is not None:
             loss = loss / (n_items.to(loss.device) if torch.is_tensor(n_items) else n_items)
@@ -125,9 +133,11 @@ def _causal_lm_forward(
             logits = torch.tanh(logits / softcap) * softcap
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
-    extra = {k: outputs[k] for k in ("cache", "past_key_values") if k in outputs}
-    fields = CausalLMOutputWithPast.__dataclass_fields__
-    extra = {k: v for k, v in extra.items() if k in fields}
+    # The KV cache under the name each output class declares: `cache` from
+    # transformers 5.25 (reading `past_key_values` there logs a deprecation
+    # warning on every forward), `past_key_values` before.
+    src, dst = _cache_field(type(outputs)), _cache_field(CausalLMOutputWithPast)
+    extra = {dst: outputs.get(src)} if src and dst else {}
     return CausalLMOutputWithPast(
         loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra
     )
