@@ -78,25 +78,38 @@ def edges(mods):
         body = re.sub(r"^\s*(pub(\([^)]*\))?\s+)?mod\s+\w+\s*;", "", src, flags=re.M)
         body = re.sub(r"^\s*pub(\([^)]*\))?\s+use\s+(self::)?\w+(::\w+)*(::\{[^}]*\})?(::\*)?\s*;", "", body, flags=re.M)
         refs = []
+        # Inline `mod x { .. }` blocks: `super::` inside one is relative to it.
+        inline = []
+        for im in re.finditer(r"\bmod\s+(\w+)\s*\{", body):
+            depth, j = 1, im.end()
+            while j < len(body) and depth:
+                depth += {"{": 1, "}": -1}.get(body[j], 0)
+                j += 1
+            inline.append((im.start(), j, im.group(1)))
+
+        def scope(pos):
+            return [name for a, b, name in inline if a <= pos < b]
+
         for g in GROUP.finditer(body):
             for part in g.group(2).split(","):
                 part = part.strip()
                 if part:
-                    refs.append((g.group(1), part.split("::")))
+                    refs.append((g.group(1), part.split("::"), scope(g.start())))
         for p in PATH.finditer(body):
-            refs.append((p.group(1), p.group(2).split("::")[1:]))
+            refs.append((p.group(1), p.group(2).split("::")[1:], scope(p.start())))
         children = {k[-1] for k in mods if len(k) == len(m) + 1 and k[:-1] == m}
         for c in children:
             for _ in re.finditer(rf"(?<![:\w]){c}::", body):
-                refs.append(("self", [c, "_"]))
-        for head, segs in refs:
+                refs.append(("self", [c, "_"], []))
+        for head, segs, inner in refs:
             segs = [s.strip() for s in segs if s.strip()]
+            here = m + tuple(inner)
             if head == "crate":
                 base = ()
             elif head == "super":
-                base, segs = m, ["super"] + segs
+                base, segs = here, ["super"] + segs
             else:
-                base = m
+                base = here
             t = resolve(mods, base, segs)
             if t is not None and t != m and not (m[: len(t)] == t):
                 out[m].add(t)

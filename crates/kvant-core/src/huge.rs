@@ -163,7 +163,7 @@ impl<T: Plain> HugeSlice<T> {
     }
 
     /// Whether the values are on a map advised for huge pages (else the heap).
-    pub fn on_huge_pages(&self) -> bool {
+    fn on_huge_pages(&self) -> bool {
         matches!(self.inner, Inner::Huge(_))
     }
 }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 /// The largest page-cache folio a read fault maps at once (a PMD's
 /// span on x86-64): the unit [`Storage::release_resident_pages`] rounds to.
-pub const FOLIO_SPAN: usize = 2 << 20;
+const FOLIO_SPAN: usize = 2 << 20;
 
 #[derive(Clone)]
 pub enum Storage {

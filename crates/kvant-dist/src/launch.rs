@@ -15,7 +15,7 @@ pub fn launched_by_mpirun() -> Option<(usize, usize)> {
 }
 
 /// [`launched_by_mpirun`] over any source of variables.
-pub(crate) fn from_env(var: impl Fn(&str) -> Option<String>) -> Option<(usize, usize)> {
+fn from_env(var: impl Fn(&str) -> Option<String>) -> Option<(usize, usize)> {
     let num = |name: &str| var(name).and_then(|v| v.trim().parse::<usize>().ok());
     let pairs = [
         ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),

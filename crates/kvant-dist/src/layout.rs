@@ -83,7 +83,8 @@ pub struct ModelShape {
 
 impl Layout {
     /// The single-process layout.
-    pub const SINGLE: Layout = Layout {
+    #[cfg(test)]
+    const SINGLE: Layout = Layout {
         world: 1,
         tp: 1,
         dp: 1,
@@ -417,8 +418,10 @@ impl Placement {
 
     /// The heaviest rank's load over the mean, for `loads` routed by
     /// this placement with each expert's load spread evenly over its
-    /// replicas (1.0 is perfect balance).
-    pub fn imbalance(&self, loads: &[u64]) -> f64 {
+    /// replicas (1.0 is perfect balance): what the tests measure a
+    /// re-placement by.
+    #[cfg(test)]
+    fn imbalance(&self, loads: &[u64]) -> f64 {
         let per_rank: Vec<f64> = self
             .slots
             .iter()

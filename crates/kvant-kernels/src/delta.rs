@@ -81,7 +81,7 @@ pub enum HeadSharing {
 
 impl DeltaParams {
     /// The key head value head `h` reads.
-    pub fn k_head(&self, h: usize) -> usize {
+    fn k_head(&self, h: usize) -> usize {
         match self.sharing {
             HeadSharing::Grouped => h / (self.n_v_heads / self.n_k_heads),
             HeadSharing::Tiled => h % self.n_k_heads,
@@ -263,7 +263,7 @@ pub fn delta_rule(
 ///
 /// # Errors
 /// As [`delta_rule`].
-pub fn delta_rule_with(
+fn delta_rule_with(
     tier: SimdTier,
     p: &DeltaParams,
     x: DeltaInputs<'_>,

@@ -365,7 +365,7 @@ pub fn global() -> &'static ThreadPool {
 }
 
 /// One thread per core the process may run on.
-pub fn default_threads() -> usize {
+fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 

@@ -114,7 +114,7 @@ impl KvShape {
     /// The element type of the indexer keys: 8-bit (Q8_0) under the
     /// quantized cache types (the indexer only ranks positions, and
     /// DeepSeek itself scores in FP8), the cache's own type otherwise.
-    pub fn index_dtype(&self) -> KvDType {
+    fn index_dtype(&self) -> KvDType {
         match self.dtype {
             KvDType::Q8_0 | KvDType::Q4_0 => KvDType::Q8_0,
             other => other,

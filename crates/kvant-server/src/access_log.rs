@@ -24,7 +24,7 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
-pub const REQUEST_ID: &str = "x-request-id";
+const REQUEST_ID: &str = "x-request-id";
 
 /// What a generation reports into its request's log line.
 #[derive(Debug, Default)]

@@ -3,23 +3,21 @@
 //! grammar tables, which are built on first use and then shared.
 
 use crate::error::ApiError;
-use crate::state::AppState;
 use crate::validate::format::OutputGrammar;
 use kvant_engine::grammar::{Constraint, GrammarCompiler, GrammarError};
 use kvant_model::tokenizer::Tokenizer;
 use std::sync::{Arc, OnceLock};
 
-/// The compiled constraint of `grammar`, fresh for one request (each choice
-/// takes a clone). A grammar that does not compile is a 400 naming the
-/// field it came from.
+/// The compiled constraint of `grammar` against the model's `tables`,
+/// fresh for one request (each choice takes a clone). A grammar that does
+/// not compile is a 400 naming the field it came from.
 pub async fn compile(
-    state: &AppState,
+    tables: Arc<GrammarTables>,
     grammar: Option<&OutputGrammar>,
 ) -> Result<Option<Constraint>, ApiError> {
     let Some(g) = grammar.cloned() else {
         return Ok(None);
     };
-    let tables = state.grammar_tables();
     tokio::task::spawn_blocking(move || {
         let compiler = tables
             .get()

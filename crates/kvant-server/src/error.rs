@@ -106,7 +106,7 @@ impl ApiError {
         Self::new(status, INVALID_REQUEST, message)
     }
 
-    pub fn with_code(mut self, code: &'static str) -> Self {
+    fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
     }

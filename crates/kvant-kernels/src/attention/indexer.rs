@@ -221,7 +221,7 @@ pub fn select_topk_dyn_with(
 ///
 /// # Panics
 /// If the slices or block tables disagree with `p` (a bug in the caller).
-pub fn select_topk_with<T: KvElem>(
+fn select_topk_with<T: KvElem>(
     tier: SimdTier,
     p: &IndexerParams,
     q: &[f32],
@@ -407,19 +407,6 @@ pub fn index_scores_ref(
                 .sum()
         })
         .collect()
-}
-
-/// The reference selection from scores: `None` when every position fits,
-/// else the best `k` positions (ties to the earlier) in ascending order.
-pub fn topk_ref(scores: &[f64], k: usize) -> Option<Vec<u32>> {
-    if scores.len() <= k {
-        return None;
-    }
-    let mut order: Vec<usize> = (0..scores.len()).collect();
-    order.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
-    let mut out: Vec<u32> = order[..k].iter().map(|&j| j as u32).collect();
-    out.sort_unstable();
-    Some(out)
 }
 
 #[cfg(test)]

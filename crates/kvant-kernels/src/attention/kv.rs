@@ -82,7 +82,7 @@ impl KvDType {
     }
 
     /// Bytes of one storage unit.
-    pub fn unit_bytes(self) -> usize {
+    fn unit_bytes(self) -> usize {
         match self {
             KvDType::F32 => 4,
             KvDType::F16 | KvDType::Bf16 => 2,
@@ -250,24 +250,24 @@ fn as_bytes_mut<T: KvElem>(s: &mut [T]) -> &mut [u8] {
 macro_rules! with_kv_elem {
     ($dtype:expr, $t:ident => $body:expr) => {
         match $dtype {
-            $crate::attention::KvDType::F32 => {
+            $crate::attention::kv::KvDType::F32 => {
                 type $t = f32;
                 $body
             }
-            $crate::attention::KvDType::F16 => {
+            $crate::attention::kv::KvDType::F16 => {
                 type $t = half::f16;
                 $body
             }
-            $crate::attention::KvDType::Bf16 => {
+            $crate::attention::kv::KvDType::Bf16 => {
                 type $t = half::bf16;
                 $body
             }
-            $crate::attention::KvDType::Q8_0 => {
-                type $t = $crate::attention::BlockQ8_0;
+            $crate::attention::kv::KvDType::Q8_0 => {
+                type $t = $crate::attention::kv::BlockQ8_0;
                 $body
             }
-            $crate::attention::KvDType::Q4_0 => {
-                type $t = $crate::attention::BlockQ4_0;
+            $crate::attention::kv::KvDType::Q4_0 => {
+                type $t = $crate::attention::kv::BlockQ4_0;
                 $body
             }
         }
@@ -617,7 +617,7 @@ impl KvBuffer {
     ///
     /// # Panics
     /// As [`Self::units`].
-    pub fn units_mut<T: KvElem>(&mut self) -> &mut [T] {
+    fn units_mut<T: KvElem>(&mut self) -> &mut [T] {
         self.check::<T>();
         // SAFETY: as in `units`; the borrow is unique.
         unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut T, self.units) }

@@ -19,6 +19,7 @@
 
 pub mod indexer;
 mod kv;
+mod params;
 mod reference;
 mod rows;
 mod sparse;
@@ -29,6 +30,7 @@ pub use indexer::{select_topk, select_topk_dyn, select_topk_dyn_with, IndexerPar
 pub use kv::{
     load_rows, store_rows, BlockQ4_0, BlockQ8_0, KvBlocks, KvBuffer, KvDType, KvElem, KvLayer,
 };
+pub use params::{AttnParams, SeqAttn};
 pub use reference::attention_ref;
 pub use sparse::{
     sparse_attention, sparse_attention_dyn, sparse_attention_dyn_with, sparse_attention_with,
@@ -36,51 +38,10 @@ pub use sparse::{
 
 use crate::cpu::{self, SimdTier};
 use crate::pool::{self, DisjointSlice};
+use params::MAX_ROWS;
 use rows::{fold, Item, Partial, SeqOperands, State, Tiles, PARTITION};
 use std::cell::RefCell;
 use std::ops::Range;
-
-/// Shape and policy of one attention call.
-#[derive(Clone, Copy, Debug)]
-pub struct AttnParams {
-    pub n_heads: usize,
-    pub n_kv_heads: usize,
-    /// Query and key size per head.
-    pub head_dim: usize,
-    /// Value (and output) size per head: `head_dim`, except in latent
-    /// attention, whose values are the first `v_dim` key elements.
-    pub v_dim: usize,
-    /// Multiplies q·k (usually `1/sqrt(head_dim)`).
-    pub scale: f32,
-    /// Sliding window: a query at position p sees keys in `(p - w, p]`.
-    pub window: Option<usize>,
-}
-
-impl AttnParams {
-    fn key_range(&self, pos: usize) -> Range<usize> {
-        let lo = match self.window {
-            Some(w) => (pos + 1).saturating_sub(w),
-            None => 0,
-        };
-        lo..pos + 1
-    }
-}
-
-/// One sequence of a batched call: its query rows (`rows`, token indices
-/// into the call's `q` and `out`), the position of the first, and where its
-/// keys live. The table must cover `pos0 + rows.len()` positions, whose
-/// keys and values (the query tokens' own included) are already stored.
-#[derive(Clone, Debug)]
-pub struct SeqAttn<'a> {
-    pub rows: Range<usize>,
-    pub pos0: usize,
-    pub table: &'a [u32],
-}
-
-/// Query rows per work item: a GQA group's heads times a few tokens, as
-/// many as share each loaded (widened) key tile while the scores and
-/// accumulators stay in L1.
-const MAX_ROWS: usize = 24;
 
 /// Work items wanted per pool thread, for balance (late rows see more keys).
 const ITEMS_PER_THREAD: usize = 4;
@@ -205,7 +166,7 @@ pub fn attention_dyn_with(
 /// # Panics
 /// If the slices, block tables or rows disagree with `p` and `kv` (a bug in
 /// the calling model or engine code: block tables are engine-made).
-pub fn attention_with<T: KvElem>(
+fn attention_with<T: KvElem>(
     tier: SimdTier,
     p: &AttnParams,
     q: &[f32],

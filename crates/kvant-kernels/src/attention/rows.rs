@@ -19,7 +19,7 @@
 //! batch of 64, after a chunked prefill or after a prefix-cache hit.
 
 use super::kv::{KvBlocks, KvElem};
-use super::{AttnParams, MAX_ROWS};
+use super::params::{AttnParams, MAX_ROWS};
 use crate::cpu::SimdTier;
 use crate::dot::dot_keys_with;
 use crate::lanes::{Lanes, RowSet};

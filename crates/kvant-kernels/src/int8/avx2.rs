@@ -42,7 +42,7 @@ impl TokenPtrs {
     /// # Panics
     /// If `t` is not a token of `x`.
     #[inline(always)]
-    pub(crate) fn of(x: &super::Q8Activations, t: usize) -> Self {
+    pub(crate) fn of(x: &super::activations::Q8Activations, t: usize) -> Self {
         let (q, d, s) = x.token(t);
         TokenPtrs {
             q: q.as_ptr(),
@@ -62,7 +62,10 @@ impl TokenPtrs {
     /// # Panics
     /// If a token is not one of `x`'s.
     #[inline(always)]
-    pub(crate) fn tile<const T: usize>(x: &super::Q8Activations, t0: usize) -> [Self; T] {
+    pub(crate) fn tile<const T: usize>(
+        x: &super::activations::Q8Activations,
+        t0: usize,
+    ) -> [Self; T] {
         let none = TokenPtrs {
             q: std::ptr::null(),
             d: std::ptr::null(),
@@ -171,7 +174,7 @@ pub(crate) trait Dot {
 
 /// AVX2: `vpmaddubsw` (pairs into i16, never saturating for these
 /// formats: see each kernel) and `vpmaddwd` to widen.
-pub(crate) struct Madd;
+pub struct Madd;
 
 impl Dot for Madd {
     const OFFSET_Q8: bool = false;
@@ -196,7 +199,7 @@ impl Dot for Madd {
 }
 
 /// AVX-512 VNNI: `vpdpbusd` into i32 lanes.
-pub(crate) struct Vnni;
+pub struct Vnni;
 
 impl Dot for Vnni {
     const OFFSET_Q8: bool = true;

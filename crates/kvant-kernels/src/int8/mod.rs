@@ -114,7 +114,7 @@ pub fn gemm_batch(
 }
 
 /// [`gemm_batch`] on a given tier.
-pub fn gemm_batch_with(
+fn gemm_batch_with(
     tier: SimdTier,
     ws: &[&PackedMatrix],
     x: &Q8Activations,

@@ -107,7 +107,7 @@ impl PackedFormat {
     }
 
     /// Weights per block of one row.
-    pub(crate) const fn block_elems(self) -> usize {
+    const fn block_elems(self) -> usize {
         match self {
             PackedFormat::Q4K | PackedFormat::Q5K | PackedFormat::Q6K => QK_K,
             PackedFormat::Q4Sym | PackedFormat::Q4Asym | PackedFormat::Q8 => QK,

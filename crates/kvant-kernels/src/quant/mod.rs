@@ -11,6 +11,7 @@
 //! floats with the tier's f32 kernels (`crate::dot`), so a format's only
 //! fast kernel is its dequantizer.
 
+mod fields;
 mod float;
 mod q2_k;
 mod q3_k;
@@ -33,11 +34,6 @@ use crate::dot::dot_f32_with;
 use crate::error::{check_len, KernelError};
 use kvant_core::dtype::QK_K;
 use kvant_core::DType;
-
-/// Little-endian f16 at byte `off` of a block, widened exactly to f32.
-fn f16_at(block: &[u8], off: usize) -> f32 {
-    half::f16::from_le_bytes([block[off], block[off + 1]]).to_f32()
-}
 
 /// Dequantizes whole blocks from `src` into `dst`. `unsafe` because the fast
 /// variants need the CPU features of the tier they were chosen for; every
@@ -248,20 +244,6 @@ pub fn quantize_row_with(
     let _ = tier;
     quantize(src, dst);
     Ok(())
-}
-
-/// The value of largest magnitude in `x`, its sign kept (the first of
-/// equal magnitudes; 0 for none): what sets the scale of ggml's symmetric
-/// legacy quantizers (Q4_0, Q5_0).
-pub(crate) fn signed_absmax(x: &[f32]) -> f32 {
-    let (mut amax, mut max) = (0f32, 0f32);
-    for &v in x {
-        if amax < v.abs() {
-            amax = v.abs();
-            max = v;
-        }
-    }
-    max
 }
 
 /// The scalar reference dequantizer, matching ggml's `dequantize_row_*`.

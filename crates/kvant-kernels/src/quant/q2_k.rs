@@ -5,7 +5,7 @@
 //! uses 32 bytes of `qs`; shift `2j` of byte `l` (l < 32) gives weight
 //! `32j + l` of that half. `w = d·scale · q - dmin·min`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 16 + QK_K / 4 + 2 + 2;

@@ -8,7 +8,7 @@
 //! two-bit pairs in bytes 8..12 (group `g` at byte `8 + g % 4`, shift
 //! `2·(g / 4)`), stored with an offset of 32. `w = d·(scale - 32) · q`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;

@@ -3,7 +3,7 @@
 //! Block (20 bytes): `d: f16`, `m: f16`, `qs: [u8; 16]`, nibbles ordered as in
 //! Q4_0; `w = q · d + m`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 4 + QK / 2;

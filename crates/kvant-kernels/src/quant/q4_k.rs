@@ -4,7 +4,7 @@
 //! Each 64 weights use 32 bytes of `qs`: low nibbles are group `2c`, high
 //! nibbles group `2c + 1`. `w = d·scale · q - dmin·min`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
@@ -41,7 +41,7 @@ pub(crate) fn group_scales(b: &[u8]) -> [(f32, f32); 8] {
 /// instead of sixteen byte lookups, and no byte stores for a vector load to
 /// wait on.
 #[cfg(any(target_arch = "x86_64", test))]
-pub(crate) fn unpack_scales(packed: &[u8; 12]) -> [u32; 4] {
+fn unpack_scales(packed: &[u8; 12]) -> [u32; 4] {
     const LOW6: u32 = 0x3F3F_3F3F;
     const LOW4: u32 = 0x0F0F_0F0F;
     const LOW2: u32 = 0x0303_0303;
@@ -306,7 +306,7 @@ pub(crate) mod avx2 {
     /// # Safety
     /// The CPU supports AVX2; `x` holds 256 values.
     #[target_feature(enable = "avx2")]
-    pub(crate) unsafe fn first_pass(x: &[f32], l_out: &mut [u8; QK_K]) -> ([f32; 8], [f32; 8]) {
+    pub(super) unsafe fn first_pass(x: &[f32], l_out: &mut [u8; QK_K]) -> ([f32; 8], [f32; 8]) {
         debug_assert_eq!(x.len(), QK_K);
         // Lanes across groups: xs[i] holds value i of each group.
         let xs: [__m256; 32] = std::array::from_fn(|i| {

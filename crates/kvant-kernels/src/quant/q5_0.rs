@@ -4,7 +4,7 @@
 //! bit of weight `j`), `qs: [u8; 16]` (low nibbles ordered as in Q4_0);
 //! `w = (q - 16) · d`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + 4 + QK / 2;
@@ -32,7 +32,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
     debug_assert_eq!(src.len() / QK * BLOCK_BYTES, dst.len());
     for (x, b) in src.chunks_exact(QK).zip(dst.chunks_exact_mut(BLOCK_BYTES)) {
-        let d = super::signed_absmax(x) / -16.0;
+        let d = super::fields::signed_absmax(x) / -16.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         b[..2].copy_from_slice(&half::f16::from_f32(d).to_le_bytes());
         // C's `(int8_t)` conversion truncates toward zero, as `as i8` does

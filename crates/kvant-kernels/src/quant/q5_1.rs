@@ -3,7 +3,7 @@
 //! Block (24 bytes): `d: f16`, `m: f16`, `qh: u32`, `qs: [u8; 16]`, bits
 //! ordered as in Q5_0; `w = q · d + m`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + 2 + 4 + QK / 2;

@@ -7,7 +7,7 @@
 //! bit pairs 0, 2, 4, 6 of `qh[l]` as their top two bits, offset by 32.
 //! `w = d·scale · q`, with the scale of group `(index within half) / 16`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;

@@ -2,7 +2,7 @@
 //!
 //! Block (34 bytes): `d: f16`, `qs: [i8; 32]`.
 
-use super::f16_at;
+use super::fields::f16_at;
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + QK;

@@ -59,7 +59,7 @@ pub(crate) unsafe fn f16_pair_splat(p: *const u8) -> (__m256, __m256) {
 /// and as `u8` otherwise.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
+fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
     let lo = _mm256_castsi256_si128(v);
     let hi = _mm256_extracti128_si256(v, 1);
     let parts = [lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)];

@@ -9,7 +9,7 @@ use super::error::{GgufError, Result};
 
 /// A read that ran past the end of the bytes.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Short {
+pub struct Short {
     offset: usize,
     needed: usize,
     available: usize,

@@ -149,7 +149,7 @@ impl<'a> GgufWriter<'a> {
     }
 
     /// Writes the whole file to `out`.
-    pub fn write_to(&self, out: &mut impl Write) -> Result<()> {
+    fn write_to(&self, out: &mut impl Write) -> Result<()> {
         out.write_all(&self.header_bytes()?)
             .map_err(GgufError::Write)?;
         for t in &self.tensors {

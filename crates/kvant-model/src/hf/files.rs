@@ -11,7 +11,7 @@ use std::path::Path;
 pub const MAX_SIDE_FILE_LEN: u64 = 64 << 20;
 
 /// Reads a whole file of at most [`MAX_SIDE_FILE_LEN`] bytes.
-pub(crate) fn read_capped(path: &Path) -> Result<Vec<u8>> {
+fn read_capped(path: &Path) -> Result<Vec<u8>> {
     let io = |source| HfError::Io {
         path: path.to_path_buf(),
         source,

@@ -1,17 +1,19 @@
 //! `tokenizer.ggml.model = "gpt2"`: byte-level BPE from the vocabulary and merges, split first by
 //! the regexes `tokenizer.ggml.pre` names (see `pre_tokenizer`).
 
+use super::byte_level;
+use super::error::TokenizerError;
 use super::gguf_vocab::{add_special, added_tokens, vocab_map};
+use super::parts::Parts;
 use super::pieces::PieceTable;
 use super::pre_tokenizer::{bpe_split, sequence};
 use super::spec::{GgufTokenizerSpec, TokenType};
-use super::{byte_level, Tokenizer, TokenizerError};
 use std::collections::HashSet;
 use tokenizers::models::bpe::{Merges, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::PreTokenizerWrapper;
 
-pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerError> {
+pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Parts, TokenizerError> {
     let split = bpe_split(spec.pre.as_deref())?;
     // A byte whose token the vocabulary lacks (SmolLM2 has none for 0x04) is dropped from the
     // input, as llama.cpp and transformers drop it.
@@ -49,9 +51,8 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
         }
     }
     let pre = spec.pre.as_deref().unwrap_or("default");
-    Ok(Tokenizer {
+    Ok(Parts {
         engine,
-        literal: std::sync::OnceLock::new(),
         pieces,
         add_special: add_special(spec, split.add_bos)?,
         bos: spec.bos_id,

@@ -9,10 +9,11 @@
 //! same step (SentencePiece then takes the leftmost), which the fixtures do not hit.
 
 use super::byte_fallback::{byte_token, parse_byte_token};
+use super::error::TokenizerError;
 use super::gguf_vocab::{add_special, added_tokens, vocab_map};
+use super::parts::Parts;
 use super::pieces::PieceTable;
 use super::spec::{GgufTokenizerSpec, TokenType};
-use super::{Tokenizer, TokenizerError};
 use tokenizers::models::bpe::{Merges, Vocab, BPE};
 use tokenizers::normalizers::{Prepend, Replace, Sequence};
 use tokenizers::NormalizerWrapper;
@@ -23,7 +24,7 @@ const SPACE: &str = "\u{2581}";
 /// dozen bytes, and a longer one stays reachable as a whole when it is an added token.
 const MAX_MERGE_TOKEN_BYTES: usize = 256;
 
-pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerError> {
+pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Parts, TokenizerError> {
     let scores = spec.scores.as_deref().ok_or_else(|| {
         TokenizerError::InvalidSpec("SentencePiece vocabulary without tokenizer.ggml.scores".into())
     })?;
@@ -83,9 +84,8 @@ pub(super) fn build(spec: &GgufTokenizerSpec) -> Result<Tokenizer, TokenizerErro
             }
         }
     }
-    Ok(Tokenizer {
+    Ok(Parts {
         engine,
-        literal: std::sync::OnceLock::new(),
         pieces,
         add_special: add_special(spec, true)?,
         bos: spec.bos_id,

@@ -1,8 +1,9 @@
 //! What the byte-level and SentencePiece GGUF builders share: the token → id map, the tokens
 //! matched verbatim in text, and the BOS/EOS policy.
 
+use super::error::TokenizerError;
+use super::parts::AddSpecial;
 use super::spec::{GgufTokenizerSpec, TokenType};
-use super::{AddSpecial, TokenizerError};
 use tokenizers::models::bpe::Vocab;
 use tokenizers::AddedToken;
 

@@ -7,8 +7,10 @@
 //! Gemma). Anything else is refused rather than decoded differently from transformers.
 
 use super::byte_fallback::parse_byte_token;
+use super::byte_level;
+use super::error::TokenizerError;
+use super::parts::{AddSpecial, Parts};
 use super::pieces::PieceTable;
-use super::{byte_level, AddSpecial, Tokenizer, TokenizerError};
 use serde_json::Value;
 use std::path::Path;
 use std::str::FromStr;
@@ -19,7 +21,7 @@ pub(super) fn build(
     path: &Path,
     tokenizer_config: Option<&Value>,
     generation_config: Option<&Value>,
-) -> Result<Tokenizer, TokenizerError> {
+) -> Result<Parts, TokenizerError> {
     let text = std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
         path: path.to_path_buf(),
         source,
@@ -120,9 +122,8 @@ pub(super) fn build(
         .and_then(|m| m.get("type"))
         .and_then(Value::as_str)
         .unwrap_or("tokenizer");
-    Ok(Tokenizer {
+    Ok(Parts {
         engine,
-        literal: std::sync::OnceLock::new(),
         pieces,
         add_special: AddSpecial::PostProcessor { adds_bos },
         bos,

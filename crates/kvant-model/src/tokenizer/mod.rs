@@ -14,6 +14,7 @@ mod gguf_bpe;
 mod gguf_spm;
 mod gguf_vocab;
 mod hf;
+mod parts;
 mod pieces;
 mod pre_tokenizer;
 mod spec;
@@ -23,6 +24,7 @@ pub use error::TokenizerError;
 pub use spec::GgufTokenizerSpec;
 pub use stream::DecodeStream;
 
+use parts::{AddSpecial, Parts};
 use pieces::PieceTable;
 use serde_json::Value;
 use std::path::Path;
@@ -39,24 +41,17 @@ pub struct Tokenizer {
     kind: String,
 }
 
-/// Who adds BOS/EOS when `encode` is asked for special tokens.
-enum AddSpecial {
-    /// GGUF: kvant adds them as `tokenizer.ggml.add_{bos,eos}_token` say.
-    Manual { bos: Option<u32>, eos: Option<u32> },
-    /// tokenizer.json: its post-processor does; `adds_bos` records whether that includes BOS.
-    PostProcessor { adds_bos: bool },
-}
-
 impl Tokenizer {
     /// Builds the tokenizer a GGUF's metadata describes: "gpt2" (byte-level BPE, split as
     /// `tokenizer.ggml.pre` says) or "llama" (SentencePiece BPE with byte fallback).
     pub fn from_gguf_spec(spec: &GgufTokenizerSpec) -> Result<Self, TokenizerError> {
         spec.validate()?;
-        match spec.model.as_str() {
-            "gpt2" => gguf_bpe::build(spec),
-            "llama" => gguf_spm::build(spec),
-            other => Err(TokenizerError::UnsupportedModel(other.to_string())),
-        }
+        let parts = match spec.model.as_str() {
+            "gpt2" => gguf_bpe::build(spec)?,
+            "llama" => gguf_spm::build(spec)?,
+            other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
+        };
+        Ok(Tokenizer::from_parts(parts))
     }
 
     /// Loads a Hugging Face tokenizer.json. BOS comes from `tokenizer_config["bos_token"]`
@@ -67,7 +62,19 @@ impl Tokenizer {
         tokenizer_config: Option<&Value>,
         generation_config: Option<&Value>,
     ) -> Result<Self, TokenizerError> {
-        hf::build(tokenizer_json, tokenizer_config, generation_config)
+        hf::build(tokenizer_json, tokenizer_config, generation_config).map(Tokenizer::from_parts)
+    }
+
+    fn from_parts(p: Parts) -> Self {
+        Tokenizer {
+            engine: p.engine,
+            literal: std::sync::OnceLock::new(),
+            pieces: p.pieces,
+            add_special: p.add_special,
+            bos: p.bos,
+            eos: p.eos,
+            kind: p.kind,
+        }
     }
 
     /// Token ids for `text`. Special tokens written in the text (e.g. `<|im_start|>`) become
@@ -119,7 +126,7 @@ impl Tokenizer {
 
     /// A stream that turns ids, fed one at a time, into text without splitting characters.
     pub fn decode_stream(&self, skip_special: bool) -> DecodeStream<'_> {
-        DecodeStream::new(self, skip_special)
+        DecodeStream::new(&self.pieces, skip_special)
     }
 
     /// The text of one token as it appears inside decoded text (so "▁the" is " the", and a lone
@@ -162,9 +169,5 @@ impl Tokenizer {
     /// What kind of tokenizer this is, for `kvant info`: e.g. "byte-level BPE (smollm)".
     pub fn kind(&self) -> &str {
         &self.kind
-    }
-
-    fn pieces(&self) -> &PieceTable {
-        &self.pieces
     }
 }

@@ -8,7 +8,7 @@
 //! additive at any point where the bytes so far end on a complete character, which is what lets
 //! `DecodeStream` emit text early and still agree exactly with `decode`.
 
-use super::TokenizerError;
+use super::error::TokenizerError;
 
 /// One vocabulary's pieces, stored back to back.
 #[derive(Debug)]

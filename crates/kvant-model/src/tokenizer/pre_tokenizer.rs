@@ -6,7 +6,7 @@
 //!
 //! Unknown names are an error: a wrong split silently produces token ids the model never saw.
 
-use super::TokenizerError;
+use super::error::TokenizerError;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::Split;
 use tokenizers::{PreTokenizerWrapper, SplitDelimiterBehavior};
@@ -21,7 +21,7 @@ const DEEPSEEK3_WORDS: &str = r##"[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]
 
 /// A pre-tokenizer family: its regexes and the defaults llama.cpp sets with it.
 #[derive(Debug, PartialEq)]
-pub(crate) struct BpeSplit {
+pub struct BpeSplit {
     pub(crate) regexes: &'static [&'static str],
     /// Take a whole pre-token that is itself in the vocabulary without merging (Llama 3).
     pub(crate) ignore_merges: bool,

@@ -2,7 +2,7 @@
 //! converter writes. Keeping this free of any GGUF reader lets the tokenizer be built and tested
 //! from JSON fixtures, and lets the checkpoint loader fill it from whatever reads the file.
 
-use super::TokenizerError;
+use super::error::TokenizerError;
 
 /// `tokenizer.ggml.*` metadata. Field names follow the keys (`token_type` → `token_types`,
 /// `unknown_token_id` → `unk_id`, `padding_token_id` → `pad_id`, `add_bos_token` → `add_bos`).

@@ -6,12 +6,13 @@
 //! decoding is the lossy UTF-8 of the concatenated pieces (see `pieces`), text emitted at such
 //! points plus `flush` is exactly `Tokenizer::decode` of all the ids.
 
+use super::error::TokenizerError;
 use super::pieces::leading_spaces;
-use super::{Tokenizer, TokenizerError};
+use super::pieces::PieceTable;
 
 /// Turns ids, one at a time, into newly completed text.
 pub struct DecodeStream<'t> {
-    tokenizer: &'t Tokenizer,
+    pieces: &'t PieceTable,
     skip_special: bool,
     /// Bytes received but not yet emitted: at most an incomplete character.
     pending: Vec<u8>,
@@ -22,9 +23,9 @@ pub struct DecodeStream<'t> {
 }
 
 impl<'t> DecodeStream<'t> {
-    pub(crate) fn new(tokenizer: &'t Tokenizer, skip_special: bool) -> Self {
+    pub(crate) fn new(pieces: &'t PieceTable, skip_special: bool) -> Self {
         DecodeStream {
-            tokenizer,
+            pieces,
             skip_special,
             pending: Vec::new(),
             stripped: 0,
@@ -34,7 +35,7 @@ impl<'t> DecodeStream<'t> {
 
     /// Feeds one id; returns the text it completes, if any. Never splits a UTF-8 character.
     pub fn step(&mut self, id: u32) -> Result<Option<String>, TokenizerError> {
-        let Some(piece) = self.tokenizer.pieces().piece(id, self.skip_special)? else {
+        let Some(piece) = self.pieces.piece(id, self.skip_special)? else {
             return Ok(None);
         };
         self.pending.extend_from_slice(piece);
@@ -57,11 +58,7 @@ impl<'t> DecodeStream<'t> {
 
     fn emit(&mut self, mut text: String) -> Option<String> {
         if !self.started {
-            let limit = self
-                .tokenizer
-                .pieces()
-                .strip_leading()
-                .saturating_sub(self.stripped);
+            let limit = self.pieces.strip_leading().saturating_sub(self.stripped);
             let strip = leading_spaces(&text, limit);
             text.drain(..strip);
             self.stripped += strip;

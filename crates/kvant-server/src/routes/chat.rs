@@ -37,7 +37,7 @@ pub async fn handle(
     let param = prompt.param();
     let (ids, constraint) = tokio::try_join!(
         prompt::tokenize(&state, prompt),
-        constrain::compile(&state, plan.grammar.as_ref())
+        constrain::compile(state.grammar_tables(), plan.grammar.as_ref())
     )?;
     let stats = stats.map(|Extension(s)| s).unwrap_or_default();
     let gen = generation::start(&state, vec![ids], &plan, constraint, param, stats)?;

@@ -47,8 +47,10 @@ pub async fn handle(
     let tokenized = futures_util::future::try_join_all(
         prompts.into_iter().map(|p| prompt::tokenize(&state, p)),
     );
-    let (ids, constraint) =
-        tokio::try_join!(tokenized, constrain::compile(&state, plan.grammar.as_ref()))?;
+    let (ids, constraint) = tokio::try_join!(
+        tokenized,
+        constrain::compile(state.grammar_tables(), plan.grammar.as_ref())
+    )?;
     let stats = stats.map(|Extension(s)| s).unwrap_or_default();
     let gen = generation::start(&state, ids, &plan, constraint, "prompt", stats)?;
     let header = Header::new("cmpl", OBJECT, unix_now(), &state.config().model_name);

@@ -13,12 +13,12 @@ use serde_json::Value;
 /// Tokens generated when `max_tokens` is omitted: OpenAI's and vLLM's
 /// default for this endpoint (filling the context instead held a slot for
 /// minutes, 8191 tokens with the default model).
-pub const DEFAULT_MAX_TOKENS: usize = 16;
+const DEFAULT_MAX_TOKENS: usize = 16;
 
 /// Prompts one request may carry.
-pub const MAX_PROMPTS: usize = 64;
+const MAX_PROMPTS: usize = 64;
 /// Sequences one request may start: prompts × (`best_of` or `n`).
-pub const MAX_SEQUENCES: usize = 128;
+const MAX_SEQUENCES: usize = 128;
 
 pub fn parse(body: &Value, state: &AppState) -> Result<(Vec<PromptInput>, Plan), ApiError> {
     let c: CommonFields = fields(body)?;

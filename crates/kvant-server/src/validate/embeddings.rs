@@ -12,7 +12,7 @@ use serde_json::Value;
 
 /// OpenAI's limit on inputs per request. They run a window at a time (as
 /// many as the queue takes), so a large batch waits rather than failing.
-pub const MAX_INPUTS: usize = 2048;
+const MAX_INPUTS: usize = 2048;
 
 /// A validated embeddings request, less its inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

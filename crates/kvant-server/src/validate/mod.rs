@@ -18,9 +18,9 @@ use serde_json::{Map, Value};
 
 /// Choices one request may ask for: each is a sequence with its own KV
 /// blocks, so `n` multiplies a request's cost.
-pub const MAX_CHOICES: usize = 16;
+const MAX_CHOICES: usize = 16;
 /// OpenAI's limit on stop sequences.
-pub const MAX_STOP: usize = 4;
+const MAX_STOP: usize = 4;
 /// OpenAI's range for `temperature`.
 const MAX_TEMPERATURE: f64 = 2.0;
 /// OpenAI's range for the presence and frequency penalties: ±this.

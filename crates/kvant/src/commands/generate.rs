@@ -1,6 +1,6 @@
 //! `kvant generate`.
 
-use super::read_utf8;
+use super::input::read_utf8;
 use crate::args::GenerateArgs;
 use crate::ranks::{self, Run};
 use anyhow::{Context, Result};

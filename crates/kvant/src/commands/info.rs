@@ -1,6 +1,6 @@
 //! `kvant info`.
 
-use super::load_model;
+use super::input::load_model;
 use crate::args::ModelArg;
 use anyhow::Result;
 

@@ -4,15 +4,16 @@ mod bench;
 mod chat;
 mod generate;
 mod info;
+mod input;
 mod perplexity;
 mod quantize;
 mod serve;
 mod tokenize;
 
-use crate::args::{Cli, Command, ModelArg};
+use crate::args::{Cli, Command};
 use crate::fetch;
-use anyhow::{Context, Result};
-use kvant_model::LoadedModel;
+use anyhow::Result;
+use input::read_utf8;
 
 pub fn run(cli: Cli) -> Result<()> {
     let threads = cli.threads();
@@ -39,23 +40,4 @@ pub fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
-}
-
-/// Resolves `--model` (or its defaults) and loads it.
-pub fn load_model(arg: &ModelArg) -> Result<LoadedModel> {
-    let path = fetch::resolve_model(arg.model.as_deref())?;
-    kvant_model::load_with(&path, arg.load_options())
-        .with_context(|| format!("loading {}", path.display()))
-}
-
-/// Reads a UTF-8 text file, naming the file and the byte offset of bad UTF-8.
-pub fn read_utf8(path: &std::path::Path) -> Result<String> {
-    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not valid UTF-8 (invalid byte at offset {})",
-            path.display(),
-            e.utf8_error().valid_up_to()
-        )
-    })
 }

@@ -4,7 +4,7 @@
 //! after its first is predicted from its prefix within the window, and
 //! PPL = exp(mean negative log-likelihood over all predicted tokens).
 
-use super::read_utf8;
+use super::input::read_utf8;
 use crate::args::PerplexityArgs;
 use crate::ranks::{self, Run};
 use anyhow::{bail, Result};
