@@ -67,6 +67,15 @@ fn check(name: &str) {
     }
 }
 
+/// `source` compiled without special tokens and rendered for one user
+/// message "hi", without the generation prompt.
+fn render_hi(source: &str) -> String {
+    ChatTemplate::new(source, None, None)
+        .expect("compiles")
+        .render(&[ChatMessage::new("user", "hi")], false)
+        .expect("renders")
+}
+
 #[test]
 fn templates_can_be_shared_across_threads() {
     fn assert_send_sync<T: Send + Sync>() {}
@@ -102,15 +111,7 @@ fn tojson_and_python_methods_match_transformers() {
 
 #[test]
 fn absent_special_tokens_are_undefined() {
-    let t = ChatTemplate::new(
-        "{{ bos_token is defined }} {{ eos_token }}|{{ tools is none }}",
-        None,
-        None,
-    )
-    .expect("compiles");
-    let out = t
-        .render(&[ChatMessage::new("user", "hi")], false)
-        .expect("renders");
+    let out = render_hi("{{ bos_token is defined }} {{ eos_token }}|{{ tools is none }}");
     // Jinja prints booleans the Python way.
     assert_eq!(out, "False |True");
 }
@@ -168,15 +169,7 @@ fn runaway_templates_are_stopped() {
 
 #[test]
 fn strftime_now_formats_the_current_date() {
-    let t = ChatTemplate::new(
-        "{{ strftime_now('%Y') }}|{{ strftime_now('%d %b %Y') | length }}",
-        None,
-        None,
-    )
-    .expect("compiles");
-    let out = t
-        .render(&[ChatMessage::new("user", "hi")], false)
-        .expect("renders");
+    let out = render_hi("{{ strftime_now('%Y') }}|{{ strftime_now('%d %b %Y') | length }}");
     let (year, len) = out.split_once('|').expect("two parts");
     let year: i32 = year.parse().expect("a year");
     assert!((2024..3000).contains(&year), "{out}");

@@ -4,6 +4,8 @@
 //! count-sized allocation; the last test reruns this file under a small
 //! address-space limit to prove the second part.
 
+mod hostile;
+
 use kvant_core::{DType, Storage};
 use kvant_model::gguf::{Array, GgufError, GgufFile, GgufWriter, Value, MAX_ARRAY_DEPTH};
 use rand::{Rng, SeedableRng};
@@ -82,15 +84,11 @@ fn patched(f: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
 /// Parses `bytes`, expects an error whose message contains every `needle`.
 #[track_caller]
 fn expect_err(bytes: &[u8], needles: &[&str]) -> GgufError {
-    let err = match parse(bytes) {
-        Ok(g) => panic!("parsed a hostile file: {g:?}"),
-        Err(e) => e,
-    };
-    let msg = err.to_string();
-    for n in needles {
-        assert!(msg.contains(n), "{msg:?} lacks {n:?}");
-    }
-    err
+    hostile::err_naming(
+        parse(bytes),
+        |g| format!("parsed a hostile file: {g:?}"),
+        needles,
+    )
 }
 
 #[test]
@@ -383,24 +381,5 @@ const ULIMIT_KIB: u64 = 1 << 20;
 
 #[test]
 fn hostile_cases_run_under_a_small_address_space_limit() {
-    if std::env::var_os("KVANT_UNDER_ULIMIT").is_some() {
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "ulimit -v {ULIMIT_KIB} && exec \"$0\" --skip under_a_small --test-threads 2"
-        ))
-        .arg(&exe)
-        .env("KVANT_UNDER_ULIMIT", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "hostile tests failed under `ulimit -v {ULIMIT_KIB}` ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    hostile::rerun_under_address_limit(ULIMIT_KIB);
 }

@@ -4,8 +4,10 @@
 //! Needs `KVANT_MODEL` (path to the .gguf; `cargo run -p kvant -- fetch`
 //! downloads it). With `KVANT_SKIP_REAL_MODEL=1` the tests are skipped.
 
+mod common;
+
 use kvant_core::DType;
-use kvant_model::gguf::{GgufFile, GgufWriter};
+use kvant_model::gguf::GgufFile;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -107,20 +109,7 @@ fn default_model_metadata_and_tensors() {
 fn writer_reproduces_the_default_model_byte_for_byte() {
     let Some(path) = real_model() else { return };
     let g = GgufFile::open(&path).unwrap();
-    let mut w = GgufWriter::new();
-    for (k, v) in g.metadata() {
-        w.add(k, v.clone()).unwrap();
-    }
-    let tensors: Vec<_> = g
-        .tensor_infos()
-        .iter()
-        .map(|i| g.tensor(&i.name).unwrap())
-        .collect();
-    for (info, t) in g.tensor_infos().iter().zip(&tensors) {
-        w.add_tensor(info.name.clone(), info.dtype, &info.shape, t.bytes())
-            .unwrap();
-    }
-    let written = w.to_bytes().unwrap();
+    let written = common::rewritten(&g);
     let original = std::fs::read(&path).unwrap();
     assert_eq!(written.len(), original.len());
     assert!(

@@ -2,6 +2,8 @@
 //! optional tokenizer/generation/chat-template files, and broken directories
 //! (missing or escaping shards, bad JSON, missing files).
 
+mod hostile;
+
 use kvant_core::DType;
 use kvant_model::hf::{HfDir, HfError, MAX_SIDE_FILE_LEN};
 use safetensors::tensor::{serialize, TensorView};
@@ -75,15 +77,8 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 #[track_caller]
 fn expect_err(dir: &Path, needles: &[&str]) -> HfError {
-    let err = match HfDir::open(dir) {
-        Ok(_) => panic!("opened a broken directory"),
-        Err(e) => e,
-    };
-    let msg = err.to_string();
-    for n in needles {
-        assert!(msg.contains(n), "{msg:?} lacks {n:?}");
-    }
-    err
+    let opened = |_| "opened a broken directory".to_string();
+    hostile::err_naming(HfDir::open(dir), opened, needles)
 }
 
 #[test]

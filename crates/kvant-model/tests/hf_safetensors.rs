@@ -3,6 +3,8 @@
 //! sizes, dtypes, JSON) give clear errors, never a panic or a large
 //! allocation (the last test reruns this file under an address-space limit).
 
+mod hostile;
+
 use kvant_core::{DType, Storage};
 use kvant_model::hf::{HfError, SafetensorsFile};
 use rand::{Rng, SeedableRng};
@@ -58,18 +60,11 @@ fn raw(header: &str, data: &[u8]) -> Vec<u8> {
 
 #[track_caller]
 fn expect_err(bytes: &[u8], needles: &[&str]) -> HfError {
-    let err = match open(bytes) {
-        Ok(f) => panic!(
-            "opened a hostile file with {:?}",
-            f.names().collect::<Vec<_>>()
-        ),
-        Err(e) => e,
+    let opened = |f: SafetensorsFile| {
+        let names: Vec<_> = f.names().collect();
+        format!("opened a hostile file with {names:?}")
     };
-    let msg = err.to_string();
-    for n in needles {
-        assert!(msg.contains(n), "{msg:?} lacks {n:?}");
-    }
-    err
+    hostile::err_naming(open(bytes), opened, needles)
 }
 
 #[test]
@@ -238,23 +233,5 @@ const ULIMIT_KIB: u64 = 1 << 20;
 
 #[test]
 fn hostile_cases_run_under_a_small_address_space_limit() {
-    if std::env::var_os("KVANT_UNDER_ULIMIT").is_some() {
-        return;
-    }
-    let out = std::process::Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "ulimit -v {ULIMIT_KIB} && exec \"$0\" --skip under_a_small --test-threads 2"
-        ))
-        .arg(std::env::current_exe().unwrap())
-        .env("KVANT_UNDER_ULIMIT", "1")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "hostile tests failed under `ulimit -v {ULIMIT_KIB}` ({}):\n{}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    hostile::rerun_under_address_limit(ULIMIT_KIB);
 }

@@ -2,47 +2,10 @@
 //! (pre = "smollm", llama.cpp's split) and a SentencePiece BPE model with byte fallback, both
 //! made by tools/reference/make_tokenizer_fixtures.py.
 
+mod tokenizer_fixtures;
+
 use kvant_model::tokenizer::{GgufTokenizerSpec, Tokenizer, TokenizerError};
-use serde::Deserialize;
-use std::path::PathBuf;
-
-#[derive(Deserialize)]
-struct Fixture {
-    bos_id: u32,
-    eos_id: u32,
-    cases: Vec<Case>,
-}
-
-#[derive(Deserialize)]
-struct Case {
-    text: String,
-    ids: Vec<u32>,
-    decoded: String,
-    decoded_skip_special: String,
-}
-
-fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tokenizer")
-        .join(name)
-}
-
-/// The tokenizer keys of a tokenizer-only fixture GGUF, read through the
-/// same adapter `kvant_model::load` uses.
-fn gguf_spec(name: &str) -> GgufTokenizerSpec {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tokenizer")
-        .join(name);
-    let g = kvant_model::gguf::GgufFile::open(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    kvant_model::load::tokenizer_spec(&g).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn read_json<T: for<'de> Deserialize<'de>>(name: &str) -> T {
-    let path = fixture_path(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
+use tokenizer_fixtures::{fixture, gguf_spec, Fixture};
 
 fn check_cases(tok: &Tokenizer, fixture: &Fixture) {
     for case in &fixture.cases {
@@ -68,7 +31,7 @@ fn tokenizers_can_be_shared_across_threads() {
 #[test]
 fn smollm2_matches_reference_ids_and_text() {
     let spec: GgufTokenizerSpec = gguf_spec("smollm2-tokenizer.gguf");
-    let fixture: Fixture = read_json("smollm2.json");
+    let fixture: Fixture = fixture("smollm2.json");
     let tok = Tokenizer::from_gguf_spec(&spec).expect("SmolLM2 tokenizer builds");
     assert_eq!(tok.kind(), "byte-level BPE (smollm)");
     assert_eq!(tok.vocab_size(), 49152);
@@ -96,7 +59,7 @@ fn smollm2_matches_reference_ids_and_text() {
 #[test]
 fn sentencepiece_matches_sentencepiece_ids_and_adds_bos() {
     let spec: GgufTokenizerSpec = gguf_spec("spm-tokenizer.gguf");
-    let fixture: Fixture = read_json("spm.json");
+    let fixture: Fixture = fixture("spm.json");
     let tok = Tokenizer::from_gguf_spec(&spec).expect("SentencePiece tokenizer builds");
     assert_eq!(tok.kind(), "SentencePiece BPE");
     assert!(tok.adds_bos());
@@ -113,7 +76,7 @@ fn sentencepiece_matches_sentencepiece_ids_and_adds_bos() {
 #[test]
 fn sentencepiece_without_space_prefix() {
     let spec: GgufTokenizerSpec = gguf_spec("spm-tokenizer.gguf");
-    let fixture: Fixture = read_json("spm.json");
+    let fixture: Fixture = fixture("spm.json");
     let with = Tokenizer::from_gguf_spec(&spec).expect("builds");
     let without = Tokenizer::from_gguf_spec(&GgufTokenizerSpec {
         add_space_prefix: Some(false),

@@ -1,38 +1,12 @@
 //! Tokenizers loaded from a Hugging Face tokenizer.json, against the ids transformers produced
 //! (tools/reference/make_tokenizer_fixtures.py).
 
+mod tokenizer_fixtures;
+
 use kvant_model::tokenizer::{Tokenizer, TokenizerError};
-use serde::Deserialize;
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
-
-#[derive(Deserialize)]
-struct Fixture {
-    bos_id: u32,
-    eos_id: u32,
-    cases: Vec<Case>,
-}
-
-#[derive(Deserialize)]
-struct Case {
-    text: String,
-    ids: Vec<u32>,
-    decoded: String,
-    decoded_skip_special: String,
-    hf_ids: Option<Vec<u32>>,
-    hf_decoded: Option<String>,
-}
-
-fn fixture_path(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tokenizer")
-        .join(name)
-}
-
-fn read_json<T: for<'de> Deserialize<'de>>(path: &Path) -> T {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
+use std::path::PathBuf;
+use tokenizer_fixtures::{fixture_path, read_json, Fixture};
 
 fn load(dir: &str, generation_config: Option<&Value>) -> Result<Tokenizer, TokenizerError> {
     let config: Value = read_json(&fixture_path(dir).join("tokenizer_config.json"));

@@ -2,41 +2,12 @@
 //! plus `flush` is exactly `decode` of the same ids, for random id sequences (single-byte tokens
 //! included) on both a byte-level and a SentencePiece vocabulary.
 
+mod tokenizer_fixtures;
+
 use kvant_model::tokenizer::{GgufTokenizerSpec, Tokenizer};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use serde::Deserialize;
-use std::path::PathBuf;
-
-#[derive(Deserialize)]
-struct Fixture {
-    cases: Vec<Case>,
-}
-
-#[derive(Deserialize)]
-struct Case {
-    text: String,
-    ids: Vec<u32>,
-}
-
-/// The tokenizer keys of a tokenizer-only fixture GGUF, read through the
-/// same adapter `kvant_model::load` uses.
-fn gguf_spec(name: &str) -> GgufTokenizerSpec {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tokenizer")
-        .join(name);
-    let g = kvant_model::gguf::GgufFile::open(&path)
-        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    kvant_model::load::tokenizer_spec(&g).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
-fn read_json<T: for<'de> Deserialize<'de>>(name: &str) -> T {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/tokenizer")
-        .join(name);
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
+use tokenizer_fixtures::{fixture, gguf_spec};
 
 fn tokenizer(spec_file: &str) -> (Tokenizer, GgufTokenizerSpec) {
     let spec = gguf_spec(spec_file);
@@ -123,7 +94,7 @@ fn encoded_text_streams_whole_characters() {
         ("spm-tokenizer.gguf", "spm.json"),
     ] {
         let (tok, _) = tokenizer(spec_file);
-        let fixture: Fixture = read_json(fixture_file);
+        let fixture = fixture(fixture_file);
         for case in &fixture.cases {
             assert_stream_matches_decode(&tok, &case.ids);
             for piece in stream(&tok, &case.ids, false) {

@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{parse_sse, start, streamed_text, tiny, tiny_model, Setup, TINY_NAME};
+use common::{parse_sse, start, streamed_text, tiny, tiny_model, Setup, TestServer, TINY_NAME};
 use kvant_engine::serving::Shutdown;
 use serde_json::{json, Value};
 use std::time::Duration;
@@ -138,24 +138,31 @@ async fn health_is_503_while_draining() {
     s.shutdown().await;
 }
 
-/// A shutdown lets streams in flight finish (drain), then the server returns.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn shutdown_drains_streams() {
-    let mut s = tiny().await;
-    let body = json!({"prompt": "Drain me", "max_tokens": 120, "ignore_eos": true, "stream": true});
+/// The streamed text of completion request `body`, whose first chunk
+/// arrived before the shutdown began and the rest after it.
+async fn stream_across_shutdown(s: &mut TestServer, body: &Value) -> String {
     let mut resp = s
         .post(COMPLETIONS)
-        .json(&body)
+        .json(body)
         .send()
         .await
         .expect("request");
     let mut text = String::from_utf8(resp.chunk().await.expect("chunk").expect("first").to_vec())
         .expect("utf-8");
-    let url = s.url.clone();
     s.begin_shutdown();
     while let Some(c) = resp.chunk().await.expect("chunk") {
         text.push_str(std::str::from_utf8(&c).expect("utf-8"));
     }
+    text
+}
+
+/// A shutdown lets streams in flight finish (drain), then the server returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_streams() {
+    let mut s = tiny().await;
+    let body = json!({"prompt": "Drain me", "max_tokens": 120, "ignore_eos": true, "stream": true});
+    let url = s.url.clone();
+    let text = stream_across_shutdown(&mut s, &body).await;
     let chunks = parse_sse(&text, true);
     let (_, finish) = streamed_text(&chunks, 0);
     assert_eq!(finish.as_deref(), Some("length"), "drained to the end");
@@ -176,18 +183,7 @@ async fn shutdown_without_grace_aborts_but_closes_streams() {
     setup.server.shutdown_grace = Duration::ZERO;
     let mut s = start(&tiny_model(), setup).await;
     let body = json!({"prompt": "Abort me", "max_tokens": 200, "ignore_eos": true, "stream": true, "n": 4});
-    let mut resp = s
-        .post(COMPLETIONS)
-        .json(&body)
-        .send()
-        .await
-        .expect("request");
-    let mut text = String::from_utf8(resp.chunk().await.expect("chunk").expect("first").to_vec())
-        .expect("utf-8");
-    s.begin_shutdown();
-    while let Some(c) = resp.chunk().await.expect("chunk") {
-        text.push_str(std::str::from_utf8(&c).expect("utf-8"));
-    }
+    let text = stream_across_shutdown(&mut s, &body).await;
     let chunks = parse_sse(&text, true);
     for i in 0..4 {
         assert!(

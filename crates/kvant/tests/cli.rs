@@ -19,20 +19,9 @@ fn reference(name: &str) -> serde_json::Value {
 fn generate_json_matches_reference_greedy() {
     for name in ["llama-gqa", "qwen2-bias", "mistral-swa"] {
         let r = reference(name);
-        let n = r["greedy_ids"].as_array().unwrap().len().to_string();
-        let out = json(&kvant_ok(&[
-            "generate",
-            "--model",
-            &tiny(name),
-            "--prompt",
-            r["prompt_text"].as_str().unwrap(),
-            "--temperature",
-            "0",
-            "--max-tokens",
-            &n,
-            "--ignore-eos",
-            "--json",
-        ]));
+        let n = r["greedy_ids"].as_array().unwrap().len();
+        let text = r["prompt_text"].as_str().unwrap();
+        let out = json(&kvant_ok(&strs(&greedy_args(&tiny(name), text, n, &[]))));
         assert_eq!(
             ids(&out["prompt_token_ids"]),
             ids(&r["prompt_ids"]),
@@ -43,7 +32,7 @@ fn generate_json_matches_reference_greedy() {
             out["prompt_tokens"],
             r["prompt_ids"].as_array().unwrap().len()
         );
-        assert_eq!(out["completion_tokens"].as_u64(), Some(n.parse().unwrap()));
+        assert_eq!(out["completion_tokens"].as_u64(), Some(n as u64));
         assert_eq!(out["finish_reason"], "length");
         assert!(out["prefill_tokens_per_s"].as_f64().unwrap() > 0.0);
         assert!(out["decode_tokens_per_s"].as_f64().unwrap() > 0.0);

@@ -151,3 +151,23 @@ pub fn whole_block_fixture(name: &str) -> tempfile::TempDir {
     .expect("write config");
     dir
 }
+
+/// `g` written again by [`GgufWriter`]: its metadata and tensors in file
+/// order, nothing changed.
+pub fn rewritten(g: &kvant_model::gguf::GgufFile) -> Vec<u8> {
+    let mut w = kvant_model::gguf::GgufWriter::new();
+    for (k, v) in g.metadata() {
+        w.add(k, v.clone()).unwrap();
+    }
+    // The writer borrows the tensors' bytes until it writes.
+    let tensors: Vec<_> = g
+        .tensor_infos()
+        .iter()
+        .map(|i| g.tensor(&i.name).unwrap())
+        .collect();
+    for (info, t) in g.tensor_infos().iter().zip(&tensors) {
+        w.add_tensor(info.name.clone(), info.dtype, &info.shape, t.bytes())
+            .unwrap();
+    }
+    w.to_bytes().unwrap()
+}
