@@ -10,9 +10,10 @@
 //! Gemma's embedding scale, sandwich norms and GELU, experts (Mixtral,
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
+use super::ctx::Place;
 use super::ffn::DenseFfn;
 use super::gdn::GatedDeltaNet;
-use super::layer::{Attention, Ffn, Layer, LayerScratch, Place};
+use super::layer::{Attention, Ffn, Layer, LayerScratch};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;

@@ -22,13 +22,12 @@
 //! convolution's last `K − 1` inputs and the delta rule's state, in the
 //! pool's state slot of the sequence (`KvPool::states_mut`).
 
+use super::ctx::StateCtx;
 use super::loader::{check_shape, Loader};
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::{LinearConfig, LinearLayout, ModelConfig};
-use crate::kv::KvPool;
 use crate::ModelError;
-use kvant_kernels::attention::SeqAttn;
 use kvant_kernels::delta::{causal_conv1d, delta_rule, DeltaInputs, DeltaParams, DeltaSeq};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
@@ -103,16 +102,6 @@ pub(crate) struct GdnScratch {
     g: Vec<f32>,
     core: Vec<f32>,
     seqs: Vec<DeltaSeq>,
-}
-
-/// Where a linear layer's sequences keep their state: the pool, the
-/// layer's index among the linear layers, the batch's sequences and each
-/// one's state slot.
-pub(crate) struct StateCtx<'a, 'b> {
-    pub pool: &'a mut KvPool,
-    pub index: usize,
-    pub seqs: &'a [SeqAttn<'b>],
-    pub slots: &'a [usize],
 }
 
 impl GatedDeltaNet {
