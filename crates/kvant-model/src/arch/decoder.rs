@@ -11,14 +11,13 @@
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
 use super::ctx::Place;
-use super::ffn::DenseFfn;
 use super::gdn::GatedDeltaNet;
 use super::layer::{Attention, Ffn, Layer, LayerScratch};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 pub use super::mla_expand::MlaPrefill;
-use super::moe::{ExpertLayout, MoeFfn};
+use super::moe::ExpertLayout;
 use super::mtp::MtpModule;
 use super::parallel::{drive, Net, Order, Parallel, Task};
 use super::shard::Shard;
@@ -336,16 +335,8 @@ fn load_layer(
     let cache = (0..i)
         .filter(|&j| cfg.is_linear(j) == cfg.is_linear(i))
         .count();
-    let ffn = match &cfg.experts {
-        Some(e) if e.is_moe(i) => Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &n.prefix, experts)?)),
-        _ => Ffn::Dense(DenseFfn::load(
-            ld,
-            [&n.gate, &n.up, &n.down],
-            h,
-            cfg.intermediate,
-            ld.shard,
-        )?),
-    };
+    let moe = cfg.experts.as_ref().filter(|e| e.is_moe(i));
+    let ffn = Ffn::load(ld, cfg, &n, moe.map(|e| (e, experts)))?;
     Ok(Layer {
         attn_norm: ld.vector(&n.attn_norm, h)?,
         attn,

@@ -4,12 +4,14 @@
 use super::ctx::{LayerCtx, Place, StateCtx};
 use super::ffn::{DenseFfn, FfnScratch};
 use super::gdn::{GatedDeltaNet, GdnScratch};
+use super::loader::Loader;
 use super::mha::{MhaAttention, MhaScratch};
 use super::mla::{MlaAttention, MlaScratch};
-use super::moe::{ExpertParallel, MoeFfn, MoeLayerScratch};
+use super::moe::{ExpertLayout, ExpertParallel, MoeFfn, MoeLayerScratch};
 use super::parallel::Net;
 use super::sized;
-use crate::config::ModelConfig;
+use crate::checkpoint::LayerNames;
+use crate::config::{ExpertsConfig, ModelConfig};
 use crate::ModelError;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::norm::{add_rms_norm, rms_norm};
@@ -28,6 +30,27 @@ pub(crate) enum Ffn {
 }
 
 impl Ffn {
+    /// The feed-forward of the layer named `n`: experts laid out by their
+    /// [`ExpertLayout`] when `moe` is given, else the dense FFN of
+    /// `cfg.intermediate`.
+    pub fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        n: &LayerNames,
+        moe: Option<(&ExpertsConfig, ExpertLayout<'_>)>,
+    ) -> Result<Self, ModelError> {
+        Ok(match moe {
+            Some((e, layout)) => Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &n.prefix, layout)?)),
+            None => Ffn::Dense(DenseFfn::load(
+                ld,
+                [&n.gate, &n.up, &n.down],
+                cfg.hidden,
+                cfg.intermediate,
+                ld.shard,
+            )?),
+        })
+    }
+
     /// The experts' placement, for a MoE layer under expert parallelism.
     pub fn expert_parallel(&self) -> Option<&ExpertParallel> {
         match self {
