@@ -10,14 +10,14 @@
 //! Gemma's embedding scale, sandwich norms and GELU, experts (Mixtral,
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
-use super::ffn::DenseFfn;
+use super::ctx::Place;
 use super::gdn::GatedDeltaNet;
-use super::layer::{Attention, Ffn, Layer, LayerScratch, Place};
+use super::layer::{Attention, Ffn, Layer, LayerScratch};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 pub use super::mla_expand::MlaPrefill;
-use super::moe::{ExpertLayout, MoeFfn};
+use super::moe::ExpertLayout;
 use super::mtp::MtpModule;
 use super::parallel::{drive, Net, Order, Parallel, Task};
 use super::shard::Shard;
@@ -232,6 +232,128 @@ fn recycle<'b>(mut v: Vec<SeqAttn<'_>>) -> Vec<SeqAttn<'b>> {
     v.into_iter().filter_map(|_| None).collect()
 }
 
+/// What fails before any weight is read: a context length out of bounds
+/// (applied to `cfg` when given), a cache type that cannot hold the rows
+/// (rather than at the first pool).
+fn check_before_weights(cfg: &mut ModelConfig, opts: &LoadOptions) -> Result<(), ModelError> {
+    if let Some(n) = opts.context_length {
+        // The same bounds as a checkpoint's own context.
+        if n == 0 || n > 1 << 24 {
+            return Err(crate::config::ConfigError::Invalid {
+                key: "context_length".into(),
+                why: format!("{n} tokens (1 to {} allowed)", 1 << 24),
+            }
+            .into());
+        }
+        cfg.max_context = n;
+    }
+    let (_, head_dim, latent) = kv_rows(cfg, 1);
+    KvShape {
+        n_layers: cfg.n_layers,
+        n_kv_heads: 1,
+        head_dim,
+        latent,
+        index_dim: cfg.indexer.map_or(0, |i| i.head_dim),
+        dtype: opts.kv_dtype,
+    }
+    .check()?;
+    Ok(())
+}
+
+/// This rank's share of the model under `par` (the whole of it in one
+/// process), once the layout is checked to fit the model.
+fn rank_shard(
+    cfg: &ModelConfig,
+    opts: &LoadOptions,
+    par: Option<&Parallel>,
+) -> Result<Shard, ModelError> {
+    Ok(match par {
+        Some(p) => {
+            p.layout
+                .check_model(&ModelShape {
+                    heads: cfg.n_heads,
+                    kv_heads: cfg.mla.is_none().then_some(cfg.n_kv_heads),
+                    experts: cfg.experts.as_ref().map(|e| e.router.n_experts),
+                })
+                .map_err(kvant_dist::DistError::from)?;
+            if opts.mtp && cfg.mtp_layers > 0 {
+                return Err(ModelError::NotParallel("multi-token prediction (--mtp)"));
+            }
+            // Each rank would need the states of its sequences kept in
+            // step with rank 0's (rewinds included): not done yet.
+            if cfg.linear.is_some() {
+                return Err(ModelError::NotParallel("linear attention (Gated DeltaNet)"));
+            }
+            Shard {
+                tp: p.layout.tp,
+                t: p.coords.tp,
+            }
+        }
+        None => Shard::FULL,
+    })
+}
+
+/// Expert parallelism: experts over every rank, as evenly as they go
+/// (`None` without it).
+fn expert_placement(
+    cfg: &ModelConfig,
+    par: Option<&Parallel>,
+) -> Result<Option<Placement>, ModelError> {
+    Ok(match (par, &cfg.experts) {
+        (Some(p), Some(e)) if p.layout.expert_parallel() => Some(
+            Placement::contiguous(e.router.n_experts, p.layout.world)
+                .map_err(kvant_dist::DistError::from)?,
+        ),
+        _ => None,
+    })
+}
+
+/// Layer `i`: its attention (multi-head, latent or linear), its
+/// feed-forward (dense or experts, laid out by `experts`), its norms and
+/// its rotary frequencies (scaled by the checkpoint's `freq_factors`).
+fn load_layer(
+    ld: &Loader<'_>,
+    cfg: &ModelConfig,
+    i: usize,
+    mla_prefill: MlaPrefill,
+    experts: ExpertLayout<'_>,
+    freq_factors: Option<&[f32]>,
+) -> Result<Layer, ModelError> {
+    let (n, h) = (ld.ckpt.layer_names(i, cfg.arch), cfg.hidden);
+    let gemma_norm = |name: &str| match cfg.gemma {
+        true => ld.vector(name, h).map(Some),
+        false => Ok(None),
+    };
+    let attn = match (&cfg.mla, &cfg.linear) {
+        (_, Some(lc)) if lc.is_linear(i) => {
+            Attention::Linear(Box::new(GatedDeltaNet::load(ld, cfg, lc, &n.prefix)?))
+        }
+        (Some(m), _) => Attention::Mla(MlaAttention::load(ld, cfg, m, &n.prefix, mla_prefill)?),
+        (None, _) => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
+    };
+    // Attention layers index the pool's rows, linear layers its states.
+    let cache = (0..i)
+        .filter(|&j| cfg.is_linear(j) == cfg.is_linear(i))
+        .count();
+    let moe = cfg.experts.as_ref().filter(|e| e.is_moe(i));
+    let ffn = Ffn::load(ld, cfg, &n, moe.map(|e| (e, experts)))?;
+    Ok(Layer {
+        attn_norm: ld.vector(&n.attn_norm, h)?,
+        attn,
+        post_attn_norm: gemma_norm(&n.post_attn_norm)?,
+        ffn_norm: ld.vector(&n.ffn_norm, h)?,
+        ffn,
+        post_ffn_norm: gemma_norm(&n.post_ffn_norm)?,
+        inv_freq: cfg.inv_freq(i, freq_factors),
+        window: if cfg.is_sliding(i) {
+            cfg.sliding_window
+        } else {
+            None
+        },
+        cache,
+    })
+}
+
 /// The final hidden states (after the final norm: what the output head
 /// reads) of the rows whose logits a pass returned, `[rows, hidden]`:
 /// what the MTP module continues from, as in transformers and vLLM.
@@ -264,53 +386,8 @@ impl DecoderModel {
         opts: LoadOptions,
         par: Option<Arc<Parallel>>,
     ) -> Result<Self, ModelError> {
-        if let Some(n) = opts.context_length {
-            // The same bounds as a checkpoint's own context.
-            if n == 0 || n > 1 << 24 {
-                return Err(crate::config::ConfigError::Invalid {
-                    key: "context_length".into(),
-                    why: format!("{n} tokens (1 to {} allowed)", 1 << 24),
-                }
-                .into());
-            }
-            cfg.max_context = n;
-        }
-        // A cache type that cannot hold the rows fails before any weight
-        // is read, not at the first pool.
-        let (_, head_dim, latent) = kv_rows(&cfg, 1);
-        KvShape {
-            n_layers: cfg.n_layers,
-            n_kv_heads: 1,
-            head_dim,
-            latent,
-            index_dim: cfg.indexer.map_or(0, |i| i.head_dim),
-            dtype: opts.kv_dtype,
-        }
-        .check()?;
-        let shard = match &par {
-            Some(p) => {
-                p.layout
-                    .check_model(&ModelShape {
-                        heads: cfg.n_heads,
-                        kv_heads: cfg.mla.is_none().then_some(cfg.n_kv_heads),
-                        experts: cfg.experts.as_ref().map(|e| e.router.n_experts),
-                    })
-                    .map_err(kvant_dist::DistError::from)?;
-                if opts.mtp && cfg.mtp_layers > 0 {
-                    return Err(ModelError::NotParallel("multi-token prediction (--mtp)"));
-                }
-                // Each rank would need the states of its sequences kept in
-                // step with rank 0's (rewinds included): not done yet.
-                if cfg.linear.is_some() {
-                    return Err(ModelError::NotParallel("linear attention (Gated DeltaNet)"));
-                }
-                Shard {
-                    tp: p.layout.tp,
-                    t: p.coords.tp,
-                }
-            }
-            None => Shard::FULL,
-        };
+        check_before_weights(&mut cfg, &opts)?;
+        let shard = rank_shard(&cfg, &opts, par.as_deref())?;
         let g = ckpt.global_names();
         let ld = Loader {
             ckpt,
@@ -335,14 +412,7 @@ impl DecoderModel {
         } else {
             return Err(ModelError::MissingTensor(g.output.into()));
         };
-        // Expert parallelism: experts over every rank, as evenly as they go.
-        let placement = match (&par, &cfg.experts) {
-            (Some(p), Some(e)) if p.layout.expert_parallel() => Some(
-                Placement::contiguous(e.router.n_experts, p.layout.world)
-                    .map_err(kvant_dist::DistError::from)?,
-            ),
-            _ => None,
-        };
+        let placement = expert_placement(&cfg, par.as_deref())?;
         let expert_layout = match (&placement, &par) {
             (Some(placement), Some(p)) => ExpertLayout::Spread {
                 placement,
@@ -356,59 +426,15 @@ impl DecoderModel {
         };
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
-            let n = ckpt.layer_names(i, cfg.arch);
-            let gemma_norm = |name: &str| match cfg.gemma {
-                true => ld.vector(name, h).map(Some),
-                false => Ok(None),
-            };
-            let attn = match (&cfg.mla, &cfg.linear) {
-                (_, Some(lc)) if lc.is_linear(i) => {
-                    Attention::Linear(Box::new(GatedDeltaNet::load(&ld, &cfg, lc, &n.prefix)?))
-                }
-                (Some(m), _) => Attention::Mla(MlaAttention::load(
-                    &ld,
-                    &cfg,
-                    m,
-                    &n.prefix,
-                    opts.mla_prefill,
-                )?),
-                (None, _) => Attention::Mha(MhaAttention::load(&ld, &cfg, &n)?),
-            };
-            // Attention layers index the pool's rows, linear layers its states.
-            let cache = (0..i)
-                .filter(|&j| cfg.is_linear(j) == cfg.is_linear(i))
-                .count();
-            let ffn = match &cfg.experts {
-                Some(e) if e.is_moe(i) => Ffn::Moe(Box::new(MoeFfn::load(
-                    &ld,
-                    &cfg,
-                    e,
-                    &n.prefix,
-                    expert_layout,
-                )?)),
-                _ => Ffn::Dense(DenseFfn::load(
-                    &ld,
-                    [&n.gate, &n.up, &n.down],
-                    h,
-                    cfg.intermediate,
-                    shard,
-                )?),
-            };
-            layers.push(Layer {
-                attn_norm: ld.vector(&n.attn_norm, h)?,
-                attn,
-                post_attn_norm: gemma_norm(&n.post_attn_norm)?,
-                ffn_norm: ld.vector(&n.ffn_norm, h)?,
-                ffn,
-                post_ffn_norm: gemma_norm(&n.post_ffn_norm)?,
-                inv_freq: cfg.inv_freq(i, freq_factors.as_deref()),
-                window: if cfg.is_sliding(i) {
-                    cfg.sliding_window
-                } else {
-                    None
-                },
-                cache,
-            });
+            let freq = freq_factors.as_deref();
+            layers.push(load_layer(
+                &ld,
+                &cfg,
+                i,
+                opts.mla_prefill,
+                expert_layout,
+                freq,
+            )?);
             if let Some(progress) = opts.progress {
                 progress(i + 1, cfg.n_layers);
             }

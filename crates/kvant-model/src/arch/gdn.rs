@@ -22,13 +22,12 @@
 //! convolution's last `K − 1` inputs and the delta rule's state, in the
 //! pool's state slot of the sequence (`KvPool::states_mut`).
 
+use super::ctx::StateCtx;
 use super::loader::{check_shape, Loader};
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::{LinearConfig, LinearLayout, ModelConfig};
-use crate::kv::KvPool;
 use crate::ModelError;
-use kvant_kernels::attention::SeqAttn;
 use kvant_kernels::delta::{causal_conv1d, delta_rule, DeltaInputs, DeltaParams, DeltaSeq};
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
@@ -103,16 +102,6 @@ pub(crate) struct GdnScratch {
     g: Vec<f32>,
     core: Vec<f32>,
     seqs: Vec<DeltaSeq>,
-}
-
-/// Where a linear layer's sequences keep their state: the pool, the
-/// layer's index among the linear layers, the batch's sequences and each
-/// one's state slot.
-pub(crate) struct StateCtx<'a, 'b> {
-    pub pool: &'a mut KvPool,
-    pub index: usize,
-    pub seqs: &'a [SeqAttn<'b>],
-    pub slots: &'a [usize],
 }
 
 impl GatedDeltaNet {
@@ -325,64 +314,11 @@ impl GatedDeltaNet {
         let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.dk, p.dv);
         let conv_dim = 2 * nk * dk + nv * dv;
         let gd = p.g_dim();
-        let qkv = sized(&mut s.qkv, n * conv_dim);
-        let z = sized(&mut s.z, n * nv * dv);
-        let b = sized(&mut s.b, n * nv);
-        // The decay's input: per value head, or per key channel (KDA).
-        let a = sized(&mut s.a, n * nv * gd);
-        match &self.proj {
-            Projections::Gdn {
-                qkv: wqkv,
-                z: wz,
-                b: wb,
-                a: wa,
-            } => {
-                let input = LinearInput::new(xn, n, q8, &[wqkv, wz, wb, wa])?;
-                forward_batch(
-                    &input,
-                    &mut [
-                        (wqkv, &mut *qkv),
-                        (wz, &mut *z),
-                        (wb, &mut *b),
-                        (wa, &mut *a),
-                    ],
-                )?;
-            }
-            Projections::Kda {
-                q,
-                k,
-                v,
-                b: wb,
-                f,
-                g,
-            } => {
-                let d = nv * dv;
-                let [pq, pk, pv] = &mut s.parts;
-                let (pq, pk, pv) = (sized(pq, n * d), sized(pk, n * d), sized(pv, n * d));
-                let [fl, gl] = &mut s.low;
-                let (fl, gl) = (sized(fl, n * dk), sized(gl, n * dk));
-                let input = LinearInput::new(xn, n, q8, &[q, k, v, wb, &f[0], &g[0]])?;
-                forward_batch(
-                    &input,
-                    &mut [
-                        (q, &mut *pq),
-                        (k, &mut *pk),
-                        (v, &mut *pv),
-                        (wb, &mut *b),
-                        (&f[0], &mut *fl),
-                        (&g[0], &mut *gl),
-                    ],
-                )?;
-                f[1].forward(&LinearInput::new(fl, n, q8, &[&f[1]])?, a)?;
-                g[1].forward(&LinearInput::new(gl, n, q8, &[&g[1]])?, z)?;
-                for (t, row) in qkv.chunks_exact_mut(conv_dim).enumerate() {
-                    let src = t * d..(t + 1) * d;
-                    row[..d].copy_from_slice(&pq[src.clone()]);
-                    row[d..2 * d].copy_from_slice(&pk[src.clone()]);
-                    row[2 * d..].copy_from_slice(&pv[src]);
-                }
-            }
-        }
+        self.project(xn, n, q8, s)?;
+        let qkv = &s.qkv[..n * conv_dim];
+        let z = &s.z[..n * nv * dv];
+        let b = &mut s.b[..n * nv];
+        let a = &s.a[..n * nv * gd];
         // The convolution, each sequence from its own tail.
         let mixed = sized(&mut s.mixed, n * conv_dim);
         let (tails, states) = ctx.pool.states_mut(ctx.index)?;
@@ -446,9 +382,95 @@ impl GatedDeltaNet {
         };
         delta_rule(p, x, &s.seqs, states, core)?;
         // The gated norm per value head, then the output projection.
+        self.gated_norm(core, z, cfg.rms_eps);
+        self.out
+            .forward(&LinearInput::new(core, n, q8, &[&self.out])?, out)?;
+        Ok(())
+    }
+
+    /// The input projections of `n` tokens: `[q, k, v]` rows (the
+    /// convolution's channels) into `s.qkv`, the output gate into `s.z`,
+    /// `b` into `s.b` and the decay's input into `s.a`.
+    fn project(
+        &self,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut GdnScratch,
+    ) -> Result<(), ModelError> {
+        let p = &self.p;
+        let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.dk, p.dv);
+        let conv_dim = 2 * nk * dk + nv * dv;
+        let gd = p.g_dim();
+        let qkv = sized(&mut s.qkv, n * conv_dim);
+        let z = sized(&mut s.z, n * nv * dv);
+        let b = sized(&mut s.b, n * nv);
+        // The decay's input: per value head, or per key channel (KDA).
+        let a = sized(&mut s.a, n * nv * gd);
+        match &self.proj {
+            Projections::Gdn {
+                qkv: wqkv,
+                z: wz,
+                b: wb,
+                a: wa,
+            } => {
+                let input = LinearInput::new(xn, n, q8, &[wqkv, wz, wb, wa])?;
+                forward_batch(
+                    &input,
+                    &mut [
+                        (wqkv, &mut *qkv),
+                        (wz, &mut *z),
+                        (wb, &mut *b),
+                        (wa, &mut *a),
+                    ],
+                )?;
+            }
+            Projections::Kda {
+                q,
+                k,
+                v,
+                b: wb,
+                f,
+                g,
+            } => {
+                let d = nv * dv;
+                let [pq, pk, pv] = &mut s.parts;
+                let (pq, pk, pv) = (sized(pq, n * d), sized(pk, n * d), sized(pv, n * d));
+                let [fl, gl] = &mut s.low;
+                let (fl, gl) = (sized(fl, n * dk), sized(gl, n * dk));
+                let input = LinearInput::new(xn, n, q8, &[q, k, v, wb, &f[0], &g[0]])?;
+                forward_batch(
+                    &input,
+                    &mut [
+                        (q, &mut *pq),
+                        (k, &mut *pk),
+                        (v, &mut *pv),
+                        (wb, &mut *b),
+                        (&f[0], &mut *fl),
+                        (&g[0], &mut *gl),
+                    ],
+                )?;
+                f[1].forward(&LinearInput::new(fl, n, q8, &[&f[1]])?, a)?;
+                g[1].forward(&LinearInput::new(gl, n, q8, &[&g[1]])?, z)?;
+                for (t, row) in qkv.chunks_exact_mut(conv_dim).enumerate() {
+                    let src = t * d..(t + 1) * d;
+                    row[..d].copy_from_slice(&pq[src.clone()]);
+                    row[d..2 * d].copy_from_slice(&pk[src.clone()]);
+                    row[2 * d..].copy_from_slice(&pv[src]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The gated RMSNorm per value head of the delta rule's output `core`,
+    /// in place: `rms_norm(o) · w · silu(z)` (Gated DeltaNet) or
+    /// `rms_norm(o) · w · sigmoid(z)` (KDA, whose `z` is its output gate).
+    fn gated_norm(&self, core: &mut [f32], z: &[f32], eps: f32) {
+        let dv = self.p.dv;
         for (o, zh) in core.chunks_exact_mut(dv).zip(z.chunks_exact(dv)) {
             let ms = o.iter().map(|v| v * v).sum::<f32>() / dv as f32;
-            let inv = 1.0 / (ms + cfg.rms_eps).sqrt();
+            let inv = 1.0 / (ms + eps).sqrt();
             match self.proj {
                 Projections::Gdn { .. } => {
                     for ((o, &w), &zv) in o.iter_mut().zip(&self.norm).zip(zh) {
@@ -462,9 +484,6 @@ impl GatedDeltaNet {
                 }
             }
         }
-        self.out
-            .forward(&LinearInput::new(core, n, q8, &[&self.out])?, out)?;
-        Ok(())
     }
 }
 

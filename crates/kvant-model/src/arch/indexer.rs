@@ -18,7 +18,7 @@
 //! 8-bit activations would move index scores by ~1%, enough to swap the
 //! positions around the top-k cut (the same reason routers stay exact).
 
-use super::layer::LayerCtx;
+use super::ctx::LayerCtx;
 use super::loader::Loader;
 use super::sized;
 use crate::checkpoint::Checkpoint;

@@ -1,20 +1,20 @@
 //! One decoder layer: pre-norm attention and feed-forward blocks with
 //! residual adds (and Gemma's post-norms), whatever kind each block is.
 
+use super::ctx::{LayerCtx, Place, StateCtx};
 use super::ffn::{DenseFfn, FfnScratch};
-use super::gdn::{GatedDeltaNet, GdnScratch, StateCtx};
+use super::gdn::{GatedDeltaNet, GdnScratch};
+use super::loader::Loader;
 use super::mha::{MhaAttention, MhaScratch};
 use super::mla::{MlaAttention, MlaScratch};
-use super::moe::{MoeFfn, MoeLayerScratch};
+use super::moe::{ExpertLayout, ExpertParallel, MoeFfn, MoeLayerScratch};
 use super::parallel::Net;
 use super::sized;
-use crate::config::ModelConfig;
-use crate::kv::KvPool;
+use crate::checkpoint::LayerNames;
+use crate::config::{ExpertsConfig, ModelConfig};
 use crate::ModelError;
-use kvant_kernels::attention::SeqAttn;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::norm::{add_rms_norm, rms_norm};
-use std::cell::RefCell;
 
 pub(crate) enum Attention {
     Mha(MhaAttention),
@@ -30,10 +30,31 @@ pub(crate) enum Ffn {
 }
 
 impl Ffn {
+    /// The feed-forward of the layer named `n`: experts laid out by their
+    /// [`ExpertLayout`] when `moe` is given, else the dense FFN of
+    /// `cfg.intermediate`.
+    pub fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        n: &LayerNames,
+        moe: Option<(&ExpertsConfig, ExpertLayout<'_>)>,
+    ) -> Result<Self, ModelError> {
+        Ok(match moe {
+            Some((e, layout)) => Ffn::Moe(Box::new(MoeFfn::load(ld, cfg, e, &n.prefix, layout)?)),
+            None => Ffn::Dense(DenseFfn::load(
+                ld,
+                [&n.gate, &n.up, &n.down],
+                cfg.hidden,
+                cfg.intermediate,
+                ld.shard,
+            )?),
+        })
+    }
+
     /// The experts' placement, for a MoE layer under expert parallelism.
-    pub fn expert_parallel(&self) -> Option<&super::moe_ep::ExpertParallel> {
+    pub fn expert_parallel(&self) -> Option<&ExpertParallel> {
         match self {
-            Ffn::Moe(m) => m.ep.as_ref(),
+            Ffn::Moe(m) => m.expert_parallel(),
             Ffn::Dense(_) => None,
         }
     }
@@ -52,29 +73,6 @@ pub(crate) struct Layer {
     /// The layer's index in what the pool holds for its kind: among the
     /// layers with cached rows (attention) or with states (linear).
     pub cache: usize,
-}
-
-/// Where a layer's tokens live: the pool, the layer's index in it, the
-/// batch's sequences, and what to add to a slot to get its rotary
-/// position (1 for the MTP module, 0 otherwise).
-pub(crate) struct LayerCtx<'a, 'b> {
-    pub pool: &'a mut KvPool,
-    pub index: usize,
-    pub seqs: &'a [SeqAttn<'b>],
-    pub rope_offset: usize,
-}
-
-/// A [`LayerCtx`] whose pool is shared by the micro-batches of a pass
-/// (each borrows it for its attention only): `index` is the layer's place
-/// in the pass (the micro-batches' order), `cache` its index in the pool
-/// (see [`Layer::cache`]), `slots` each sequence's state slot.
-pub(crate) struct Place<'a, 'p, 'b> {
-    pub pool: &'a RefCell<&'p mut KvPool>,
-    pub index: usize,
-    pub cache: usize,
-    pub seqs: &'a [SeqAttn<'b>],
-    pub slots: &'a [usize],
-    pub rope_offset: usize,
 }
 
 /// Every layer's activations, reused across layers and passes.

@@ -4,7 +4,7 @@
 //! gate (Qwen3-Next, Qwen3.5: `sigmoid(gate) ⊙ attention`, the gate a second
 //! query-sized projection), output projection.
 
-use super::layer::LayerCtx;
+use super::ctx::LayerCtx;
 use super::loader::{Bias, Linear, Loader};
 use super::sized;
 use crate::checkpoint::LayerNames;

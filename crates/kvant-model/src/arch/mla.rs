@@ -21,9 +21,9 @@
 //! [`MlaPrefill::Absorbed`], which keeps every token on the absorbed path
 //! so that results never depend on how batches were cut.
 
+use super::ctx::LayerCtx;
 use super::heads::PerHead;
 use super::indexer::{Indexer, IndexerScratch};
-use super::layer::LayerCtx;
 use super::loader::{to_f32, transpose, Bias, Linear, Loader};
 use super::mla_expand::{Chunk, ExpandScratch, Expansion, MlaPrefill};
 use super::sized;

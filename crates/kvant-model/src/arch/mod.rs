@@ -7,6 +7,7 @@
 //! DeepSeek-V3.2 adds an [`indexer`] to latent attention, which makes it
 //! sparse.
 
+mod ctx;
 pub mod decoder;
 mod ffn;
 mod gdn;
@@ -18,7 +19,6 @@ mod mha;
 mod mla;
 mod mla_expand;
 mod moe;
-mod moe_ep;
 mod mtp;
 pub mod parallel;
 mod shard;

@@ -11,13 +11,12 @@
 //! state `i`) sits in slot `i` of the module's cache layer and is rotated
 //! at position `i + 1`, the position of its token.
 
-use super::ffn::DenseFfn;
 use super::layer::{Attention, Ffn, Layer};
 use super::loader::Loader;
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 use super::mla_expand::MlaPrefill;
-use super::moe::{ExpertLayout, MoeFfn};
+use super::moe::ExpertLayout;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
 use crate::ModelError;
@@ -62,22 +61,13 @@ impl MtpModule {
             Some(m) => Attention::Mla(MlaAttention::load(ld, cfg, m, &p, prefill)?),
             None => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
         };
-        let ffn = match &cfg.experts {
-            Some(e) if ld.has(&router) => Ffn::Moe(Box::new(MoeFfn::load(
-                ld,
-                cfg,
-                e,
-                &p,
-                ExpertLayout::Shared(ld.shard),
-            )?)),
-            _ => Ffn::Dense(DenseFfn::load(
-                ld,
-                [&n.gate, &n.up, &n.down],
-                h,
-                cfg.intermediate,
-                ld.shard,
-            )?),
-        };
+        let moe = cfg.experts.as_ref().filter(|_| ld.has(&router));
+        let ffn = Ffn::load(
+            ld,
+            cfg,
+            &n,
+            moe.map(|e| (e, ExpertLayout::Shared(ld.shard))),
+        )?;
         let head = own("shared_head.head", "shared_head_head");
         Ok(Some(MtpModule {
             enorm: ld.vector(&own("enorm", "enorm"), h)?,

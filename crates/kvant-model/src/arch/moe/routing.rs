@@ -1,0 +1,53 @@
+//! A MoE layer's router: the logits of every expert for each token, and
+//! the `top_k` it picks with their weights.
+
+use crate::ModelError;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{LinearInput, LinearWeight};
+use kvant_kernels::moe::{route, RouterParams};
+
+pub(crate) struct Router {
+    pub params: RouterParams,
+    /// `[n_experts, hidden]`, applied with f32 activations: expert choices
+    /// are discontinuous, so they should not hinge on activation rounding.
+    pub weight: LinearWeight,
+    /// DeepSeek-V3's selection bias (`e_score_correction_bias`).
+    pub bias: Option<Vec<f32>>,
+}
+
+/// The router's outputs, reused across passes: the logits, and each
+/// token's `top_k` experts and weights (`[n, top_k]`).
+#[derive(Default)]
+pub(crate) struct Routes {
+    pub logits: Vec<f32>,
+    pub ids: Vec<u32>,
+    pub weights: Vec<f32>,
+}
+
+impl Router {
+    /// The width of the rows it routes (the model's hidden size).
+    pub fn hidden(&self) -> usize {
+        self.weight.cols()
+    }
+
+    /// The router's choices for `n` tokens: `r.ids` and `r.weights`
+    /// (`[n, top_k]`).
+    pub fn route(
+        &self,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        r: &mut Routes,
+    ) -> Result<(), ModelError> {
+        let (ne, k) = (self.params.n_experts, self.params.top_k);
+        r.logits.resize(n * ne, 0.0);
+        r.ids.resize(n * k, 0);
+        r.weights.resize(n * k, 0.0);
+        let logits = &mut r.logits[..n * ne];
+        self.weight
+            .forward(&LinearInput::new(xn, n, q8, &[&self.weight])?, logits)?;
+        let (ids, weights) = (&mut r.ids[..n * k], &mut r.weights[..n * k]);
+        route(&self.params, logits, self.bias.as_deref(), ids, weights)?;
+        Ok(())
+    }
+}
