@@ -23,11 +23,8 @@ fn load_fixture(name: &str, mtp: bool, opts: LoadOptions) -> LoadedModel {
 
 fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> GenerateRequest {
     GenerateRequest {
-        prompt_ids: prompt,
-        max_tokens,
-        sampling,
-        stop: Vec::new(),
         ignore_eos: true,
+        ..GenerateRequest::new(prompt, max_tokens, sampling)
     }
 }
 

@@ -215,11 +215,8 @@ impl Llm {
         let max_tokens = max_tokens.min(context - prompt_ids.len());
         Ok(Ask {
             req: GenerateRequest {
-                prompt_ids: prompt_ids.clone(),
-                max_tokens,
-                sampling,
                 stop,
-                ignore_eos: false,
+                ..GenerateRequest::new(prompt_ids.clone(), max_tokens, sampling)
             },
             prompt_ids,
         })

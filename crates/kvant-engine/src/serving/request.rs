@@ -1,8 +1,9 @@
 //! What a client hands the serving engine and what it gets back.
 
+use crate::continuation::{FinishReason, Spec};
 use crate::grammar::Constraint;
+use crate::logprobs::TokenLogprob;
 use crate::sampling::SamplingParams;
-use crate::session::FinishReason;
 
 /// One generation request: a tokenized prompt and how to continue it.
 #[derive(Clone, Debug)]
@@ -50,20 +51,25 @@ impl EngineRequest {
             skip_special_tokens: true,
         }
     }
+
+    /// The prompt, and what its continuation is asked for.
+    pub(crate) fn into_parts(self) -> (Vec<u32>, Spec) {
+        let spec = Spec {
+            max_tokens: self.max_tokens,
+            sampling: self.sampling,
+            stop: self.stop,
+            ignore_eos: self.ignore_eos,
+            logprobs: self.logprobs,
+            constraint: self.constraint,
+            logit_bias: self.logit_bias,
+            skip_special_tokens: self.skip_special_tokens,
+        };
+        (self.prompt_ids, spec)
+    }
 }
 
 /// OpenAI's limit on `top_logprobs`.
 pub const MAX_TOP_LOGPROBS: usize = 20;
-
-/// A generated token's log-probability under the model (before sampling's
-/// penalties and truncation) and the most likely alternatives.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    /// Most likely first.
-    pub top: Vec<(u32, f32)>,
-}
 
 /// Identifies a submitted request, for [`crate::serving::EngineHandle::abort`].
 pub type RequestId = u64;

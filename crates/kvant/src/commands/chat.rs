@@ -55,12 +55,10 @@ fn chat(a: &ChatArgs, m: &Run) -> Result<()> {
         let text = template.render(&messages, true)?;
         let prompt_ids = m.tokenizer.encode(&text, false)?;
         let budget = session.capacity().saturating_sub(prompt_ids.len());
+        let max_tokens = a.sampling.max_tokens.min(budget);
         let req = GenerateRequest {
-            prompt_ids,
-            max_tokens: a.sampling.max_tokens.min(budget),
-            sampling: params.clone(),
             stop: a.sampling.stop.clone(),
-            ignore_eos: false,
+            ..GenerateRequest::new(prompt_ids, max_tokens, params.clone())
         };
         let mut stdout = std::io::stdout();
         let out = match session.generate(&req, &mut |s| {
