@@ -10,7 +10,8 @@
 
 use crate::grammar::{Constraint, GrammarError};
 use crate::logprobs::{token_logprob, TokenLogprob};
-use crate::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::request::EngineRequest;
+use crate::sampling::{Sampler, SamplingError};
 use crate::stop::StopMatcher;
 use kvant_model::tokenizer::{DecodeStream, Tokenizer, TokenizerError};
 
@@ -47,19 +48,6 @@ pub enum ContinuationError {
     Grammar(#[from] GrammarError),
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-}
-
-/// What a continuation is asked for: the fields a `GenerateRequest` and
-/// an `EngineRequest` share (see those for their meaning).
-pub(crate) struct Spec {
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-    pub ignore_eos: bool,
-    pub logprobs: Option<usize>,
-    pub constraint: Option<Constraint>,
-    pub logit_bias: Vec<(u32, f32)>,
-    pub skip_special_tokens: bool,
 }
 
 /// A logits row to sample from, or the argmax a cluster already took
@@ -101,18 +89,19 @@ pub(crate) struct Continuation<'t> {
 }
 
 impl<'t> Continuation<'t> {
-    pub fn new(tokenizer: &'t Tokenizer, spec: Spec) -> Result<Self, SamplingError> {
+    /// The continuation `req` asks for (its prompt is not needed here).
+    pub fn new(tokenizer: &'t Tokenizer, req: EngineRequest) -> Result<Self, SamplingError> {
         Ok(Continuation {
-            sampler: Sampler::new(spec.sampling)?,
-            stops: StopMatcher::new(spec.stop),
-            stream: tokenizer.decode_stream(spec.skip_special_tokens),
+            sampler: Sampler::new(req.sampling)?,
+            stops: StopMatcher::new(req.stop),
+            stream: tokenizer.decode_stream(req.skip_special_tokens),
             eos: tokenizer.eos_ids(),
-            ignore_eos: spec.ignore_eos,
-            max_tokens: spec.max_tokens,
+            ignore_eos: req.ignore_eos,
+            max_tokens: req.max_tokens,
             generated: 0,
-            logprobs: spec.logprobs,
-            constraint: spec.constraint,
-            logit_bias: spec.logit_bias,
+            logprobs: req.logprobs,
+            constraint: req.constraint,
+            logit_bias: req.logit_bias,
         })
     }
 

@@ -7,6 +7,7 @@ pub mod continuation;
 pub mod error;
 pub mod grammar;
 pub mod logprobs;
+pub mod request;
 pub mod sampling;
 pub mod serving;
 pub mod session;
@@ -15,5 +16,6 @@ pub mod stop;
 
 pub use continuation::FinishReason;
 pub use error::EngineError;
+pub use request::EngineRequest;
 pub use sampling::{Sampler, SamplingParams};
-pub use session::{GenerateOutput, GenerateRequest, Session};
+pub use session::{GenerateOutput, Session};

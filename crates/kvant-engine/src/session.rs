@@ -3,11 +3,10 @@
 //! only computes the new tokens.
 
 use crate::cluster::{forward_seq, Cluster, Row, Want};
-use crate::continuation::{Continuation, RowRef, Spec, Taken};
+use crate::continuation::{Continuation, RowRef, Taken};
 use crate::error::EngineError;
-use crate::grammar::Constraint;
 use crate::logprobs::TokenLogprob;
-use crate::sampling::SamplingParams;
+use crate::request::EngineRequest;
 use crate::speculative::{MtpDrafter, Policy};
 use kvant_model::arch::decoder::{DecoderModel, Hidden, Logits};
 use kvant_model::kv::KvCache;
@@ -19,58 +18,6 @@ pub use crate::continuation::FinishReason;
 /// Tokens per forward pass during prefill: bounds activation memory for
 /// long prompts without hurting matmul efficiency.
 const PREFILL_CHUNK: usize = 512;
-
-#[derive(Clone, Debug)]
-pub struct GenerateRequest {
-    pub prompt_ids: Vec<u32>,
-    /// Generated tokens at most; the first is always generated (see
-    /// [`crate::continuation::MIN_TOKENS`]).
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-    /// Keep going past end-of-sequence tokens (benchmarks, reference checks).
-    pub ignore_eos: bool,
-    /// Report each generated token's log-probability and this many
-    /// alternatives in [`GenerateOutput::logprobs`]; `None` reports nothing.
-    pub logprobs: Option<usize>,
-    /// A grammar the output must match: a token mask before every sample
-    /// (cloned for each generation, so give a fresh one).
-    pub constraint: Option<Constraint>,
-    /// Added to these tokens' logits before every sample; ids outside the
-    /// vocabulary are ignored.
-    pub logit_bias: Vec<(u32, f32)>,
-}
-
-impl GenerateRequest {
-    /// A continuation of `prompt_ids` for at most `max_tokens` tokens with
-    /// `sampling`, with nothing else asked for (no stop strings, logprobs,
-    /// grammar or biases): the base that callers set their fields on.
-    pub fn new(prompt_ids: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> Self {
-        GenerateRequest {
-            prompt_ids,
-            max_tokens,
-            sampling,
-            stop: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            constraint: None,
-            logit_bias: Vec::new(),
-        }
-    }
-
-    fn spec(&self) -> Spec {
-        Spec {
-            max_tokens: self.max_tokens,
-            sampling: self.sampling.clone(),
-            stop: self.stop.clone(),
-            ignore_eos: self.ignore_eos,
-            logprobs: self.logprobs,
-            constraint: self.constraint.clone(),
-            logit_bias: self.logit_bias.clone(),
-            skip_special_tokens: true,
-        }
-    }
-}
 
 #[derive(Clone, Debug)]
 pub struct GenerateOutput {
@@ -191,7 +138,7 @@ impl<'m> Session<'m> {
     /// of a stop string.
     pub fn generate(
         &mut self,
-        req: &GenerateRequest,
+        req: &EngineRequest,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<GenerateOutput, EngineError> {
         let prompt = &req.prompt_ids;
@@ -204,7 +151,7 @@ impl<'m> Session<'m> {
                 context: self.cache.capacity(),
             });
         }
-        let mut cont = Continuation::new(self.tokenizer, req.spec())?;
+        let mut cont = Continuation::new(self.tokenizer, req.clone())?;
         let common = self.reuse_prefix(prompt);
         let t0 = Instant::now();
         let argmax = cont.argmax_suffices();

@@ -6,7 +6,8 @@
 //! UTF-8 and cannot be part of a stop string (the CLI's rule).
 
 use kvant_engine::sampling::SamplingParams;
-use kvant_engine::session::{GenerateOutput, GenerateRequest, Session};
+use kvant_engine::session::{GenerateOutput, Session};
+use kvant_engine::EngineRequest;
 use kvant_model::arch::decoder::LoadOptions;
 use kvant_model::chat::ChatMessage;
 use kvant_model::load::{load_with, LoadedModel};
@@ -31,7 +32,7 @@ pub struct Llm {
 #[derive(Clone)]
 struct Ask {
     prompt_ids: Vec<u32>,
-    req: GenerateRequest,
+    req: EngineRequest,
 }
 
 fn run(m: &LoadedModel, ask: &Ask, on_text: &mut dyn FnMut(&str)) -> PyResult<GenerateOutput> {
@@ -214,9 +215,9 @@ impl Llm {
         }
         let max_tokens = max_tokens.min(context - prompt_ids.len());
         Ok(Ask {
-            req: GenerateRequest {
+            req: EngineRequest {
                 stop,
-                ..GenerateRequest::new(prompt_ids.clone(), max_tokens, sampling)
+                ..EngineRequest::new(prompt_ids.clone(), max_tokens, sampling)
             },
             prompt_ids,
         })

@@ -17,7 +17,7 @@
 use super::blocks::BlockManager;
 use super::config::{EngineConfig, Rebalance};
 use super::embedding::{Pooled, Pooling};
-use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
+use super::request::{Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
 use super::sequence::Sequence;
 use super::shared::{InFlight, Shared};
@@ -25,6 +25,7 @@ use super::states::StateSlots;
 use crate::cluster::{Cluster, Row, Want};
 use crate::continuation::{Continuation, FinishReason, RowRef};
 use crate::error::EngineError;
+use crate::request::EngineRequest;
 use crate::speculative::{MtpState, Speculation};
 use kvant_model::arch::decoder::{DecoderModel, Logits, MtpStep, SeqStep};
 use kvant_model::kv::KvPool;
@@ -178,12 +179,12 @@ impl<'t> Engine<'t> {
     pub fn add(
         &mut self,
         id: RequestId,
-        req: EngineRequest,
+        mut req: EngineRequest,
         embed: Option<Pooling>,
         mut sink: EventSink,
     ) {
-        let (prompt_ids, spec) = req.into_parts();
-        let cont = match Continuation::new(self.tokenizer, spec) {
+        let prompt_ids = std::mem::take(&mut req.prompt_ids);
+        let cont = match Continuation::new(self.tokenizer, req) {
             Ok(c) => c,
             Err(e) => {
                 self.shared.waiting.fetch_sub(1, Ordering::AcqRel);

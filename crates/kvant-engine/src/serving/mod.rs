@@ -14,8 +14,9 @@ mod shared;
 mod states;
 
 pub use crate::logprobs::TokenLogprob;
+pub use crate::request::EngineRequest;
 pub use config::{EngineConfig, Rebalance};
 pub use embedding::Pooling;
 pub use handle::{EngineHandle, EngineThread, Shutdown, SubmitError};
 pub use metrics::{Histogram, MetricsSnapshot, LATENCY_BUCKETS};
-pub use request::{EngineRequest, Event, EventSink, RequestId, Usage, MAX_TOP_LOGPROBS};
+pub use request::{Event, EventSink, RequestId, Usage, MAX_TOP_LOGPROBS};

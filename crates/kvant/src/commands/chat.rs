@@ -5,7 +5,7 @@
 use crate::args::ChatArgs;
 use crate::ranks::{self, Run};
 use anyhow::{Context, Result};
-use kvant_engine::GenerateRequest;
+use kvant_engine::EngineRequest;
 use kvant_model::chat::ChatMessage;
 use std::io::{BufRead, Write};
 
@@ -56,9 +56,9 @@ fn chat(a: &ChatArgs, m: &Run) -> Result<()> {
         let prompt_ids = m.tokenizer.encode(&text, false)?;
         let budget = session.capacity().saturating_sub(prompt_ids.len());
         let max_tokens = a.sampling.max_tokens.min(budget);
-        let req = GenerateRequest {
+        let req = EngineRequest {
             stop: a.sampling.stop.clone(),
-            ..GenerateRequest::new(prompt_ids, max_tokens, params.clone())
+            ..EngineRequest::new(prompt_ids, max_tokens, params.clone())
         };
         let mut stdout = std::io::stdout();
         let out = match session.generate(&req, &mut |s| {

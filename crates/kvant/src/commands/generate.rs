@@ -5,7 +5,7 @@ use crate::args::GenerateArgs;
 use crate::ranks::{self, Run};
 use anyhow::{Context, Result};
 use kvant_engine::continuation::MIN_TOKENS;
-use kvant_engine::GenerateRequest;
+use kvant_engine::EngineRequest;
 use kvant_model::chat::ChatMessage;
 use std::io::Write;
 
@@ -35,10 +35,10 @@ fn generate(a: &GenerateArgs, m: &Run, prompt: String) -> Result<()> {
         (prompt, true)
     };
     let prompt_ids = m.tokenizer.encode(&text, add_special)?;
-    let req = GenerateRequest {
+    let req = EngineRequest {
         stop: a.sampling.stop.clone(),
         ignore_eos: a.ignore_eos,
-        ..GenerateRequest::new(prompt_ids, a.sampling.max_tokens, a.sampling.params())
+        ..EngineRequest::new(prompt_ids, a.sampling.max_tokens, a.sampling.params())
     };
     // Room for the prompt and the output (at least one token is generated,
     // so `--max-tokens 0` is not mistaken for an overlong prompt).
