@@ -3,7 +3,7 @@
 //! only computes the new tokens.
 
 use crate::cluster::{forward_seq, Cluster, Row, Want};
-use crate::continuation::{Continuation, RowRef, Taken};
+use crate::continuation::{Continuation, FinishReason, RowRef, Taken};
 use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
 use crate::request::EngineRequest;
@@ -12,8 +12,6 @@ use kvant_model::arch::decoder::{DecoderModel, Hidden, Logits};
 use kvant_model::kv::KvCache;
 use kvant_model::tokenizer::Tokenizer;
 use std::time::Instant;
-
-pub use crate::continuation::FinishReason;
 
 /// Tokens per forward pass during prefill: bounds activation memory for
 /// long prompts without hurting matmul efficiency.
@@ -42,11 +40,16 @@ impl GenerateOutput {
     /// Records a taken token and streams its text to `on_text`.
     fn push(&mut self, taken: Taken, on_text: &mut dyn FnMut(&str)) {
         self.token_ids.push(taken.token);
-        if !taken.text.is_empty() {
-            on_text(&taken.text);
-            self.text.push_str(&taken.text);
-        }
+        self.emit(&taken.text, on_text);
         self.logprobs.extend(taken.logprob);
+    }
+
+    /// Streams released text to `on_text` and keeps it.
+    fn emit(&mut self, text: &str, on_text: &mut dyn FnMut(&str)) {
+        if !text.is_empty() {
+            on_text(text);
+            self.text.push_str(text);
+        }
     }
 }
 
@@ -183,10 +186,7 @@ impl<'m> Session<'m> {
         let t1 = Instant::now();
         let end = self.decode(&mut cont, row, argmax, &mut out, on_text)?;
         let (text, reason) = cont.finish(end.unwrap_or(FinishReason::Length));
-        if !text.is_empty() {
-            on_text(&text);
-            out.text.push_str(&text);
-        }
+        out.emit(&text, on_text);
         out.finish_reason = reason;
         out.decode_secs = t1.elapsed().as_secs_f64();
         Ok(out)

@@ -5,6 +5,7 @@
 //! iterator through a channel; each piece arrives as soon as it is whole
 //! UTF-8 and cannot be part of a stop string (the CLI's rule).
 
+use kvant_engine::continuation::MIN_TOKENS;
 use kvant_engine::sampling::SamplingParams;
 use kvant_engine::session::{GenerateOutput, Session};
 use kvant_engine::EngineRequest;
@@ -202,8 +203,10 @@ impl Llm {
         sampling
             .validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        if max_tokens == 0 {
-            return Err(PyValueError::new_err("max_tokens must be at least 1"));
+        if max_tokens < MIN_TOKENS {
+            return Err(PyValueError::new_err(format!(
+                "max_tokens must be at least {MIN_TOKENS}"
+            )));
         }
         let prompt_ids = self.m.tokenizer.encode(prompt, true).map_err(err)?;
         let context = self.m.info.context_length;

@@ -1,6 +1,7 @@
-//! The engine's step: schedule, run one forward pass over the ragged
-//! batch, then sample, detokenize and report for every sequence that
-//! produced logits. With an MTP module, the step ends with one batched
+//! The engine's step, in its phases: plan (schedule), forward (one pass
+//! over the ragged batch), sample (each sequence that produced logits
+//! takes its token through its [`Continuation`] and reports it), draft.
+//! With an MTP module, the step ends with one batched
 //! pass of the module drafting the next token of every sequence that just
 //! sampled; the next pass verifies each draft alongside its sequence's
 //! sampled token (self-speculative decoding, lossless as in `Session`:
