@@ -1,5 +1,8 @@
 //! The engine's error type.
 
+use crate::cluster::wire::WireError;
+use crate::continuation::ContinuationError;
+use crate::grammar::GrammarError;
 use crate::sampling::SamplingError;
 
 #[derive(Debug, thiserror::Error)]
@@ -23,7 +26,19 @@ pub enum EngineError {
     #[error(transparent)]
     Dist(#[from] kvant_dist::DistError),
     #[error(transparent)]
-    Wire(#[from] crate::cluster::WireError),
+    Wire(#[from] WireError),
+    #[error("grammar: {0}")]
+    Grammar(#[from] GrammarError),
+}
+
+impl From<ContinuationError> for EngineError {
+    fn from(e: ContinuationError) -> Self {
+        match e {
+            ContinuationError::Sampling(e) => e.into(),
+            ContinuationError::Grammar(e) => e.into(),
+            ContinuationError::Tokenizer(e) => e.into(),
+        }
+    }
 }
 
 impl From<kvant_model::ModelError> for EngineError {

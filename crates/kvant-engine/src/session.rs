@@ -3,10 +3,11 @@
 //! only computes the new tokens.
 
 use crate::cluster::{forward_seq, Cluster, Row, Want};
+use crate::continuation::{Continuation, FinishReason, RowRef, Taken};
 use crate::error::EngineError;
-use crate::sampling::{Sampler, SamplingError, SamplingParams};
+use crate::logprobs::TokenLogprob;
+use crate::request::EngineRequest;
 use crate::speculative::{MtpDrafter, Policy};
-use crate::stop::StopMatcher;
 use kvant_model::arch::decoder::{DecoderModel, Hidden, Logits};
 use kvant_model::kv::KvCache;
 use kvant_model::tokenizer::Tokenizer;
@@ -15,36 +16,6 @@ use std::time::Instant;
 /// Tokens per forward pass during prefill: bounds activation memory for
 /// long prompts without hurting matmul efficiency.
 const PREFILL_CHUNK: usize = 512;
-
-#[derive(Clone, Debug)]
-pub struct GenerateRequest {
-    pub prompt_ids: Vec<u32>,
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-    /// Keep going past end-of-sequence tokens (benchmarks, reference checks).
-    pub ignore_eos: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence token or a stop string.
-    Stop,
-    /// `max_tokens` or the context length.
-    Length,
-    /// Aborted: by its client, at shutdown, or by an internal error.
-    Abort,
-}
-
-impl FinishReason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-        }
-    }
-}
 
 #[derive(Clone, Debug)]
 pub struct GenerateOutput {
@@ -61,6 +32,25 @@ pub struct GenerateOutput {
     /// decoding; both 0 without it).
     pub drafted: usize,
     pub accepted: usize,
+    /// Each token's log-probability, when the request asked for them.
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+impl GenerateOutput {
+    /// Records a taken token and streams its text to `on_text`.
+    fn push(&mut self, taken: Taken, on_text: &mut dyn FnMut(&str)) {
+        self.token_ids.push(taken.token);
+        self.emit(&taken.text, on_text);
+        self.logprobs.extend(taken.logprob);
+    }
+
+    /// Streams released text to `on_text` and keeps it.
+    fn emit(&mut self, text: &str, on_text: &mut dyn FnMut(&str)) {
+        if !text.is_empty() {
+            on_text(text);
+            self.text.push_str(text);
+        }
+    }
 }
 
 pub struct Session<'m> {
@@ -112,11 +102,11 @@ impl<'m> Session<'m> {
     }
 
     /// One pass over `tokens` (appended to the cache): the last row's
-    /// logits (on a cluster, only its argmax when `greedy`) and, with a
+    /// logits (on a cluster, only its argmax when `argmax`) and, with a
     /// drafter, every token's hidden state.
-    fn pass(&mut self, tokens: &[u32], greedy: bool) -> Result<(Row, Hidden), EngineError> {
+    fn pass(&mut self, tokens: &[u32], argmax: bool) -> Result<(Row, Hidden), EngineError> {
         if let Some(c) = self.cluster {
-            let want = match greedy {
+            let want = match argmax {
                 true => Want::LastArgmax,
                 false => Want::Last,
             };
@@ -151,7 +141,7 @@ impl<'m> Session<'m> {
     /// of a stop string.
     pub fn generate(
         &mut self,
-        req: &GenerateRequest,
+        req: &EngineRequest,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<GenerateOutput, EngineError> {
         let prompt = &req.prompt_ids;
@@ -164,9 +154,48 @@ impl<'m> Session<'m> {
                 context: self.cache.capacity(),
             });
         }
-        let mut sampler = Sampler::new(req.sampling.clone())?;
-        // Reuse the cached prefix, but always recompute the last prompt
-        // token: its logits are needed.
+        let mut cont = Continuation::new(self.tokenizer, req.clone())?;
+        let common = self.reuse_prefix(prompt);
+        let t0 = Instant::now();
+        let argmax = cont.argmax_suffices();
+        let mut row = Row::Logits(Vec::new());
+        for chunk in prompt[common..].chunks(PREFILL_CHUNK) {
+            let (l, h) = self.pass(chunk, argmax)?;
+            row = l;
+            if let Some(d) = &mut self.drafter {
+                d.state.push_hidden(&h);
+            }
+            self.tokens.extend_from_slice(chunk);
+        }
+        let prefill_secs = t0.elapsed().as_secs_f64();
+        // The next turn's prompt starts with this one.
+        self.cache.save_state();
+
+        let mut out = GenerateOutput {
+            token_ids: Vec::new(),
+            text: String::new(),
+            finish_reason: FinishReason::Length,
+            prefill_tokens: prompt.len() - common,
+            prefill_secs,
+            decode_steps: 0,
+            decode_secs: 0.0,
+            drafted: 0,
+            accepted: 0,
+            logprobs: Vec::new(),
+        };
+        let t1 = Instant::now();
+        let end = self.decode(&mut cont, row, argmax, &mut out, on_text)?;
+        let (text, reason) = cont.finish(end.unwrap_or(FinishReason::Length));
+        out.emit(&text, on_text);
+        out.finish_reason = reason;
+        out.decode_secs = t1.elapsed().as_secs_f64();
+        Ok(out)
+    }
+
+    /// Cuts the cache back to the longest prefix it shares with `prompt`
+    /// (never the whole prompt: the last token's logits are needed);
+    /// returns the tokens it keeps.
+    fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
         let mut common = self
             .tokens
             .iter()
@@ -183,63 +212,22 @@ impl<'m> Session<'m> {
         self.cache.truncate(common);
         let common = self.cache.len();
         self.tokens.truncate(common);
+        common
+    }
 
-        let t0 = Instant::now();
-        let greedy = req.sampling.is_plain_greedy();
-        let mut logits = Row::Logits(Vec::new());
-        for chunk in prompt[common..].chunks(PREFILL_CHUNK) {
-            let (l, h) = self.pass(chunk, greedy)?;
-            logits = l;
-            if let Some(d) = &mut self.drafter {
-                d.state.push_hidden(&h);
-            }
-            self.tokens.extend_from_slice(chunk);
-        }
-        let prefill_secs = t0.elapsed().as_secs_f64();
-        // The next turn's prompt starts with this one.
-        self.cache.save_state();
-
-        let eos = self.tokenizer.eos_ids();
-        let mut stream = self.tokenizer.decode_stream(true);
-        let mut stops = StopMatcher::new(req.stop.clone());
-        let mut out = GenerateOutput {
-            token_ids: Vec::new(),
-            text: String::new(),
-            finish_reason: FinishReason::Length,
-            prefill_tokens: prompt.len() - common,
-            prefill_secs,
-            decode_steps: 0,
-            decode_secs: 0.0,
-            drafted: 0,
-            accepted: 0,
-        };
-        let mut emit = |s: &str, out: &mut GenerateOutput| {
-            if !s.is_empty() {
-                on_text(s);
-                out.text.push_str(s);
-            }
-        };
-        let t1 = Instant::now();
-        // Takes a sampled token: records and streams it; false when it ends
-        // the generation.
-        let mut take = |next: u32, out: &mut GenerateOutput| -> Result<bool, EngineError> {
-            out.token_ids.push(next);
-            if !req.ignore_eos && eos.contains(&next) {
-                out.finish_reason = FinishReason::Stop;
-                return Ok(false);
-            }
-            if let Some(piece) = stream.step(next)? {
-                let (released, hit) = stops.push(&piece);
-                emit(&released, out);
-                if hit {
-                    out.finish_reason = FinishReason::Stop;
-                    return Ok(false);
-                }
-            }
-            Ok(out.token_ids.len() < req.max_tokens)
-        };
-        let mut next = sample(&mut sampler, logits, &self.tokens)?;
-        while take(next, &mut out)? {
+    /// Decode steps from the prompt's last row until the continuation ends
+    /// (its reason) or the context is full (`None`): each takes a token,
+    /// and feeds it back (with a draft to verify when the drafter drafts).
+    fn decode(
+        &mut self,
+        cont: &mut Continuation<'_>,
+        mut row: Row,
+        argmax: bool,
+        out: &mut GenerateOutput,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Option<FinishReason>, EngineError> {
+        let (mut next, mut end) = advance(cont, row_ref(&mut row)?, &self.tokens, out, on_text)?;
+        while end.is_none() {
             let room = self.cache.capacity() - self.tokens.len();
             if room < 2 {
                 // The context is full: the token is produced but not fed back.
@@ -253,68 +241,92 @@ impl<'m> Session<'m> {
                 }
                 _ => None,
             };
-            let Some(draft) = draft else {
-                let (l, h) = self.pass(&[next], greedy)?;
-                if let Some(d) = &mut self.drafter {
-                    d.state.push_hidden(&h);
-                }
-                self.tokens.push(next);
-                next = sample(&mut sampler, l, &self.tokens)?;
-                if let Some(d) = &mut self.drafter {
-                    d.spec.record(step.elapsed().as_secs_f64(), 1);
-                }
+            if let Some(draft) = draft {
+                (next, end) = self.verify(cont, next, draft, step, out, on_text)?;
                 continue;
-            };
-            // Verify: one pass over the sampled token and the draft.
-            let (l, h) = self
-                .model
-                .forward_hidden(&[next, draft], &mut self.cache, Logits::All)?;
-            let vocab = l.len() / 2;
-            let (mut l1, mut l2) = (l[..vocab].to_vec(), l[vocab..].to_vec());
+            }
+            let (mut row, h) = self.pass(&[next], argmax)?;
+            if let Some(d) = &mut self.drafter {
+                d.state.push_hidden(&h);
+            }
             self.tokens.push(next);
-            let second = sampler.sample(&mut l1, &self.tokens)?;
-            let hit = second == draft;
-            out.drafted += 1;
-            out.accepted += usize::from(hit);
+            (next, end) = advance(cont, row_ref(&mut row)?, &self.tokens, out, on_text)?;
             if let Some(d) = &mut self.drafter {
-                // A rejected draft's row and keys are dropped.
-                d.state.push_hidden(if hit { &h } else { &h[..hidden] });
-            }
-            if !hit {
-                self.cache.truncate(self.tokens.len());
-                if let Some(d) = &mut self.drafter {
-                    d.spec.record(step.elapsed().as_secs_f64(), 1);
-                }
-                next = second;
-                continue;
-            }
-            self.tokens.push(draft);
-            if !take(second, &mut out)? {
-                break;
-            }
-            next = sampler.sample(&mut l2, &self.tokens)?;
-            if let Some(d) = &mut self.drafter {
-                d.spec.record(step.elapsed().as_secs_f64(), 2);
+                d.spec.record(step.elapsed().as_secs_f64(), 1);
             }
         }
-        if out.finish_reason == FinishReason::Length {
-            let (text, hit) = stops.finish_with(&stream.flush());
-            emit(&text, &mut out);
-            if hit {
-                out.finish_reason = FinishReason::Stop;
-            }
+        Ok(end)
+    }
+
+    /// One pass over the taken token `next` and the module's `draft`
+    /// (started at `step`): the token after `next` comes from its row,
+    /// and only if it equals the draft does the draft's row give the one
+    /// after it. Returns the last token taken and the end, if reached.
+    fn verify(
+        &mut self,
+        cont: &mut Continuation<'_>,
+        next: u32,
+        draft: u32,
+        step: Instant,
+        out: &mut GenerateOutput,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<(u32, Option<FinishReason>), EngineError> {
+        let (mut l, h) = self
+            .model
+            .forward_hidden(&[next, draft], &mut self.cache, Logits::All)?;
+        let vocab = l.len() / 2;
+        let (l1, l2) = l.split_at_mut(vocab);
+        self.tokens.push(next);
+        let (second, end) = advance(cont, RowRef::Logits(l1), &self.tokens, out, on_text)?;
+        let hit = second == draft;
+        out.drafted += 1;
+        out.accepted += usize::from(hit);
+        let hidden = self.model.config().hidden;
+        if let Some(d) = &mut self.drafter {
+            // A rejected draft's row and keys are dropped.
+            d.state.push_hidden(if hit { &h } else { &h[..hidden] });
         }
-        out.decode_secs = t1.elapsed().as_secs_f64();
-        Ok(out)
+        if !hit {
+            self.cache.truncate(self.tokens.len());
+            if let Some(d) = &mut self.drafter {
+                d.spec.record(step.elapsed().as_secs_f64(), 1);
+            }
+            return Ok((second, end));
+        }
+        self.tokens.push(draft);
+        if end.is_some() {
+            return Ok((second, end));
+        }
+        let taken = advance(cont, RowRef::Logits(l2), &self.tokens, out, on_text)?;
+        if let Some(d) = &mut self.drafter {
+            d.spec.record(step.elapsed().as_secs_f64(), 2);
+        }
+        Ok(taken)
     }
 }
 
-/// The next token from a logits row, or the argmax a cluster already took
-/// (only for plain greedy sampling, which is the argmax).
-fn sample(sampler: &mut Sampler, row: Row, history: &[u32]) -> Result<u32, EngineError> {
+/// Samples the next token from `row` and takes it into `out`; returns it
+/// and why the generation ends with it, if it does.
+fn advance(
+    cont: &mut Continuation<'_>,
+    row: RowRef<'_>,
+    history: &[u32],
+    out: &mut GenerateOutput,
+    on_text: &mut dyn FnMut(&str),
+) -> Result<(u32, Option<FinishReason>), EngineError> {
+    let sampled = cont.sample(row, history)?;
+    let taken = cont.take(sampled)?;
+    let (next, end) = (taken.token, taken.end);
+    out.push(taken, on_text);
+    Ok((next, end))
+}
+
+/// A pass's row to sample from: logits, or the argmax a cluster already
+/// took (only when the continuation's argmax suffices).
+fn row_ref(row: &mut Row) -> Result<RowRef<'_>, EngineError> {
     match row {
-        Row::Logits(mut l) => Ok(sampler.sample(&mut l, history)?),
-        Row::Argmax(t) => Ok(t.ok_or(SamplingError::NoFiniteLogit)?),
+        Row::Logits(l) => Ok(RowRef::Logits(l)),
+        Row::Argmax(t) => Ok(RowRef::Argmax(*t)),
         Row::Hidden(_) => Err(EngineError::Config(
             "hidden states where a logits row was asked for".into(),
         )),

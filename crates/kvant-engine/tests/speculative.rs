@@ -3,8 +3,9 @@
 //! plain decoding's, greedy or sampled, at any context limit, across chat
 //! turns that reuse the cache; and drafts do get accepted.
 
-use kvant_engine::session::{GenerateRequest, Session};
+use kvant_engine::session::Session;
 use kvant_engine::speculative::Policy;
+use kvant_engine::EngineRequest;
 use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::LoadOptions;
 use kvant_model::LoadedModel;
@@ -21,13 +22,10 @@ fn load_fixture(name: &str, mtp: bool, opts: LoadOptions) -> LoadedModel {
     kvant_model::load::load_with(&path, LoadOptions { mtp, ..opts }).expect("fixture loads")
 }
 
-fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> GenerateRequest {
-    GenerateRequest {
-        prompt_ids: prompt,
-        max_tokens,
-        sampling,
-        stop: Vec::new(),
+fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> EngineRequest {
+    EngineRequest {
         ignore_eos: true,
+        ..EngineRequest::new(prompt, max_tokens, sampling)
     }
 }
 

@@ -5,8 +5,10 @@
 //! iterator through a channel; each piece arrives as soon as it is whole
 //! UTF-8 and cannot be part of a stop string (the CLI's rule).
 
+use kvant_engine::continuation::MIN_TOKENS;
 use kvant_engine::sampling::SamplingParams;
-use kvant_engine::session::{GenerateOutput, GenerateRequest, Session};
+use kvant_engine::session::{GenerateOutput, Session};
+use kvant_engine::EngineRequest;
 use kvant_model::arch::decoder::LoadOptions;
 use kvant_model::chat::ChatMessage;
 use kvant_model::load::{load_with, LoadedModel};
@@ -31,7 +33,7 @@ pub struct Llm {
 #[derive(Clone)]
 struct Ask {
     prompt_ids: Vec<u32>,
-    req: GenerateRequest,
+    req: EngineRequest,
 }
 
 fn run(m: &LoadedModel, ask: &Ask, on_text: &mut dyn FnMut(&str)) -> PyResult<GenerateOutput> {
@@ -201,8 +203,10 @@ impl Llm {
         sampling
             .validate()
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        if max_tokens == 0 {
-            return Err(PyValueError::new_err("max_tokens must be at least 1"));
+        if max_tokens < MIN_TOKENS {
+            return Err(PyValueError::new_err(format!(
+                "max_tokens must be at least {MIN_TOKENS}"
+            )));
         }
         let prompt_ids = self.m.tokenizer.encode(prompt, true).map_err(err)?;
         let context = self.m.info.context_length;
@@ -214,12 +218,9 @@ impl Llm {
         }
         let max_tokens = max_tokens.min(context - prompt_ids.len());
         Ok(Ask {
-            req: GenerateRequest {
-                prompt_ids: prompt_ids.clone(),
-                max_tokens,
-                sampling,
+            req: EngineRequest {
                 stop,
-                ignore_eos: false,
+                ..EngineRequest::new(prompt_ids.clone(), max_tokens, sampling)
             },
             prompt_ids,
         })

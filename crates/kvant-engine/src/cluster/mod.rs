@@ -12,7 +12,7 @@
 //! heartbeat, joined by every rank, while it is idle, so that idle ranks
 //! also notice a lost peer.
 
-mod wire;
+pub(crate) mod wire;
 
 pub use wire::{encode_step, Msg, SeqPlan, Want, WireError};
 

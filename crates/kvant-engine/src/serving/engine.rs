@@ -1,6 +1,7 @@
-//! The engine's step: schedule, run one forward pass over the ragged
-//! batch, then sample, detokenize and report for every sequence that
-//! produced logits. With an MTP module, the step ends with one batched
+//! The engine's step, in its phases: plan (schedule), forward (one pass
+//! over the ragged batch), sample (each sequence that produced logits
+//! takes its token through its [`Continuation`] and reports it), draft.
+//! With an MTP module, the step ends with one batched
 //! pass of the module drafting the next token of every sequence that just
 //! sampled; the next pass verifies each draft alongside its sequence's
 //! sampled token (self-speculative decoding, lossless as in `Session`:
@@ -17,18 +18,16 @@
 use super::blocks::BlockManager;
 use super::config::{EngineConfig, Rebalance};
 use super::embedding::{Pooled, Pooling};
-use super::logprobs::token_logprob;
-use super::request::{EngineRequest, Event, EventSink, RequestId, Usage};
+use super::request::{Event, EventSink, RequestId, Usage};
 use super::scheduler::{schedule, Limits, Outcome, Scheduled};
 use super::sequence::Sequence;
 use super::shared::{InFlight, Shared};
 use super::states::StateSlots;
 use crate::cluster::{Cluster, Row, Want};
+use crate::continuation::{Continuation, FinishReason, RowRef};
 use crate::error::EngineError;
-use crate::sampling::{Sampler, SamplingError};
-use crate::session::FinishReason;
+use crate::request::EngineRequest;
 use crate::speculative::{MtpState, Speculation};
-use crate::stop::StopMatcher;
 use kvant_model::arch::decoder::{DecoderModel, Logits, MtpStep, SeqStep};
 use kvant_model::kv::KvPool;
 use kvant_model::tokenizer::Tokenizer;
@@ -69,12 +68,6 @@ pub(super) struct Engine<'t> {
 enum Rows {
     Local(Vec<f32>),
     Groups(Vec<Vec<Row>>),
-}
-
-/// One row of [`Rows`].
-enum RowRef<'a> {
-    Logits(&'a mut [f32]),
-    Argmax(Option<u32>),
 }
 
 impl Rows {
@@ -187,12 +180,13 @@ impl<'t> Engine<'t> {
     pub fn add(
         &mut self,
         id: RequestId,
-        req: EngineRequest,
+        mut req: EngineRequest,
         embed: Option<Pooling>,
         mut sink: EventSink,
     ) {
-        let sampler = match Sampler::new(req.sampling.clone()) {
-            Ok(s) => s,
+        let prompt_ids = std::mem::take(&mut req.prompt_ids);
+        let cont = match Continuation::new(self.tokenizer, req) {
+            Ok(c) => c,
             Err(e) => {
                 self.shared.waiting.fetch_sub(1, Ordering::AcqRel);
                 self.shared.release_place();
@@ -202,16 +196,13 @@ impl<'t> Engine<'t> {
         };
         self.waiting.push_back(Sequence {
             id,
-            tokens: req.prompt_ids.clone(),
-            prompt_len: req.prompt_ids.len(),
+            prompt_len: prompt_ids.len(),
+            tokens: prompt_ids,
             computed: 0,
             blocks: Vec::new(),
             cids: Vec::new(),
             cached_tokens: None,
-            stops: StopMatcher::new(req.stop.clone()),
-            stream: self.tokenizer.decode_stream(req.skip_special_tokens),
-            req,
-            sampler,
+            cont,
             sink,
             closed: false,
             arrived: Instant::now(),
@@ -281,11 +272,42 @@ impl<'t> Engine<'t> {
         (plans, total)
     }
 
-    /// One scheduling decision and one forward pass. An error means the
-    /// ranks of a parallel run can no longer work together: the engine
-    /// must stop.
+    /// One scheduling decision and one forward pass: plan, forward, sample,
+    /// draft. An error means the ranks of a parallel run can no longer
+    /// work together: the engine must stop.
     pub fn step(&mut self) -> Result<(), EngineError> {
-        let (plans, outcome) = self.schedule_all();
+        let Some(plan) = self.plan() else {
+            self.publish();
+            return Ok(());
+        };
+        let started = Instant::now();
+        let Some(mut pass) = self.forward(&plan)? else {
+            return Ok(());
+        };
+        let produced = self.sample(&plan, &mut pass);
+        self.draft();
+        if let Some(spec) = self
+            .spec
+            .as_mut()
+            .filter(|_| plan.decode_only && produced > 0)
+        {
+            spec.record(started.elapsed().as_secs_f64(), produced);
+        }
+        self.publish();
+        self.steps += 1;
+        if let (Some(r), Some(c)) = (self.rebalance, &self.cluster) {
+            if self.steps.is_multiple_of(r.every) {
+                c.rebalance(r.redundant)?;
+                self.shared.metrics.update(|m| m.expert_rebalances += 1);
+            }
+        }
+        Ok(())
+    }
+
+    /// The step's plan: every group's scheduled sequences, and which of
+    /// them verify a draft; `None` when nothing runs.
+    fn plan(&mut self) -> Option<Plan> {
+        let (groups, outcome) = self.schedule_all();
         self.place_states();
         let w = &self.shared.waiting;
         w.fetch_sub(outcome.admitted, Ordering::AcqRel);
@@ -296,15 +318,12 @@ impl<'t> Engine<'t> {
             m.prefix_cache_hits += outcome.cache_hits as u64;
             m.prompt_tokens += outcome.cache_queries as u64;
         });
-        if plans.iter().all(Vec::is_empty) {
-            self.publish();
-            return Ok(());
+        if groups.iter().all(Vec::is_empty) {
+            return None;
         }
-        let started = Instant::now();
-        let mtp = self.spec.is_some();
         // A sequence with a draft and two tokens of budget verifies it
         // (one process only: the MTP module does not run over ranks).
-        let verify: Vec<Vec<Option<[u32; 2]>>> = plans
+        let verify = groups
             .iter()
             .zip(&self.groups)
             .map(|(plan, g)| {
@@ -321,72 +340,36 @@ impl<'t> Engine<'t> {
                     .collect()
             })
             .collect();
-        let on_cluster = self.cluster.is_some();
-        let steps: Vec<Vec<(SeqStep<'_>, Want)>> = plans
+        // Only steps of nothing but decodes measure the speculation policy.
+        let decode_only = groups
             .iter()
-            .zip(&verify)
+            .zip(&self.groups)
+            .all(|(plan, g)| plan.iter().all(|p| g.running[p.seq].remaining() == 1));
+        Some(Plan {
+            groups,
+            verify,
+            decode_only,
+        })
+    }
+
+    /// The forward pass of every group's planned steps. `None` when it
+    /// failed in this process (every planned sequence then failed too);
+    /// an error when the ranks lost one another.
+    fn forward(&mut self, plan: &Plan) -> Result<Option<Pass>, EngineError> {
+        let (mtp, on_cluster) = (self.spec.is_some(), self.cluster.is_some());
+        let steps: Vec<Vec<(SeqStep<'_>, Want)>> = plan
+            .groups
+            .iter()
+            .zip(&plan.verify)
             .zip(&self.groups)
             .map(|((plan, verify), g)| {
                 plan.iter()
                     .zip(verify)
-                    .map(|(p, v)| {
-                        let s = &g.running[p.seq];
-                        let end = s.computed + p.n;
-                        let last = end == s.tokens.len();
-                        if let Some(e) = &s.embed {
-                            let reads = e.pooling().reads(s.computed, end, s.prompt_len);
-                            let (logits, want) = match reads {
-                                true => (Logits::Hidden, Want::Hidden),
-                                false => (Logits::None, Want::None),
-                            };
-                            let step = SeqStep {
-                                tokens: &s.tokens[s.computed..end],
-                                pos0: s.computed,
-                                table: &s.blocks,
-                                logits,
-                                state: s.state.unwrap_or(0),
-                            };
-                            return (step, want);
-                        }
-                        let (tokens, logits) = match v {
-                            Some(pair) => (&pair[..], Logits::All),
-                            None => (
-                                &s.tokens[s.computed..end],
-                                match (last, mtp) {
-                                    (true, false) => Logits::Last,
-                                    (true, true) => Logits::LastAndHidden,
-                                    (false, false) => Logits::None,
-                                    (false, true) => Logits::Hidden,
-                                },
-                            ),
-                        };
-                        // Over ranks, a plain greedy request needs only
-                        // its argmax: no logits row crosses the ranks.
-                        let argmax_only = on_cluster
-                            && s.req.logprobs.is_none()
-                            && s.req.constraint.is_none()
-                            && s.req.logit_bias.is_empty()
-                            && s.req.sampling.is_plain_greedy();
-                        let want = match (last, argmax_only) {
-                            (false, _) => Want::None,
-                            (true, true) => Want::LastArgmax,
-                            (true, false) => Want::Last,
-                        };
-                        let step = SeqStep {
-                            tokens,
-                            pos0: s.computed,
-                            table: &s.blocks,
-                            logits,
-                            state: s.state.unwrap_or(0),
-                        };
-                        (step, want)
-                    })
+                    .map(|(p, v)| seq_step(&g.running[p.seq], p.n, v.as_ref(), mtp, on_cluster))
                     .collect()
             })
             .collect();
-        // Each step's want, logits and tokens, and its rows of this
-        // process's hidden states.
-        let wants: Vec<Vec<(Want, Logits, usize)>> = steps
+        let wants = steps
             .iter()
             .map(|g| {
                 g.iter()
@@ -394,15 +377,10 @@ impl<'t> Engine<'t> {
                     .collect()
             })
             .collect();
-        let hidden_rows: Vec<usize> = steps[0]
+        let hidden_rows = steps[0]
             .iter()
             .map(|(s, _)| s.logits.hidden_rows(s.tokens.len()))
             .collect();
-        // Only steps of nothing but decodes measure the speculation policy.
-        let decode_only = plans
-            .iter()
-            .zip(&self.groups)
-            .all(|(plan, g)| plan.iter().all(|p| g.running[p.seq].remaining() == 1));
         let result = match &self.cluster {
             Some(c) => c
                 .step(&mut self.pool, &steps)
@@ -416,121 +394,94 @@ impl<'t> Engine<'t> {
             }
         };
         drop(steps);
-        let (mut logits, hidden) = match result {
-            Ok(l) => l,
+        match result {
+            Ok((rows, hidden)) => Ok(Some(Pass {
+                rows,
+                hidden,
+                wants,
+                hidden_rows,
+            })),
             // Over ranks a failed collective ends the engine: the caller
             // fails every request (`Engine::fail`).
-            Err(e) if e.is_communication() => return Err(e),
+            Err(e) if e.is_communication() => Err(e),
             Err(e) => {
                 // Not reachable with engine-made batches in one process;
                 // never leave clients waiting if it happens.
-                let msg = e.to_string();
-                for (g, plan) in plans.iter().enumerate() {
-                    let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
-                    idx.sort_unstable_by(|a, b| b.cmp(a));
-                    for i in idx {
-                        let group = &mut self.groups[g];
-                        let mut s = group.running.remove(i);
-                        s.release_blocks(&mut group.blocks);
-                        if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
-                            st.give_back(slot);
-                        }
-                        s.fail(&msg);
-                    }
-                }
-                self.publish();
-                return Ok(());
+                self.fail_planned(plan, &e.to_string());
+                Ok(None)
             }
-        };
+        }
+    }
+
+    /// Fails every sequence of `plan` with `msg`.
+    fn fail_planned(&mut self, plan: &Plan, msg: &str) {
+        for (g, plan) in plan.groups.iter().enumerate() {
+            let mut idx: Vec<usize> = plan.iter().map(|p| p.seq).collect();
+            idx.sort_unstable_by(|a, b| b.cmp(a));
+            for i in idx {
+                let group = &mut self.groups[g];
+                let mut s = group.running.remove(i);
+                s.release_blocks(&mut group.blocks);
+                if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
+                    st.give_back(slot);
+                }
+                s.fail(msg);
+            }
+        }
+        self.publish();
+    }
+
+    /// After the pass: every planned sequence moves past the tokens it ran
+    /// and, where it has a logits row, samples and reports; those that end
+    /// are finished. Returns the tokens produced.
+    fn sample(&mut self, plan: &Plan, pass: &mut Pass) -> usize {
         let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
+        let mtp = self.spec.is_some();
         let mut produced = 0;
         let mut hrow = 0;
-        for (g, (plan, verify)) in plans.iter().zip(&verify).enumerate() {
+        for (g, (seqs, verify)) in plan.groups.iter().zip(&plan.verify).enumerate() {
             let mut done = Vec::new();
             let mut row = 0;
-            for (k, ((p, v), &(want, step_logits, n))) in
-                plan.iter().zip(verify).zip(&wants[g]).enumerate()
+            for (k, ((p, v), &(want, logits, n))) in
+                seqs.iter().zip(verify).zip(&pass.wants[g]).enumerate()
             {
-                let group = &mut self.groups[g];
-                let s = &mut group.running[p.seq];
                 // This process's hidden rows (group 0 only over ranks).
                 let hn = match g {
-                    0 => hidden_rows.get(k).copied().unwrap_or(0),
+                    0 => pass.hidden_rows.get(k).copied().unwrap_or(0),
                     _ => 0,
                 };
                 let at = hrow * h;
                 hrow += hn;
                 let first = row;
-                row += logits.taken(want, step_logits, n);
-                if let Some(e) = &mut s.embed {
-                    if want == Want::Hidden {
-                        let rows = logits.hidden(g, first, &hidden, at);
-                        let rows = rows.get(..n * h).unwrap_or(rows);
-                        e.push(rows, h, s.computed, s.computed + n, s.prompt_len);
-                    }
-                    s.computed += p.n;
-                    s.register_full_blocks(&mut group.blocks);
-                    keep_snapshot(
-                        s,
-                        &mut self.states,
-                        &mut self.pool,
-                        group.blocks.block_size(),
-                    );
-                    if s.computed >= s.prompt_len {
-                        done.push((p.seq, FinishReason::Stop));
-                    }
-                    continue;
-                }
-                let hid = match mtp {
-                    true => hidden.get(at..at + hn * h).unwrap_or(&[]),
-                    false => &[][..],
+                row += pass.rows.taken(want, logits, n);
+                let group = &mut self.groups[g];
+                let mut share = Share {
+                    rows: &mut pass.rows,
+                    g,
+                    first,
+                    any: row > first,
+                    want,
+                    n,
+                    hidden: &pass.hidden,
+                    at,
+                    mine: match mtp {
+                        true => pass.hidden.get(at..at + hn * h).unwrap_or(&[]),
+                        false => &[][..],
+                    },
+                    vocab,
+                    h,
+                    blocks: &mut group.blocks,
+                    states: &mut self.states,
+                    pool: &mut self.pool,
+                    shared: &self.shared,
                 };
-                s.draft = None;
-                let Some([_, draft]) = *v else {
-                    s.computed += p.n;
-                    if let Some(m) = &mut s.mtp {
-                        m.push_hidden(hid);
-                    }
-                    s.register_full_blocks(&mut group.blocks);
-                    keep_snapshot(
-                        s,
-                        &mut self.states,
-                        &mut self.pool,
-                        group.blocks.block_size(),
-                    );
-                    if row == first {
-                        continue;
-                    }
-                    produced += 1;
-                    let r = logits.get(g, first, vocab);
-                    if let Some(reason) = advance(s, r, self.tokenizer, &self.shared) {
-                        done.push((p.seq, reason));
-                    }
-                    continue;
+                let s = &mut group.running[p.seq];
+                let (made, end) = match (s.embed.is_some(), v) {
+                    (true, _) => (0, pooled(s, p.n, &mut share)),
+                    (false, Some([_, draft])) => verified(s, *draft, &mut share),
+                    (false, None) => decoded(s, p.n, &mut share),
                 };
-                // Verify: the sampled token's row decides; the draft's row
-                // counts only if the sample equals the draft.
-                s.computed += 1;
-                if let Some(m) = &mut s.mtp {
-                    m.push_hidden(&hid[..h]);
-                }
-                produced += 1;
-                let mut end = advance(s, logits.get(g, first, vocab), self.tokenizer, &self.shared);
-                let hit = s.tokens.last() == Some(&draft);
-                self.shared.metrics.update(|m| {
-                    m.spec_drafted += 1;
-                    m.spec_accepted += u64::from(hit);
-                });
-                if end.is_none() && hit {
-                    s.computed += 1;
-                    if let Some(m) = &mut s.mtp {
-                        m.push_hidden(&hid[h..]);
-                    }
-                    produced += 1;
-                    let r = logits.get(g, first + 1, vocab);
-                    end = advance(s, r, self.tokenizer, &self.shared);
-                }
-                s.register_full_blocks(&mut group.blocks);
+                produced += made;
                 if let Some(reason) = end {
                     done.push((p.seq, reason));
                 }
@@ -541,19 +492,7 @@ impl<'t> Engine<'t> {
                 self.finish(g, s, reason);
             }
         }
-        self.draft();
-        if let Some(spec) = self.spec.as_mut().filter(|_| decode_only && produced > 0) {
-            spec.record(started.elapsed().as_secs_f64(), produced);
-        }
-        self.publish();
-        self.steps += 1;
-        if let (Some(r), Some(c)) = (self.rebalance, &self.cluster) {
-            if self.steps.is_multiple_of(r.every) {
-                c.rebalance(r.redundant)?;
-                self.shared.metrics.update(|m| m.expert_rebalances += 1);
-            }
-        }
-        Ok(())
+        produced
     }
 
     /// One pass of the MTP module for every sequence that has just sampled
@@ -571,7 +510,7 @@ impl<'t> Engine<'t> {
                     && s.draft.is_none()
                     && s.remaining() == 1
                     && s.computed > 0
-                    && s.generated() + 1 < s.req.max_tokens
+                    && s.cont.left() > 1
             })
             .collect();
         if who.is_empty() {
@@ -604,7 +543,7 @@ impl<'t> Engine<'t> {
 
     /// Releases a sequence's blocks (in group `g`; a waiting one has
     /// none) and sends its last event.
-    fn finish(&mut self, g: usize, mut s: Sequence<'t>, mut reason: FinishReason) {
+    fn finish(&mut self, g: usize, mut s: Sequence<'t>, reason: FinishReason) {
         // Before the blocks go: releasing them restarts the pooling.
         let embedding = match (&s.embed, reason) {
             (Some(e), FinishReason::Stop) => Some(e.finish()),
@@ -615,16 +554,9 @@ impl<'t> Engine<'t> {
         if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
             st.give_back(slot);
         }
-        let mut text = String::new();
-        if reason == FinishReason::Length {
-            // A stop string the flushed tail completes ends the request as
-            // a stop, as it does in `Session`.
-            let (released, hit) = s.stops.finish_with(&s.stream.flush());
-            text = released;
-            if hit {
-                reason = FinishReason::Stop;
-            }
-        }
+        // A stop string the flushed tail completes ends the request as a
+        // stop, as it does in `Session`.
+        let (text, reason) = s.cont.finish(reason);
         let usage = Usage {
             prompt_tokens: s.prompt_len,
             completion_tokens: s.generated(),
@@ -700,36 +632,185 @@ impl<'t> Engine<'t> {
     }
 }
 
-/// Samples `s`'s next token from `logits` and reports it; returns why the
-/// sequence ends, if it does.
-fn advance(
-    s: &mut Sequence<'_>,
-    row: Option<RowRef<'_>>,
-    tokenizer: &Tokenizer,
-    shared: &Shared,
-) -> Option<FinishReason> {
-    let (raw, sampled) = match row {
-        Some(RowRef::Logits(logits)) => {
-            let raw = s.req.logprobs.map(|_| logits.to_vec());
-            for &(id, bias) in &s.req.logit_bias {
-                if let Some(l) = logits.get_mut(id as usize) {
-                    *l += bias;
-                }
-            }
-            if let Some(c) = &mut s.req.constraint {
-                if let Err(e) = c.mask(logits) {
-                    s.fail(&e.to_string());
-                    return Some(FinishReason::Abort);
-                }
-            }
-            let history = &s.tokens[s.prompt_len..];
-            (raw, s.sampler.sample(logits, history))
-        }
-        // Plain greedy over ranks: the argmax is the sample.
-        Some(RowRef::Argmax(t)) => (None, t.ok_or(SamplingError::NoFiniteLogit)),
-        None => (None, Err(SamplingError::NoFiniteLogit)),
+/// What a step runs: each group's scheduled sequences and, for each, the
+/// sampled token and draft it verifies, if it does.
+struct Plan {
+    groups: Vec<Vec<Scheduled>>,
+    verify: Vec<Vec<Option<[u32; 2]>>>,
+    /// Every planned sequence decodes (such steps measure the speculation
+    /// policy).
+    decode_only: bool,
+}
+
+/// What a step's forward pass gave back.
+struct Pass {
+    rows: Rows,
+    /// This process's hidden states (`[rows, hidden]`).
+    hidden: Vec<f32>,
+    /// Each group's steps: what rank 0 wanted, the logits the model
+    /// computed, and the tokens run.
+    wants: Vec<Vec<(Want, Logits, usize)>>,
+    /// Group 0's steps' rows in `hidden`.
+    hidden_rows: Vec<usize>,
+}
+
+/// Sequence `s`'s part of the pass: its next `n` tokens (with `verify`,
+/// its sampled token and draft instead), and what rank 0 wants back.
+fn seq_step<'a>(
+    s: &'a Sequence<'_>,
+    n: usize,
+    verify: Option<&'a [u32; 2]>,
+    mtp: bool,
+    on_cluster: bool,
+) -> (SeqStep<'a>, Want) {
+    let end = s.computed + n;
+    let last = end == s.tokens.len();
+    let (tokens, logits, want) = if let Some(e) = &s.embed {
+        let (logits, want) = match e.pooling().reads(s.computed, end, s.prompt_len) {
+            true => (Logits::Hidden, Want::Hidden),
+            false => (Logits::None, Want::None),
+        };
+        (&s.tokens[s.computed..end], logits, want)
+    } else {
+        let (tokens, logits) = match verify {
+            Some(pair) => (&pair[..], Logits::All),
+            None => (
+                &s.tokens[s.computed..end],
+                match (last, mtp) {
+                    (true, false) => Logits::Last,
+                    (true, true) => Logits::LastAndHidden,
+                    (false, false) => Logits::None,
+                    (false, true) => Logits::Hidden,
+                },
+            ),
+        };
+        // Over ranks, a plain greedy request needs only its argmax: no
+        // logits row crosses the ranks.
+        let argmax_only = on_cluster && s.cont.argmax_suffices();
+        let want = match (last, argmax_only) {
+            (false, _) => Want::None,
+            (true, true) => Want::LastArgmax,
+            (true, false) => Want::Last,
+        };
+        (tokens, logits, want)
     };
-    let next = match sampled {
+    let step = SeqStep {
+        tokens,
+        pos0: s.computed,
+        table: &s.blocks,
+        logits,
+        state: s.state.unwrap_or(0),
+    };
+    (step, want)
+}
+
+/// A sequence's share of a step's outputs, and the engine state its
+/// bookkeeping updates.
+struct Share<'a> {
+    rows: &'a mut Rows,
+    /// Its group, and its first entry in the group's rows.
+    g: usize,
+    first: usize,
+    /// Whether it has any entry (a chunk of prompt before the last has
+    /// none).
+    any: bool,
+    /// What rank 0 wanted of it, and the tokens it ran.
+    want: Want,
+    n: usize,
+    /// This process's hidden states, and where the sequence's start.
+    hidden: &'a [f32],
+    at: usize,
+    /// Its hidden states for the MTP module (empty without one).
+    mine: &'a [f32],
+    vocab: usize,
+    h: usize,
+    blocks: &'a mut BlockManager,
+    states: &'a mut Option<StateSlots>,
+    pool: &'a mut KvPool,
+    shared: &'a Shared,
+}
+
+impl Share<'_> {
+    /// The sequence's `i`th logits row.
+    fn row(&mut self, i: usize) -> RowRef<'_> {
+        self.rows
+            .get(self.g, self.first + i, self.vocab)
+            .unwrap_or(RowRef::Argmax(None))
+    }
+
+    /// Offers `s`'s newly full blocks to the prefix cache and, at a block
+    /// boundary, keeps a snapshot of its state.
+    fn settle(&mut self, s: &mut Sequence<'_>) {
+        s.register_full_blocks(self.blocks);
+        keep_snapshot(s, self.states, self.pool, self.blocks.block_size());
+    }
+}
+
+/// An embedding request after the pass that ran `ran` of its tokens:
+/// pools the hidden states it read; ends when its prompt has run.
+fn pooled(s: &mut Sequence<'_>, ran: usize, sh: &mut Share<'_>) -> Option<FinishReason> {
+    if let Some(e) = &mut s.embed {
+        if sh.want == Want::Hidden {
+            let rows = sh.rows.hidden(sh.g, sh.first, sh.hidden, sh.at);
+            let rows = rows.get(..sh.n * sh.h).unwrap_or(rows);
+            e.push(rows, sh.h, s.computed, s.computed + sh.n, s.prompt_len);
+        }
+    }
+    s.computed += ran;
+    sh.settle(s);
+    (s.computed >= s.prompt_len).then_some(FinishReason::Stop)
+}
+
+/// A sequence that ran `ran` tokens without a draft: moves past them and,
+/// with a logits row (its last chunk of prompt, or a decode), samples.
+/// Returns the tokens produced and why it ends, if it does.
+fn decoded(s: &mut Sequence<'_>, ran: usize, sh: &mut Share<'_>) -> (usize, Option<FinishReason>) {
+    s.draft = None;
+    s.computed += ran;
+    if let Some(m) = &mut s.mtp {
+        m.push_hidden(sh.mine);
+    }
+    sh.settle(s);
+    if !sh.any {
+        return (0, None);
+    }
+    let shared = sh.shared;
+    (1, advance(s, sh.row(0), shared))
+}
+
+/// A sequence that ran its sampled token and `draft`: the sampled token's
+/// row decides; the draft's row counts only if the sample equals the
+/// draft. Returns the tokens produced and why it ends, if it does.
+fn verified(s: &mut Sequence<'_>, draft: u32, sh: &mut Share<'_>) -> (usize, Option<FinishReason>) {
+    s.draft = None;
+    let shared = sh.shared;
+    s.computed += 1;
+    if let Some(m) = &mut s.mtp {
+        m.push_hidden(&sh.mine[..sh.h]);
+    }
+    let mut end = advance(s, sh.row(0), shared);
+    let hit = s.tokens.last() == Some(&draft);
+    shared.metrics.update(|m| {
+        m.spec_drafted += 1;
+        m.spec_accepted += u64::from(hit);
+    });
+    let mut produced = 1;
+    if end.is_none() && hit {
+        s.computed += 1;
+        if let Some(m) = &mut s.mtp {
+            m.push_hidden(&sh.mine[sh.h..]);
+        }
+        produced += 1;
+        end = advance(s, sh.row(1), shared);
+    }
+    s.register_full_blocks(sh.blocks);
+    (produced, end)
+}
+
+/// Samples `s`'s next token from `row` and reports it; returns why the
+/// sequence ends, if it does.
+fn advance(s: &mut Sequence<'_>, row: RowRef<'_>, shared: &Shared) -> Option<FinishReason> {
+    let sampled = match s.cont.sample(row, &s.tokens[s.prompt_len..]) {
         Ok(t) => t,
         Err(e) => {
             s.fail(&e.to_string());
@@ -747,56 +828,23 @@ fn advance(
         }
     });
     s.last_token = Some(now);
-    s.tokens.push(next);
-    let logprob = raw.map(|r| token_logprob(&r, next, s.req.logprobs.unwrap_or(0)));
-    // A constrained output ends where its grammar allows nothing but
-    // end-of-sequence, `ignore_eos` or not.
-    let constrained = s.req.constraint.is_some();
-    let eos = (!s.req.ignore_eos || constrained) && tokenizer.eos_ids().contains(&next);
-    let mut complete = false;
-    if let (Some(c), false) = (&mut s.req.constraint, eos) {
-        match c.commit(next) {
-            Ok(done) => complete = done,
-            Err(e) => {
-                s.fail(&e.to_string());
-                return Some(FinishReason::Abort);
-            }
-        }
-    }
-    let (mut text, mut stop_hit) = if eos {
-        (String::new(), false)
-    } else {
-        match s.stream.step(next) {
-            Ok(Some(piece)) => s.stops.push(&piece),
-            Ok(None) => (String::new(), false),
-            Err(e) => {
-                s.fail(&e.to_string());
-                return Some(FinishReason::Abort);
-            }
+    s.tokens.push(sampled.token);
+    let taken = match s.cont.take(sampled) {
+        Ok(t) => t,
+        Err(e) => {
+            s.fail(&e.to_string());
+            return Some(FinishReason::Abort);
         }
     };
-    if complete && !stop_hit {
-        // The grammar admits nothing more: this is the last token, and
-        // what the detokenizer and the stop strings hold back goes with it.
-        let (tail, hit) = s.stops.finish_with(&s.stream.flush());
-        text.push_str(&tail);
-        stop_hit = hit;
-    }
     if !(s.sink)(Event::Token {
-        id: next,
-        text,
-        logprob,
+        id: taken.token,
+        text: taken.text,
+        logprob: taken.logprob,
     }) {
         s.closed = true;
         return Some(FinishReason::Abort);
     }
-    if eos || stop_hit || complete {
-        Some(FinishReason::Stop)
-    } else if s.generated() >= s.req.max_tokens {
-        Some(FinishReason::Length)
-    } else {
-        None
-    }
+    taken.end
 }
 
 /// After a step: if `s` now ends at a block boundary whose block is in the

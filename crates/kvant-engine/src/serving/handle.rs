@@ -10,10 +10,12 @@ use super::config::EngineConfig;
 use super::embedding::Pooling;
 use super::engine::Engine;
 use super::metrics::{Metrics, MetricsSnapshot};
-use super::request::{EngineRequest, EventSink, RequestId, MAX_TOP_LOGPROBS};
+use super::request::{EventSink, RequestId, MAX_TOP_LOGPROBS};
 use super::shared::Shared;
 use crate::cluster::Cluster;
+use crate::continuation::MIN_TOKENS;
 use crate::error::EngineError;
+use crate::request::EngineRequest;
 use crate::sampling::SamplingError;
 use kvant_model::arch::decoder::DecoderModel;
 use kvant_model::tokenizer::Tokenizer;
@@ -30,7 +32,7 @@ pub enum SubmitError {
     EmptyPrompt,
     #[error("the prompt has {prompt} tokens, but the model's context holds {context}")]
     PromptTooLong { prompt: usize, context: usize },
-    #[error("max_tokens must be at least 1")]
+    #[error("max_tokens must be at least {MIN_TOKENS}")]
     NoTokens,
     #[error("the prompt ({prompt} tokens) plus max_tokens ({max_tokens}) exceeds the context of {context} tokens")]
     BeyondContext {
@@ -207,7 +209,7 @@ impl EngineHandle {
                 context: s.context,
             });
         }
-        if req.max_tokens == 0 {
+        if req.max_tokens < MIN_TOKENS {
             return Err(SubmitError::NoTokens);
         }
         if prompt + req.max_tokens > s.context {

@@ -6,7 +6,6 @@ mod config;
 mod embedding;
 mod engine;
 mod handle;
-mod logprobs;
 mod metrics;
 mod request;
 mod scheduler;
@@ -14,10 +13,10 @@ mod sequence;
 mod shared;
 mod states;
 
+pub use crate::logprobs::TokenLogprob;
+pub use crate::request::EngineRequest;
 pub use config::{EngineConfig, Rebalance};
 pub use embedding::Pooling;
 pub use handle::{EngineHandle, EngineThread, Shutdown, SubmitError};
 pub use metrics::{Histogram, MetricsSnapshot, LATENCY_BUCKETS};
-pub use request::{
-    EngineRequest, Event, EventSink, RequestId, TokenLogprob, Usage, MAX_TOP_LOGPROBS,
-};
+pub use request::{Event, EventSink, RequestId, Usage, MAX_TOP_LOGPROBS};

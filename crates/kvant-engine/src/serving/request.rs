@@ -1,69 +1,12 @@
-//! What a client hands the serving engine and what it gets back.
+//! What the serving engine reports about a request (its request itself,
+//! [`crate::request::EngineRequest`], is `Session`'s too), and the limits
+//! it checks at submission.
 
-use crate::grammar::Constraint;
-use crate::sampling::SamplingParams;
-use crate::session::FinishReason;
-
-/// One generation request: a tokenized prompt and how to continue it.
-#[derive(Clone, Debug)]
-pub struct EngineRequest {
-    pub prompt_ids: Vec<u32>,
-    /// Generated tokens at most (the context length also ends a sequence).
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-    /// Keep going past end-of-sequence tokens (benchmarks).
-    pub ignore_eos: bool,
-    /// Report each generated token's log-probability and this many
-    /// alternatives (0..=[`MAX_TOP_LOGPROBS`]); `None` reports nothing.
-    pub logprobs: Option<usize>,
-    /// A grammar the output must match (structured output): a token mask
-    /// before every sample. Each sequence needs its own (they are cloned
-    /// fresh from a compiled grammar).
-    pub constraint: Option<Constraint>,
-    /// Added to these tokens' logits before every sample (OpenAI's
-    /// `logit_bias`; -100 all but bans a token). Ids inside the vocabulary,
-    /// biases finite.
-    pub logit_bias: Vec<(u32, f32)>,
-    /// Leave control tokens (`<|im_end|>`, DeepSeek's tool-call markers)
-    /// out of the text, as vLLM's `skip_special_tokens` does by default;
-    /// `false` keeps their spelling (end-of-sequence ends the text either
-    /// way).
-    pub skip_special_tokens: bool,
-}
-
-impl EngineRequest {
-    /// A greedy continuation of `prompt_ids` for at most `max_tokens`
-    /// tokens, with nothing else asked for (no stop strings, logprobs,
-    /// grammar or biases; control tokens left out of the text): the base
-    /// that callers set their fields on.
-    pub fn greedy(prompt_ids: Vec<u32>, max_tokens: usize) -> Self {
-        EngineRequest {
-            prompt_ids,
-            max_tokens,
-            sampling: SamplingParams::greedy(),
-            stop: Vec::new(),
-            ignore_eos: false,
-            logprobs: None,
-            constraint: None,
-            logit_bias: Vec::new(),
-            skip_special_tokens: true,
-        }
-    }
-}
+use crate::continuation::FinishReason;
+use crate::logprobs::TokenLogprob;
 
 /// OpenAI's limit on `top_logprobs`.
 pub const MAX_TOP_LOGPROBS: usize = 20;
-
-/// A generated token's log-probability under the model (before sampling's
-/// penalties and truncation) and the most likely alternatives.
-#[derive(Clone, Debug, PartialEq)]
-pub struct TokenLogprob {
-    pub token: u32,
-    pub logprob: f32,
-    /// Most likely first.
-    pub top: Vec<(u32, f32)>,
-}
 
 /// Identifies a submitted request, for [`crate::serving::EngineHandle::abort`].
 pub type RequestId = u64;

@@ -1,15 +1,13 @@
 //! One request inside the serving engine: its tokens, how many of them
-//! have keys and values in the pool, its block table, and the per-request
-//! state of sampling and detokenization.
+//! have keys and values in the pool, its block table, and its
+//! continuation (sampling, detokenization, where it ends).
 
 use super::blocks::{BlockManager, ROOT};
 use super::embedding::Pooled;
-use super::request::{EngineRequest, Event, EventSink, RequestId};
+use super::request::{Event, EventSink, RequestId};
 use super::shared::InFlight;
-use crate::sampling::Sampler;
+use crate::continuation::Continuation;
 use crate::speculative::MtpState;
-use crate::stop::StopMatcher;
-use kvant_model::tokenizer::DecodeStream;
 use std::time::Instant;
 
 pub(super) struct Sequence<'t> {
@@ -25,10 +23,7 @@ pub(super) struct Sequence<'t> {
     pub cids: Vec<u64>,
     /// Prompt tokens found in the prefix cache when first admitted.
     pub cached_tokens: Option<usize>,
-    pub req: EngineRequest,
-    pub sampler: Sampler,
-    pub stops: StopMatcher,
-    pub stream: DecodeStream<'t>,
+    pub cont: Continuation<'t>,
     pub sink: EventSink,
     /// The sink has had its last event, or its client is gone.
     pub closed: bool,

@@ -5,7 +5,7 @@
 use crate::args::ChatArgs;
 use crate::ranks::{self, Run};
 use anyhow::{Context, Result};
-use kvant_engine::GenerateRequest;
+use kvant_engine::EngineRequest;
 use kvant_model::chat::ChatMessage;
 use std::io::{BufRead, Write};
 
@@ -55,12 +55,10 @@ fn chat(a: &ChatArgs, m: &Run) -> Result<()> {
         let text = template.render(&messages, true)?;
         let prompt_ids = m.tokenizer.encode(&text, false)?;
         let budget = session.capacity().saturating_sub(prompt_ids.len());
-        let req = GenerateRequest {
-            prompt_ids,
-            max_tokens: a.sampling.max_tokens.min(budget),
-            sampling: params.clone(),
+        let max_tokens = a.sampling.max_tokens.min(budget);
+        let req = EngineRequest {
             stop: a.sampling.stop.clone(),
-            ignore_eos: false,
+            ..EngineRequest::new(prompt_ids, max_tokens, params.clone())
         };
         let mut stdout = std::io::stdout();
         let out = match session.generate(&req, &mut |s| {

@@ -4,7 +4,8 @@ use super::input::read_utf8;
 use crate::args::GenerateArgs;
 use crate::ranks::{self, Run};
 use anyhow::{Context, Result};
-use kvant_engine::GenerateRequest;
+use kvant_engine::continuation::MIN_TOKENS;
+use kvant_engine::EngineRequest;
 use kvant_model::chat::ChatMessage;
 use std::io::Write;
 
@@ -34,16 +35,14 @@ fn generate(a: &GenerateArgs, m: &Run, prompt: String) -> Result<()> {
         (prompt, true)
     };
     let prompt_ids = m.tokenizer.encode(&text, add_special)?;
-    let req = GenerateRequest {
-        max_tokens: a.sampling.max_tokens,
-        sampling: a.sampling.params(),
+    let req = EngineRequest {
         stop: a.sampling.stop.clone(),
         ignore_eos: a.ignore_eos,
-        prompt_ids,
+        ..EngineRequest::new(prompt_ids, a.sampling.max_tokens, a.sampling.params())
     };
-    // Room for the prompt and the output (at least one token, so `--max-tokens 0`
-    // is not mistaken for an overlong prompt).
-    let capacity = req.prompt_ids.len() + req.max_tokens.max(1);
+    // Room for the prompt and the output (at least one token is generated,
+    // so `--max-tokens 0` is not mistaken for an overlong prompt).
+    let capacity = req.prompt_ids.len() + req.max_tokens.max(MIN_TOKENS);
     let mut session = m.session(capacity)?;
     session.set_speculation(a.model.speculation());
     let stdout = std::io::stdout();

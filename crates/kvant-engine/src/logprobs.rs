@@ -1,12 +1,20 @@
 //! Log-probabilities of generated tokens under the model's distribution
 //! (the raw logits, before penalties and truncation), as OpenAI reports them.
 
-use super::request::TokenLogprob;
+/// A generated token's log-probability under the model (before sampling's
+/// penalties and truncation) and the most likely alternatives.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// Most likely first.
+    pub top: Vec<(u32, f32)>,
+}
 
 /// `token`'s log-probability in `logits` and the `top` most likely tokens
 /// (most likely first, ties by id), in one pass plus a pass for the
 /// normaliser: no sort of the vocabulary.
-pub(super) fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
+pub(crate) fn token_logprob(logits: &[f32], token: u32, top: usize) -> TokenLogprob {
     let max = logits
         .iter()
         .copied()
