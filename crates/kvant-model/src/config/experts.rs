@@ -7,7 +7,9 @@
 //! scaling) and DeepSeek-V3 / GigaChat3 (sigmoid scores with a selection
 //! bias, grouped top-k, renormalised and scaled).
 
-use super::{json_usize, Arch, ConfigError, Result};
+use super::arch::Arch;
+use super::error::{invalid, ConfigError, Result};
+use super::json::{flag, required, usize_at};
 use crate::gguf::GgufFile;
 use kvant_kernels::moe::{GroupScore, RouterParams, Scoring};
 use serde_json::Value;
@@ -36,7 +38,7 @@ impl ExpertsConfig {
         self.layers.get(layer).copied().unwrap_or(false)
     }
 
-    pub(super) fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         let r = &self.router;
         let bad = |key: &str, why: &str| {
             Err(ConfigError::Invalid {
@@ -70,171 +72,233 @@ impl ExpertsConfig {
         }
         Ok(())
     }
+}
+
+/// Experts every token runs, as a checkpoint states them.
+pub(super) enum Shared {
+    None,
+    /// One FFN of this size behind a sigmoid gate (Qwen).
+    Gated(usize),
+    /// This many more routed experts' worth (DeepSeek).
+    Copies(usize),
+}
+
+/// What a checkpoint states about its experts, in one vocabulary for both
+/// formats (each reader applies its own format's defaults); `build`
+/// derives the router and checks it.
+pub(super) struct ExpertSettings {
+    pub n_experts: usize,
+    pub top_k: usize,
+    /// Intermediate size of one routed expert.
+    pub ff: usize,
+    pub scoring: Scoring,
+    pub norm_topk: bool,
+    pub n_group: usize,
+    pub topk_group: usize,
+    pub scale: f32,
+    pub shared: Shared,
+    pub layers: Vec<bool>,
+}
+
+impl ExpertSettings {
+    pub(super) fn build(self) -> Result<ExpertsConfig> {
+        let out = ExpertsConfig {
+            router: RouterParams {
+                n_experts: self.n_experts,
+                top_k: self.top_k,
+                scoring: self.scoring,
+                norm_topk: self.norm_topk,
+                n_group: self.n_group,
+                topk_group: self.topk_group,
+                // Sigmoid routers (DeepSeek-V3 and after) rank groups by
+                // their two best scores, softmax ones by the best.
+                group_score: match self.scoring {
+                    Scoring::Sigmoid => GroupScore::SumTop2,
+                    Scoring::Softmax => GroupScore::Max,
+                },
+                scale: self.scale,
+            },
+            ff: self.ff,
+            shared: match self.shared {
+                Shared::Gated(ff) if ff > 0 => Some(SharedExperts { ff, gated: true }),
+                Shared::Copies(n) if n > 0 => Some(SharedExperts {
+                    ff: n * self.ff,
+                    gated: false,
+                }),
+                _ => None,
+            },
+            layers: self.layers,
+        };
+        out.validate()?;
+        Ok(out)
+    }
 
     /// From a transformers `config.json`; `None` for a dense architecture.
     pub(super) fn from_hf(cfg: &Value, arch: Arch, n_layers: usize) -> Result<Option<Self>> {
-        let int = |k: &str| json_usize(cfg, k);
-        let req = |k: &str| int(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
         // transformers 5 writes `num_local_experts` for every MoE family
         // (its attribute map); published Qwen checkpoints say `num_experts`.
-        let n_experts = |k: &str| match int("num_local_experts")? {
+        let n_experts = |k: &str| match usize_at(cfg, "num_local_experts")? {
             Some(n) => Ok(n),
-            None => req(k),
+            None => required(cfg, k),
         };
-        let flag = |k: &str, default: bool| cfg.get(k).and_then(Value::as_bool).unwrap_or(default);
-        let num = |k: &str, default: f32| {
-            cfg.get(k)
-                .and_then(Value::as_f64)
-                .map_or(default, |v| v as f32)
-        };
-        let top_k = || req("num_experts_per_tok");
-        let out = match arch {
-            Arch::Mixtral => ExpertsConfig {
-                router: RouterParams::softmax(n_experts("num_local_experts")?, top_k()?, true),
-                ff: req("intermediate_size")?,
-                shared: None,
+        Ok(Some(match arch {
+            Arch::Mixtral => ExpertSettings {
+                n_experts: n_experts("num_local_experts")?,
+                top_k: required(cfg, "num_experts_per_tok")?,
+                ff: required(cfg, "intermediate_size")?,
+                norm_topk: true,
                 layers: vec![true; n_layers],
+                ..Self::softmax()
             },
             // Qwen3.5 is dense; its MoE sibling and Qwen3-Next route as
             // Qwen2-MoE does (a gated shared expert beside the experts).
-            Arch::Qwen35 => return Ok(None),
-            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => {
-                let n = n_experts("num_experts")?;
-                let step = int("decoder_sparse_step")?.unwrap_or(1).max(1);
-                let dense: Vec<u64> = cfg
-                    .get("mlp_only_layers")
-                    .and_then(Value::as_array)
-                    .map(|a| a.iter().filter_map(Value::as_u64).collect())
-                    .unwrap_or_default();
-                let shared_ff = match arch {
-                    Arch::Qwen3Moe => 0,
-                    _ => int("shared_expert_intermediate_size")?.unwrap_or(0),
-                };
-                // Qwen3.5-MoE always renormalises the top-k.
-                let norm = arch == Arch::Qwen35Moe || flag("norm_topk_prob", false);
-                ExpertsConfig {
-                    router: RouterParams::softmax(n, top_k()?, norm),
-                    ff: req("moe_intermediate_size")?,
-                    shared: (shared_ff > 0).then_some(SharedExperts {
-                        ff: shared_ff,
-                        gated: true,
-                    }),
-                    layers: (0..n_layers)
-                        .map(|i| !dense.contains(&(i as u64)) && (i + 1) % step == 0)
-                        .collect(),
-                }
-            }
+            Arch::Qwen2Moe | Arch::Qwen3Moe | Arch::Qwen3Next | Arch::Qwen35Moe => ExpertSettings {
+                n_experts: n_experts("num_experts")?,
+                ..Self::hf_qwen(cfg, arch, n_layers)?
+            },
             Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 => {
-                let Some(n) = int("n_routed_experts")? else {
-                    return Ok(None);
-                };
-                // V3.2 routes as V3 does.
-                let v3 = arch != Arch::DeepseekV2;
-                let grouped = v3
-                    || cfg.get("topk_method").and_then(Value::as_str)
-                        == Some("group_limited_greedy");
-                let (n_group, topk_group) = match grouped {
-                    true => (
-                        int("n_group")?.unwrap_or(1),
-                        int("topk_group")?.unwrap_or(1),
-                    ),
-                    false => (1, 1),
-                };
-                let ff = req("moe_intermediate_size")?;
-                let first_dense = int("first_k_dense_replace")?.unwrap_or(0);
-                let freq = int("moe_layer_freq")?.unwrap_or(1).max(1);
-                let n_shared = int("n_shared_experts")?.unwrap_or(0);
-                ExpertsConfig {
-                    router: RouterParams {
-                        n_experts: n,
-                        top_k: top_k()?,
-                        // transformers' DeepSeek-V3 router is sigmoid whatever
-                        // `scoring_func` says; V2's is softmax.
-                        scoring: if v3 {
-                            Scoring::Sigmoid
-                        } else {
-                            Scoring::Softmax
-                        },
-                        norm_topk: flag("norm_topk_prob", v3),
-                        n_group,
-                        topk_group,
-                        group_score: if v3 {
-                            GroupScore::SumTop2
-                        } else {
-                            GroupScore::Max
-                        },
-                        scale: num("routed_scaling_factor", if v3 { 2.5 } else { 1.0 }),
-                    },
-                    ff,
-                    shared: (n_shared > 0).then_some(SharedExperts {
-                        ff: ff * n_shared,
-                        gated: false,
-                    }),
-                    layers: (0..n_layers)
-                        .map(|i| i >= first_dense && i % freq == 0)
-                        .collect(),
+                match usize_at(cfg, "n_routed_experts")? {
+                    Some(n) => Self::hf_deepseek(cfg, arch, n, n_layers)?,
+                    None => return Ok(None),
                 }
             }
-            // Kimi Linear routes as DeepSeek-V3; its config keeps Moonshot's
-            // names (transformers maps its own onto them).
-            Arch::KimiLinear => {
-                let either =
-                    |a: &str, b: &str| -> Result<Option<usize>> { Ok(int(a)?.or(int(b)?)) };
-                let reqe =
-                    |a: &str, b: &str| either(a, b)?.ok_or_else(|| ConfigError::Missing(a.into()));
-                let n = reqe("num_experts", "num_local_experts")?;
-                let ff = req("moe_intermediate_size")?;
-                let n_shared = either("num_shared_experts", "n_shared_experts")?.unwrap_or(0);
-                let norm = match cfg.get("moe_renormalize").and_then(Value::as_bool) {
-                    Some(v) => v,
-                    None => flag("norm_topk_prob", true),
-                };
-                let layers = match cfg.get("mlp_layer_types").and_then(Value::as_array) {
-                    Some(types) => types
-                        .iter()
-                        .map(|t| match t.as_str() {
-                            Some("sparse") => Ok(true),
-                            Some("dense") => Ok(false),
-                            _ => Err(ConfigError::Invalid {
-                                key: "mlp_layer_types".into(),
-                                why: format!("`{t}` is neither dense nor sparse"),
-                            }),
-                        })
-                        .collect::<Result<Vec<bool>>>()?,
-                    None => {
-                        let first_dense = int("first_k_dense_replace")?.unwrap_or(1);
-                        (0..n_layers).map(|i| i >= first_dense).collect()
-                    }
-                };
-                if layers.len() != n_layers {
-                    return Err(ConfigError::Invalid {
-                        key: "mlp_layer_types".into(),
-                        why: format!("{} entries for {n_layers} layers", layers.len()),
-                    });
-                }
-                ExpertsConfig {
-                    router: RouterParams {
-                        n_experts: n,
-                        top_k: reqe("num_experts_per_token", "num_experts_per_tok")?,
-                        scoring: Scoring::Sigmoid,
-                        norm_topk: norm,
-                        n_group: either("num_expert_group", "n_group")?.unwrap_or(1),
-                        topk_group: int("topk_group")?.unwrap_or(1),
-                        group_score: GroupScore::SumTop2,
-                        scale: num("routed_scaling_factor", 2.446),
-                    },
-                    ff,
-                    shared: (n_shared > 0).then_some(SharedExperts {
-                        ff: ff * n_shared,
-                        gated: false,
-                    }),
-                    layers,
-                }
-            }
+            Arch::KimiLinear => Self::hf_kimi(cfg, n_layers)?,
             _ => return Ok(None),
+        }))
+    }
+
+    /// Softmax routing over one group, unscaled: what Mixtral and Qwen
+    /// leave implicit.
+    fn softmax() -> Self {
+        ExpertSettings {
+            n_experts: 0,
+            top_k: 0,
+            ff: 0,
+            scoring: Scoring::Softmax,
+            norm_topk: false,
+            n_group: 1,
+            topk_group: 1,
+            scale: 1.0,
+            shared: Shared::None,
+            layers: Vec::new(),
+        }
+    }
+
+    /// Qwen's MoE keys (`decoder_sparse_step`, `mlp_only_layers`, the gated
+    /// shared expert); the expert count is the caller's.
+    fn hf_qwen(cfg: &Value, arch: Arch, n_layers: usize) -> Result<Self> {
+        let step = usize_at(cfg, "decoder_sparse_step")?.unwrap_or(1).max(1);
+        let dense: Vec<u64> = cfg
+            .get("mlp_only_layers")
+            .and_then(Value::as_array)
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default();
+        let shared_ff = match arch {
+            Arch::Qwen3Moe => 0,
+            _ => usize_at(cfg, "shared_expert_intermediate_size")?.unwrap_or(0),
         };
-        out.validate()?;
-        Ok(Some(out))
+        // Qwen3.5-MoE always renormalises the top-k.
+        let norm_topk = arch == Arch::Qwen35Moe || flag(cfg, "norm_topk_prob").unwrap_or(false);
+        Ok(ExpertSettings {
+            top_k: required(cfg, "num_experts_per_tok")?,
+            norm_topk,
+            ff: required(cfg, "moe_intermediate_size")?,
+            shared: Shared::Gated(shared_ff),
+            layers: (0..n_layers)
+                .map(|i| !dense.contains(&(i as u64)) && (i + 1) % step == 0)
+                .collect(),
+            ..Self::softmax()
+        })
+    }
+
+    /// DeepSeek-V2/V3/V3.2 with `n` routed experts.
+    fn hf_deepseek(cfg: &Value, arch: Arch, n: usize, n_layers: usize) -> Result<Self> {
+        // V3.2 routes as V3 does.
+        let v3 = arch != Arch::DeepseekV2;
+        let grouped =
+            v3 || cfg.get("topk_method").and_then(Value::as_str) == Some("group_limited_greedy");
+        let (n_group, topk_group) = match grouped {
+            true => (
+                usize_at(cfg, "n_group")?.unwrap_or(1),
+                usize_at(cfg, "topk_group")?.unwrap_or(1),
+            ),
+            false => (1, 1),
+        };
+        let ff = required(cfg, "moe_intermediate_size")?;
+        let first_dense = usize_at(cfg, "first_k_dense_replace")?.unwrap_or(0);
+        let freq = usize_at(cfg, "moe_layer_freq")?.unwrap_or(1).max(1);
+        let n_shared = usize_at(cfg, "n_shared_experts")?.unwrap_or(0);
+        Ok(ExpertSettings {
+            n_experts: n,
+            top_k: required(cfg, "num_experts_per_tok")?,
+            ff,
+            // transformers' DeepSeek-V3 router is sigmoid whatever
+            // `scoring_func` says; V2's is softmax.
+            scoring: if v3 {
+                Scoring::Sigmoid
+            } else {
+                Scoring::Softmax
+            },
+            norm_topk: flag(cfg, "norm_topk_prob").unwrap_or(v3),
+            n_group,
+            topk_group,
+            scale: number(cfg, "routed_scaling_factor", if v3 { 2.5 } else { 1.0 }),
+            shared: Shared::Copies(n_shared),
+            layers: (0..n_layers)
+                .map(|i| i >= first_dense && i % freq == 0)
+                .collect(),
+        })
+    }
+
+    /// Kimi Linear routes as DeepSeek-V3; its config keeps Moonshot's
+    /// names (transformers maps its own onto them).
+    fn hf_kimi(cfg: &Value, n_layers: usize) -> Result<Self> {
+        let either = |a: &str, b: &str| -> Result<Option<usize>> {
+            Ok(usize_at(cfg, a)?.or(usize_at(cfg, b)?))
+        };
+        let reqe = |a: &str, b: &str| either(a, b)?.ok_or_else(|| ConfigError::Missing(a.into()));
+        let n = reqe("num_experts", "num_local_experts")?;
+        let ff = required(cfg, "moe_intermediate_size")?;
+        let n_shared = either("num_shared_experts", "n_shared_experts")?.unwrap_or(0);
+        let norm_topk = match flag(cfg, "moe_renormalize") {
+            Some(v) => v,
+            None => flag(cfg, "norm_topk_prob").unwrap_or(true),
+        };
+        let layers = match cfg.get("mlp_layer_types").and_then(Value::as_array) {
+            Some(types) => types
+                .iter()
+                .map(|t| match t.as_str() {
+                    Some("sparse") => Ok(true),
+                    Some("dense") => Ok(false),
+                    _ => Err(invalid(
+                        "mlp_layer_types",
+                        format!("`{t}` is neither dense nor sparse"),
+                    )),
+                })
+                .collect::<Result<Vec<bool>>>()?,
+            None => {
+                let first_dense = usize_at(cfg, "first_k_dense_replace")?.unwrap_or(1);
+                (0..n_layers).map(|i| i >= first_dense).collect()
+            }
+        };
+        if layers.len() != n_layers {
+            return Err(invalid(
+                "mlp_layer_types",
+                format!("{} entries for {n_layers} layers", layers.len()),
+            ));
+        }
+        Ok(ExpertSettings {
+            n_experts: n,
+            top_k: reqe("num_experts_per_token", "num_experts_per_tok")?,
+            ff,
+            scoring: Scoring::Sigmoid,
+            norm_topk,
+            n_group: either("num_expert_group", "n_group")?.unwrap_or(1),
+            topk_group: usize_at(cfg, "topk_group")?.unwrap_or(1),
+            scale: number(cfg, "routed_scaling_factor", 2.446),
+            shared: Shared::Copies(n_shared),
+            layers,
+        })
     }
 
     /// From `{arch}.expert_*` metadata as llama.cpp's converter writes it;
@@ -267,10 +331,10 @@ impl ExpertsConfig {
             None | Some(1) => Scoring::Softmax,
             Some(2) => Scoring::Sigmoid,
             Some(other) => {
-                return Err(ConfigError::Invalid {
-                    key: key("expert_gating_func"),
-                    why: format!("gating function {other} is not supported"),
-                })
+                return Err(invalid(
+                    key("expert_gating_func"),
+                    format!("gating function {other} is not supported"),
+                ))
             }
         };
         // llama.cpp's defaults where the converter writes no key.
@@ -279,38 +343,26 @@ impl ExpertsConfig {
             "llama" | "qwen3moe" | "qwen3next" | "qwen35moe" | "kimi-linear"
         );
         let shared = match arch_name {
-            "qwen2moe" | "qwen3next" | "qwen35moe" => g
-                .get_usize(&key("expert_shared_feed_forward_length"))?
-                .filter(|&f| f > 0)
-                .map(|ff| SharedExperts { ff, gated: true }),
-            _ => g
-                .get_usize(&key("expert_shared_count"))?
-                .filter(|&n| n > 0)
-                .map(|n| SharedExperts {
-                    ff: n * ff,
-                    gated: false,
-                }),
+            "qwen2moe" | "qwen3next" | "qwen35moe" => Shared::Gated(
+                g.get_usize(&key("expert_shared_feed_forward_length"))?
+                    .unwrap_or(0),
+            ),
+            _ => Shared::Copies(g.get_usize(&key("expert_shared_count"))?.unwrap_or(0)),
         };
-        let out = ExpertsConfig {
-            router: RouterParams {
-                n_experts,
-                top_k: req("expert_used_count")?,
-                scoring,
-                norm_topk: g
-                    .get_bool(&key("expert_weights_norm"))?
-                    .unwrap_or(norm_default),
-                n_group: g.get_usize(&key("expert_group_count"))?.unwrap_or(1).max(1),
-                topk_group: g
-                    .get_usize(&key("expert_group_used_count"))?
-                    .unwrap_or(1)
-                    .max(1),
-                group_score: match scoring {
-                    Scoring::Sigmoid => GroupScore::SumTop2,
-                    Scoring::Softmax => GroupScore::Max,
-                },
-                scale: g.get_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
-            },
+        Ok(Some(ExpertSettings {
+            n_experts,
+            top_k: req("expert_used_count")?,
             ff,
+            scoring,
+            norm_topk: g
+                .get_bool(&key("expert_weights_norm"))?
+                .unwrap_or(norm_default),
+            n_group: g.get_usize(&key("expert_group_count"))?.unwrap_or(1).max(1),
+            topk_group: g
+                .get_usize(&key("expert_group_used_count"))?
+                .unwrap_or(1)
+                .max(1),
+            scale: g.get_f32(&key("expert_weights_scale"))?.unwrap_or(1.0),
             shared,
             layers: (0..n_layers)
                 .map(|i| {
@@ -318,8 +370,13 @@ impl ExpertsConfig {
                         .is_some()
                 })
                 .collect(),
-        };
-        out.validate()?;
-        Ok(Some(out))
+        }))
     }
+}
+
+/// `cfg[key]` as a number, `default` when it is absent or not a number.
+fn number(cfg: &Value, key: &str, default: f32) -> f32 {
+    cfg.get(key)
+        .and_then(Value::as_f64)
+        .map_or(default, |v| v as f32)
 }

@@ -3,7 +3,8 @@
 //! scores every earlier token, and latent attention reads only the
 //! `index_topk` best.
 
-use super::{json_usize, ConfigError, Result};
+use super::error::{invalid, ConfigError, Result};
+use super::json::required;
 use crate::gguf::GgufFile;
 use serde_json::Value;
 
@@ -20,10 +21,7 @@ pub struct IndexerConfig {
 impl IndexerConfig {
     /// Checks the sizes against the rotary part they must hold.
     pub(super) fn validate(self, rope_dim: usize) -> Result<Self> {
-        let bad = |key: &str, why: &str| ConfigError::Invalid {
-            key: key.into(),
-            why: why.into(),
-        };
+        let bad = |key: &str, why: &str| invalid(key, why);
         for (key, v) in [
             ("index_n_heads", self.n_heads),
             ("index_head_dim", self.head_dim),
@@ -44,7 +42,7 @@ impl IndexerConfig {
 
     /// From a transformers `deepseek_v32` `config.json`.
     pub(super) fn from_hf(cfg: &Value, rope_dim: usize) -> Result<Self> {
-        let req = |k: &str| json_usize(cfg, k)?.ok_or_else(|| ConfigError::Missing(k.into()));
+        let req = |k: &str| required(cfg, k);
         IndexerConfig {
             n_heads: req("index_n_heads")?,
             head_dim: req("index_head_dim")?,

@@ -2,7 +2,8 @@
 //! Qwen3.5, which sit beside full-attention layers (`layer_types`), and
 //! their fixed-size recurrent state.
 
-use super::{json_usize, ConfigError, Result};
+use super::error::{invalid, ConfigError, Result};
+use super::json::{required, usize_at};
 use crate::gguf::GgufFile;
 use kvant_kernels::delta::HeadSharing;
 use serde_json::Value;
@@ -54,10 +55,7 @@ impl LinearConfig {
     }
 
     fn validate(self, n_layers: usize) -> Result<Self> {
-        let bad = |key: &str, why: String| ConfigError::Invalid {
-            key: key.into(),
-            why,
-        };
+        let bad = |key: &str, why: String| invalid(key, why);
         for (key, v) in [
             ("linear_num_key_heads", self.n_k_heads),
             ("linear_num_value_heads", self.n_v_heads),
@@ -95,28 +93,16 @@ impl LinearConfig {
     /// From a Qwen3-Next / Qwen3.5 `config.json` (its `layer_types` say
     /// which layers are `linear_attention`).
     pub(super) fn from_hf(cfg: &Value, layout: LinearLayout, n_layers: usize) -> Result<Self> {
-        let req = |k: &str| json_usize(cfg, k)?.ok_or_else(|| ConfigError::Missing(k.into()));
         let types = cfg
             .get("layer_types")
-            .and_then(Value::as_array)
             .ok_or_else(|| ConfigError::Missing("layer_types".into()))?;
-        let layers = types
-            .iter()
-            .map(|t| match t.as_str() {
-                Some("linear_attention") => Ok(true),
-                Some("full_attention") => Ok(false),
-                _ => Err(ConfigError::Invalid {
-                    key: "layer_types".into(),
-                    why: format!("`{t}` is neither linear_attention nor full_attention"),
-                }),
-            })
-            .collect::<Result<Vec<bool>>>()?;
+        let layers = hf_layer_types(types)?;
         LinearConfig {
-            n_k_heads: req("linear_num_key_heads")?,
-            n_v_heads: req("linear_num_value_heads")?,
-            k_dim: req("linear_key_head_dim")?,
-            v_dim: req("linear_value_head_dim")?,
-            conv_kernel: json_usize(cfg, "linear_conv_kernel_dim")?.unwrap_or(4),
+            n_k_heads: required(cfg, "linear_num_key_heads")?,
+            n_v_heads: required(cfg, "linear_num_value_heads")?,
+            k_dim: required(cfg, "linear_key_head_dim")?,
+            v_dim: required(cfg, "linear_value_head_dim")?,
+            conv_kernel: usize_at(cfg, "linear_conv_kernel_dim")?.unwrap_or(4),
             layers,
             layout,
             sharing: HeadSharing::Grouped,
@@ -133,59 +119,18 @@ impl LinearConfig {
     pub(super) fn from_hf_kimi(cfg: &Value, n_layers: usize) -> Result<Self> {
         let lac = cfg.get("linear_attn_config").filter(|v| v.is_object());
         let key = |flat: &str, nested: &str| -> Result<Option<usize>> {
-            match (json_usize(cfg, flat)?, lac) {
+            match (usize_at(cfg, flat)?, lac) {
                 (Some(v), _) => Ok(Some(v)),
-                (None, Some(l)) => json_usize(l, nested),
+                (None, Some(l)) => usize_at(l, nested),
                 (None, None) => Ok(None),
             }
         };
         let heads = key("linear_num_heads", "num_heads")?.unwrap_or(32);
         let dim = key("linear_head_dim", "head_dim")?.unwrap_or(128);
-        let layers = match (cfg.get("layer_types").and_then(Value::as_array), lac) {
-            (Some(_), _) => {
-                Self::from_hf(
-                    &serde_json::json!({
-                        "layer_types": cfg["layer_types"],
-                        "linear_num_key_heads": heads,
-                        "linear_num_value_heads": heads,
-                        "linear_key_head_dim": dim,
-                        "linear_value_head_dim": dim,
-                    }),
-                    LinearLayout::Kda,
-                    n_layers,
-                )?
-                .layers
-            }
-            (None, Some(l)) => {
-                let list = |k: &str| -> Result<Vec<usize>> {
-                    l.get(k)
-                        .and_then(Value::as_array)
-                        .ok_or_else(|| ConfigError::Missing(format!("linear_attn_config.{k}")))?
-                        .iter()
-                        .map(|v| {
-                            v.as_u64()
-                                .map(|v| v as usize)
-                                .filter(|&v| (1..=n_layers).contains(&v))
-                                .ok_or_else(|| ConfigError::Invalid {
-                                    key: format!("linear_attn_config.{k}"),
-                                    why: format!("{v} is not a layer number from 1 to {n_layers}"),
-                                })
-                        })
-                        .collect()
-                };
-                let (kda, full) = (list("kda_layers")?, list("full_attn_layers")?);
-                (1..=n_layers)
-                    .map(|i| match (kda.contains(&i), full.contains(&i)) {
-                        (true, false) => Ok(true),
-                        (false, true) => Ok(false),
-                        _ => Err(ConfigError::Invalid {
-                            key: "linear_attn_config".into(),
-                            why: format!("layer {i} must be in exactly one of kda_layers and full_attn_layers"),
-                        }),
-                    })
-                    .collect::<Result<Vec<bool>>>()?
-            }
-            (None, None) => (0..n_layers).map(|i| i == 0 || i % 4 != 0).collect(),
+        let layers = match (cfg.get("layer_types"), lac) {
+            (Some(types), _) if types.is_array() => hf_layer_types(types)?,
+            (_, Some(l)) => kimi_layer_lists(l, n_layers)?,
+            (_, None) => (0..n_layers).map(|i| i == 0 || i % 4 != 0).collect(),
         };
         LinearConfig {
             n_k_heads: heads,
@@ -232,7 +177,12 @@ impl LinearConfig {
     /// linear layers come from `attention.recurrent_layers` or else are
     /// every layer but each `full_attention_interval`-th (llama.cpp's
     /// fallback).
-    pub(super) fn from_gguf(g: &GgufFile, arch_name: &str, n_layers: usize) -> Result<Self> {
+    pub(super) fn from_gguf(
+        g: &GgufFile,
+        arch_name: &str,
+        layout: LinearLayout,
+        n_layers: usize,
+    ) -> Result<Self> {
         let key = |k: &str| format!("{arch_name}.{k}");
         let req = |k: &str| -> Result<usize> {
             g.get_usize(&key(k))?
@@ -242,10 +192,10 @@ impl LinearConfig {
         let (n_k_heads, n_v_heads) = (req("ssm.group_count")?, req("ssm.time_step_rank")?);
         let inner = req("ssm.inner_size")?;
         if n_v_heads == 0 || !inner.is_multiple_of(n_v_heads) {
-            return Err(ConfigError::Invalid {
-                key: key("ssm.inner_size"),
-                why: format!("{inner} is not a whole number of {n_v_heads} value heads"),
-            });
+            return Err(invalid(
+                key("ssm.inner_size"),
+                format!("{inner} is not a whole number of {n_v_heads} value heads"),
+            ));
         }
         let layers = match g.get_bool_array(&key("attention.recurrent_layers"))? {
             // MTP blocks, counted in the block count, come last.
@@ -258,7 +208,6 @@ impl LinearConfig {
                 (0..n_layers).map(|i| (i + 1) % every != 0).collect()
             }
         };
-        let qwen35 = matches!(arch_name, "qwen35" | "qwen35moe");
         LinearConfig {
             n_k_heads,
             n_v_heads,
@@ -266,14 +215,10 @@ impl LinearConfig {
             v_dim: inner / n_v_heads,
             conv_kernel: req("ssm.conv_kernel")?,
             layers,
-            layout: if qwen35 {
-                LinearLayout::Split
-            } else {
-                LinearLayout::Grouped
-            },
+            layout,
             // The Qwen3.5 converter tiles the value heads (when there are
             // more of them than key heads); the Qwen3-Next one does not.
-            sharing: if qwen35 {
+            sharing: if layout == LinearLayout::Split {
                 HeadSharing::Tiled
             } else {
                 HeadSharing::Grouped
@@ -281,4 +226,55 @@ impl LinearConfig {
         }
         .validate(n_layers)
     }
+}
+
+/// transformers' `layer_types`: which layers are `linear_attention`.
+fn hf_layer_types(types: &Value) -> Result<Vec<bool>> {
+    types
+        .as_array()
+        .ok_or_else(|| ConfigError::Missing("layer_types".into()))?
+        .iter()
+        .map(|t| match t.as_str() {
+            Some("linear_attention") => Ok(true),
+            Some("full_attention") => Ok(false),
+            _ => Err(invalid(
+                "layer_types",
+                format!("`{t}` is neither linear_attention nor full_attention"),
+            )),
+        })
+        .collect()
+}
+
+/// Kimi's published `linear_attn_config`: 1-based `kda_layers` and
+/// `full_attn_layers`, each layer in exactly one.
+fn kimi_layer_lists(l: &Value, n_layers: usize) -> Result<Vec<bool>> {
+    let list = |k: &str| -> Result<Vec<usize>> {
+        l.get(k)
+            .and_then(Value::as_array)
+            .ok_or_else(|| ConfigError::Missing(format!("linear_attn_config.{k}")))?
+            .iter()
+            .map(|v| {
+                v.as_u64()
+                    .map(|v| v as usize)
+                    .filter(|&v| (1..=n_layers).contains(&v))
+                    .ok_or_else(|| {
+                        invalid(
+                            format!("linear_attn_config.{k}"),
+                            format!("{v} is not a layer number from 1 to {n_layers}"),
+                        )
+                    })
+            })
+            .collect()
+    };
+    let (kda, full) = (list("kda_layers")?, list("full_attn_layers")?);
+    (1..=n_layers)
+        .map(|i| match (kda.contains(&i), full.contains(&i)) {
+            (true, false) => Ok(true),
+            (false, true) => Ok(false),
+            _ => Err(invalid(
+                "linear_attn_config",
+                format!("layer {i} must be in exactly one of kda_layers and full_attn_layers"),
+            )),
+        })
+        .collect()
 }

@@ -6,7 +6,8 @@
 //! `v_head_dim` value. Queries come from a plain projection or through a
 //! `q_lora_rank` bottleneck.
 
-use super::{json_usize, ConfigError, Result};
+use super::error::{invalid, ConfigError, Result};
+use super::json::{required, usize_at};
 use crate::gguf::GgufFile;
 use serde_json::Value;
 
@@ -33,10 +34,7 @@ impl MlaConfig {
     }
 
     pub(super) fn validate(self) -> Result<Self> {
-        let bad = |key: &str, why: &str| ConfigError::Invalid {
-            key: key.into(),
-            why: why.into(),
-        };
+        let bad = |key: &str, why: &str| invalid(key, why);
         for (key, v) in [
             ("kv_lora_rank", self.kv_lora_rank),
             ("qk_rope_head_dim", self.rope_dim),
@@ -56,10 +54,9 @@ impl MlaConfig {
 
     /// From a transformers DeepSeek `config.json`.
     pub(super) fn from_hf(cfg: &Value) -> Result<Self> {
-        let int = |k: &str| json_usize(cfg, k);
-        let req = |k: &str| int(k)?.ok_or_else(|| ConfigError::Missing(k.into()));
+        let req = |k: &str| required(cfg, k);
         MlaConfig {
-            q_lora_rank: int("q_lora_rank")?,
+            q_lora_rank: usize_at(cfg, "q_lora_rank")?,
             kv_lora_rank: req("kv_lora_rank")?,
             rope_dim: req("qk_rope_head_dim")?,
             nope_dim: req("qk_nope_head_dim")?,
@@ -90,9 +87,11 @@ impl MlaConfig {
             q_lora_rank: g.get_usize(&key("attention.q_lora_rank"))?,
             kv_lora_rank: req("attention.kv_lora_rank")?,
             rope_dim,
-            nope_dim: k_len.checked_sub(rope_dim).ok_or(ConfigError::Invalid {
-                key: key("attention.key_length_mla"),
-                why: "is shorter than the rotary dimension".into(),
+            nope_dim: k_len.checked_sub(rope_dim).ok_or_else(|| {
+                invalid(
+                    key("attention.key_length_mla"),
+                    "is shorter than the rotary dimension",
+                )
             })?,
             v_dim: v_len,
         }

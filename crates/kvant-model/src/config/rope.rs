@@ -1,10 +1,129 @@
-//! Rotary position embedding settings: the frequency scalings checkpoints
-//! use (linear, Llama 3, YaRN), read from `config.json` or GGUF metadata,
-//! and folded into the inverse frequencies as transformers computes them.
+//! Rotary position embedding settings: base, rotated dimensions, pair
+//! order and the frequency scalings checkpoints use (linear, Llama 3,
+//! YaRN), read from `config.json` (`rope_theta`/`rope_scaling` or
+//! transformers 5's `rope_parameters`) or GGUF metadata, and folded into
+//! the inverse frequencies as transformers computes them.
 
-use super::{ConfigError, Result};
+use super::arch::Arch;
+use super::error::{invalid, ConfigError, Result};
+use super::json::{f32_at, flag};
 use crate::gguf::GgufFile;
+use kvant_kernels::rope::RopeStyle;
 use serde_json::Value;
+
+#[derive(Clone, Debug)]
+pub struct RopeConfig {
+    pub theta: f32,
+    /// Rotated dimensions per head (≤ head_dim).
+    pub dim: usize,
+    pub style: RopeStyle,
+    pub scaling: RopeScaling,
+    /// Base for sliding-window layers when it differs (Gemma 3's local rope).
+    pub local_theta: Option<f32>,
+    /// No positions at all (Kimi Linear's latent attention): every
+    /// frequency is zero, so the rotation is the identity (cos 0 = 1 and
+    /// sin 0 = 0 exactly) and the rope path runs unchanged.
+    pub nope: bool,
+}
+
+/// What a checkpoint states about its rotary embedding, in one vocabulary
+/// for both formats; `build` supplies what the architecture implies.
+pub(super) struct RopeSettings {
+    pub theta: Option<f32>,
+    /// Gemma 3's base for sliding layers.
+    pub local_theta: Option<f32>,
+    pub scaling: RopeScaling,
+    /// Rotated dimensions per head, where the checkpoint counts them.
+    pub dim: Option<usize>,
+    /// Or the rotated fraction of the head (transformers' `partial_rotary_factor`).
+    pub partial: Option<f32>,
+    /// Pair order, where the checkpoint says it.
+    pub interleaved: Option<bool>,
+}
+
+impl RopeSettings {
+    /// `{arch}.rope.*` as llama.cpp's converter writes it.
+    pub(super) fn from_gguf(g: &GgufFile, arch_name: &str) -> Result<Self> {
+        let key = |k: &str| format!("{arch_name}.rope.{k}");
+        Ok(RopeSettings {
+            scaling: parse_gguf_scaling(g, arch_name)?,
+            theta: g.get_f32(&key("freq_base"))?,
+            // llama.cpp fixes Gemma 3's local base.
+            local_theta: None,
+            dim: g.get_usize(&key("dimension_count"))?,
+            partial: None,
+            // llama.cpp's converter permutes Llama's and Mistral's queries
+            // and keys into interleaved pairs.
+            interleaved: matches!(arch_name, "llama" | "mistral").then_some(true),
+        })
+    }
+
+    /// transformers 5 nests rope settings in `rope_parameters` (per layer
+    /// type for Gemma 3); older files keep them top-level.
+    pub(super) fn from_hf(cfg: &Value, arch: Arch) -> Result<Self> {
+        let params = cfg.get("rope_parameters").filter(|v| v.is_object());
+        let (theta, scaling, local_theta) = match params {
+            Some(rp) if rp.get("full_attention").is_some() => {
+                let full = &rp["full_attention"];
+                let local_theta = match rp.get("sliding_attention") {
+                    Some(l) => f32_at(l, "rope_theta")?,
+                    None => None,
+                };
+                (f32_at(full, "rope_theta")?, Some(full), local_theta)
+            }
+            Some(rp) => (f32_at(rp, "rope_theta")?, Some(rp), None),
+            None => (
+                f32_at(cfg, "rope_theta")?,
+                cfg.get("rope_scaling"),
+                f32_at(cfg, "rope_local_base_freq")?,
+            ),
+        };
+        let scaling = parse_hf_scaling(scaling)?;
+        let partial = match (f32_at(cfg, "partial_rotary_factor")?, params) {
+            (Some(p), _) => p,
+            (None, Some(rp)) => f32_at(rp, "partial_rotary_factor")?.unwrap_or(1.0),
+            (None, None) => 1.0,
+        };
+        Ok(RopeSettings {
+            theta,
+            local_theta,
+            scaling,
+            dim: None,
+            partial: Some(partial),
+            // Only DeepSeek-V3 has the switch.
+            interleaved: match arch {
+                Arch::DeepseekV3 => flag(cfg, "rope_interleave"),
+                _ => None,
+            },
+        })
+    }
+
+    /// The rotation of heads of `head_dim`; latent attention rotates its
+    /// own `latent_rope_dim`.
+    pub(super) fn build(
+        self,
+        arch: Arch,
+        head_dim: usize,
+        latent_rope_dim: Option<usize>,
+    ) -> RopeConfig {
+        let dim = match (latent_rope_dim, self.dim, self.partial) {
+            (Some(d), _, _) | (None, Some(d), _) => d,
+            (None, None, Some(p)) => ((head_dim as f32 * p) as usize) & !1,
+            (None, None, None) => head_dim,
+        };
+        RopeConfig {
+            theta: self.theta.unwrap_or(10_000.0),
+            dim,
+            style: match self.interleaved.unwrap_or(arch.interleaved_rope()) {
+                true => RopeStyle::Interleaved,
+                false => RopeStyle::Neox,
+            },
+            scaling: self.scaling,
+            local_theta: arch.gemma().then(|| self.local_theta.unwrap_or(10_000.0)),
+            nope: arch.nope(),
+        }
+    }
+}
 
 /// Frequency scaling applied to the rotary embedding.
 #[derive(Clone, Debug, PartialEq)]
@@ -70,7 +189,7 @@ fn yarn_mscale(scale: f32, m: f32) -> f32 {
 
 /// Reads a transformers rope-scaling object (`rope_scaling`, or
 /// transformers 5's `rope_parameters`).
-pub(super) fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
+fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
     let Some(obj) = obj.filter(|v| v.is_object()) else {
         return Ok(RopeScaling::None);
     };
@@ -116,17 +235,17 @@ pub(super) fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
                 attention_factor,
             })
         }
-        other => Err(ConfigError::Invalid {
-            key: "rope_scaling.rope_type".into(),
-            why: format!("`{other}` is not supported"),
-        }),
+        other => Err(invalid(
+            "rope_scaling.rope_type",
+            format!("`{other}` is not supported"),
+        )),
     }
 }
 
 /// Reads `{arch}.rope.scaling.*` as llama.cpp's converter writes it.
 /// DeepSeek's converter stores `0.1 · mscale_all_dim` as the YaRN log
 /// multiplier, so the softmax correction is `1 + mul · ln(factor)`.
-pub(super) fn parse_gguf_scaling(g: &GgufFile, arch: &str) -> Result<RopeScaling> {
+fn parse_gguf_scaling(g: &GgufFile, arch: &str) -> Result<RopeScaling> {
     let key = |k: &str| format!("{arch}.rope.scaling.{k}");
     let factor = || -> Result<f32> { Ok(g.get_f32(&key("factor"))?.unwrap_or(1.0)) };
     match g.get_str(&key("type"))? {
@@ -157,10 +276,7 @@ pub(super) fn parse_gguf_scaling(g: &GgufFile, arch: &str) -> Result<RopeScaling
                 },
             })
         }
-        Some(other) => Err(ConfigError::Invalid {
-            key: key("type"),
-            why: format!("`{other}` is not supported"),
-        }),
+        Some(other) => Err(invalid(key("type"), format!("`{other}` is not supported"))),
     }
 }
 
