@@ -383,3 +383,61 @@ const ULIMIT_KIB: u64 = 1 << 20;
 fn hostile_cases_run_under_a_small_address_space_limit() {
     hostile::rerun_under_address_limit(ULIMIT_KIB);
 }
+
+/// A hostile layer count in any architecture's metadata is a config error
+/// naming the key, before anything is built per layer (a `block_count` of
+/// 2^64 - 1 once made a per-layer list of that length: "capacity
+/// overflow"). Every fixture GGUF, and every config.json.
+#[test]
+fn hostile_layer_counts_are_config_errors() {
+    use kvant_model::config::ModelConfig;
+    let models = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models");
+    let mut ggufs = 0;
+    for entry in std::fs::read_dir(models.join("gguf")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "gguf") {
+            continue;
+        }
+        let g = GgufFile::open(&path).unwrap();
+        let Some(arch) = g.get_str("general.architecture").unwrap().map(str::to_string) else {
+            continue;
+        };
+        let key = format!("{arch}.block_count");
+        for n in [u64::MAX, 1 << 40] {
+            let mut w = GgufWriter::new();
+            for (k, v) in g.metadata() {
+                match k == key {
+                    true => w.add(k, Value::U64(n)).unwrap(),
+                    false => w.add(k, v.clone()).unwrap(),
+                }
+            }
+            let bent = parse(&w.to_bytes().unwrap()).unwrap();
+            let err = ModelConfig::from_gguf(&bent).expect_err(&key).to_string();
+            assert!(err.contains(&key), "{}: {err}", path.display());
+        }
+        ggufs += 1;
+    }
+    assert!(ggufs >= 10, "{ggufs} fixture GGUFs");
+    let mut dirs = 0;
+    for entry in std::fs::read_dir(&models).unwrap() {
+        let config = entry.unwrap().path().join("config.json");
+        let Ok(text) = std::fs::read_to_string(&config) else {
+            continue;
+        };
+        let mut cfg: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let target = match cfg.get_mut("text_config") {
+            Some(t) if t.get("num_hidden_layers").is_some() => t,
+            _ => &mut cfg,
+        };
+        if target.get("num_hidden_layers").is_none() {
+            continue;
+        }
+        target["num_hidden_layers"] = serde_json::json!(u64::MAX);
+        let err = ModelConfig::from_hf_json(&cfg)
+            .expect_err("num_hidden_layers")
+            .to_string();
+        assert!(err.contains("num_hidden_layers"), "{}: {err}", config.display());
+        dirs += 1;
+    }
+    assert!(dirs >= 10, "{dirs} fixture configs");
+}

@@ -101,12 +101,12 @@ pub fn start(
     for (p, prompt_ids) in prompts.into_iter().enumerate() {
         let max_tokens = plan.max_tokens.unwrap_or_else(|| {
             // The endpoint's default, or what the context leaves; at least
-            // one token, so an overlong prompt is reported as such rather
-            // than as `max_tokens` 0.
+            // the engine's minimum, so an overlong prompt is reported as
+            // such rather than as `max_tokens` 0.
             let room = state
                 .max_sequence_tokens()
                 .saturating_sub(prompt_ids.len())
-                .max(1);
+                .max(kvant_engine::continuation::MIN_TOKENS);
             plan.default_max_tokens.map_or(room, |d| d.min(room))
         });
         let base = EngineRequest {

@@ -10,7 +10,7 @@ use super::linear::{LinearConfig, LinearLayout};
 use super::mla::MlaConfig;
 use super::model::ModelConfig;
 use super::rope::RopeSettings;
-use super::settings::ModelSettings;
+use super::settings::{layer_count, ModelSettings};
 use crate::gguf::GgufFile;
 
 impl ModelConfig {
@@ -32,7 +32,7 @@ impl ModelSettings {
         // llama.cpp counts multi-token-prediction (NextN) layers in
         // `block_count` and says how many of the last blocks they are.
         let mtp_layers = opt("nextn_predict_layers")?.unwrap_or(0);
-        let n_layers = req("block_count")?
+        let n_layers = layer_count(key("block_count"), req("block_count")?)?
             .checked_sub(mtp_layers)
             .ok_or_else(|| invalid(key("nextn_predict_layers"), "is more than the block count"))?;
         let experts = ExpertSettings::from_gguf(g, &arch_name, n_layers)?

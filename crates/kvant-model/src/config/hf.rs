@@ -11,7 +11,7 @@ use super::linear::{LinearConfig, LinearLayout};
 use super::mla::MlaConfig;
 use super::model::ModelConfig;
 use super::rope::RopeSettings;
-use super::settings::ModelSettings;
+use super::settings::{layer_count, ModelSettings};
 use kvant_kernels::activation::Activation;
 use serde_json::Value;
 
@@ -58,7 +58,10 @@ impl ModelSettings {
     fn from_hf(cfg: &Value, model_type: &str) -> Result<Self> {
         let arch = Arch::from_hf(model_type)
             .ok_or_else(|| ConfigError::UnsupportedArch(model_type.into()))?;
-        let n_layers_hint = usize_at(cfg, "num_hidden_layers")?.unwrap_or(0);
+        let n_layers_hint = match usize_at(cfg, "num_hidden_layers")? {
+            Some(n) => layer_count("num_hidden_layers", n)?,
+            None => 0,
+        };
         let linear = match arch.linear_layout() {
             Some(LinearLayout::Kda) => Some(LinearConfig::from_hf_kimi(cfg, n_layers_hint)?),
             Some(layout) => Some(LinearConfig::from_hf(cfg, layout, n_layers_hint)?),
@@ -89,7 +92,7 @@ impl ModelSettings {
         let head_dim = usize_at(cfg, "head_dim")?;
         let rope = RopeSettings::from_hf(cfg, arch)?;
         let sliding_window = usize_at(cfg, "sliding_window")?;
-        let n_layers = required(cfg, "num_hidden_layers")?;
+        let n_layers = layer_count("num_hidden_layers", required(cfg, "num_hidden_layers")?)?;
         let sliding_layers = cfg
             .get("layer_types")
             .and_then(Value::as_array)

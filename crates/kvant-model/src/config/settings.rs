@@ -115,6 +115,19 @@ impl ModelSettings {
     }
 }
 
+/// A checkpoint's layer count, bounded before anything is built per layer
+/// (the experts' and linear layers' lists): a hostile `block_count` of
+/// 2^64 - 1 made a list of that length ("capacity overflow").
+pub(super) fn layer_count(key: impl Into<String>, n: usize) -> Result<usize> {
+    match n > MAX_SIZE {
+        true => Err(invalid(key, "is implausibly large")),
+        false => Ok(n),
+    }
+}
+
+/// The bound on every size and count a configuration states.
+const MAX_SIZE: usize = 1 << 24;
+
 impl ModelConfig {
     /// The sizes and numbers a forward relies on, each within range.
     fn validate(self) -> Result<Self> {
@@ -132,7 +145,7 @@ impl ModelConfig {
             if v == 0 {
                 return Err(bad(key, "must be positive"));
             }
-            if v > 1 << 24 {
+            if v > MAX_SIZE {
                 return Err(bad(key, "is implausibly large"));
             }
         }
