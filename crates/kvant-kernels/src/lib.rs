@@ -19,7 +19,6 @@ pub mod pool;
 pub mod quant;
 pub mod rope;
 pub mod softmax;
-pub mod train;
 pub mod vecops;
 
 pub use error::KernelError;

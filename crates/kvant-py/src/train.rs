@@ -8,8 +8,8 @@
 //! with autograd.
 
 use crate::tensor::{same_float, with_float, Dt, Tensors, View};
-use kvant_kernels::train::{cross_entropy, distill, flash, glu, linear_ce, norm, rope, Reduction};
 use kvant_kernels::KernelError;
+use kvant_train::{cross_entropy, distill, flash, glu, linear_ce, norm, rope, Reduction};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 

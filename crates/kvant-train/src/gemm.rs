@@ -41,11 +41,11 @@
 
 use std::cell::Cell;
 
-use crate::cpu::{self, SimdTier};
-use crate::error::checked_mul;
-use crate::lanes::Lanes;
-use crate::pool::{self, ThreadPool};
-use crate::KernelError;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::checked_mul;
+use kvant_kernels::lanes::Lanes;
+use kvant_kernels::pool::{self, ThreadPool};
+use kvant_kernels::KernelError;
 
 use super::Elem;
 
@@ -380,7 +380,7 @@ mod x86 {
     /// # Safety
     /// AVX2; the reads and writes lie inside their buffers.
     #[inline(always)]
-    pub(super) unsafe fn transpose_panel<E: crate::lanes::Lanes>(
+    pub(super) unsafe fn transpose_panel<E: kvant_kernels::lanes::Lanes>(
         src: *const E,
         stride: usize,
         kc: usize,
@@ -428,7 +428,7 @@ mod x86 {
     /// # Safety
     /// AVX2; the reads and writes lie inside their buffers.
     #[inline(always)]
-    pub(super) unsafe fn transpose_panel4<E: crate::lanes::Lanes>(
+    pub(super) unsafe fn transpose_panel4<E: kvant_kernels::lanes::Lanes>(
         src: *const E,
         stride: usize,
         kc: usize,

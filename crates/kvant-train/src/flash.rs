@@ -36,13 +36,13 @@
 //! masks, `dS`) is compiled once per tier and vectorizes to its width;
 //! tiles that a mask does not cut skip the per-row bounds.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice, ThreadPool};
-use crate::train::{zero_first, Elem};
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use crate::{zero_first, Elem};
 use half::bf16;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 use std::cell::RefCell;
 use std::sync::Mutex;
 
@@ -569,12 +569,12 @@ macro_rules! tiers {
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 fn avx2<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
-                    $body::<E, crate::vecops::Fused>($a, $($arg),*)
+                    $body::<E, kvant_kernels::vecops::Fused>($a, $($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
                 #[allow(clippy::too_many_arguments)]
                 fn avx512<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
-                    $body::<E, crate::vecops::Fused>($a, $($arg),*)
+                    $body::<E, kvant_kernels::vecops::Fused>($a, $($arg),*)
                 }
                 match tier {
                     // SAFETY: the clamped tier is one the CPU supports.

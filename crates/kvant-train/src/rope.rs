@@ -24,13 +24,13 @@
 //! Zen 4 VM, read probe 21–29 GB/s; the tensor is 17–34 MB, partly in the
 //! 32 MB L3 between runs): f32 37–39 GB/s, bf16 23–30 GB/s.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice};
-use crate::train::norm::row_chunk;
-use crate::train::Elem;
-use crate::vecops::{Fma, Plain};
-use crate::KernelError;
+use crate::norm::row_chunk;
+use crate::Elem;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice};
+use kvant_kernels::vecops::{Fma, Plain};
+use kvant_kernels::KernelError;
 
 /// How the rotated dimensions of a row are paired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -204,7 +204,7 @@ fn rotate_rows_avx2<E: Elem>(
     rows: std::ops::Range<usize>,
     sg: f32,
 ) {
-    rotate_rows::<E, crate::vecops::Fused>(x, t, s, p, rows, sg)
+    rotate_rows::<E, kvant_kernels::vecops::Fused>(x, t, s, p, rows, sg)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -217,7 +217,7 @@ fn rotate_rows_avx512<E: Elem>(
     rows: std::ops::Range<usize>,
     sg: f32,
 ) {
-    rotate_rows::<E, crate::vecops::Fused>(x, t, s, p, rows, sg)
+    rotate_rows::<E, kvant_kernels::vecops::Fused>(x, t, s, p, rows, sg)
 }
 
 /// In place: pair (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) with cos/sin of index i = pair index;
@@ -342,7 +342,7 @@ pub fn rope_apply_ref<E: Elem>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::norm::tests::{assert_close, f32s, rand_vec, tol};
+    use crate::norm::tests::{assert_close, f32s, rand_vec, tol};
     use half::bf16;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;

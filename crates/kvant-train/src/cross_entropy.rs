@@ -25,13 +25,13 @@
 //! rows in row order (f64), so no result depends on the thread count or on
 //! how rows are split into tasks.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 #[cfg(target_arch = "x86_64")]
-use crate::vecops::Fused;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use kvant_kernels::vecops::Fused;
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 use super::{Elem, Reduction};
 

@@ -21,14 +21,14 @@
 //! The three products per chunk run on [`super::gemm`] (packed, register
 //! tiled, bitwise independent of the thread count).
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::lanes::Lanes;
-use crate::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::lanes::Lanes;
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 #[cfg(target_arch = "x86_64")]
-use crate::vecops::Fused;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use kvant_kernels::vecops::Fused;
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 use super::cross_entropy::{
     ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared, RowsIo,

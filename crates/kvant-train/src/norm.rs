@@ -36,12 +36,12 @@
 //! (4 KiB pages, criterion's ranges): f32 RMSNorm backward 20.4–22.4,
 //! LayerNorm 17.7–19.3; bf16 15.6–16.0 and 13.4–13.9 GB/s.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice, ThreadPool};
-use crate::train::{zero_first, Elem};
-use crate::vecops::{Fma, Plain};
-use crate::KernelError;
+use crate::{zero_first, Elem};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::vecops::{Fma, Plain};
+use kvant_kernels::KernelError;
 
 /// Where RMSNorm rounds to the input type (no effect on f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,7 +84,7 @@ const MIN_CHUNK_ELEMS: usize = 16 * 1024;
 /// sum and a bf16 row vectorized 2 lanes wide with the accumulators
 /// spilled (LayerNorm forward and RMSNorm backward in bf16 ran at 4–5 GB/s
 /// on 2 threads), so the AVX2 tier loads 8 lanes at a time with
-/// [`Lanes::load8`](crate::lanes::Lanes::load8) into four accumulators.
+/// [`Lanes::load8`](kvant_kernels::lanes::Lanes::load8) into four accumulators.
 /// Each sum is in a fixed order for a given length.
 pub(crate) trait Kern {
     type F: Fma;
@@ -309,7 +309,7 @@ mod avx_red {
 
 #[cfg(target_arch = "x86_64")]
 impl Kern for Avx {
-    type F = crate::vecops::Fused;
+    type F = kvant_kernels::vecops::Fused;
 
     #[inline(always)]
     unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
@@ -1988,7 +1988,7 @@ pub(crate) mod tests {
     #[test]
     fn store_rounds_like_half() {
         // The special patterns come first: `chunks_exact` drops a tail.
-        let xs = crate::train::tests::bf16_cases();
+        let xs = crate::tests::bf16_cases();
         // The 8-lane rounding of the AVX2 backward, against the same.
         #[cfg(target_arch = "x86_64")]
         if cpu::detected_tier() >= SimdTier::Avx2 {

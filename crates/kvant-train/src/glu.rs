@@ -20,12 +20,12 @@
 //! GB/s): f32 31–52 GB/s; bf16 SwiGLU 20–21 GB/s, GeGLU 10–16 GB/s,
 //! bound by the exponential (~1.7 G values/s per thread).
 
-use crate::cpu::{self, SimdTier};
-use crate::error::check_len;
-use crate::pool::{self, DisjointSlice};
-use crate::train::Elem;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use crate::Elem;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::check_len;
+use kvant_kernels::pool::{self, DisjointSlice};
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 /// Which activation gates `b`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,7 +132,7 @@ macro_rules! tier_kernels {
         #[cfg(target_arch = "x86_64")]
         mod $name {
             use super::*;
-            use crate::vecops::Fused;
+            use kvant_kernels::vecops::Fused;
 
             #[target_feature(enable = $features)]
             pub(super) fn fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) {
@@ -272,7 +272,7 @@ pub fn glu_bwd_ref<E: Elem>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::norm::tests::{assert_close, f32s, nans, rand_vec};
+    use crate::norm::tests::{assert_close, f32s, nans, rand_vec};
     use half::bf16;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
