@@ -15,6 +15,7 @@ pub mod linear;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+mod per_tier;
 pub mod pool;
 pub mod quant;
 pub mod rope;

@@ -833,24 +833,26 @@ fn word_runs<E, K: Micro>(stride: usize) -> bool {
         && stride.is_multiple_of(2)
 }
 
-/// [`pack_a`] for [`Micro::PAIRS`]: word `(q2, r)` of panel `p` at
-/// `dst + p·MR·ks + q2·MR + r` (`ks = ceil(kc/2)`) holds `k = 2·q2` low
-/// and `2·q2 + 1` high (0 past `kc`). A row-major `A`'s pairs are
-/// adjacent words, moved by the 8×8/4×8 transposes; a column-major one
-/// interleaves two columns.
+/// [`pack_a`] and [`pack_b`] for [`Micro::PAIRS`], in panels of `mr`
+/// rows of `a` (`B` is packed as its transpose, in panels of `NR`): word
+/// `(q2, r)` of panel `p` at `dst + p·mr·ks + q2·mr + r` (`ks =
+/// ceil(kc/2)`) holds `k = 2·q2` low and `2·q2 + 1` high (0 past `kc`). A
+/// row-major `A`'s pairs are adjacent words, moved by the 8×8/4×8
+/// transposes; a column-major one interleaves two columns. Every path
+/// moves the same bits.
 ///
 /// # Safety
-/// As [`pack_a`], with `dst` holding `ceil(rows/MR)·MR·ks` words.
+/// As [`pack_a`], with `dst` holding `ceil(rows/mr)·mr·ks` words.
 #[inline(always)]
-unsafe fn pack_a_pairs<E: Lanes, K: Micro>(
+unsafe fn pack_pairs<E: Lanes, K: Micro>(
     a: &MatRef<'_, E>,
-    i0: usize,
-    rows: usize,
+    (i0, rows): (usize, usize),
     k0: usize,
     kc: usize,
+    mr: usize,
     dst: *mut f32,
 ) {
-    let (mr, ks) = (K::MR, kc.div_ceil(2));
+    let ks = kc.div_ceil(2);
     let panels = rows.div_ceil(mr);
     // SAFETY: inside `dst` by the caller's contract; f32 and u32 share
     // size and alignment.
@@ -936,96 +938,6 @@ unsafe fn pack_a_pairs<E: Lanes, K: Micro>(
     }
 }
 
-/// [`pack_b`] for [`Micro::PAIRS`] (layout as [`pack_a_pairs`]): a
-/// column-major `B`'s pairs are adjacent words (transposes), a row-major
-/// one interleaves two rows.
-///
-/// # Safety
-/// As [`pack_b`], with `dst` holding `ceil(cols/NR)·NR·ks` words.
-#[inline(always)]
-unsafe fn pack_b_pairs<E: Lanes, K: Micro>(
-    b: &MatRef<'_, E>,
-    k0: usize,
-    kc: usize,
-    j0: usize,
-    cols: usize,
-    dst: *mut f32,
-) {
-    let (nr, ks) = (K::NR, kc.div_ceil(2));
-    let panels = cols.div_ceil(nr);
-    // SAFETY: as in `pack_a_pairs`.
-    let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u32, panels * nr * ks) };
-    d.fill(0);
-    let word = |q2: usize, c: usize| {
-        let q = k0 + 2 * q2;
-        // SAFETY: column `j0+c`, rows `q`, `q+1` (when < k0+kc) lie inside `b`.
-        unsafe {
-            let lo = bf16_bits(b.at(q, j0 + c));
-            let hi = if 2 * q2 + 1 < kc {
-                bf16_bits(b.at(q + 1, j0 + c))
-            } else {
-                0
-            };
-            lo | hi << 16
-        }
-    };
-    if b.cs == 1 {
-        for q2 in 0..ks {
-            let q = k0 + 2 * q2;
-            // SAFETY: rows `q`, `q+1` (when < k0+kc), columns
-            // `j0..j0+cols` lie inside `b`.
-            let (lo, hi) = unsafe {
-                let lo = b.data.get_unchecked(q * b.rs + j0..q * b.rs + j0 + cols);
-                let hi = (2 * q2 + 1 < kc).then(|| {
-                    b.data
-                        .get_unchecked((q + 1) * b.rs + j0..(q + 1) * b.rs + j0 + cols)
-                });
-                (lo, hi)
-            };
-            for p in 0..panels {
-                let (c0, ce) = (p * nr, nr.min(cols - p * nr));
-                let o = p * nr * ks + q2 * nr;
-                interleave(
-                    &lo[c0..c0 + ce],
-                    hi.map(|h| &h[c0..c0 + ce]),
-                    &mut d[o..o + ce],
-                );
-            }
-        }
-        return;
-    }
-    let w8 = if b.rs == 1 && word_runs::<E, K>(b.cs) {
-        kc / 16 * 8
-    } else {
-        0
-    };
-    for p in 0..panels {
-        let (c0, ce) = (p * nr, nr.min(cols - p * nr));
-        let dp = &mut d[p * nr * ks..(p + 1) * nr * ks];
-        let mut c = 0;
-        #[cfg(target_arch = "x86_64")]
-        while w8 > 0 && ce - c >= 8 {
-            // SAFETY: as in `pack_a_pairs`, columns `j0+c0+c..+8`.
-            unsafe {
-                let src = b.data.as_ptr().add((j0 + c0 + c) * b.cs + k0) as *const f32;
-                let dp = dp.as_mut_ptr().add(c) as *mut f32;
-                x86::transpose_panel(src, b.cs / 2, w8, dp, nr);
-            }
-            for cc in c..c + 8 {
-                for q2 in w8..ks {
-                    dp[q2 * nr + cc] = word(q2, c0 + cc);
-                }
-            }
-            c += 8;
-        }
-        for cc in c..ce {
-            for q2 in 0..ks {
-                dp[q2 * nr + cc] = word(q2, c0 + cc);
-            }
-        }
-    }
-}
-
 /// Task `t`: `C` tile `t / ntiles`, `t % ntiles`, every `k` block.
 ///
 /// # Safety
@@ -1048,8 +960,8 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
         // (checked shapes); the buffers hold whole panels of `KC`.
         unsafe {
             if K::PAIRS {
-                pack_b_pairs::<B, K>(&job.b, k0, kc, j0, cols, pb);
-                pack_a_pairs::<A, K>(&job.a, i0, rows, k0, kc, pa);
+                pack_pairs::<B, K>(&job.b.t(), (j0, cols), k0, kc, K::NR, pb);
+                pack_pairs::<A, K>(&job.a, (i0, rows), k0, kc, K::MR, pa);
             } else {
                 pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
                 pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);

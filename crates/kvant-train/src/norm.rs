@@ -649,85 +649,78 @@ fn prefetch_l2<E>(s: &[E]) {
 
 // ------------------------------------------------------- tiers per chunk
 
-/// The row kernels compiled for one tier: the same generic bodies, with
-/// the tier's features enabled so the compiler vectorizes them 8 (AVX2) or
-/// 16 (AVX-512) lanes wide.
-macro_rules! tier_kernels {
-    ($name:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        mod $name {
-            use super::*;
+// The row kernels, compiled once per tier: the same generic bodies, with
+// the tier's features enabled so the compiler vectorizes them 8 (AVX2) or
+// 16 (AVX-512) lanes wide.
+kvant_kernels::per_tier! {
+    /// [`rms_fwd_rows`] on `tier`.
+    fn rms_fwd_on<E: Elem>(
+        tier: SimdTier,
+        a: &RmsNormArgs,
+        x: (&[E], Option<&[E]>),
+        w: &[E],
+        y: (&mut [E], Option<&mut [E]>),
+        rstd: &mut [f32],
+    ) [K = Scalar, Avx] {
+        rms_fwd_rows::<E, K>(a, x, w, y, rstd)
+    }
 
-            #[target_feature(enable = $features)]
-            pub(super) fn rms_fwd<E: Elem>(
-                a: &RmsNormArgs,
-                x: (&[E], Option<&[E]>),
-                w: &[E],
-                y: (&mut [E], Option<&mut [E]>),
-                rstd: &mut [f32],
-            ) {
-                rms_fwd_rows::<E, Avx>(a, x, w, y, rstd)
-            }
+    /// [`rms_bwd_rows`] on `tier`.
+    fn rms_bwd_on<E: Elem>(
+        tier: SimdTier,
+        a: &RmsNormArgs,
+        dy: (&[E], Option<&[E]>),
+        x: &[E],
+        w: &[E],
+        rstd: &[f32],
+        dx: &mut [E],
+        dw: &mut [f32],
+        g: &mut [f32],
+    ) [K = Scalar, Avx] {
+        rms_bwd_rows::<E, K>(a, dy, x, w, rstd, dx, dw, g)
+    }
 
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) fn rms_bwd<E: Elem>(
-                a: &RmsNormArgs,
-                dy: (&[E], Option<&[E]>),
-                x: &[E],
-                w: &[E],
-                rstd: &[f32],
-                dx: &mut [E],
-                dw: &mut [f32],
-                g: &mut [f32],
-            ) {
-                rms_bwd_rows::<E, Avx>(a, dy, x, w, rstd, dx, dw, g)
-            }
+    /// [`ln_fwd_rows`] on `tier`.
+    fn ln_fwd_on<E: Elem>(
+        tier: SimdTier,
+        x: &[E],
+        w: &[E],
+        b: &[E],
+        n: usize,
+        eps: f32,
+        y: &mut [E],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) [K = Scalar, Avx] {
+        ln_fwd_rows::<E, K>(x, w, b, n, eps, y, mean, rstd)
+    }
 
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) fn ln_fwd<E: Elem>(
-                x: &[E],
-                w: &[E],
-                b: &[E],
-                n: usize,
-                eps: f32,
-                y: &mut [E],
-                mean: &mut [f32],
-                rstd: &mut [f32],
-            ) {
-                ln_fwd_rows::<E, Avx>(x, w, b, n, eps, y, mean, rstd)
-            }
+    /// [`ln_bwd_rows`] on `tier`.
+    fn ln_bwd_on<E: Elem>(
+        tier: SimdTier,
+        dy: &[E],
+        x: &[E],
+        w: &[E],
+        ms: (&[f32], &[f32]),
+        n: usize,
+        dx: &mut [E],
+        dwb: (&mut [f32], &mut [f32]),
+        g: &mut [f32],
+    ) [K = Scalar, Avx] {
+        ln_bwd_rows::<E, K>(dy, x, w, ms, n, dx, dwb, g)
+    }
 
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) fn ln_bwd<E: Elem>(
-                dy: &[E],
-                x: &[E],
-                w: &[E],
-                ms: (&[f32], &[f32]),
-                n: usize,
-                dx: &mut [E],
-                dwb: (&mut [f32], &mut [f32]),
-                g: &mut [f32],
-            ) {
-                ln_bwd_rows::<E, Avx>(dy, x, w, ms, n, dx, dwb, g)
-            }
-
-            #[target_feature(enable = $features)]
-            pub(super) fn add_partials(
-                parts: &[f32],
-                stride: usize,
-                cols: std::ops::Range<usize>,
-                out: &mut [f32],
-            ) {
-                super::add_partials_body(parts, stride, cols, out)
-            }
-        }
-    };
+    /// [`add_partials_body`] on `tier`.
+    fn add_partials_on(
+        tier: SimdTier,
+        parts: &[f32],
+        stride: usize,
+        cols: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        add_partials_body(parts, stride, cols, out)
+    }
 }
-tier_kernels!(avx2, "avx2,fma,f16c");
-tier_kernels!(avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
 
 /// `out[j − lo] = Σ_c parts[c·stride + j]` over `j` in `cols`, chunks in order.
 #[inline(always)]
@@ -753,15 +746,7 @@ fn add_partials(pool: &ThreadPool, tier: SimdTier, parts: &[f32], cols: usize, o
         let r = t * col_chunk..((t + 1) * col_chunk).min(cols);
         // SAFETY: tasks own disjoint column ranges.
         let o = unsafe { out_s.range(r.clone()) };
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::add_partials(parts, cols, r, o) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::add_partials(parts, cols, r, o) },
-            _ => add_partials_body(parts, cols, r, o),
-        }
+        add_partials_on(tier, parts, cols, r, o)
     });
 }
 
@@ -903,15 +888,7 @@ pub(crate) fn rms_fwd_in<E: Elem>(
                 s_s.as_ref().map(|s| s.range(er.clone())),
             )
         };
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::rms_fwd(&a, xs, w, (yc, sc), rc) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::rms_fwd(&a, xs, w, (yc, sc), rc) },
-            _ => rms_fwd_rows::<E, Scalar>(&a, xs, w, (yc, sc), rc),
-        }
+        rms_fwd_on(tier, &a, xs, w, (yc, sc), rc)
     });
     Ok(())
 }
@@ -1028,15 +1005,7 @@ pub(crate) fn rms_bwd_in<E: Elem>(
         let (dxc, pc) = unsafe { (dx_s.range(er.clone()), p_s.range(c * n..(c + 1) * n)) };
         zero_first(pc);
         let (xc, rc) = (&x[er], &rstd[rr]);
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
-            _ => rms_bwd_rows::<E, Scalar>(&a, dys, xc, w, rc, dxc, pc, &mut g),
-        }
+        rms_bwd_on(tier, &a, dys, xc, w, rc, dxc, pc, &mut g)
     });
     add_partials(pool, tier, &parts, n, dw);
     Ok(())
@@ -1093,15 +1062,7 @@ pub fn layer_norm_fwd_with<E: Elem>(
             )
         };
         let xc = &x[er];
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
-            _ => ln_fwd_rows::<E, Scalar>(xc, w, b, cols, eps, yc, mc, rc),
-        }
+        ln_fwd_on(tier, xc, w, b, cols, eps, yc, mc, rc)
     });
     Ok(())
 }
@@ -1211,15 +1172,7 @@ pub(crate) fn ln_bwd_in<E: Elem>(
         zero_first(pw);
         zero_first(pb);
         let (dyc, xc, ms) = (&dy[er.clone()], &x[er], (&mean[rr.clone()], &rstd[rr]));
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
-            _ => ln_bwd_rows::<E, Scalar>(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g),
-        }
+        ln_bwd_on(tier, dyc, xc, w, ms, n, dxc, (pw, pb), &mut g)
     });
     // Sum the dw rows (even) and db rows (odd) in chunk order: viewed with
     // stride 2n, column j < n is dw and n + j is db.

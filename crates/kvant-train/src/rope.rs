@@ -194,30 +194,19 @@ fn rotate_rows<E: Elem, F: Fma>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rotate_rows_avx2<E: Elem>(
-    x: (Option<&[E]>, &DisjointSlice<'_, E>),
-    t: (&[E], &[E]),
-    s: &RopeShape,
-    p: &Plan,
-    rows: std::ops::Range<usize>,
-    sg: f32,
-) {
-    rotate_rows::<E, kvant_kernels::vecops::Fused>(x, t, s, p, rows, sg)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn rotate_rows_avx512<E: Elem>(
-    x: (Option<&[E]>, &DisjointSlice<'_, E>),
-    t: (&[E], &[E]),
-    s: &RopeShape,
-    p: &Plan,
-    rows: std::ops::Range<usize>,
-    sg: f32,
-) {
-    rotate_rows::<E, kvant_kernels::vecops::Fused>(x, t, s, p, rows, sg)
+kvant_kernels::per_tier! {
+    /// [`rotate_rows`] on `tier`.
+    fn rotate_rows_on<E: Elem>(
+        tier: SimdTier,
+        x: (Option<&[E]>, &DisjointSlice<'_, E>),
+        t: (&[E], &[E]),
+        s: &RopeShape,
+        p: &Plan,
+        rows: std::ops::Range<usize>,
+        sg: f32,
+    ) [F = Plain, kvant_kernels::vecops::Fused] {
+        rotate_rows::<E, F>(x, t, s, p, rows, sg)
+    }
 }
 
 /// In place: pair (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) with cos/sin of index i = pair index;
@@ -292,15 +281,7 @@ fn run<E: Elem>(
     let io = (src, &xs);
     pool::global().run(p.rows.div_ceil(cr), &|c| {
         let rows = c * cr..((c + 1) * cr).min(p.rows);
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { rotate_rows_avx2(io, (cos, sin), s, &p, rows, sg) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { rotate_rows_avx512(io, (cos, sin), s, &p, rows, sg) },
-            _ => rotate_rows::<E, Plain>(io, (cos, sin), s, &p, rows, sg),
-        }
+        rotate_rows_on(tier, io, (cos, sin), s, &p, rows, sg)
     });
     Ok(())
 }
