@@ -785,6 +785,82 @@ fn check_offset(op: &'static str, a: &RmsNormArgs) -> Result<(), KernelError> {
     }
 }
 
+/// The checks shared by [`rms_fwd_in`] and its reference; returns the row count.
+fn check_rms_fwd<E>(
+    op: &'static str,
+    (x, w): (&[E], &[E]),
+    a: &RmsNormArgs,
+    y: &[E],
+    sum: Option<&[E]>,
+    rstd: &[f32],
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, a)?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm y", x.len(), y.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    if let Some(s) = sum {
+        check_len("add_rms_norm sum", x.len(), s.len())?;
+    }
+    Ok(rows)
+}
+
+/// The checks shared by [`rms_bwd_in`] and its reference; returns the row count.
+fn check_rms_bwd<E>(
+    op: &'static str,
+    (dy, x, w): (&[E], &[E], &[E]),
+    rstd: &[f32],
+    a: &RmsNormArgs,
+    dx: &[E],
+    dw: &[f32],
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, a)?;
+    check_len("rms_norm dy", x.len(), dy.len())?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    check_len("rms_norm dx", x.len(), dx.len())?;
+    check_len("rms_norm dw", a.cols, dw.len())?;
+    Ok(rows)
+}
+
+/// The checks shared by [`layer_norm_fwd_with`] and its reference; returns the row count.
+fn check_ln_fwd<E>(
+    op: &'static str,
+    (x, w, b): (&[E], &[E], &[E]),
+    (cols, eps): (usize, f32),
+    y: &[E],
+    (mean, rstd): (&[f32], &[f32]),
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), cols, eps)?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm bias", cols, b.len())?;
+    check_len("layer_norm y", x.len(), y.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    Ok(rows)
+}
+
+/// The checks shared by [`ln_bwd_in`] and its reference; returns the row count.
+fn check_ln_bwd<E>(
+    op: &'static str,
+    (dy, x, w): (&[E], &[E], &[E]),
+    (mean, rstd): (&[f32], &[f32]),
+    cols: usize,
+    dx: &[E],
+    (dw, db): (&[f32], &[f32]),
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), cols, 0.0)?;
+    check_len("layer_norm dy", x.len(), dy.len())?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    check_len("layer_norm dx", x.len(), dx.len())?;
+    check_len("layer_norm dw", cols, dw.len())?;
+    check_len("layer_norm db", cols, db.len())?;
+    Ok(rows)
+}
+
 // ------------------------------------------------------------- public API
 
 /// y = x·rstd·(offset + w) per row of `cols`; rstd[row] = 1/sqrt(mean(x²) + eps) saved for backward.
@@ -861,15 +937,7 @@ pub(crate) fn rms_fwd_in<E: Elem>(
     sum: Option<&mut [E]>,
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rms_norm_fwd";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm y", x.len(), y.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    if let Some(s) = &sum {
-        check_len("add_rms_norm sum", x.len(), s.len())?;
-    }
+    let rows = check_rms_fwd("rms_norm_fwd", (x, w), &a, y, sum.as_deref(), rstd)?;
     let tier = cpu::clamp(tier);
     let n = a.cols;
     let cr = row_chunk(rows, n);
@@ -978,13 +1046,7 @@ pub(crate) fn rms_bwd_in<E: Elem>(
     dw: &mut [f32],
 ) -> Result<(), KernelError> {
     let op = "rms_norm_bwd";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm dy", x.len(), dy.len())?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    check_len("rms_norm dx", x.len(), dx.len())?;
-    check_len("rms_norm dw", a.cols, dw.len())?;
+    let rows = check_rms_bwd(op, (dy, x, w), rstd, &a, dx, dw)?;
     let tier = cpu::clamp(tier);
     let n = a.cols;
     let cr = row_chunk(rows, n);
@@ -1039,12 +1101,7 @@ pub fn layer_norm_fwd_with<E: Elem>(
     mean: &mut [f32],
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = check_rows("layer_norm_fwd", x.len(), cols, eps)?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm bias", cols, b.len())?;
-    check_len("layer_norm y", x.len(), y.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
+    let rows = check_ln_fwd("layer_norm_fwd", (x, w, b), (cols, eps), y, (mean, rstd))?;
     let tier = cpu::clamp(tier);
     let cr = row_chunk(rows, cols);
     let y_s = DisjointSlice::new(y);
@@ -1136,14 +1193,7 @@ pub(crate) fn ln_bwd_in<E: Elem>(
     db: &mut [f32],
 ) -> Result<(), KernelError> {
     let op = "layer_norm_bwd";
-    let rows = check_rows(op, x.len(), cols, 0.0)?;
-    check_len("layer_norm dy", x.len(), dy.len())?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
-    check_len("layer_norm dx", x.len(), dx.len())?;
-    check_len("layer_norm dw", cols, dw.len())?;
-    check_len("layer_norm db", cols, db.len())?;
+    let rows = check_ln_bwd(op, (dy, x, w), (mean, rstd), cols, dx, (dw, db))?;
     let tier = cpu::clamp(tier);
     let n = cols;
     let cr = row_chunk(rows, n);
@@ -1281,15 +1331,7 @@ fn rms_fwd_ref_impl<E: Elem>(
     mut sum: Option<&mut [E]>,
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rms_norm_fwd_ref";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm y", x.len(), y.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    if let Some(s) = &sum {
-        check_len("add_rms_norm sum", x.len(), s.len())?;
-    }
+    check_rms_fwd("rms_norm_fwd_ref", (x, w), &a, y, sum.as_deref(), rstd)?;
     let n = a.cols;
     let wf = widen(w);
     let mut yr = vec![0f64; n];
@@ -1351,14 +1393,7 @@ fn rms_bwd_ref_impl<E: Elem>(
     dx: &mut [E],
     dw: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rms_norm_bwd_ref";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm dy", x.len(), dy.len())?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    check_len("rms_norm dx", x.len(), dx.len())?;
-    check_len("rms_norm dw", a.cols, dw.len())?;
+    check_rms_bwd("rms_norm_bwd_ref", (dy, x, w), rstd, &a, dx, dw)?;
     let n = a.cols;
     let wf = widen(w);
     let mut dwf = vec![0f64; n];
@@ -1423,12 +1458,13 @@ pub fn layer_norm_fwd_ref<E: Elem>(
     mean: &mut [f32],
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = check_rows("layer_norm_fwd_ref", x.len(), cols, eps)?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm bias", cols, b.len())?;
-    check_len("layer_norm y", x.len(), y.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
+    let rows = check_ln_fwd(
+        "layer_norm_fwd_ref",
+        (x, w, b),
+        (cols, eps),
+        y,
+        (mean, rstd),
+    )?;
     let (wf, bf) = (widen(w), widen(b));
     let mut yr = vec![0f64; cols];
     for i in 0..rows {
@@ -1455,14 +1491,8 @@ pub fn layer_norm_bwd_ref<E: Elem>(
     dw: &mut [f32],
     db: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = check_rows("layer_norm_bwd_ref", x.len(), cols, 0.0)?;
-    check_len("layer_norm dy", x.len(), dy.len())?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
-    check_len("layer_norm dx", x.len(), dx.len())?;
-    check_len("layer_norm dw", cols, dw.len())?;
-    check_len("layer_norm db", cols, db.len())?;
+    let op = "layer_norm_bwd_ref";
+    let rows = check_ln_bwd(op, (dy, x, w), (mean, rstd), cols, dx, (dw, db))?;
     let wf = widen(w);
     let (mut dwf, mut dbf, mut dxr) = (vec![0f64; cols], vec![0f64; cols], vec![0f64; cols]);
     for i in 0..rows {
