@@ -111,7 +111,7 @@ pub fn has_avx512_vnni() -> bool {
 }
 
 /// Whether AVX-512 BF16 (`vdpbf16ps`, bf16 pair dot products) is present,
-/// for the bf16 GEMM (`train::gemm`).
+/// for the bf16 GEMM of the training kernels (`kvant_train::gemm`).
 pub fn has_avx512_bf16() -> bool {
     detected().avx512_bf16
 }
@@ -145,7 +145,7 @@ pub fn available_tiers() -> Vec<SimdTier> {
 /// Lowers a caller-chosen tier to one the CPU supports. Every `*_with(tier, ..)`
 /// kernel entry point goes through this, which is what makes the `unsafe`
 /// calls into `#[target_feature]` code sound.
-pub(crate) fn clamp(tier: SimdTier) -> SimdTier {
+pub fn clamp(tier: SimdTier) -> SimdTier {
     tier.min(detected_tier())
 }
 

@@ -66,11 +66,7 @@ pub enum KernelError {
 }
 
 /// Checks one length argument.
-pub(crate) fn check_len(
-    what: &'static str,
-    expected: usize,
-    actual: usize,
-) -> Result<(), KernelError> {
+pub fn check_len(what: &'static str, expected: usize, actual: usize) -> Result<(), KernelError> {
     if expected == actual {
         Ok(())
     } else {
@@ -83,7 +79,7 @@ pub(crate) fn check_len(
 }
 
 /// `a * b`, or an error naming the op.
-pub(crate) fn checked_mul(op: &'static str, a: usize, b: usize) -> Result<usize, KernelError> {
+pub fn checked_mul(op: &'static str, a: usize, b: usize) -> Result<usize, KernelError> {
     a.checked_mul(b)
         .ok_or(KernelError::SizeOverflow { op, a, b })
 }

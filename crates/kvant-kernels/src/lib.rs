@@ -15,11 +15,11 @@ pub mod linear;
 pub mod matmul;
 pub mod moe;
 pub mod norm;
+mod per_tier;
 pub mod pool;
 pub mod quant;
 pub mod rope;
 pub mod softmax;
-pub mod train;
 pub mod vecops;
 
 pub use error::KernelError;

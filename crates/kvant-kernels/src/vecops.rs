@@ -11,12 +11,16 @@
 use crate::cpu::{self, SimdTier};
 use crate::lanes::{with_rows, Lanes, RowPtrs, RowSet};
 
-/// `a·b + c`, fused where the tier has FMA.
-pub(crate) trait Fma {
+/// `a·b + c`, fused where the tier has FMA: a generic body takes it as a
+/// type parameter, [`Plain`] in its scalar copy and [`Fused`] in its
+/// AVX2/AVX-512 ones.
+pub trait Fma {
+    /// `a·b + c`.
     fn fma(a: f32, b: f32, c: f32) -> f32;
 }
 
-pub(crate) struct Plain;
+/// A multiply and an add, rounded twice (the scalar tier).
+pub struct Plain;
 impl Fma for Plain {
     #[inline(always)]
     fn fma(a: f32, b: f32, c: f32) -> f32 {
@@ -24,8 +28,9 @@ impl Fma for Plain {
     }
 }
 
+/// One fused multiply-add, rounded once (every tier from AVX2 up).
 #[cfg(target_arch = "x86_64")]
-pub(crate) struct Fused;
+pub struct Fused;
 #[cfg(target_arch = "x86_64")]
 impl Fma for Fused {
     #[inline(always)]
@@ -40,7 +45,7 @@ const EXP_MAX: f32 = 88.0;
 
 /// `e^x` for `x ≤ 88`; exactly 0 below [`EXP_MIN`] (and for `-inf`).
 #[inline(always)]
-pub(crate) fn exp<F: Fma>(x: f32) -> f32 {
+pub fn exp<F: Fma>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // Adding 1.5·2^23 rounds to an integer, left in the low mantissa bits.
     const MAGIC: f32 = 12_582_912.0;

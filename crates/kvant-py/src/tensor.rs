@@ -298,6 +298,16 @@ impl Tensors {
         }
         Ok(())
     }
+
+    /// [`checked`](Self::checked), then the one float dtype of `floats`
+    /// ([`same_float`]) with every one of `f32s` float32: the checks every
+    /// training binding makes before its kernel runs.
+    pub fn checked_float(&self, floats: &[&View], f32s: &[&View]) -> PyResult<Float> {
+        self.checked()?;
+        let f = same_float(floats)?;
+        f32s.iter().try_for_each(|v| v.expect(Dt::F32).map(drop))?;
+        Ok(f)
+    }
 }
 
 /// The floating-point element types of the kernels' data tensors.
@@ -345,3 +355,14 @@ macro_rules! with_float {
     };
 }
 pub(crate) use with_float;
+
+/// Runs a kernel call `$body` with the GIL released and `$E` the Rust type
+/// of the [`Float`] `$f`, a kernel error turned into a `ValueError` naming
+/// the shapes of the tensors of `$t` ([`Tensors::error`]).
+macro_rules! detach_float {
+    ($py:expr, $t:expr, $f:expr, $E:ident => $body:expr) => {
+        $py.detach(|| $crate::tensor::with_float!($f, $E => $body))
+            .map_err(|e| $t.error(e))
+    };
+}
+pub(crate) use detach_float;

@@ -7,9 +7,9 @@
 //! the argument); `python/kvant/ops.py` wraps these as torch custom ops
 //! with autograd.
 
-use crate::tensor::{same_float, with_float, Dt, Tensors, View};
-use kvant_kernels::train::{cross_entropy, distill, flash, glu, linear_ce, norm, rope, Reduction};
+use crate::tensor::{detach_float, same_float, with_float, Dt, Tensors, View};
 use kvant_kernels::KernelError;
+use kvant_train::{cross_entropy, distill, flash, glu, linear_ce, norm, rope, Reduction};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
@@ -86,19 +86,14 @@ pub fn rms_norm_fwd(
     let mut t = Tensors::new();
     let (x, w) = (t.input(x, "x")?, t.input(w, "weight")?);
     let (y, rstd) = (t.out(y, "y")?, t.out(rstd, "rstd")?);
-    t.checked()?;
-    let f = same_float(&[&x, &w, &y])?;
-    f32s(&[&rstd])?;
+    let f = t.checked_float(&[&x, &w, &y], &[&rstd])?;
     let a = rms_args(x.last(), eps, offset, casting)?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: the views were checked (dtype E, CPU, dense, no
-            // written view overlapping another) and the tensors are held
-            // by the caller for this call.
-            unsafe { norm::rms_norm_fwd::<E>(x.slice(), w.slice(), a, y.slice_mut(), rstd.slice_mut()) }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: the views were checked (dtype E, CPU, dense, no
+        // written view overlapping another) and the tensors are held
+        // by the caller for this call.
+        unsafe { norm::rms_norm_fwd::<E>(x.slice(), w.slice(), a, y.slice_mut(), rstd.slice_mut()) }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -123,19 +118,14 @@ pub fn rms_norm_bwd(
         t.input(rstd, "rstd")?,
     );
     let (dx, dw) = (t.out(dx, "grad_x")?, t.out(dw, "grad_weight")?);
-    t.checked()?;
-    let f = same_float(&[&x, &dy, &w, &dx])?;
-    f32s(&[&rstd, &dw])?;
+    let f = t.checked_float(&[&x, &dy, &w, &dx], &[&rstd, &dw])?;
     let a = rms_args(x.last(), eps, offset, casting)?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                norm::rms_norm_bwd::<E>(dy.slice(), x.slice(), w.slice(), rstd.slice(), a, dx.slice_mut(), dw.slice_mut())
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            norm::rms_norm_bwd::<E>(dy.slice(), x.slice(), w.slice(), rstd.slice(), a, dx.slice_mut(), dw.slice_mut())
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -159,19 +149,14 @@ pub fn add_rms_norm_fwd(
         t.input(w, "weight")?,
     );
     let (y, s, rstd) = (t.out(y, "y")?, t.out(sum, "sum")?, t.out(rstd, "rstd")?);
-    t.checked()?;
-    let f = same_float(&[&x, &r, &w, &y, &s])?;
-    f32s(&[&rstd])?;
+    let f = t.checked_float(&[&x, &r, &w, &y, &s], &[&rstd])?;
     let a = rms_args(x.last(), eps, offset, casting)?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                norm::add_rms_norm_fwd::<E>(x.slice(), r.slice(), w.slice(), a, y.slice_mut(), s.slice_mut(), rstd.slice_mut())
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            norm::add_rms_norm_fwd::<E>(x.slice(), r.slice(), w.slice(), a, y.slice_mut(), s.slice_mut(), rstd.slice_mut())
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -198,21 +183,16 @@ pub fn add_rms_norm_bwd(
         t.input(rstd, "rstd")?,
     );
     let (ds, dw) = (t.out(ds, "grad_x")?, t.out(dw, "grad_weight")?);
-    t.checked()?;
-    let f = same_float(&[&s, &dy, &dsum, &w, &ds])?;
-    f32s(&[&rstd, &dw])?;
+    let f = t.checked_float(&[&s, &dy, &dsum, &w, &ds], &[&rstd, &dw])?;
     let a = rms_args(s.last(), eps, offset, casting)?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                norm::add_rms_norm_bwd::<E>(
-                    dy.slice(), dsum.slice(), s.slice(), w.slice(), rstd.slice(), a, ds.slice_mut(), dw.slice_mut(),
-                )
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            norm::add_rms_norm_bwd::<E>(
+                dy.slice(), dsum.slice(), s.slice(), w.slice(), rstd.slice(), a, ds.slice_mut(), dw.slice_mut(),
+            )
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -230,19 +210,14 @@ pub fn layer_norm_fwd(
     let mut t = Tensors::new();
     let (x, w, b) = (t.input(x, "x")?, t.input(w, "weight")?, t.input(b, "bias")?);
     let (y, mean, rstd) = (t.out(y, "y")?, t.out(mean, "mean")?, t.out(rstd, "rstd")?);
-    t.checked()?;
-    let f = same_float(&[&x, &w, &b, &y])?;
-    f32s(&[&mean, &rstd])?;
+    let f = t.checked_float(&[&x, &w, &b, &y], &[&mean, &rstd])?;
     let cols = x.last();
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                norm::layer_norm_fwd::<E>(x.slice(), w.slice(), b.slice(), cols, eps, y.slice_mut(), mean.slice_mut(), rstd.slice_mut())
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            norm::layer_norm_fwd::<E>(x.slice(), w.slice(), b.slice(), cols, eps, y.slice_mut(), mean.slice_mut(), rstd.slice_mut())
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -271,22 +246,17 @@ pub fn layer_norm_bwd(
         t.out(dw, "grad_weight")?,
         t.out(db, "grad_bias")?,
     );
-    t.checked()?;
-    let f = same_float(&[&x, &dy, &w, &dx])?;
-    f32s(&[&mean, &rstd, &dw, &db])?;
+    let f = t.checked_float(&[&x, &dy, &w, &dx], &[&mean, &rstd, &dw, &db])?;
     let cols = x.last();
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                norm::layer_norm_bwd::<E>(
-                    dy.slice(), x.slice(), w.slice(), mean.slice(), rstd.slice(), cols,
-                    dx.slice_mut(), dw.slice_mut(), db.slice_mut(),
-                )
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            norm::layer_norm_bwd::<E>(
+                dy.slice(), x.slice(), w.slice(), mean.slice(), rstd.slice(), cols,
+                dx.slice_mut(), dw.slice_mut(), db.slice_mut(),
+            )
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 /// Rotates a 4-D `x` [batch, heads, seq, head_dim] (any strides, the last
@@ -312,8 +282,7 @@ pub fn rope_apply(
     };
     let out = out.map(|o| t.strided_out(o, "out")).transpose()?;
     let (cos, sin) = (t.input(cos, "cos")?, t.input(sin, "sin")?);
-    t.checked()?;
-    let f = same_float(&[&x, &cos, &sin])?;
+    let f = t.checked_float(&[&x, &cos, &sin], &[])?;
     if let Some(o) = &out {
         same_float(&[&x, o])?;
         if o.shape != x.shape || o.strides != x.strides {
@@ -343,20 +312,17 @@ pub fn rope_apply(
             false => rope::RopeLayout::HalfSplit,
         },
     };
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`; `x`'s (and `out`'s, the same
-            // strides) span covers every strided element and the kernel
-            // checks its rows do not overlap.
-            unsafe {
-                match &out {
-                    Some(o) => rope::rope_apply_into::<E>(x.slice(), o.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
-                    None => rope::rope_apply::<E>(x.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
-                }
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`; `x`'s (and `out`'s, the same
+        // strides) span covers every strided element and the kernel
+        // checks its rows do not overlap.
+        unsafe {
+            match &out {
+                Some(o) => rope::rope_apply_into::<E>(x.slice(), o.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
+                None => rope::rope_apply::<E>(x.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
             }
-        })
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -364,15 +330,11 @@ pub fn glu_fwd(py: Python<'_>, kind: &str, a: &Any<'_>, b: &Any<'_>, c: &Any<'_>
     let kind = glu_kind(kind)?;
     let mut t = Tensors::new();
     let (a, b, c) = (t.input(a, "a")?, t.input(b, "b")?, t.out(c, "c")?);
-    t.checked()?;
-    let f = same_float(&[&a, &b, &c])?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe { glu::glu_fwd::<E>(kind, a.slice(), b.slice(), c.slice_mut()) }
-        })
+    let f = t.checked_float(&[&a, &b, &c], &[])?;
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe { glu::glu_fwd::<E>(kind, a.slice(), b.slice(), c.slice_mut()) }
     })
-    .map_err(|e| t.error(e))
 }
 
 /// Overwrites `a` with its gradient and `b` with its.
@@ -381,15 +343,11 @@ pub fn glu_bwd(py: Python<'_>, kind: &str, dc: &Any<'_>, a: &Any<'_>, b: &Any<'_
     let kind = glu_kind(kind)?;
     let mut t = Tensors::new();
     let (dc, a, b) = (t.input(dc, "grad_output")?, t.out(a, "a")?, t.out(b, "b")?);
-    t.checked()?;
-    let f = same_float(&[&a, &b, &dc])?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe { glu::glu_bwd::<E>(kind, dc.slice(), a.slice_mut(), b.slice_mut()) }
-        })
+    let f = t.checked_float(&[&a, &b, &dc], &[])?;
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe { glu::glu_bwd::<E>(kind, dc.slice(), a.slice_mut(), b.slice_mut()) }
     })
-    .map_err(|e| t.error(e))
 }
 
 /// Options of the cross-entropy family.
@@ -559,21 +517,17 @@ pub fn jsd_fwd(
     let (q, p) = (t.input(log_q, "input")?, t.input(log_p, "target")?);
     let labels = t.input_opt(labels, "shift_labels")?;
     let dq = t.out(grad_log_q, "grad_input")?;
-    t.checked()?;
-    let f = same_float(&[&q, &p, &dq])?;
+    let f = t.checked_float(&[&q, &p, &dq], &[])?;
     if let Some(l) = &labels {
         l.expect(Dt::I64)?;
     }
     let vocab = q.last();
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                distill::jsd_fwd::<E>(q.slice(), p.slice(), labels.as_ref().map(|l| l.slice()), vocab, beta, ignore_index, dq.slice_mut())
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            distill::jsd_fwd::<E>(q.slice(), p.slice(), labels.as_ref().map(|l| l.slice()), vocab, beta, ignore_index, dq.slice_mut())
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 fn check_beta(beta: f32) -> PyResult<()> {
@@ -600,16 +554,12 @@ pub fn kl_div_fwd(
     let mut t = Tensors::new();
     let (i, tg) = (t.input(input, "input")?, t.input(target, "target")?);
     let e = t.out(elementwise, "elementwise")?;
-    t.checked()?;
-    let f = same_float(&[&i, &tg, &e])?;
+    let f = t.checked_float(&[&i, &tg, &e], &[])?;
     let vocab = i.last();
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe { distill::kl_div_fwd::<E>(i.slice(), tg.slice(), vocab, log_target, red, e.slice_mut()) }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe { distill::kl_div_fwd::<E>(i.slice(), tg.slice(), vocab, log_target, red, e.slice_mut()) }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -628,20 +578,16 @@ pub fn kl_div_bwd(
     let tg = t.input(target, "target")?;
     let ge = t.input_opt(grad_elementwise, "grad_output")?;
     let di = t.out(grad_input, "grad_input")?;
-    t.checked()?;
     let mut floats = vec![&tg, &di];
     floats.extend(ge.as_ref());
-    let f = same_float(&floats)?;
+    let f = t.checked_float(&floats, &[])?;
     let vocab = tg.last();
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                distill::kl_div_bwd::<E>(tg.slice(), log_target, red, vocab, grad_out, ge.as_ref().map(|g| g.slice()), di.slice_mut())
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            distill::kl_div_bwd::<E>(tg.slice(), log_target, red, vocab, grad_out, ge.as_ref().map(|g| g.slice()), di.slice_mut())
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 /// Fused linear JSD (distillation). Returns (loss, counted); student
@@ -680,10 +626,9 @@ pub fn linear_jsd(
     let labels = t.input_opt(labels, "shift_labels")?;
     let dx = t.out_opt(grad_x, "grad_input")?;
     let dw = t.out_opt(grad_weight, "grad_weight")?;
-    t.checked()?;
     let mut floats = vec![&xs, &ws, &xt, &wt];
     floats.extend(dx.as_ref());
-    let f = same_float(&floats)?;
+    let f = t.checked_float(&floats, &[])?;
     if let Some(d) = &dw {
         d.expect(Dt::F32)?;
     }
@@ -691,19 +636,16 @@ pub fn linear_jsd(
         l.expect(Dt::I64)?;
     }
     let (hs, ht, vocab) = (xs.last(), xt.last(), ws.shape.first().copied().unwrap_or(0));
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                linear_ce::linear_jsd::<E>(
-                    xs.slice(), ws.slice(), xt.slice(), wt.slice(), labels.as_ref().map(|l| l.slice()),
-                    hs, ht, vocab, beta, ignore_index, temperature,
-                    dx.as_ref().map(|d| d.slice_mut()), dw.as_ref().map(|d| d.slice_mut()),
-                )
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            linear_ce::linear_jsd::<E>(
+                xs.slice(), ws.slice(), xt.slice(), wt.slice(), labels.as_ref().map(|l| l.slice()),
+                hs, ht, vocab, beta, ignore_index, temperature,
+                dx.as_ref().map(|d| d.slice_mut()), dw.as_ref().map(|d| d.slice_mut()),
+            )
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 fn flash_shape(
@@ -766,17 +708,12 @@ pub fn flash_attn_fwd(
         t.input(v, "value")?,
     );
     let (o, lse) = (t.out(out, "out")?, t.out(lse, "lse")?);
-    t.checked()?;
-    let f = same_float(&[&q, &k, &v, &o])?;
-    f32s(&[&lse])?;
+    let f = t.checked_float(&[&q, &k, &v, &o], &[&lse])?;
     let s = flash_shape(&q, &k, &v, scale, causal, window)?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe { flash::flash_attn_fwd::<E>(&s, q.slice(), k.slice(), v.slice(), o.slice_mut(), lse.slice_mut()) }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe { flash::flash_attn_fwd::<E>(&s, q.slice(), k.slice(), v.slice(), o.slice_mut(), lse.slice_mut()) }
     })
-    .map_err(|e| t.error(e))
 }
 
 #[pyfunction]
@@ -813,22 +750,17 @@ pub fn flash_attn_bwd(
         t.out(dk, "grad_key")?,
         t.out(dv, "grad_value")?,
     );
-    t.checked()?;
-    let f = same_float(&[&q, &k, &v, &o, &d_o, &dq, &dk, &dv])?;
-    f32s(&[&lse])?;
+    let f = t.checked_float(&[&q, &k, &v, &o, &d_o, &dq, &dk, &dv], &[&lse])?;
     let s = flash_shape(&q, &k, &v, scale, causal, window)?;
-    py.detach(|| {
-        with_float!(f, E => {
-            // SAFETY: as in `rms_norm_fwd`.
-            unsafe {
-                flash::flash_attn_bwd::<E>(
-                    &s, q.slice(), k.slice(), v.slice(), o.slice(), d_o.slice(), lse.slice(),
-                    dq.slice_mut(), dk.slice_mut(), dv.slice_mut(),
-                )
-            }
-        })
+    detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            flash::flash_attn_bwd::<E>(
+                &s, q.slice(), k.slice(), v.slice(), o.slice(), d_o.slice(), lse.slice(),
+                dq.slice_mut(), dk.slice_mut(), dv.slice_mut(),
+            )
+        }
     })
-    .map_err(|e| t.error(e))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -21,14 +21,14 @@
 //! The three products per chunk run on [`super::gemm`] (packed, register
 //! tiled, bitwise independent of the thread count).
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::lanes::Lanes;
-use crate::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::lanes::Lanes;
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 #[cfg(target_arch = "x86_64")]
-use crate::vecops::Fused;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use kvant_kernels::vecops::Fused;
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 use super::cross_entropy::{
     ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared, RowsIo,
@@ -303,16 +303,29 @@ fn softmax_back_body<F: Fma>(g: &mut [f32], logq: &[f32], v: usize, inv_t: f32) 
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn log_softmax_avx2(rows: &mut [f32], v: usize, inv_t: f32) {
-    log_softmax_body::<Fused>(rows, v, inv_t)
+kvant_kernels::per_tier! {
+    /// [`log_softmax_body`] on `tier`.
+    fn log_softmax_on(
+        tier: SimdTier,
+        rows: &mut [f32],
+        v: usize,
+        inv_t: f32,
+    ) [F = Plain, Fused] {
+        log_softmax_body::<F>(rows, v, inv_t)
+    }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn softmax_back_avx2(g: &mut [f32], logq: &[f32], v: usize, inv_t: f32) {
-    softmax_back_body::<Fused>(g, logq, v, inv_t)
+kvant_kernels::per_tier! {
+    /// [`softmax_back_body`] on `tier`.
+    fn softmax_back_on(
+        tier: SimdTier,
+        g: &mut [f32],
+        logq: &[f32],
+        v: usize,
+        inv_t: f32,
+    ) [F = Plain, Fused] {
+        softmax_back_body::<F>(g, logq, v, inv_t)
+    }
 }
 
 /// Rows of `a` (and of `b`, the same shape) in parallel.
@@ -447,18 +460,8 @@ pub fn linear_jsd_with_chunk<E: Elem>(
     if let Some(d) = dw_s.as_deref_mut() {
         d.fill(0.0);
     }
-    let lsm = |r: &mut [f32], _: &[f32]| match tier {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { log_softmax_avx2(r, v, inv_t) },
-        _ => log_softmax_body::<Plain>(r, v, inv_t),
-    };
-    let back = |g: &mut [f32], l: &[f32]| match tier {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as above.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { softmax_back_avx2(g, l, v, inv_t) },
-        _ => softmax_back_body::<Plain>(g, l, v, inv_t),
-    };
+    let lsm = |r: &mut [f32], _: &[f32]| log_softmax_on(tier, r, v, inv_t);
+    let back = |g: &mut [f32], l: &[f32]| softmax_back_on(tier, g, l, v, inv_t);
     let ws = MatRef::row_major(w_s, v, hs)?;
     let wt = MatRef::row_major(w_t, v, ht)?;
     for c0 in (0..n).step_by(chunk) {

@@ -4,12 +4,12 @@
 //! machine is shared, so wall-clock numbers here swing 2x; the measured
 //! per-thread CPU-time table against torch is in `train::gemm`'s doc.
 //!
-//! `cargo bench -p kvant-kernels --bench train_gemm`
+//! `cargo bench -p kvant-train --bench train_gemm`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use kvant_kernels::train::gemm::{gemm, MatRef};
-use kvant_kernels::train::Elem;
+use kvant_train::gemm::{gemm, MatRef};
+use kvant_train::Elem;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 

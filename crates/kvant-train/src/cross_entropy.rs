@@ -25,13 +25,13 @@
 //! rows in row order (f64), so no result depends on the thread count or on
 //! how rows are split into tasks.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 #[cfg(target_arch = "x86_64")]
-use crate::vecops::Fused;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use kvant_kernels::vecops::Fused;
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 use super::{Elem, Reduction};
 
@@ -372,95 +372,21 @@ fn rows_body<E: Elem, F: Fma>(
     }
 }
 
-macro_rules! tier_kernels {
-    ($name:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = $features)]
-        #[allow(clippy::too_many_arguments)]
-        fn $name<E: Elem>(
-            io: RowsIo<'_, E>,
-            targets: &[i64],
-            vocab: usize,
-            p: Prepared,
-            ignore_index: i64,
-            grad: Option<f32>,
-            row_scale: Option<&[f32]>,
-            losses: &mut [f32],
-            zs: &mut [f32],
-        ) {
-            rows_body::<E, Fused>(
-                io,
-                targets,
-                vocab,
-                p,
-                ignore_index,
-                grad,
-                row_scale,
-                losses,
-                zs,
-            )
-        }
-    };
-}
-tier_kernels!(rows_avx2, "avx2,fma,f16c");
-tier_kernels!(rows_avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
-
-/// The row loop on a tier; arguments already checked.
-#[allow(clippy::too_many_arguments)]
-fn rows_with<E: Elem>(
-    tier: SimdTier,
-    io: RowsIo<'_, E>,
-    targets: &[i64],
-    vocab: usize,
-    p: Prepared,
-    ignore_index: i64,
-    grad: Option<f32>,
-    row_scale: Option<&[f32]>,
-    losses: &mut [f32],
-    zs: &mut [f32],
-) {
-    match cpu::clamp(tier) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the clamped tier is one the CPU supports, with AVX2, FMA and F16C.
-        SimdTier::Avx2 => unsafe {
-            rows_avx2(
-                io,
-                targets,
-                vocab,
-                p,
-                ignore_index,
-                grad,
-                row_scale,
-                losses,
-                zs,
-            )
-        },
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the clamped tier is one the CPU supports (AVX-512 F/BW/VL).
-        SimdTier::Avx512 => unsafe {
-            rows_avx512(
-                io,
-                targets,
-                vocab,
-                p,
-                ignore_index,
-                grad,
-                row_scale,
-                losses,
-                zs,
-            )
-        },
-        _ => rows_body::<E, Plain>(
-            io,
-            targets,
-            vocab,
-            p,
-            ignore_index,
-            grad,
-            row_scale,
-            losses,
-            zs,
-        ),
+kvant_kernels::per_tier! {
+    /// The row loop on a tier; arguments already checked.
+    fn rows_with<E: Elem>(
+        tier: SimdTier,
+        io: RowsIo<'_, E>,
+        targets: &[i64],
+        vocab: usize,
+        p: Prepared,
+        ignore_index: i64,
+        grad: Option<f32>,
+        row_scale: Option<&[f32]>,
+        losses: &mut [f32],
+        zs: &mut [f32],
+    ) [F = Plain, Fused] {
+        rows_body::<E, F>(io, targets, vocab, p, ignore_index, grad, row_scale, losses, zs)
     }
 }
 

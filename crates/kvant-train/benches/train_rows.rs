@@ -2,9 +2,9 @@
 //! SwiGLU/GeGLU) forward and backward, f32 and bf16, on 2 threads. They
 //! are bandwidth-bound, so throughput is reported as GB/s of bytes read
 //! plus bytes written (each tensor once, as the kernels touch memory);
-//! read it against `cargo bench -p kvant-kernels --bench bandwidth`.
+//! read it against `cargo bench -p kvant-train --bench bandwidth`.
 //!
-//! `cargo bench -p kvant-kernels --bench train_rows`
+//! `cargo bench -p kvant-train --bench train_rows`
 //!
 //! - `TRAIN_ROWS=norm,rope,glu` picks families (default all); `hot` adds
 //!   the norms on 16 rows (in L2: the compute ceiling, not a bandwidth);
@@ -16,10 +16,10 @@
 use criterion::{BatchSize, Criterion, Throughput};
 use half::bf16;
 use kvant_kernels::pool;
-use kvant_kernels::train::glu::{glu_bwd, glu_fwd, Glu};
-use kvant_kernels::train::norm::*;
-use kvant_kernels::train::rope::{rope_apply, RopeLayout, RopeShape};
-use kvant_kernels::train::Elem;
+use kvant_train::glu::{glu_bwd, glu_fwd, Glu};
+use kvant_train::norm::*;
+use kvant_train::rope::{rope_apply, RopeLayout, RopeShape};
+use kvant_train::Elem;
 use std::time::{Duration, Instant};
 
 const THREADS: usize = 2;

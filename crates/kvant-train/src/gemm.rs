@@ -41,11 +41,11 @@
 
 use std::cell::Cell;
 
-use crate::cpu::{self, SimdTier};
-use crate::error::checked_mul;
-use crate::lanes::Lanes;
-use crate::pool::{self, ThreadPool};
-use crate::KernelError;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::checked_mul;
+use kvant_kernels::lanes::Lanes;
+use kvant_kernels::pool::{self, ThreadPool};
+use kvant_kernels::KernelError;
 
 use super::Elem;
 
@@ -380,7 +380,7 @@ mod x86 {
     /// # Safety
     /// AVX2; the reads and writes lie inside their buffers.
     #[inline(always)]
-    pub(super) unsafe fn transpose_panel<E: crate::lanes::Lanes>(
+    pub(super) unsafe fn transpose_panel<E: kvant_kernels::lanes::Lanes>(
         src: *const E,
         stride: usize,
         kc: usize,
@@ -428,7 +428,7 @@ mod x86 {
     /// # Safety
     /// AVX2; the reads and writes lie inside their buffers.
     #[inline(always)]
-    pub(super) unsafe fn transpose_panel4<E: crate::lanes::Lanes>(
+    pub(super) unsafe fn transpose_panel4<E: kvant_kernels::lanes::Lanes>(
         src: *const E,
         stride: usize,
         kc: usize,
@@ -614,25 +614,26 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
     unsafe { p.add(p.align_offset(64).min(15)) }
 }
 
-/// Packs rows `i0..i0+rows`, `k` `k0..k0+kc` of `a` into `MR`-row panels:
-/// panel `p` at `dst + p·MR·kc`, step `q`'s values at `+ q·MR`; rows past
+/// Packs rows `i0..i0+rows`, `k` `k0..k0+kc` of `a` into `mr`-row panels
+/// (`MR` for `A`; `B` is packed as its transpose, in panels of `NR`):
+/// panel `p` at `dst + p·mr·kc`, step `q`'s values at `+ q·mr`; rows past
 /// the end are zeros. Contiguous runs are read in memory order (row by
 /// row, or column by column across every panel) so the prefetchers
-/// stream them; rows of a row-major `A` go through 8×8 and 4×8
-/// register transposes.
+/// stream them; rows of a row-major `A` (columns of a column-major `B`)
+/// go through 8×8 and 4×8 register transposes. Every path moves the
+/// same bits.
 ///
 /// # Safety
-/// The ranges lie inside `a`; `dst` holds `ceil(rows/MR)·MR·kc` floats.
+/// The ranges lie inside `a`; `dst` holds `ceil(rows/mr)·mr·kc` floats.
 #[inline(always)]
-unsafe fn pack_a<E: Lanes, K: Micro>(
+unsafe fn pack<E: Lanes, K: Micro>(
     a: &MatRef<'_, E>,
-    i0: usize,
-    rows: usize,
+    (i0, rows): (usize, usize),
     k0: usize,
     kc: usize,
+    mr: usize,
     dst: *mut f32,
 ) {
-    let mr = K::MR;
     let panels = rows.div_ceil(mr);
     // SAFETY: inside `dst` by the caller's contract.
     let d = unsafe { std::slice::from_raw_parts_mut(dst, panels * mr * kc) };
@@ -708,97 +709,6 @@ unsafe fn pack_a<E: Lanes, K: Micro>(
     }
 }
 
-/// Packs `k` `k0..k0+kc`, columns `j0..j0+cols` of `b` into `NR`-column
-/// panels: panel `p` at `dst + p·NR·kc`, step `q`'s values at `+ q·NR`;
-/// columns past the end are zeros. Read in memory order as [`pack_a`];
-/// columns of a column-major `B` go through 8×8 register transposes.
-///
-/// # Safety
-/// The ranges lie inside `b`; `dst` holds `ceil(cols/NR)·NR·kc` floats.
-#[inline(always)]
-unsafe fn pack_b<E: Lanes, K: Micro>(
-    b: &MatRef<'_, E>,
-    k0: usize,
-    kc: usize,
-    j0: usize,
-    cols: usize,
-    dst: *mut f32,
-) {
-    let nr = K::NR;
-    let panels = cols.div_ceil(nr);
-    // SAFETY: inside `dst` by the caller's contract.
-    let d = unsafe { std::slice::from_raw_parts_mut(dst, panels * nr * kc) };
-    if b.cs == 1 {
-        for q in 0..kc {
-            let base = (k0 + q) * b.rs + j0;
-            // SAFETY: row `k0+q`, columns `j0..j0+cols` lie inside `b`.
-            let src = unsafe { b.data.get_unchecked(base..base + cols) };
-            for (p, sp) in src.chunks(nr).enumerate() {
-                let o = p * nr * kc + q * nr;
-                for (dv, v) in d[o..o + sp.len()].iter_mut().zip(sp) {
-                    *dv = v.to_f32();
-                }
-            }
-        }
-    } else {
-        for (p, c0) in (0..cols).step_by(nr).enumerate() {
-            let ce = nr.min(cols - c0);
-            let dp = &mut d[p * nr * kc..(p + 1) * nr * kc];
-            let mut c8 = 0;
-            #[cfg(target_arch = "x86_64")]
-            if K::SIMD && b.rs == 1 {
-                c8 = ce / 8 * 8;
-                let q8 = kc / 8 * 8;
-                for cc in (0..c8).step_by(8) {
-                    let base = (j0 + c0 + cc) * b.cs + k0;
-                    // SAFETY: the tier has AVX2 (`K::SIMD`); columns
-                    // `j0+c0+cc..+8`, rows `k0..k0+q8` lie inside `b`, and
-                    // the stores stay inside the panel.
-                    unsafe {
-                        x86::transpose_panel(
-                            b.data.as_ptr().add(base),
-                            b.cs,
-                            q8,
-                            dp.as_mut_ptr().add(cc),
-                            nr,
-                        );
-                    }
-                    for q in q8..kc {
-                        for c in cc..cc + 8 {
-                            // SAFETY: inside `b` by the caller's contract.
-                            dp[q * nr + c] = unsafe { b.at(k0 + q, j0 + c0 + c) }.to_f32();
-                        }
-                    }
-                }
-            }
-            if b.rs == 1 {
-                for cc in c8..ce {
-                    let base = (j0 + c0 + cc) * b.cs + k0;
-                    // SAFETY: column `j0+c0+cc`, rows `k0..k0+kc` lie inside `b`.
-                    let src = unsafe { b.data.get_unchecked(base..base + kc) };
-                    for (q, v) in src.iter().enumerate() {
-                        dp[q * nr + cc] = v.to_f32();
-                    }
-                }
-            } else {
-                for q in 0..kc {
-                    for cc in c8..ce {
-                        // SAFETY: inside `b` by the caller's contract.
-                        dp[q * nr + cc] = unsafe { b.at(k0 + q, j0 + c0 + cc) }.to_f32();
-                    }
-                }
-            }
-        }
-    }
-    let ce = cols - (panels - 1) * nr;
-    if ce < nr {
-        let dp = &mut d[(panels - 1) * nr * kc..];
-        for q in 0..kc {
-            dp[q * nr + ce..q * nr + nr].fill(0.0);
-        }
-    }
-}
-
 /// The bf16 bits of `v` (exact for values widened from bf16).
 #[inline(always)]
 fn bf16_bits<E: Lanes>(v: E) -> u32 {
@@ -833,24 +743,26 @@ fn word_runs<E, K: Micro>(stride: usize) -> bool {
         && stride.is_multiple_of(2)
 }
 
-/// [`pack_a`] for [`Micro::PAIRS`]: word `(q2, r)` of panel `p` at
-/// `dst + p·MR·ks + q2·MR + r` (`ks = ceil(kc/2)`) holds `k = 2·q2` low
-/// and `2·q2 + 1` high (0 past `kc`). A row-major `A`'s pairs are
-/// adjacent words, moved by the 8×8/4×8 transposes; a column-major one
-/// interleaves two columns.
+/// [`pack`] for [`Micro::PAIRS`], in panels of `mr`
+/// rows of `a` (`B` is packed as its transpose, in panels of `NR`): word
+/// `(q2, r)` of panel `p` at `dst + p·mr·ks + q2·mr + r` (`ks =
+/// ceil(kc/2)`) holds `k = 2·q2` low and `2·q2 + 1` high (0 past `kc`). A
+/// row-major `A`'s pairs are adjacent words, moved by the 8×8/4×8
+/// transposes; a column-major one interleaves two columns. Every path
+/// moves the same bits.
 ///
 /// # Safety
-/// As [`pack_a`], with `dst` holding `ceil(rows/MR)·MR·ks` words.
+/// As [`pack`], with `dst` holding `ceil(rows/mr)·mr·ks` words.
 #[inline(always)]
-unsafe fn pack_a_pairs<E: Lanes, K: Micro>(
+unsafe fn pack_pairs<E: Lanes, K: Micro>(
     a: &MatRef<'_, E>,
-    i0: usize,
-    rows: usize,
+    (i0, rows): (usize, usize),
     k0: usize,
     kc: usize,
+    mr: usize,
     dst: *mut f32,
 ) {
-    let (mr, ks) = (K::MR, kc.div_ceil(2));
+    let ks = kc.div_ceil(2);
     let panels = rows.div_ceil(mr);
     // SAFETY: inside `dst` by the caller's contract; f32 and u32 share
     // size and alignment.
@@ -936,96 +848,6 @@ unsafe fn pack_a_pairs<E: Lanes, K: Micro>(
     }
 }
 
-/// [`pack_b`] for [`Micro::PAIRS`] (layout as [`pack_a_pairs`]): a
-/// column-major `B`'s pairs are adjacent words (transposes), a row-major
-/// one interleaves two rows.
-///
-/// # Safety
-/// As [`pack_b`], with `dst` holding `ceil(cols/NR)·NR·ks` words.
-#[inline(always)]
-unsafe fn pack_b_pairs<E: Lanes, K: Micro>(
-    b: &MatRef<'_, E>,
-    k0: usize,
-    kc: usize,
-    j0: usize,
-    cols: usize,
-    dst: *mut f32,
-) {
-    let (nr, ks) = (K::NR, kc.div_ceil(2));
-    let panels = cols.div_ceil(nr);
-    // SAFETY: as in `pack_a_pairs`.
-    let d = unsafe { std::slice::from_raw_parts_mut(dst as *mut u32, panels * nr * ks) };
-    d.fill(0);
-    let word = |q2: usize, c: usize| {
-        let q = k0 + 2 * q2;
-        // SAFETY: column `j0+c`, rows `q`, `q+1` (when < k0+kc) lie inside `b`.
-        unsafe {
-            let lo = bf16_bits(b.at(q, j0 + c));
-            let hi = if 2 * q2 + 1 < kc {
-                bf16_bits(b.at(q + 1, j0 + c))
-            } else {
-                0
-            };
-            lo | hi << 16
-        }
-    };
-    if b.cs == 1 {
-        for q2 in 0..ks {
-            let q = k0 + 2 * q2;
-            // SAFETY: rows `q`, `q+1` (when < k0+kc), columns
-            // `j0..j0+cols` lie inside `b`.
-            let (lo, hi) = unsafe {
-                let lo = b.data.get_unchecked(q * b.rs + j0..q * b.rs + j0 + cols);
-                let hi = (2 * q2 + 1 < kc).then(|| {
-                    b.data
-                        .get_unchecked((q + 1) * b.rs + j0..(q + 1) * b.rs + j0 + cols)
-                });
-                (lo, hi)
-            };
-            for p in 0..panels {
-                let (c0, ce) = (p * nr, nr.min(cols - p * nr));
-                let o = p * nr * ks + q2 * nr;
-                interleave(
-                    &lo[c0..c0 + ce],
-                    hi.map(|h| &h[c0..c0 + ce]),
-                    &mut d[o..o + ce],
-                );
-            }
-        }
-        return;
-    }
-    let w8 = if b.rs == 1 && word_runs::<E, K>(b.cs) {
-        kc / 16 * 8
-    } else {
-        0
-    };
-    for p in 0..panels {
-        let (c0, ce) = (p * nr, nr.min(cols - p * nr));
-        let dp = &mut d[p * nr * ks..(p + 1) * nr * ks];
-        let mut c = 0;
-        #[cfg(target_arch = "x86_64")]
-        while w8 > 0 && ce - c >= 8 {
-            // SAFETY: as in `pack_a_pairs`, columns `j0+c0+c..+8`.
-            unsafe {
-                let src = b.data.as_ptr().add((j0 + c0 + c) * b.cs + k0) as *const f32;
-                let dp = dp.as_mut_ptr().add(c) as *mut f32;
-                x86::transpose_panel(src, b.cs / 2, w8, dp, nr);
-            }
-            for cc in c..c + 8 {
-                for q2 in w8..ks {
-                    dp[q2 * nr + cc] = word(q2, c0 + cc);
-                }
-            }
-            c += 8;
-        }
-        for cc in c..ce {
-            for q2 in 0..ks {
-                dp[q2 * nr + cc] = word(q2, c0 + cc);
-            }
-        }
-    }
-}
-
 /// Task `t`: `C` tile `t / ntiles`, `t % ntiles`, every `k` block.
 ///
 /// # Safety
@@ -1048,11 +870,11 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
         // (checked shapes); the buffers hold whole panels of `KC`.
         unsafe {
             if K::PAIRS {
-                pack_b_pairs::<B, K>(&job.b, k0, kc, j0, cols, pb);
-                pack_a_pairs::<A, K>(&job.a, i0, rows, k0, kc, pa);
+                pack_pairs::<B, K>(&job.b.t(), (j0, cols), k0, kc, K::NR, pb);
+                pack_pairs::<A, K>(&job.a, (i0, rows), k0, kc, K::MR, pa);
             } else {
-                pack_b::<B, K>(&job.b, k0, kc, j0, cols, pb);
-                pack_a::<A, K>(&job.a, i0, rows, k0, kc, pa);
+                pack::<B, K>(&job.b.t(), (j0, cols), k0, kc, K::NR, pb);
+                pack::<A, K>(&job.a, (i0, rows), k0, kc, K::MR, pa);
             }
         }
         // Steps per panel: pairs of `k`, or `k`.

@@ -36,12 +36,12 @@
 //! (4 KiB pages, criterion's ranges): f32 RMSNorm backward 20.4–22.4,
 //! LayerNorm 17.7–19.3; bf16 15.6–16.0 and 13.4–13.9 GB/s.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice, ThreadPool};
-use crate::train::{zero_first, Elem};
-use crate::vecops::{Fma, Plain};
-use crate::KernelError;
+use crate::{zero_first, Elem};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::vecops::{Fma, Plain};
+use kvant_kernels::KernelError;
 
 /// Where RMSNorm rounds to the input type (no effect on f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,7 +84,7 @@ const MIN_CHUNK_ELEMS: usize = 16 * 1024;
 /// sum and a bf16 row vectorized 2 lanes wide with the accumulators
 /// spilled (LayerNorm forward and RMSNorm backward in bf16 ran at 4–5 GB/s
 /// on 2 threads), so the AVX2 tier loads 8 lanes at a time with
-/// [`Lanes::load8`](crate::lanes::Lanes::load8) into four accumulators.
+/// [`Lanes::load8`](kvant_kernels::lanes::Lanes::load8) into four accumulators.
 /// Each sum is in a fixed order for a given length.
 pub(crate) trait Kern {
     type F: Fma;
@@ -309,7 +309,7 @@ mod avx_red {
 
 #[cfg(target_arch = "x86_64")]
 impl Kern for Avx {
-    type F = crate::vecops::Fused;
+    type F = kvant_kernels::vecops::Fused;
 
     #[inline(always)]
     unsafe fn dot<A: Elem, B: Elem>(a: &[A], b: &[B]) -> f32 {
@@ -649,85 +649,78 @@ fn prefetch_l2<E>(s: &[E]) {
 
 // ------------------------------------------------------- tiers per chunk
 
-/// The row kernels compiled for one tier: the same generic bodies, with
-/// the tier's features enabled so the compiler vectorizes them 8 (AVX2) or
-/// 16 (AVX-512) lanes wide.
-macro_rules! tier_kernels {
-    ($name:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        mod $name {
-            use super::*;
+// The row kernels, compiled once per tier: the same generic bodies, with
+// the tier's features enabled so the compiler vectorizes them 8 (AVX2) or
+// 16 (AVX-512) lanes wide.
+kvant_kernels::per_tier! {
+    /// [`rms_fwd_rows`] on `tier`.
+    fn rms_fwd_on<E: Elem>(
+        tier: SimdTier,
+        a: &RmsNormArgs,
+        x: (&[E], Option<&[E]>),
+        w: &[E],
+        y: (&mut [E], Option<&mut [E]>),
+        rstd: &mut [f32],
+    ) [K = Scalar, Avx] {
+        rms_fwd_rows::<E, K>(a, x, w, y, rstd)
+    }
 
-            #[target_feature(enable = $features)]
-            pub(super) fn rms_fwd<E: Elem>(
-                a: &RmsNormArgs,
-                x: (&[E], Option<&[E]>),
-                w: &[E],
-                y: (&mut [E], Option<&mut [E]>),
-                rstd: &mut [f32],
-            ) {
-                rms_fwd_rows::<E, Avx>(a, x, w, y, rstd)
-            }
+    /// [`rms_bwd_rows`] on `tier`.
+    fn rms_bwd_on<E: Elem>(
+        tier: SimdTier,
+        a: &RmsNormArgs,
+        dy: (&[E], Option<&[E]>),
+        x: &[E],
+        w: &[E],
+        rstd: &[f32],
+        dx: &mut [E],
+        dw: &mut [f32],
+        g: &mut [f32],
+    ) [K = Scalar, Avx] {
+        rms_bwd_rows::<E, K>(a, dy, x, w, rstd, dx, dw, g)
+    }
 
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) fn rms_bwd<E: Elem>(
-                a: &RmsNormArgs,
-                dy: (&[E], Option<&[E]>),
-                x: &[E],
-                w: &[E],
-                rstd: &[f32],
-                dx: &mut [E],
-                dw: &mut [f32],
-                g: &mut [f32],
-            ) {
-                rms_bwd_rows::<E, Avx>(a, dy, x, w, rstd, dx, dw, g)
-            }
+    /// [`ln_fwd_rows`] on `tier`.
+    fn ln_fwd_on<E: Elem>(
+        tier: SimdTier,
+        x: &[E],
+        w: &[E],
+        b: &[E],
+        n: usize,
+        eps: f32,
+        y: &mut [E],
+        mean: &mut [f32],
+        rstd: &mut [f32],
+    ) [K = Scalar, Avx] {
+        ln_fwd_rows::<E, K>(x, w, b, n, eps, y, mean, rstd)
+    }
 
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) fn ln_fwd<E: Elem>(
-                x: &[E],
-                w: &[E],
-                b: &[E],
-                n: usize,
-                eps: f32,
-                y: &mut [E],
-                mean: &mut [f32],
-                rstd: &mut [f32],
-            ) {
-                ln_fwd_rows::<E, Avx>(x, w, b, n, eps, y, mean, rstd)
-            }
+    /// [`ln_bwd_rows`] on `tier`.
+    fn ln_bwd_on<E: Elem>(
+        tier: SimdTier,
+        dy: &[E],
+        x: &[E],
+        w: &[E],
+        ms: (&[f32], &[f32]),
+        n: usize,
+        dx: &mut [E],
+        dwb: (&mut [f32], &mut [f32]),
+        g: &mut [f32],
+    ) [K = Scalar, Avx] {
+        ln_bwd_rows::<E, K>(dy, x, w, ms, n, dx, dwb, g)
+    }
 
-            #[target_feature(enable = $features)]
-            #[allow(clippy::too_many_arguments)]
-            pub(super) fn ln_bwd<E: Elem>(
-                dy: &[E],
-                x: &[E],
-                w: &[E],
-                ms: (&[f32], &[f32]),
-                n: usize,
-                dx: &mut [E],
-                dwb: (&mut [f32], &mut [f32]),
-                g: &mut [f32],
-            ) {
-                ln_bwd_rows::<E, Avx>(dy, x, w, ms, n, dx, dwb, g)
-            }
-
-            #[target_feature(enable = $features)]
-            pub(super) fn add_partials(
-                parts: &[f32],
-                stride: usize,
-                cols: std::ops::Range<usize>,
-                out: &mut [f32],
-            ) {
-                super::add_partials_body(parts, stride, cols, out)
-            }
-        }
-    };
+    /// [`add_partials_body`] on `tier`.
+    fn add_partials_on(
+        tier: SimdTier,
+        parts: &[f32],
+        stride: usize,
+        cols: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) {
+        add_partials_body(parts, stride, cols, out)
+    }
 }
-tier_kernels!(avx2, "avx2,fma,f16c");
-tier_kernels!(avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
 
 /// `out[j − lo] = Σ_c parts[c·stride + j]` over `j` in `cols`, chunks in order.
 #[inline(always)]
@@ -753,15 +746,7 @@ fn add_partials(pool: &ThreadPool, tier: SimdTier, parts: &[f32], cols: usize, o
         let r = t * col_chunk..((t + 1) * col_chunk).min(cols);
         // SAFETY: tasks own disjoint column ranges.
         let o = unsafe { out_s.range(r.clone()) };
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::add_partials(parts, cols, r, o) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::add_partials(parts, cols, r, o) },
-            _ => add_partials_body(parts, cols, r, o),
-        }
+        add_partials_on(tier, parts, cols, r, o)
     });
 }
 
@@ -798,6 +783,82 @@ fn check_offset(op: &'static str, a: &RmsNormArgs) -> Result<(), KernelError> {
             why: format!("offset must be finite, got {}", a.offset),
         })
     }
+}
+
+/// The checks shared by [`rms_fwd_in`] and its reference; returns the row count.
+fn check_rms_fwd<E>(
+    op: &'static str,
+    (x, w): (&[E], &[E]),
+    a: &RmsNormArgs,
+    y: &[E],
+    sum: Option<&[E]>,
+    rstd: &[f32],
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, a)?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm y", x.len(), y.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    if let Some(s) = sum {
+        check_len("add_rms_norm sum", x.len(), s.len())?;
+    }
+    Ok(rows)
+}
+
+/// The checks shared by [`rms_bwd_in`] and its reference; returns the row count.
+fn check_rms_bwd<E>(
+    op: &'static str,
+    (dy, x, w): (&[E], &[E], &[E]),
+    rstd: &[f32],
+    a: &RmsNormArgs,
+    dx: &[E],
+    dw: &[f32],
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
+    check_offset(op, a)?;
+    check_len("rms_norm dy", x.len(), dy.len())?;
+    check_len("rms_norm weight", a.cols, w.len())?;
+    check_len("rms_norm rstd", rows, rstd.len())?;
+    check_len("rms_norm dx", x.len(), dx.len())?;
+    check_len("rms_norm dw", a.cols, dw.len())?;
+    Ok(rows)
+}
+
+/// The checks shared by [`layer_norm_fwd_with`] and its reference; returns the row count.
+fn check_ln_fwd<E>(
+    op: &'static str,
+    (x, w, b): (&[E], &[E], &[E]),
+    (cols, eps): (usize, f32),
+    y: &[E],
+    (mean, rstd): (&[f32], &[f32]),
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), cols, eps)?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm bias", cols, b.len())?;
+    check_len("layer_norm y", x.len(), y.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    Ok(rows)
+}
+
+/// The checks shared by [`ln_bwd_in`] and its reference; returns the row count.
+fn check_ln_bwd<E>(
+    op: &'static str,
+    (dy, x, w): (&[E], &[E], &[E]),
+    (mean, rstd): (&[f32], &[f32]),
+    cols: usize,
+    dx: &[E],
+    (dw, db): (&[f32], &[f32]),
+) -> Result<usize, KernelError> {
+    let rows = check_rows(op, x.len(), cols, 0.0)?;
+    check_len("layer_norm dy", x.len(), dy.len())?;
+    check_len("layer_norm weight", cols, w.len())?;
+    check_len("layer_norm mean", rows, mean.len())?;
+    check_len("layer_norm rstd", rows, rstd.len())?;
+    check_len("layer_norm dx", x.len(), dx.len())?;
+    check_len("layer_norm dw", cols, dw.len())?;
+    check_len("layer_norm db", cols, db.len())?;
+    Ok(rows)
 }
 
 // ------------------------------------------------------------- public API
@@ -876,15 +937,7 @@ pub(crate) fn rms_fwd_in<E: Elem>(
     sum: Option<&mut [E]>,
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rms_norm_fwd";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm y", x.len(), y.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    if let Some(s) = &sum {
-        check_len("add_rms_norm sum", x.len(), s.len())?;
-    }
+    let rows = check_rms_fwd("rms_norm_fwd", (x, w), &a, y, sum.as_deref(), rstd)?;
     let tier = cpu::clamp(tier);
     let n = a.cols;
     let cr = row_chunk(rows, n);
@@ -903,15 +956,7 @@ pub(crate) fn rms_fwd_in<E: Elem>(
                 s_s.as_ref().map(|s| s.range(er.clone())),
             )
         };
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::rms_fwd(&a, xs, w, (yc, sc), rc) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::rms_fwd(&a, xs, w, (yc, sc), rc) },
-            _ => rms_fwd_rows::<E, Scalar>(&a, xs, w, (yc, sc), rc),
-        }
+        rms_fwd_on(tier, &a, xs, w, (yc, sc), rc)
     });
     Ok(())
 }
@@ -1001,13 +1046,7 @@ pub(crate) fn rms_bwd_in<E: Elem>(
     dw: &mut [f32],
 ) -> Result<(), KernelError> {
     let op = "rms_norm_bwd";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm dy", x.len(), dy.len())?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    check_len("rms_norm dx", x.len(), dx.len())?;
-    check_len("rms_norm dw", a.cols, dw.len())?;
+    let rows = check_rms_bwd(op, (dy, x, w), rstd, &a, dx, dw)?;
     let tier = cpu::clamp(tier);
     let n = a.cols;
     let cr = row_chunk(rows, n);
@@ -1028,15 +1067,7 @@ pub(crate) fn rms_bwd_in<E: Elem>(
         let (dxc, pc) = unsafe { (dx_s.range(er.clone()), p_s.range(c * n..(c + 1) * n)) };
         zero_first(pc);
         let (xc, rc) = (&x[er], &rstd[rr]);
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::rms_bwd(&a, dys, xc, w, rc, dxc, pc, &mut g) },
-            _ => rms_bwd_rows::<E, Scalar>(&a, dys, xc, w, rc, dxc, pc, &mut g),
-        }
+        rms_bwd_on(tier, &a, dys, xc, w, rc, dxc, pc, &mut g)
     });
     add_partials(pool, tier, &parts, n, dw);
     Ok(())
@@ -1070,12 +1101,7 @@ pub fn layer_norm_fwd_with<E: Elem>(
     mean: &mut [f32],
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = check_rows("layer_norm_fwd", x.len(), cols, eps)?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm bias", cols, b.len())?;
-    check_len("layer_norm y", x.len(), y.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
+    let rows = check_ln_fwd("layer_norm_fwd", (x, w, b), (cols, eps), y, (mean, rstd))?;
     let tier = cpu::clamp(tier);
     let cr = row_chunk(rows, cols);
     let y_s = DisjointSlice::new(y);
@@ -1093,15 +1119,7 @@ pub fn layer_norm_fwd_with<E: Elem>(
             )
         };
         let xc = &x[er];
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::ln_fwd(xc, w, b, cols, eps, yc, mc, rc) },
-            _ => ln_fwd_rows::<E, Scalar>(xc, w, b, cols, eps, yc, mc, rc),
-        }
+        ln_fwd_on(tier, xc, w, b, cols, eps, yc, mc, rc)
     });
     Ok(())
 }
@@ -1175,14 +1193,7 @@ pub(crate) fn ln_bwd_in<E: Elem>(
     db: &mut [f32],
 ) -> Result<(), KernelError> {
     let op = "layer_norm_bwd";
-    let rows = check_rows(op, x.len(), cols, 0.0)?;
-    check_len("layer_norm dy", x.len(), dy.len())?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
-    check_len("layer_norm dx", x.len(), dx.len())?;
-    check_len("layer_norm dw", cols, dw.len())?;
-    check_len("layer_norm db", cols, db.len())?;
+    let rows = check_ln_bwd(op, (dy, x, w), (mean, rstd), cols, dx, (dw, db))?;
     let tier = cpu::clamp(tier);
     let n = cols;
     let cr = row_chunk(rows, n);
@@ -1211,15 +1222,7 @@ pub(crate) fn ln_bwd_in<E: Elem>(
         zero_first(pw);
         zero_first(pb);
         let (dyc, xc, ms) = (&dy[er.clone()], &x[er], (&mean[rr.clone()], &rstd[rr]));
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::ln_bwd(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g) },
-            _ => ln_bwd_rows::<E, Scalar>(dyc, xc, w, ms, n, dxc, (pw, pb), &mut g),
-        }
+        ln_bwd_on(tier, dyc, xc, w, ms, n, dxc, (pw, pb), &mut g)
     });
     // Sum the dw rows (even) and db rows (odd) in chunk order: viewed with
     // stride 2n, column j < n is dw and n + j is db.
@@ -1328,15 +1331,7 @@ fn rms_fwd_ref_impl<E: Elem>(
     mut sum: Option<&mut [E]>,
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rms_norm_fwd_ref";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm y", x.len(), y.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    if let Some(s) = &sum {
-        check_len("add_rms_norm sum", x.len(), s.len())?;
-    }
+    check_rms_fwd("rms_norm_fwd_ref", (x, w), &a, y, sum.as_deref(), rstd)?;
     let n = a.cols;
     let wf = widen(w);
     let mut yr = vec![0f64; n];
@@ -1398,14 +1393,7 @@ fn rms_bwd_ref_impl<E: Elem>(
     dx: &mut [E],
     dw: &mut [f32],
 ) -> Result<(), KernelError> {
-    let op = "rms_norm_bwd_ref";
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, &a)?;
-    check_len("rms_norm dy", x.len(), dy.len())?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    check_len("rms_norm dx", x.len(), dx.len())?;
-    check_len("rms_norm dw", a.cols, dw.len())?;
+    check_rms_bwd("rms_norm_bwd_ref", (dy, x, w), rstd, &a, dx, dw)?;
     let n = a.cols;
     let wf = widen(w);
     let mut dwf = vec![0f64; n];
@@ -1470,12 +1458,13 @@ pub fn layer_norm_fwd_ref<E: Elem>(
     mean: &mut [f32],
     rstd: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = check_rows("layer_norm_fwd_ref", x.len(), cols, eps)?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm bias", cols, b.len())?;
-    check_len("layer_norm y", x.len(), y.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
+    let rows = check_ln_fwd(
+        "layer_norm_fwd_ref",
+        (x, w, b),
+        (cols, eps),
+        y,
+        (mean, rstd),
+    )?;
     let (wf, bf) = (widen(w), widen(b));
     let mut yr = vec![0f64; cols];
     for i in 0..rows {
@@ -1502,14 +1491,8 @@ pub fn layer_norm_bwd_ref<E: Elem>(
     dw: &mut [f32],
     db: &mut [f32],
 ) -> Result<(), KernelError> {
-    let rows = check_rows("layer_norm_bwd_ref", x.len(), cols, 0.0)?;
-    check_len("layer_norm dy", x.len(), dy.len())?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
-    check_len("layer_norm dx", x.len(), dx.len())?;
-    check_len("layer_norm dw", cols, dw.len())?;
-    check_len("layer_norm db", cols, db.len())?;
+    let op = "layer_norm_bwd_ref";
+    let rows = check_ln_bwd(op, (dy, x, w), (mean, rstd), cols, dx, (dw, db))?;
     let wf = widen(w);
     let (mut dwf, mut dbf, mut dxr) = (vec![0f64; cols], vec![0f64; cols], vec![0f64; cols]);
     for i in 0..rows {
@@ -1988,7 +1971,7 @@ pub(crate) mod tests {
     #[test]
     fn store_rounds_like_half() {
         // The special patterns come first: `chunks_exact` drops a tail.
-        let xs = crate::train::tests::bf16_cases();
+        let xs = crate::tests::bf16_cases();
         // The 8-lane rounding of the AVX2 backward, against the same.
         #[cfg(target_arch = "x86_64")]
         if cpu::detected_tier() >= SimdTier::Avx2 {

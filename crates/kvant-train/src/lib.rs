@@ -12,12 +12,12 @@
 //!   (cross-entropy writes its gradient into the logits, GLU backward
 //!   writes into its inputs), so nothing the size of the logits is kept;
 //! - arguments are checked once per call and a mismatch is a
-//!   [`KernelError`](crate::KernelError), never an out-of-bounds access.
+//!   [`KernelError`](kvant_kernels::KernelError), never an out-of-bounds access.
 //!
 //! The Python package (`crates/kvant-py`) hands torch tensors to these
 //! functions as slices; torch allocates every output.
 
-use crate::lanes::Lanes;
+use kvant_kernels::lanes::Lanes;
 
 /// A tensor element type the training kernels read and write.
 pub trait Elem: Lanes + Default {

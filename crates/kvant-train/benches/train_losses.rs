@@ -18,14 +18,14 @@
 //! three times and `dW` read and written once per 64 rows, which the
 //! GEMMs' 128 flops per element cannot hide.
 //!
-//! `cargo bench -p kvant-kernels --bench train_losses`
+//! `cargo bench -p kvant-train --bench train_losses`
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use kvant_kernels::train::cross_entropy::{cross_entropy_fwd, CeOptions};
-use kvant_kernels::train::gemm::{gemm, MatRef};
-use kvant_kernels::train::linear_ce::{linear_cross_entropy, LinearCeGrads};
-use kvant_kernels::train::Elem;
+use kvant_train::cross_entropy::{cross_entropy_fwd, CeOptions};
+use kvant_train::gemm::{gemm, MatRef};
+use kvant_train::linear_ce::{linear_cross_entropy, LinearCeGrads};
+use kvant_train::Elem;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 

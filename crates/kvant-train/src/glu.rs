@@ -20,12 +20,12 @@
 //! GB/s): f32 31–52 GB/s; bf16 SwiGLU 20–21 GB/s, GeGLU 10–16 GB/s,
 //! bound by the exponential (~1.7 G values/s per thread).
 
-use crate::cpu::{self, SimdTier};
-use crate::error::check_len;
-use crate::pool::{self, DisjointSlice};
-use crate::train::Elem;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use crate::Elem;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::check_len;
+use kvant_kernels::pool::{self, DisjointSlice};
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 /// Which activation gates `b`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,28 +126,21 @@ fn bwd_body<E: Elem, F: Fma>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
     }
 }
 
-/// The elementwise loops compiled for one tier (8 or 16 lanes).
-macro_rules! tier_kernels {
-    ($name:ident, $features:literal) => {
-        #[cfg(target_arch = "x86_64")]
-        mod $name {
-            use super::*;
-            use crate::vecops::Fused;
+kvant_kernels::per_tier! {
+    /// [`fwd_body`] on `tier` (8 or 16 lanes).
+    fn fwd_on<E: Elem>(tier: SimdTier, kind: Glu, a: &[E], b: &[E], c: &mut [E])
+        [F = Plain, kvant_kernels::vecops::Fused]
+    {
+        fwd_body::<E, F>(kind, a, b, c)
+    }
 
-            #[target_feature(enable = $features)]
-            pub(super) fn fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) {
-                fwd_body::<E, Fused>(kind, a, b, c)
-            }
-
-            #[target_feature(enable = $features)]
-            pub(super) fn bwd<E: Elem>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) {
-                bwd_body::<E, Fused>(kind, dc, a, b)
-            }
-        }
-    };
+    /// [`bwd_body`] on `tier`.
+    fn bwd_on<E: Elem>(tier: SimdTier, kind: Glu, dc: &[E], a: &mut [E], b: &mut [E])
+        [F = Plain, kvant_kernels::vecops::Fused]
+    {
+        bwd_body::<E, F>(kind, dc, a, b)
+    }
 }
-tier_kernels!(avx2, "avx2,fma,f16c");
-tier_kernels!(avx512, "avx2,fma,f16c,avx512f,avx512bw,avx512vl");
 
 /// `c = act(a)·b` elementwise.
 pub fn glu_fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) -> Result<(), KernelError> {
@@ -164,7 +157,6 @@ pub fn glu_fwd_with<E: Elem>(
 ) -> Result<(), KernelError> {
     check_len("glu b", a.len(), b.len())?;
     check_len("glu c", a.len(), c.len())?;
-    let tier = cpu::clamp(tier);
     let n = a.len();
     let cs = DisjointSlice::new(c);
     pool::global().run(n.div_ceil(CHUNK), &|t| {
@@ -172,15 +164,7 @@ pub fn glu_fwd_with<E: Elem>(
         // SAFETY: task `t` owns elements `r`.
         let c = unsafe { cs.range(r.clone()) };
         let (a, b) = (&a[r.clone()], &b[r]);
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::fwd(kind, a, b, c) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::fwd(kind, a, b, c) },
-            _ => fwd_body::<E, Plain>(kind, a, b, c),
-        }
+        fwd_on(tier, kind, a, b, c);
     });
     Ok(())
 }
@@ -200,7 +184,6 @@ pub fn glu_bwd_with<E: Elem>(
 ) -> Result<(), KernelError> {
     check_len("glu a", dc.len(), a.len())?;
     check_len("glu b", dc.len(), b.len())?;
-    let tier = cpu::clamp(tier);
     let n = dc.len();
     let (as_, bs) = (DisjointSlice::new(a), DisjointSlice::new(b));
     pool::global().run(n.div_ceil(CHUNK), &|t| {
@@ -208,15 +191,7 @@ pub fn glu_bwd_with<E: Elem>(
         // SAFETY: task `t` owns elements `r` of both.
         let (a, b) = unsafe { (as_.range(r.clone()), bs.range(r.clone())) };
         let dc = &dc[r];
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { avx2::bwd(kind, dc, a, b) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { avx512::bwd(kind, dc, a, b) },
-            _ => bwd_body::<E, Plain>(kind, dc, a, b),
-        }
+        bwd_on(tier, kind, dc, a, b);
     });
     Ok(())
 }
@@ -272,7 +247,7 @@ pub fn glu_bwd_ref<E: Elem>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::norm::tests::{assert_close, f32s, nans, rand_vec};
+    use crate::norm::tests::{assert_close, f32s, nans, rand_vec};
     use half::bf16;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;

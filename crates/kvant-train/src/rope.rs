@@ -24,13 +24,13 @@
 //! Zen 4 VM, read probe 21–29 GB/s; the tensor is 17–34 MB, partly in the
 //! 32 MB L3 between runs): f32 37–39 GB/s, bf16 23–30 GB/s.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice};
-use crate::train::norm::row_chunk;
-use crate::train::Elem;
-use crate::vecops::{Fma, Plain};
-use crate::KernelError;
+use crate::norm::row_chunk;
+use crate::Elem;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice};
+use kvant_kernels::vecops::{Fma, Plain};
+use kvant_kernels::KernelError;
 
 /// How the rotated dimensions of a row are paired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -194,30 +194,19 @@ fn rotate_rows<E: Elem, F: Fma>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn rotate_rows_avx2<E: Elem>(
-    x: (Option<&[E]>, &DisjointSlice<'_, E>),
-    t: (&[E], &[E]),
-    s: &RopeShape,
-    p: &Plan,
-    rows: std::ops::Range<usize>,
-    sg: f32,
-) {
-    rotate_rows::<E, crate::vecops::Fused>(x, t, s, p, rows, sg)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl")]
-fn rotate_rows_avx512<E: Elem>(
-    x: (Option<&[E]>, &DisjointSlice<'_, E>),
-    t: (&[E], &[E]),
-    s: &RopeShape,
-    p: &Plan,
-    rows: std::ops::Range<usize>,
-    sg: f32,
-) {
-    rotate_rows::<E, crate::vecops::Fused>(x, t, s, p, rows, sg)
+kvant_kernels::per_tier! {
+    /// [`rotate_rows`] on `tier`.
+    fn rotate_rows_on<E: Elem>(
+        tier: SimdTier,
+        x: (Option<&[E]>, &DisjointSlice<'_, E>),
+        t: (&[E], &[E]),
+        s: &RopeShape,
+        p: &Plan,
+        rows: std::ops::Range<usize>,
+        sg: f32,
+    ) [F = Plain, kvant_kernels::vecops::Fused] {
+        rotate_rows::<E, F>(x, t, s, p, rows, sg)
+    }
 }
 
 /// In place: pair (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) with cos/sin of index i = pair index;
@@ -292,15 +281,7 @@ fn run<E: Elem>(
     let io = (src, &xs);
     pool::global().run(p.rows.div_ceil(cr), &|c| {
         let rows = c * cr..((c + 1) * cr).min(p.rows);
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX2, FMA, F16C).
-            SimdTier::Avx2 => unsafe { rotate_rows_avx2(io, (cos, sin), s, &p, rows, sg) },
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the tier was clamped to one the CPU supports (AVX-512 F/BW/VL).
-            SimdTier::Avx512 => unsafe { rotate_rows_avx512(io, (cos, sin), s, &p, rows, sg) },
-            _ => rotate_rows::<E, Plain>(io, (cos, sin), s, &p, rows, sg),
-        }
+        rotate_rows_on(tier, io, (cos, sin), s, &p, rows, sg)
     });
     Ok(())
 }
@@ -342,7 +323,7 @@ pub fn rope_apply_ref<E: Elem>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::train::norm::tests::{assert_close, f32s, rand_vec, tol};
+    use crate::norm::tests::{assert_close, f32s, rand_vec, tol};
     use half::bf16;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;

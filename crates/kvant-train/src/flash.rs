@@ -36,13 +36,13 @@
 //! masks, `dS`) is compiled once per tier and vectorizes to its width;
 //! tiles that a mask does not cut skip the per-row bounds.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::{check_len, checked_mul};
-use crate::pool::{self, DisjointSlice, ThreadPool};
-use crate::train::{zero_first, Elem};
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use crate::{zero_first, Elem};
 use half::bf16;
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::{check_len, checked_mul};
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 use std::cell::RefCell;
 use std::sync::Mutex;
 
@@ -559,42 +559,32 @@ fn bwd_group<E: Elem, F: Fma>(
 // One copy of each tile body per tier: the elementwise work (exponentials,
 // masks, dS) vectorizes to the tier's width; the products dispatch on
 // `Args::tier` inside `gemm_serial`.
-macro_rules! tiers {
-    ($($name:ident => $body:ident($a:ident: $aty:ty, $($arg:ident: $ty:ty),*);)*) => {$(
-        #[allow(clippy::too_many_arguments)]
-        fn $name<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
-            let tier = cpu::clamp($a.tier);
-            #[cfg(target_arch = "x86_64")]
-            {
-                #[target_feature(enable = "avx2,fma")]
-                #[allow(clippy::too_many_arguments)]
-                fn avx2<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
-                    $body::<E, crate::vecops::Fused>($a, $($arg),*)
-                }
-                #[target_feature(enable = "avx2,fma,avx512f,avx512bw,avx512vl")]
-                #[allow(clippy::too_many_arguments)]
-                fn avx512<E: Elem>($a: $aty, $($arg: $ty),*) -> Result<(), KernelError> {
-                    $body::<E, crate::vecops::Fused>($a, $($arg),*)
-                }
-                match tier {
-                    // SAFETY: the clamped tier is one the CPU supports.
-                    SimdTier::Avx512 => return unsafe { avx512($a, $($arg),*) },
-                    // SAFETY: as above, with AVX2 and FMA.
-                    SimdTier::Avx2 => return unsafe { avx2($a, $($arg),*) },
-                    _ => {}
-                }
-            }
-            let _ = tier;
-            $body::<E, Plain>($a, $($arg),*)
-        }
-    )*};
-}
+kvant_kernels::per_tier! {
+    /// [`fwd_tile`] on `tier`.
+    fn fwd_on<E: Elem>(
+        tier: SimdTier,
+        a: &Args<'_, E>,
+        b: usize,
+        h: usize,
+        i0: usize,
+        i1: usize,
+        out: &mut [E],
+        lse: &mut [f32],
+        sc: &mut Scratch,
+    ) -> Result<(), KernelError> [F = Plain, kvant_kernels::vecops::Fused] {
+        fwd_tile::<E, F>(a, b, h, i0, i1, out, lse, sc)
+    }
 
-tiers! {
-    fwd_on => fwd_tile(a: &Args<'_, E>, b: usize, h: usize, i0: usize, i1: usize,
-        out: &mut [E], lse: &mut [f32], sc: &mut Scratch);
-    bwd_on => bwd_group(a: &Args<'_, E>, ins: (&[E], &[f32], &[f32]), o: GroupOut<'_, E>,
-        sc: &mut Scratch);
+    /// [`bwd_group`] on `tier`.
+    fn bwd_on<E: Elem>(
+        tier: SimdTier,
+        a: &Args<'_, E>,
+        ins: (&[E], &[f32], &[f32]),
+        o: GroupOut<'_, E>,
+        sc: &mut Scratch,
+    ) -> Result<(), KernelError> [F = Plain, kvant_kernels::vecops::Fused] {
+        bwd_group::<E, F>(a, ins, o, sc)
+    }
 }
 
 /// Key groups of the backward (each a partial dQ, added in group order):
@@ -700,7 +690,9 @@ fn fwd_in<E: Elem>(
         // SAFETY: task `t` owns query rows r0..r1 of (b, h), disjoint from
         // every other task's.
         let (o, l) = unsafe { (outs.range(r0 * dv..r1 * dv), lses.range(r0..r1)) };
-        err.record(with_scratch(|sc| fwd_on(&a, b, h, i0, i1, o, l, sc)));
+        err.record(with_scratch(|sc| {
+            fwd_on(a.tier, &a, b, h, i0, i1, o, l, sc)
+        }));
     });
     err.result()
 }
@@ -845,7 +837,9 @@ fn bwd_in<E: Elem>(
             };
             // Zeros written before the products accumulate: see `zero_first`.
             zero_first(o.dqp);
-            err.record(with_scratch(|sc| bwd_on(&a, (dout, lse, dsum), o, sc)));
+            err.record(with_scratch(|sc| {
+                bwd_on(a.tier, &a, (dout, lse, dsum), o, sc)
+            }));
         });
     }
     // dQ = scale · Σ_groups partial, in group order.

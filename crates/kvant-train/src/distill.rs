@@ -21,13 +21,13 @@
 //! the rows' sums are added in row order (f64), so the result does not
 //! depend on the thread count.
 
-use crate::cpu::{self, SimdTier};
-use crate::error::check_len;
-use crate::pool::{self, DisjointSlice, ThreadPool};
+use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::error::check_len;
+use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 #[cfg(target_arch = "x86_64")]
-use crate::vecops::Fused;
-use crate::vecops::{exp, Fma, Plain};
-use crate::KernelError;
+use kvant_kernels::vecops::Fused;
+use kvant_kernels::vecops::{exp, Fma, Plain};
+use kvant_kernels::KernelError;
 
 use super::Elem;
 
@@ -107,21 +107,22 @@ fn jsd_rows<E: Elem, F: Fma>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)]
-fn jsd_rows_avx2<E: Elem>(
-    x: &[E],
-    y: &[E],
-    labels: Option<&[i64]>,
-    vocab: usize,
-    kind: Jsd,
-    ignore_index: i64,
-    scale: f32,
-    dx: &mut [E],
-    sums: &mut [f32],
-) {
-    jsd_rows::<E, Fused>(x, y, labels, vocab, kind, ignore_index, scale, dx, sums)
+kvant_kernels::per_tier! {
+    /// [`jsd_rows`] on `tier`.
+    fn jsd_rows_on<E: Elem>(
+        tier: SimdTier,
+        x: &[E],
+        y: &[E],
+        labels: Option<&[i64]>,
+        vocab: usize,
+        kind: Jsd,
+        ignore_index: i64,
+        scale: f32,
+        dx: &mut [E],
+        sums: &mut [f32],
+    ) [F = Plain, Fused] {
+        jsd_rows::<E, F>(x, y, labels, vocab, kind, ignore_index, scale, dx, sums)
+    }
 }
 
 fn tasks_for(rows: usize, pool: &ThreadPool) -> usize {
@@ -192,14 +193,7 @@ pub(crate) fn jsd_rows_in<E: Elem>(
         let (dr, sr) = unsafe { (d.range(e.clone()), s.range(r.clone())) };
         let lr = labels.map(|l| &l[r.clone()]);
         let (xr, yr) = (&x[e.clone()], &y[e]);
-        match cpu::clamp(tier) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                jsd_rows_avx2(xr, yr, lr, vocab, kind, ignore_index, scale, dr, sr)
-            },
-            _ => jsd_rows::<E, Plain>(xr, yr, lr, vocab, kind, ignore_index, scale, dr, sr),
-        }
+        jsd_rows_on(tier, xr, yr, lr, vocab, kind, ignore_index, scale, dr, sr)
     });
     Ok(())
 }
@@ -375,17 +369,19 @@ fn kl_rows<E: Elem, F: Fma>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn kl_rows_avx2<E: Elem>(
-    x: &[E],
-    t: &[E],
-    vocab: usize,
-    log_target: bool,
-    el: Option<&mut [E]>,
-    sums: &mut [f32],
-) {
-    kl_rows::<E, Fused>(x, t, vocab, log_target, el, sums)
+kvant_kernels::per_tier! {
+    /// [`kl_rows`] on `tier`.
+    fn kl_rows_on<E: Elem>(
+        tier: SimdTier,
+        x: &[E],
+        t: &[E],
+        vocab: usize,
+        log_target: bool,
+        el: Option<&mut [E]>,
+        sums: &mut [f32],
+    ) [F = Plain, Fused] {
+        kl_rows::<E, F>(x, t, vocab, log_target, el, sums)
+    }
 }
 
 /// `torch.nn.functional.kl_div(input, target, reduction, log_target)` on
@@ -441,14 +437,7 @@ pub fn kl_div_fwd_in<E: Elem>(
         // disjoint); `elementwise` is only ranged when its length was checked.
         let (er, sr) = unsafe { (write.then(|| el.range(e.clone())), s.range(r.clone())) };
         let (xr, tr) = (&input[e.clone()], &target[e]);
-        match cpu::clamp(tier) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                kl_rows_avx2(xr, tr, vocab, log_target, er, sr)
-            },
-            _ => kl_rows::<E, Plain>(xr, tr, vocab, log_target, er, sr),
-        }
+        kl_rows_on(tier, xr, tr, vocab, log_target, er, sr)
     });
     let total: f64 = sums.iter().map(|&v| v as f64).sum();
     Ok((total * kl_scale(reduction, rows, input.len())) as f32)
@@ -490,14 +479,7 @@ pub fn kl_div_bwd<E: Elem>(
         // SAFETY: task `t` alone owns rows `r` (`chunk` ranges are disjoint).
         let dr = unsafe { d.range(e.clone()) };
         let g = grad_elementwise.map(|g| &g[e.clone()]);
-        match tier {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: the clamped tier is one the CPU supports, with AVX2 and FMA.
-            SimdTier::Avx2 | SimdTier::Avx512 => unsafe {
-                kl_bwd_avx2(&target[e], log_target, scale, g, dr)
-            },
-            _ => kl_bwd_body::<E, Plain>(&target[e], log_target, scale, g, dr),
-        }
+        kl_bwd_on(tier, &target[e], log_target, scale, g, dr)
     });
     Ok(())
 }
@@ -518,10 +500,18 @@ fn kl_bwd_body<E: Elem, F: Fma>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn kl_bwd_avx2<E: Elem>(t: &[E], log_target: bool, scale: f32, g: Option<&[E]>, d: &mut [E]) {
-    kl_bwd_body::<E, Fused>(t, log_target, scale, g, d)
+kvant_kernels::per_tier! {
+    /// [`kl_bwd_body`] on `tier`.
+    fn kl_bwd_on<E: Elem>(
+        tier: SimdTier,
+        t: &[E],
+        log_target: bool,
+        scale: f32,
+        g: Option<&[E]>,
+        d: &mut [E],
+    ) [F = Plain, Fused] {
+        kl_bwd_body::<E, F>(t, log_target, scale, g, d)
+    }
 }
 
 /// f64 reference of `kl_div`: `(elementwise, reduced)`.
