@@ -399,7 +399,11 @@ fn hostile_layer_counts_are_config_errors() {
             continue;
         }
         let g = GgufFile::open(&path).unwrap();
-        let Some(arch) = g.get_str("general.architecture").unwrap().map(str::to_string) else {
+        let Some(arch) = g
+            .get_str("general.architecture")
+            .unwrap()
+            .map(str::to_string)
+        else {
             continue;
         };
         let key = format!("{arch}.block_count");
@@ -436,7 +440,11 @@ fn hostile_layer_counts_are_config_errors() {
         let err = ModelConfig::from_hf_json(&cfg)
             .expect_err("num_hidden_layers")
             .to_string();
-        assert!(err.contains("num_hidden_layers"), "{}: {err}", config.display());
+        assert!(
+            err.contains("num_hidden_layers"),
+            "{}: {err}",
+            config.display()
+        );
         dirs += 1;
     }
     assert!(dirs >= 10, "{dirs} fixture configs");
