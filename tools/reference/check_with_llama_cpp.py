@@ -82,6 +82,13 @@ def check_tiny_gguf() -> bool:
     return ok
 
 
+def _check_ids(vocab: Llama, what: str, text: str, want: list[int], add_bos: bool) -> bool:
+    """llama.cpp's ids for `text` (special tokens parsed) against `want`, printed as `what`."""
+    got = vocab.tokenize(text.encode("utf-8"), add_bos=add_bos, special=True)
+    print(f"{'ok ' if got == want else 'BAD'} {what}" + ("" if got == want else f": {got} != {want}"))
+    return got == want
+
+
 def check_tiny_tokenizer() -> bool:
     """The tiny tokenizer's recorded cases, tokenized from a tiny GGUF's vocabulary."""
     cases = json.loads((MODELS / "tokenizer" / "cases.json").read_text(encoding="utf-8"))
@@ -89,40 +96,43 @@ def check_tiny_tokenizer() -> bool:
     ok = True
     items = [(c["text"], c["ids"]) for c in cases["cases"]] + [(cases["chat"]["rendered"], cases["chat"]["ids"])]
     for text, want in items:
-        got = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        ok &= got == want
-        print(
-            f"{'ok ' if got == want else 'BAD'} tiny tokenize {text!r}" + ("" if got == want else f": {got} != {want}")
-        )
+        ok &= _check_ids(vocab, f"tiny tokenize {text!r}", text, want, add_bos=False)
     vocab.close()
     return ok
 
 
-def check_smollm2(gguf_path: Path) -> bool:
-    ref = json.loads((MODELS / "smollm2-135m-q4_1.reference.json").read_text(encoding="utf-8"))
+def _check_real_tokenizer(gguf_path: Path, ref: dict, label: str, add_bos: bool) -> bool:
+    """A real model's recorded prompt ids and tokenizer cases, and ppl.txt's length
+    in tokens, against llama.cpp's tokenizer from the GGUF's vocabulary."""
     vocab = _open(gguf_path, vocab_only=True)
     ok = True
     texts = [(p["name"], p["text"], p["prompt_ids"]) for p in ref["prompts"]]
     texts += [(repr(c["text"]), c["text"], c["ids"]) for c in ref["tokenizer_cases"]]
-    ppl_text = (REPO / ref["perplexity"]["file"]).read_text(encoding="utf-8")
     for name, text, want in texts:
-        got = vocab.tokenize(text.encode("utf-8"), add_bos=False, special=True)
-        ok &= got == want
-        print(
-            f"{'ok ' if got == want else 'BAD'} smollm2 tokenize {name}" + ("" if got == want else f": {got} != {want}")
-        )
-    got = vocab.tokenize(ppl_text.encode("utf-8"), add_bos=False, special=True)
+        ok &= _check_ids(vocab, f"{label} tokenize {name}", text, want, add_bos)
+    ppl_text = (REPO / ref["perplexity"]["file"]).read_text(encoding="utf-8")
+    got = vocab.tokenize(ppl_text.encode("utf-8"), add_bos=add_bos, special=True)
     same = len(got) == ref["perplexity"]["tokens_total"]
     ok &= same
-    print(f"{'ok ' if same else 'BAD'} smollm2 tokenize ppl.txt: {len(got)} tokens")
+    print(f"{'ok ' if same else 'BAD'} {label} tokenize ppl.txt: {len(got)} tokens")
     vocab.close()
+    return ok
 
+
+def _top_check(llm: Llama, prompt: dict) -> tuple[bool, float]:
+    """Whether llama.cpp's last-position argmax for a recorded prompt is the reference's
+    top-1, and its logits' max |diff| over the reference's top-20."""
+    last = _prompt_logits(llm, prompt["prompt_ids"])[-1]
+    top = prompt["last_logits"]["top"]
+    return int(last.argmax()) == top[0][0], max(abs(float(last[i]) - v) for i, v in top)
+
+
+def check_smollm2(gguf_path: Path) -> bool:
+    ref = json.loads((MODELS / "smollm2-135m-q4_1.reference.json").read_text(encoding="utf-8"))
+    ok = _check_real_tokenizer(gguf_path, ref, "smollm2", add_bos=False)
     llm = _open(gguf_path)
     for p in ref["prompts"]:
-        last = _prompt_logits(llm, p["prompt_ids"])[-1]
-        top = p["last_logits"]["top"]
-        diff = max(abs(float(last[i]) - v) for i, v in top)
-        top1 = int(last.argmax()) == top[0][0]
+        top1, diff = _top_check(llm, p)
         print(f"info smollm2 {p['name']}: llama.cpp top-1 same {top1}, max|diff| over reference top-20 {diff:.3g}")
     llm.close()
     return ok
@@ -132,32 +142,14 @@ def check_gemma3(gguf_path: Path) -> bool:
     """Gemma 3 270M: llama.cpp's SentencePiece ids (BOS added, control tokens parsed)
     must be the recorded ones; its logits and greedy ids are reported."""
     ref = json.loads((MODELS / "gemma3-270m-q4_k_m.reference.json").read_text(encoding="utf-8"))
-    vocab = _open(gguf_path, vocab_only=True)
-    ok = True
-    texts = [(p["name"], p["text"], p["prompt_ids"]) for p in ref["prompts"]]
-    texts += [(repr(c["text"]), c["text"], c["ids"]) for c in ref["tokenizer_cases"]]
-    for name, text, want in texts:
-        got = vocab.tokenize(text.encode("utf-8"), add_bos=True, special=True)
-        ok &= got == want
-        print(
-            f"{'ok ' if got == want else 'BAD'} gemma3 tokenize {name}" + ("" if got == want else f": {got} != {want}")
-        )
-    ppl_text = (REPO / ref["perplexity"]["file"]).read_text(encoding="utf-8")
-    got = vocab.tokenize(ppl_text.encode("utf-8"), add_bos=True, special=True)
-    same = len(got) == ref["perplexity"]["tokens_total"]
-    ok &= same
-    print(f"{'ok ' if same else 'BAD'} gemma3 tokenize ppl.txt: {len(got)} tokens")
-    vocab.close()
-
+    ok = _check_real_tokenizer(gguf_path, ref, "gemma3", add_bos=True)
     llm = _open(gguf_path)
     for p in ref["prompts"]:
-        last = _prompt_logits(llm, p["prompt_ids"])[-1]
-        top = p["last_logits"]["top"]
-        diff = max(abs(float(last[i]) - v) for i, v in top)
+        top1, diff = _top_check(llm, p)
         greedy = _greedy(llm, p["prompt_ids"], ref["greedy_new_tokens"])
         same = next((i for i, (a, b) in enumerate(zip(greedy, p["greedy_ids"])) if a != b), len(greedy))
         print(
-            f"info gemma3 {p['name']}: llama.cpp top-1 same {int(last.argmax()) == top[0][0]}, "
+            f"info gemma3 {p['name']}: llama.cpp top-1 same {top1}, "
             f"max|diff| over reference top-20 {diff:.3g}, greedy ids agree for {same} steps"
         )
     llm.close()

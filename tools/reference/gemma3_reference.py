@@ -22,7 +22,6 @@ llama.cpp gives the same ids for every prompt, every tokenizer case and ppl.txt
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import gguf
@@ -100,29 +99,6 @@ def _check_norms_unshifted(gguf_path: Path, model: torch.nn.Module) -> None:
             raise AssertionError(f"{name}: transformers' weight + 1 != the GGUF's")
 
 
-def _window_ppl(model: torch.nn.Module, ids: list[int], window: int) -> dict:
-    """PPL under kvant's convention: non-overlapping windows, each token after a
-    window's first predicted from its prefix in that window."""
-    total_nll, scored, windows = 0.0, 0, 0
-    for start in range(0, len(ids), window):
-        chunk = ids[start : start + window]
-        if len(chunk) < 2:
-            continue
-        logits = reference_outputs.prompt_logits(model, chunk)
-        _, mean = reference_outputs.perplexity(logits, chunk)
-        total_nll += mean * (len(chunk) - 1)
-        scored += len(chunk) - 1
-        windows += 1
-    mean_nll = total_nll / scored
-    return {
-        "window": window,
-        "mean_nll": mean_nll,
-        "ppl": math.exp(mean_nll),
-        "tokens_scored": scored,
-        "windows": windows,
-    }
-
-
 def build(gguf_path: Path, ppl_text_path: Path, ppl_text_rel: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -185,8 +161,8 @@ def build(gguf_path: Path, ppl_text_path: Path, ppl_text_rel: str) -> dict:
         "PPL = exp(mean NLL over all predicted tokens)"
     )
     ppl = {"file": ppl_text_rel, "convention": convention, "bos": True, "tokens_total": len(ids)}
-    perplexity = {**ppl, **_window_ppl(model, ids, PPL_WINDOW)}
-    perplexity_long = {**ppl, **_window_ppl(model, ids, PPL_WINDOW_LONG)}
+    perplexity = {**ppl, "window": PPL_WINDOW, **reference_outputs.window_ppl(model, ids, PPL_WINDOW)}
+    perplexity_long = {**ppl, "window": PPL_WINDOW_LONG, **reference_outputs.window_ppl(model, ids, PPL_WINDOW_LONG)}
     for p in (perplexity, perplexity_long):
         print(f"gemma3 ppl (window {p['window']}): {p['ppl']:.4f} over {p['tokens_scored']} tokens")
 

@@ -65,21 +65,13 @@ MIN_INDEX_MARGIN = 1e-4
 
 
 def _config(topk: int = TOPK) -> DeepseekV32Config:
-    return DeepseekV32Config(
-        **moe_models.BASE,
-        **moe_models.MLA,
+    return moe_models.deepseek(
+        DeepseekV32Config,
         num_hidden_layers=3,
-        q_lora_rank=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
         index_n_heads=8,
         index_head_dim=32,
         index_topk=topk,
-        rope_parameters=dict(moe_models.YARN),
+        rope_parameters=moe_models.deepseek_yarn(4.0, 64, 1.0),
         # Published V3.2 configs carry these (transformers' router is sigmoid
         # whatever they say); llama.cpp's converter writes the gating
         # function from `scoring_func`, and llama.cpp requires it.

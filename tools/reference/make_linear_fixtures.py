@@ -184,14 +184,16 @@ A_LOG_RANGE = (-3.0, 1.1)
 def build(spec: tiny_models.Spec) -> torch.nn.Module:
     """moe_models.build, then the gated norms re-centred at 1 and A_log spread out."""
     model = moe_models.build(spec)
-    gen = torch.Generator().manual_seed(spec.seed + 2)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1.0 + tiny_models.NORM_SPREAD * torch.randn(p.shape, generator=gen))
-            elif name.endswith(("linear_attn.A_log", "self_attn.A_log")):
-                lo, hi = A_LOG_RANGE
-                p.copy_(lo + (hi - lo) * torch.rand(p.shape, generator=gen))
+
+    def draw(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor | None:
+        if name.endswith("linear_attn.norm.weight"):
+            return 1.0 + tiny_models.NORM_SPREAD * torch.randn(shape, generator=gen)
+        if name.endswith(("linear_attn.A_log", "self_attn.A_log")):
+            lo, hi = A_LOG_RANGE
+            return lo + (hi - lo) * torch.rand(shape, generator=gen)
+        return None
+
+    tiny_models.redraw(model.named_parameters(), spec.seed + 2, draw)
     return model
 
 

@@ -19,6 +19,8 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -189,6 +191,12 @@ def _gguf_reference_model(spec_config, gguf_path: Path) -> tuple[torch.nn.Module
     return model, notes
 
 
+def write_gguf_reference(path: Path, ref: dict) -> None:
+    """`ref` as the reference of the GGUF file `path` (<name>.<type>.reference.json beside it)."""
+    fixture_json.write_json(path.with_suffix(".reference.json"), ref)
+    print(f"{path.name}: {path.stat().st_size} bytes, ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']}")
+
+
 def make_gguf(tok: Tokenizer, built: dict[str, torch.nn.Module]) -> None:
     """GGUF files of the tiny llama models in F32/Q8_0/Q4_0, each with its reference."""
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
@@ -214,37 +222,48 @@ def make_gguf(tok: Tokenizer, built: dict[str, torch.nn.Module]) -> None:
                 "notes": notes,
             }
             ref = reference_outputs.tiny_reference(ref_model, ids, GREEDY_NEW, meta)
-            fixture_json.write_json(GGUF_DIR / f"{name}.{file_type}.reference.json", ref)
-            print(f"{path.name}: {path.stat().st_size} bytes, ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']}")
+            write_gguf_reference(path, ref)
+
+
+class RealModel(NamedTuple):
+    """A real checkpoint whose reference is made from its GGUF (which is not committed)."""
+
+    name: str  # the section flag; --{name}-gguf names the GGUF
+    env: str  # the environment variable that names the GGUF otherwise
+    what: str  # which checkpoint and quantization the GGUF holds
+    module: ModuleType  # its reference builder: module.build(gguf, ppl_text, ppl_text_rel)
+    stem: str  # the reference is tests/fixtures/models/{stem}.reference.json
+
+
+REAL_MODELS = [
+    RealModel("smollm2", "KVANT_MODEL", "SmolLM2-135M-Instruct Q4_1", smollm2_reference, "smollm2-135m-q4_1"),
+    RealModel("gemma3", "KVANT_GEMMA3_MODEL", "Gemma 3 270M Q4_K_M", gemma3_reference, "gemma3-270m-q4_k_m"),
+]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--gguf", action="store_true")
-    ap.add_argument("--smollm2", action="store_true")
-    ap.add_argument("--smollm2-gguf", type=Path, default=Path(os.environ.get("KVANT_MODEL", "")))
-    ap.add_argument("--gemma3", action="store_true")
-    ap.add_argument("--gemma3-gguf", type=Path, default=Path(os.environ.get("KVANT_GEMMA3_MODEL", "")))
-    args = ap.parse_args()
-    every = not (args.tiny or args.gguf or args.smollm2 or args.gemma3)
+    for real in REAL_MODELS:
+        ap.add_argument(f"--{real.name}", action="store_true")
+        ap.add_argument(f"--{real.name}-gguf", type=Path, default=Path(os.environ.get(real.env, "")))
+    args = vars(ap.parse_args())
+    every = not (args["tiny"] or args["gguf"] or any(args[real.name] for real in REAL_MODELS))
     setup_determinism()
     tok = train_tokenizer()
-    built = make_tiny(tok) if (every or args.tiny or args.gguf) else {}
-    if every or args.gguf:
+    built = make_tiny(tok) if (every or args["tiny"] or args["gguf"]) else {}
+    if every or args["gguf"]:
         make_gguf(tok, built)
-    if every or args.smollm2:
-        if not args.smollm2_gguf.is_file():
-            sys.exit("--smollm2 needs the SmolLM2-135M-Instruct Q4_1 GGUF: pass --smollm2-gguf PATH or set KVANT_MODEL")
+    for real in REAL_MODELS:
+        if not (every or args[real.name]):
+            continue
+        gguf_path = args[f"{real.name}_gguf"]
+        if not gguf_path.is_file():
+            sys.exit(f"--{real.name} needs the {real.what} GGUF: pass --{real.name}-gguf PATH or set {real.env}")
         rel = PPL_TEXT.relative_to(REPO).as_posix()
-        ref = smollm2_reference.build(args.smollm2_gguf, PPL_TEXT, rel)
-        fixture_json.write_json(MODELS / "smollm2-135m-q4_1.reference.json", ref)
-    if every or args.gemma3:
-        if not args.gemma3_gguf.is_file():
-            sys.exit("--gemma3 needs the Gemma 3 270M Q4_K_M GGUF: pass --gemma3-gguf PATH or set KVANT_GEMMA3_MODEL")
-        rel = PPL_TEXT.relative_to(REPO).as_posix()
-        ref = gemma3_reference.build(args.gemma3_gguf, PPL_TEXT, rel)
-        fixture_json.write_json(MODELS / "gemma3-270m-q4_k_m.reference.json", ref)
+        ref = real.module.build(gguf_path, PPL_TEXT, rel)
+        fixture_json.write_json(MODELS / f"{real.stem}.reference.json", ref)
 
 
 if __name__ == "__main__":

@@ -262,9 +262,7 @@ def make_gguf(tok: Tokenizer, built: dict[str, tuple], converter: Path) -> None:
                 else:
                     diff = float(np.abs(np.asarray(ref["logits"]) - np.asarray(hf_ref["logits"])).max())
                     notes = notes + [f"max |logit - F32 reference| {diff:.3g}"]
-                ref = _finish(ref_model, ref, notes)
-                fixture_json.write_json(GGUF_DIR / f"{name}.{file_type}.reference.json", ref)
-                print(f"{path.name}: {path.stat().st_size} bytes, ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']}")
+                base.write_gguf_reference(path, _finish(ref_model, ref, notes))
 
 
 def main() -> None:

@@ -68,69 +68,34 @@ MAX_POS = 1024
 # Recorded logits rows: every 32nd position, and both sides of the original context's end.
 LOGIT_ROWS = sorted(set(range(0, PROMPT_LEN, 32)) | {ORIGINAL - 1, ORIGINAL, PROMPT_LEN - 1})
 
-LONG = dict(tiny_models.COMMON, max_position_embeddings=MAX_POS)
+
+def _dense_long(cls: type[PretrainedConfig], rope_parameters: dict, **switches) -> PretrainedConfig:
+    """A tiny_models dense config stretched to MAX_POS positions, no attention bias."""
+    return tiny_models.config(
+        cls, max_position_embeddings=MAX_POS, attention_bias=False, rope_parameters=rope_parameters, **switches
+    )
 
 
 def _llama3_long() -> PretrainedConfig:
-    return LlamaConfig(
-        **LONG,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": FACTOR,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": ORIGINAL,
-        },
-    )
+    return _dense_long(LlamaConfig, tiny_models.llama3_rope(FACTOR, ORIGINAL))
 
 
 def _qwen3_yarn_long() -> PretrainedConfig:
-    return Qwen3Config(
-        **LONG,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": FACTOR,
-            "original_max_position_embeddings": ORIGINAL,
-        },
-    )
+    return _dense_long(Qwen3Config, tiny_models.yarn_rope(FACTOR, ORIGINAL), num_attention_heads=8)
 
 
 def _deepseek_yarn_long() -> PretrainedConfig:
-    base_cfg = {k: v for k, v in moe_models.BASE.items() if k != "max_position_embeddings"}
-    return DeepseekV3Config(
-        **base_cfg,
-        **moe_models.MLA,
+    return moe_models.deepseek(
+        DeepseekV3Config,
         max_position_embeddings=MAX_POS,
         num_hidden_layers=2,
-        q_lora_rank=32,
         first_k_dense_replace=2,
-        n_shared_experts=1,
         n_group=1,
         topk_group=1,
-        norm_topk_prob=True,
         routed_scaling_factor=1.0,
         rope_interleave=True,
         num_nextn_predict_layers=0,
-        rope_parameters={
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": FACTOR,
-            "original_max_position_embeddings": ORIGINAL,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 0.707,
-        },
+        rope_parameters=moe_models.deepseek_yarn(FACTOR, ORIGINAL, 0.707),
     )
 
 

@@ -44,52 +44,28 @@ from transformers import (
 import tiny_models
 import tiny_tokenizer
 
-BASE = dict(
-    hidden_size=64,
-    vocab_size=tiny_tokenizer.VOCAB_SIZE,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-5,
-    bos_token_id=tiny_tokenizer.BOS_ID,
-    eos_token_id=tiny_tokenizer.EOS_ID,
-    pad_token_id=tiny_tokenizer.PAD_ID,
-    initializer_range=0.15,
-    tie_word_embeddings=False,
-)
+BASE = dict(tiny_models.SHARED, tie_word_embeddings=False)
 
 # Spread of the random DeepSeek-V3 `e_score_correction_bias` (added to sigmoid
 # scores in (0, 1) for the choice only): large enough to change some choices.
 BIAS_SCORE_SPREAD = 0.1
 
-# DeepSeek-V3 YaRN as the published config spells it, scaled down: factor 4 over
-# 64 original positions (max_position_embeddings 256 = 4 x 64, so transformers'
-# consistency check is quiet). beta_fast 32 / beta_slow 1 put the 8 rope
-# frequencies of a 16-wide rope head into all three YaRN bands (kept,
-# blended, divided by the factor); mscale = mscale_all_dim = 1 leaves cos/sin
-# unscaled and multiplies the softmax scale by (0.1 ln 4 + 1)^2.
-YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 10000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 64,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "mscale": 1.0,
-    "mscale_all_dim": 1.0,
-}
+def deepseek_yarn(factor: float, original: int, mscale_all_dim: float) -> dict:
+    """YaRN as published DeepSeek configs spell it: beta_fast 32, beta_slow 1, mscale 1."""
+    return tiny_models.yarn_rope(
+        factor, original, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=mscale_all_dim
+    )
 
 
 def _mixtral() -> PretrainedConfig:
-    return MixtralConfig(
-        **BASE,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+    # tiny_models' dense shape (2 layers, 4 heads over 2 KV heads of 16) with 4 experts.
+    return tiny_models.config(
+        MixtralConfig,
         intermediate_size=64,
         num_local_experts=4,
         num_experts_per_tok=2,
         sliding_window=None,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rope_parameters=tiny_models.plain_rope(1000000.0),
     )
 
 
@@ -110,19 +86,16 @@ def _qwen2_moe(mlp_only_layers: list[int]) -> PretrainedConfig:
         norm_topk_prob=False,
         qkv_bias=True,
         use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rope_parameters=tiny_models.plain_rope(1000000.0),
     )
 
 
 def _qwen3_moe() -> PretrainedConfig:
-    # 8 heads x 16 = 128 != hidden 64; every layer MoE, so intermediate_size is unused.
-    return Qwen3MoeConfig(
-        **BASE,
-        num_hidden_layers=2,
+    # qwen3-qknorm's shape: 8 heads x 16 = 128 != hidden 64; every layer MoE, so
+    # intermediate_size is unused.
+    return tiny_models.config(
+        Qwen3MoeConfig,
         num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
         mlp_only_layers=[],
         decoder_sparse_step=1,
         num_experts=8,
@@ -131,7 +104,7 @@ def _qwen3_moe() -> PretrainedConfig:
         norm_topk_prob=True,
         attention_bias=False,
         use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        rope_parameters=tiny_models.plain_rope(1000000.0),
     )
 
 
@@ -151,15 +124,32 @@ MLA = dict(
 )
 
 
+# DeepSeek-V3's routing and attention switches at toy size, where every DeepSeek
+# fixture starts: q LoRA, one dense layer first, one shared expert, 4 expert
+# groups of which 2 are chosen, weights renormalised and scaled by 2.5.
+DEEPSEEK_V3 = dict(
+    q_lora_rank=32,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+    n_group=4,
+    topk_group=2,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+)
+
+
+def deepseek(cls: type[PretrainedConfig], **switches) -> PretrainedConfig:
+    """`cls` with BASE, MLA and DEEPSEEK_V3; `switches` add to or override them."""
+    return cls(**{**BASE, **MLA, **DEEPSEEK_V3, **switches})
+
+
 def _deepseek_v2() -> PretrainedConfig:
     # DeepSeek-V2-Lite's switches: plain q_proj, softmax "greedy" top-k, 2 shared experts,
     # weights not renormalised (transformers' V2 router never renormalises) nor scaled.
-    return DeepseekV2Config(
-        **BASE,
-        **MLA,
+    return deepseek(
+        DeepseekV2Config,
         num_hidden_layers=3,
         q_lora_rank=None,
-        first_k_dense_replace=1,
         n_shared_experts=2,
         topk_method="greedy",
         n_group=1,
@@ -168,49 +158,43 @@ def _deepseek_v2() -> PretrainedConfig:
         routed_scaling_factor=1.0,
         # Published V2 configs carry it; transformers ignores it (V2 is always softmax).
         scoring_func="softmax",
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters=tiny_models.plain_rope(10000.0),
     )
 
 
 def _deepseek_v3() -> PretrainedConfig:
     # GigaChat3 / DeepSeek-V3 switches at toy size, with one MTP module.
-    return DeepseekV3Config(
-        **BASE,
-        **MLA,
+    return deepseek(
+        DeepseekV3Config,
         num_hidden_layers=4,
-        q_lora_rank=32,
-        first_k_dense_replace=1,
-        n_shared_experts=1,
-        n_group=4,
-        topk_group=2,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
         rope_interleave=True,
         num_nextn_predict_layers=1,
         # Published V3 configs carry these; transformers' V3 router always does this.
         scoring_func="sigmoid",
         topk_method="noaux_tc",
-        rope_parameters=dict(YARN),
+        # DeepSeek-V3 YaRN scaled down: factor 4 over 64 original positions
+        # (max_position_embeddings 256 = 4 x 64, so transformers' consistency check
+        # is quiet). beta_fast 32 / beta_slow 1 put the 8 rope frequencies of a
+        # 16-wide rope head into all three YaRN bands (kept, blended, divided by the
+        # factor); mscale = mscale_all_dim = 1 leaves cos/sin unscaled and
+        # multiplies the softmax scale by (0.1 ln 4 + 1)^2.
+        rope_parameters=deepseek_yarn(4.0, 64, 1.0),
     )
 
 
 def _deepseek_v3_qnull() -> PretrainedConfig:
     # No q LoRA, one expert group, plain rope, no MTP, every layer MoE; config.json
     # as transformers 5 writes it (no scoring_func / topk_method: model_type decides).
-    return DeepseekV3Config(
-        **BASE,
-        **MLA,
+    return deepseek(
+        DeepseekV3Config,
         num_hidden_layers=3,
         q_lora_rank=None,
         first_k_dense_replace=0,
-        n_shared_experts=1,
         n_group=1,
         topk_group=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
         rope_interleave=True,
         num_nextn_predict_layers=0,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        rope_parameters=tiny_models.plain_rope(10000.0),
     )
 
 
@@ -242,11 +226,13 @@ MTP_SEED_OFFSET = 1000
 def build(spec: tiny_models.Spec) -> torch.nn.Module:
     """tiny_models.build, plus a random `e_score_correction_bias` where the router has one."""
     model = tiny_models.build(spec)
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    with torch.no_grad():
-        for name, buf in sorted(model.named_buffers(), key=lambda kv: kv[0]):
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(BIAS_SCORE_SPREAD * torch.randn(buf.shape, generator=gen))
+
+    def draw(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor | None:
+        if name.endswith("e_score_correction_bias"):
+            return BIAS_SCORE_SPREAD * torch.randn(shape, generator=gen)
+        return None
+
+    tiny_models.redraw(model.named_buffers(), spec.seed + 1, draw)
     return model
 
 

@@ -112,3 +112,21 @@ def tiny_reference(model: torch.nn.Module, prompt_ids: list[int], n_new: int, me
         "logits_shape": [len(prompt_ids), int(logits.shape[1])],
         "logits": rows,
     }
+
+
+def window_ppl(model: torch.nn.Module, ids: list[int], window: int) -> dict:
+    """PPL under kvant's convention: non-overlapping windows of `window` tokens, each
+    token after a window's first predicted from its prefix in that window (a last
+    window under 2 tokens is dropped)."""
+    total_nll, scored, windows = 0.0, 0, 0
+    for start in range(0, len(ids), window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            continue
+        logits = prompt_logits(model, chunk)
+        _, mean = perplexity(logits, chunk)
+        total_nll += mean * (len(chunk) - 1)
+        scored += len(chunk) - 1
+        windows += 1
+    mean_nll = total_nll / scored
+    return {"mean_nll": mean_nll, "ppl": math.exp(mean_nll), "tokens_scored": scored, "windows": windows}

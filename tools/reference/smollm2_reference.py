@@ -17,7 +17,6 @@ text we also record whether transformers' GGUF tokenizer agrees.
 from __future__ import annotations
 
 import hashlib
-import math
 from pathlib import Path
 
 import gguf
@@ -106,23 +105,6 @@ def _last_logits_summary(last: np.ndarray) -> dict:
     }
 
 
-def _window_ppl(model: torch.nn.Module, ids: list[int]) -> dict:
-    """PPL under the fixture convention: non-overlapping PPL_WINDOW windows, each
-    token after a window's first predicted from its prefix in that window."""
-    total_nll, scored, windows = 0.0, 0, 0
-    for start in range(0, len(ids), PPL_WINDOW):
-        window = ids[start : start + PPL_WINDOW]
-        if len(window) < 2:
-            continue
-        logits = reference_outputs.prompt_logits(model, window)
-        _, mean = reference_outputs.perplexity(logits, window)
-        total_nll += mean * (len(window) - 1)
-        scored += len(window) - 1
-        windows += 1
-    mean_nll = total_nll / scored
-    return {"mean_nll": mean_nll, "ppl": math.exp(mean_nll), "tokens_scored": scored, "windows": windows}
-
-
 def build(gguf_path: Path, ppl_text_path: Path, ppl_text_rel: str) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,7 +169,7 @@ def build(gguf_path: Path, ppl_text_path: Path, ppl_text_rel: str) -> dict:
         "bos": False,
         "tokens_total": len(ids),
         "transformers_gguf_ids_agree": ids == hf_ids,
-        **_window_ppl(model, ids),
+        **reference_outputs.window_ppl(model, ids, PPL_WINDOW),
     }
     print(f"smollm2 ppl: {ppl['ppl']:.4f} over {ppl['tokens_scored']} tokens in {ppl['windows']} windows")
 

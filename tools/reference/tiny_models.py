@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,19 +38,21 @@ from transformers import (
 
 import tiny_tokenizer
 
-COMMON = dict(
+# What every tiny fixture shares, dense or MoE (moe_models.BASE starts from it too).
+SHARED = dict(
     hidden_size=64,
-    head_dim=16,
-    intermediate_size=128,
     vocab_size=tiny_tokenizer.VOCAB_SIZE,
     max_position_embeddings=256,
-    num_hidden_layers=2,
     rms_norm_eps=1e-5,
     bos_token_id=tiny_tokenizer.BOS_ID,
     eos_token_id=tiny_tokenizer.EOS_ID,
     pad_token_id=tiny_tokenizer.PAD_ID,
     initializer_range=0.15,
 )
+COMMON = dict(SHARED, head_dim=16, intermediate_size=128, num_hidden_layers=2)
+# The attention every dense fixture has unless its config says otherwise: 4 heads
+# over 2 KV heads, untied embeddings.
+GQA = dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
 
 # Spread of the random norm weights around their neutral value (1, or 0 for Gemma's 1+w).
 NORM_SPREAD = 0.1
@@ -73,77 +75,72 @@ class Spec:
     notes: list[str] = field(default_factory=list)
 
 
+def config(cls: type[PretrainedConfig], **switches) -> PretrainedConfig:
+    """`cls` with COMMON sizes and GQA attention; `switches` add to or override them."""
+    return cls(**{**COMMON, **GQA, **switches})
+
+
+def plain_rope(theta: float) -> dict:
+    """Unscaled rope at base `theta`."""
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def llama3_rope(factor: float, original: int) -> dict:
+    """llama3 rope scaling (theta 10000, low/high frequency factors 1 and 4)."""
+    return {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": original,
+    }
+
+
+def yarn_rope(factor: float, original: int, **fields) -> dict:
+    """YaRN rope scaling (theta 10000); `fields` adds its optional parameters."""
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": factor,
+        "original_max_position_embeddings": original,
+        **fields,
+    }
+
+
 def _llama_gqa() -> PretrainedConfig:
-    return LlamaConfig(
-        **COMMON,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        # original_max_position_embeddings 64 puts the 8 rope frequencies of a
-        # 16-wide head into all three llama3 bands (kept, smoothed, divided).
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 10000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 64,
-        },
-    )
+    # original_max_position_embeddings 64 puts the 8 rope frequencies of a
+    # 16-wide head into all three llama3 bands (kept, smoothed, divided).
+    return config(LlamaConfig, attention_bias=False, rope_parameters=llama3_rope(8.0, 64))
 
 
 def _llama_mqa_tied() -> PretrainedConfig:
-    return LlamaConfig(
-        **COMMON,
-        num_attention_heads=4,
+    return config(
+        LlamaConfig,
         num_key_value_heads=1,
         tie_word_embeddings=True,
         attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        rope_parameters=plain_rope(100000.0),
     )
 
 
 def _mistral_swa() -> PretrainedConfig:
-    return MistralConfig(
-        **COMMON,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        sliding_window=8,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    )
+    return config(MistralConfig, sliding_window=8, rope_parameters=plain_rope(10000.0))
 
 
 def _qwen2_bias() -> PretrainedConfig:
-    return Qwen2Config(
-        **COMMON,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        use_sliding_window=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )
+    return config(Qwen2Config, use_sliding_window=False, rope_parameters=plain_rope(1000000.0))
 
 
 def _qwen3_qknorm() -> PretrainedConfig:
     # 8 heads x 16 = 128 != hidden 64: q_proj is [128, 64] and o_proj [64, 128].
-    return Qwen3Config(
-        **COMMON,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        attention_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-    )
+    return config(Qwen3Config, num_attention_heads=8, attention_bias=False, rope_parameters=plain_rope(1000000.0))
 
 
 def _gemma3_text() -> PretrainedConfig:
-    common = dict(COMMON, num_hidden_layers=3)
-    return Gemma3TextConfig(
-        **common,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+    return config(
+        Gemma3TextConfig,
+        num_hidden_layers=3,
         tie_word_embeddings=True,
         sliding_window=8,
         # Same as sliding_window_pattern 2: local, global, local.
@@ -151,10 +148,7 @@ def _gemma3_text() -> PretrainedConfig:
         # Not head_dim, so a loader that scales by 1/sqrt(head_dim) is caught.
         query_pre_attn_scalar=24,
         hidden_activation="gelu_pytorch_tanh",
-        rope_parameters={
-            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-        },
+        rope_parameters={"full_attention": plain_rope(1000000.0), "sliding_attention": plain_rope(10000.0)},
     )
 
 
@@ -179,25 +173,39 @@ LOW_PRECISION = [
 ]
 
 
+def redraw(
+    named: Iterable[tuple[str, torch.Tensor]],
+    seed: int,
+    draw: Callable[[str, torch.Size, torch.Generator], torch.Tensor | None],
+) -> None:
+    """Overwrite each of `named`, in name order, with draw(name, shape, gen) from a
+    generator seeded with `seed`; a None draw leaves that tensor as it is (and
+    must not touch `gen`, so that the others' draws do not move)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        # named_parameters() lists a tied weight once; sorting fixes the draw order.
+        for name, t in sorted(named, key=lambda kv: kv[0]):
+            val = draw(name, t.shape, gen)
+            if val is not None:
+                t.copy_(val)
+
+
 def build(spec: Spec) -> torch.nn.Module:
     """The f32 model for `spec` with seeded random weights, in eval mode, eager attention."""
     config = spec.make_config()
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(spec.seed)
     std = config.initializer_range
-    with torch.no_grad():
-        # named_parameters() lists a tied weight once; sorting fixes the draw order.
-        for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-            shape = p.shape
-            if name.endswith("norm.weight"):
-                val = spec.norm_center + NORM_SPREAD * torch.randn(shape, generator=gen)
-            elif name.endswith("embed_tokens.weight") and spec.embed_std is not None:
-                val = spec.embed_std * torch.randn(shape, generator=gen)
-            elif name.endswith(".bias"):
-                val = BIAS_SPREAD * torch.randn(shape, generator=gen)
-            else:
-                val = std * torch.randn(shape, generator=gen)
-            p.copy_(val)
+
+    def draw(name: str, shape: torch.Size, gen: torch.Generator) -> torch.Tensor:
+        if name.endswith("norm.weight"):
+            return spec.norm_center + NORM_SPREAD * torch.randn(shape, generator=gen)
+        if name.endswith("embed_tokens.weight") and spec.embed_std is not None:
+            return spec.embed_std * torch.randn(shape, generator=gen)
+        if name.endswith(".bias"):
+            return BIAS_SPREAD * torch.randn(shape, generator=gen)
+        return std * torch.randn(shape, generator=gen)
+
+    redraw(model.named_parameters(), spec.seed, draw)
     return model.eval()
 
 
