@@ -74,14 +74,14 @@ impl<'m> Session<'m> {
         tokenizer: &'m Tokenizer,
         capacity: usize,
     ) -> Result<Self, EngineError> {
-        Ok(Session {
-            cache: model.new_cache(capacity)?,
-            drafter: model.has_mtp().then(|| MtpDrafter::new(Policy::default())),
+        let drafter = model.has_mtp().then(|| MtpDrafter::new(Policy::default()));
+        Ok(Self::empty(
             model,
-            cluster: None,
+            None,
             tokenizer,
-            tokens: Vec::new(),
-        })
+            model.new_cache(capacity)?,
+            drafter,
+        ))
     }
 
     /// A session whose forward passes run over the ranks of `cluster`
@@ -91,14 +91,32 @@ impl<'m> Session<'m> {
         tokenizer: &'m Tokenizer,
         capacity: usize,
     ) -> Result<Self, EngineError> {
-        Ok(Session {
-            cache: cluster.cache(capacity)?,
-            drafter: None,
-            model: cluster.model(),
-            cluster: Some(cluster),
+        let cache = cluster.cache(capacity)?;
+        Ok(Self::empty(
+            cluster.model(),
+            Some(cluster),
+            tokenizer,
+            cache,
+            None,
+        ))
+    }
+
+    /// A session with nothing in its cache yet.
+    fn empty(
+        model: &'m DecoderModel,
+        cluster: Option<&'m Cluster>,
+        tokenizer: &'m Tokenizer,
+        cache: KvCache,
+        drafter: Option<MtpDrafter>,
+    ) -> Self {
+        Session {
+            cache,
+            drafter,
+            model,
+            cluster,
             tokenizer,
             tokens: Vec::new(),
-        })
+        }
     }
 
     /// One pass over `tokens` (appended to the cache): the last row's

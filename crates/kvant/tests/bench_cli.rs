@@ -22,6 +22,23 @@ fn positive(v: &serde_json::Value, key: &str) -> f64 {
     x
 }
 
+/// The run every report test starts from: 8 prompt tokens, 4 generated, one thread.
+const SMALL_RUN: [&str; 6] = [
+    "--prompt-tokens",
+    "8",
+    "--gen-tokens",
+    "4",
+    "--threads",
+    "1",
+];
+
+/// `kvant bench --model MODEL --json ARGS...`, its report parsed.
+fn bench_json(model: &str, args: &[&str]) -> serde_json::Value {
+    json(&kvant_ok(
+        &[&["bench", "--model", model, "--json"], args].concat(),
+    ))
+}
+
 fn rates(v: &serde_json::Value, key: &str) -> Vec<f64> {
     v[key]
         .as_array()
@@ -34,20 +51,7 @@ fn rates(v: &serde_json::Value, key: &str) -> Vec<f64> {
 #[test]
 fn bench_json_reports_rates_and_roofline() {
     let model = tiny_gguf();
-    let out = json(&kvant_ok(&[
-        "bench",
-        "--model",
-        &model,
-        "--prompt-tokens",
-        "8",
-        "--gen-tokens",
-        "4",
-        "--repetitions",
-        "2",
-        "--threads",
-        "1",
-        "--json",
-    ]));
+    let out = bench_json(&model, &[&SMALL_RUN[..], &["--repetitions", "2"]].concat());
     assert_eq!(out["model"], model.as_str());
     assert_eq!(out["threads"], 1);
     assert_eq!(out["prompt_tokens"], 8);
@@ -98,22 +102,14 @@ fn bench_depths_give_one_row_each() {
     let model = tiny_gguf();
     // The fixture's context is 256: 244 + 8 + 4 fills it exactly, so a
     // repetition that did not rewind the cache to the depth would overflow.
-    let out = json(&kvant_ok(&[
-        "bench",
-        "--model",
+    let out = bench_json(
         &model,
-        "--prompt-tokens",
-        "8",
-        "--gen-tokens",
-        "4",
-        "--repetitions",
-        "2",
-        "--threads",
-        "1",
-        "--depth",
-        "100,0,244",
-        "--json",
-    ]));
+        &[
+            &SMALL_RUN[..],
+            &["--repetitions", "2", "--depth", "100,0,244"],
+        ]
+        .concat(),
+    );
     let weights = positive(&out, "weight_bytes");
     let kv = positive(&out, "kv_bytes_per_position");
     let rows = out["depths"].as_array().expect("depths");
@@ -149,24 +145,21 @@ fn bench_depths_give_one_row_each() {
 fn ctx_size_replaces_the_checkpoint_context() {
     let model = tiny_gguf();
     let args = |ctx: &'static str, depth: &'static str| {
-        vec![
-            "bench",
-            "--model",
-            model.as_str(),
-            "--prompt-tokens",
-            "8",
-            "--gen-tokens",
-            "4",
+        let run = [
             "--repetitions",
-            "1",
-            "--threads",
             "1",
             "--depth",
             depth,
             "--ctx-size",
             ctx,
             "--json",
+        ];
+        [
+            &["bench", "--model", model.as_str()],
+            &SMALL_RUN[..],
+            &run[..],
         ]
+        .concat()
     };
     // The fixture declares 256 positions: 300 + 12 runs only with a longer context.
     let out = kvant_ok(&args("320", "300"));
@@ -197,22 +190,10 @@ fn ctx_size_replaces_the_checkpoint_context() {
 #[test]
 fn bench_counts_only_the_window_of_sliding_layers() {
     let model = fixture("models/gemma3-text");
-    let out = json(&kvant_ok(&[
-        "bench",
-        "--model",
+    let out = bench_json(
         model.to_str().expect("utf-8 fixture path"),
-        "--prompt-tokens",
-        "8",
-        "--gen-tokens",
-        "4",
-        "--repetitions",
-        "1",
-        "--threads",
-        "1",
-        "--depth",
-        "100",
-        "--json",
-    ]));
+        &[&SMALL_RUN[..], &["--repetitions", "1", "--depth", "100"]].concat(),
+    );
     let per_layer = positive(&out, "kv_bytes_per_position") / 3.0;
     // Two local layers read 8 positions each, the global one 110.5 on average.
     let read = per_layer * (8.0 + 8.0 + 110.5);
@@ -225,18 +206,17 @@ fn bench_counts_only_the_window_of_sliding_layers() {
 
 #[test]
 fn bench_without_decode_reports_null_decode_fields() {
-    let out = json(&kvant_ok(&[
-        "bench",
-        "--model",
+    let out = bench_json(
         &tiny_gguf(),
-        "--prompt-tokens",
-        "5",
-        "--gen-tokens",
-        "0",
-        "--repetitions",
-        "1",
-        "--json",
-    ]));
+        &[
+            "--prompt-tokens",
+            "5",
+            "--gen-tokens",
+            "0",
+            "--repetitions",
+            "1",
+        ],
+    );
     positive(&out, "prefill_tokens_per_s");
     assert!(out["decode_tokens_per_s"].is_null(), "{out}");
     assert!(out["decode_roofline_fraction"].is_null(), "{out}");
@@ -312,24 +292,23 @@ fn bench_rejects_requests_it_cannot_run() {
 #[test]
 fn bench_reports_the_layout_and_its_collectives() {
     let model = tiny_gguf();
-    let out = json(&kvant_ok(&[
-        "bench",
-        "--model",
+    let out = bench_json(
         &model,
-        "--prompt-tokens",
-        "8",
-        "--gen-tokens",
-        "4",
-        "--repetitions",
-        "2",
-        "--json",
-        "--tp",
-        "2",
-        "--net-latency",
-        "50us",
-        "--net-bandwidth",
-        "10",
-    ]));
+        &[
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "4",
+            "--repetitions",
+            "2",
+            "--tp",
+            "2",
+            "--net-latency",
+            "50us",
+            "--net-bandwidth",
+            "10",
+        ],
+    );
     let p = &out["parallel"];
     assert_eq!((p["ranks"].as_u64(), p["tp"].as_u64()), (Some(2), Some(2)));
     assert_eq!(p["net_latency_s"].as_f64(), Some(50e-6));
@@ -349,17 +328,16 @@ fn bench_reports_the_layout_and_its_collectives() {
     assert!(decode["modelled_secs"].as_f64().unwrap() >= 4.0 * 5.0 * 100e-6);
     assert!(p["decode"]["exposed_comm_secs"].as_f64().unwrap() > 0.0);
     // An idle layout has no rows to bench through.
-    let plain = json(&kvant_ok(&[
-        "bench",
-        "--model",
+    let plain = bench_json(
         &model,
-        "--prompt-tokens",
-        "8",
-        "--gen-tokens",
-        "2",
-        "--repetitions",
-        "1",
-        "--json",
-    ]));
+        &[
+            "--prompt-tokens",
+            "8",
+            "--gen-tokens",
+            "2",
+            "--repetitions",
+            "1",
+        ],
+    );
     assert!(plain["parallel"].is_null());
 }

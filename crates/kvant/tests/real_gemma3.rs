@@ -5,7 +5,6 @@
 
 mod common;
 use common::*;
-use std::path::Path;
 
 /// Greedy steps whose reference top-1/top-2 gap is below this are not compared,
 /// nor any after them: kvant and transformers sum the same float32 products in
@@ -19,21 +18,14 @@ const PPL_REL_TOL: f64 = 0.005;
 /// `$KVANT_GEMMA3_MODEL` (set by `.ci/run` after fetching the GGUF). `None`
 /// only when `KVANT_SKIP_REAL_MODEL=1`.
 fn gemma3_model() -> Option<String> {
-    if std::env::var("KVANT_SKIP_REAL_MODEL").as_deref() == Ok("1") {
-        eprintln!("KVANT_SKIP_REAL_MODEL=1: skipping a real-model test");
-        return None;
-    }
-    match std::env::var("KVANT_GEMMA3_MODEL") {
-        Ok(p) if Path::new(&p).is_file() => Some(p),
-        _ => panic!(
-            "set KVANT_GEMMA3_MODEL to gemma-3-270m-q4_k_m.gguf (`bash .ci/run` fetches it into \
-             the kvant cache dir), or KVANT_SKIP_REAL_MODEL=1 to skip real-model tests"
-        ),
-    }
+    real_checkpoint(
+        "KVANT_GEMMA3_MODEL",
+        "gemma-3-270m-q4_k_m.gguf (`bash .ci/run` fetches it into the kvant cache dir)",
+    )
 }
 
 fn reference() -> serde_json::Value {
-    json(&std::fs::read_to_string(fixture("models/gemma3-270m-q4_k_m.reference.json")).unwrap())
+    model_reference("gemma3-270m-q4_k_m")
 }
 
 #[test]
@@ -41,13 +33,7 @@ fn greedy_continuations_match_transformers() {
     let Some(model) = gemma3_model() else { return };
     let r = reference();
     for p in r["prompts"].as_array().unwrap() {
-        let out = greedy_32(&model, p["text"].as_str().unwrap(), EXACT);
-        let name = p["name"].as_str().unwrap();
-        assert_eq!(
-            ids(&out["prompt_token_ids"]),
-            ids(&p["prompt_ids"]),
-            "{name}: prompt ids"
-        );
+        let (out, name) = greedy_from_reference(&model, p);
         let n = comparable_steps(p, MIN_COMPARED_MARGIN);
         assert!(
             n >= 8,

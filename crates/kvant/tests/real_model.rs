@@ -6,7 +6,7 @@ mod common;
 use common::*;
 
 fn reference() -> serde_json::Value {
-    json(&std::fs::read_to_string(fixture("models/smollm2-135m-q4_1.reference.json")).unwrap())
+    model_reference("smollm2-135m-q4_1")
 }
 
 #[test]
@@ -14,13 +14,7 @@ fn greedy_continuations_match_transformers() {
     let Some(model) = real_model() else { return };
     let r = reference();
     for p in r["prompts"].as_array().unwrap() {
-        let out = greedy_32(&model, p["text"].as_str().unwrap(), EXACT);
-        let name = p["name"].as_str().unwrap();
-        assert_eq!(
-            ids(&out["prompt_token_ids"]),
-            ids(&p["prompt_ids"]),
-            "{name}: prompt ids"
-        );
+        let (out, name) = greedy_from_reference(&model, p);
         assert_eq!(
             ids(&out["token_ids"]),
             ids(&p["greedy_ids"]),

@@ -1,11 +1,12 @@
 //! Where a layer's tokens live, as the attention components see them: the
 //! pool of cached rows and states, the layer's index in it, and the
-//! batch's sequences. Its own module so that the layer, which builds these,
-//! and the attention components, which read them, do not import each
-//! other.
+//! batch's sequences; and [`Step`], the rows one component of a layer
+//! reads and writes. Its own module so that the layer, which builds these,
+//! and the components, which read them, do not import each other.
 
 use crate::kv::KvPool;
 use kvant_kernels::attention::SeqAttn;
+use kvant_kernels::int8::Q8Activations;
 use std::cell::RefCell;
 
 /// Where a layer's tokens live: the pool, the layer's index in it, the
@@ -26,6 +27,19 @@ pub(crate) struct StateCtx<'a, 'b> {
     pub index: usize,
     pub seqs: &'a [SeqAttn<'b>],
     pub slots: &'a [usize],
+}
+
+/// One component's step over a batch (attention, dense FFN, MoE): `n`
+/// normed token rows in (`xn`, `[n, hidden]`), its output rows out
+/// (`out`, `[n, hidden]`, overwritten), the 8-bit activations and the
+/// component's scratch it reuses between steps. The rows and their count
+/// travel together, so no component is handed one without the other.
+pub(crate) struct Step<'a, S> {
+    pub xn: &'a [f32],
+    pub n: usize,
+    pub q8: &'a mut Q8Activations,
+    pub s: &'a mut S,
+    pub out: &'a mut [f32],
 }
 
 /// A [`LayerCtx`] whose pool is shared by the micro-batches of a pass

@@ -13,7 +13,7 @@
 use super::ctx::Place;
 use super::gdn::GatedDeltaNet;
 use super::layer::{Attention, Ffn, Layer, LayerScratch};
-use super::loader::Loader;
+use super::loader::{Loader, Part};
 use super::mha::MhaAttention;
 use super::mla::MlaAttention;
 pub use super::mla_expand::MlaPrefill;
@@ -406,7 +406,7 @@ impl DecoderModel {
         let vocab = shard.vocab(cfg.vocab);
         let embed = ld.quantized(ld.matrix(g.embed, cfg.vocab, h)?.row_range(vocab.clone())?)?;
         let output = if ld.has(g.output) {
-            ld.weight_rows(g.output, [cfg.vocab, h], vocab.clone())?
+            ld.weight_part(g.output, [cfg.vocab, h], Part::Rows(vocab.clone()))?
         } else if cfg.tied_embeddings || matches!(ckpt, Checkpoint::Gguf(_)) {
             ld.prepare(embed.clone())?
         } else {

@@ -1,11 +1,11 @@
 //! The gated feed-forward block, `down(act(gate(x)) ⊙ up(x))`: a dense
 //! layer's FFN, and the shared experts of a mixture-of-experts layer.
 
-use super::loader::{block_after, Loader};
+use super::ctx::Step;
+use super::loader::{block_after, Loader, Part};
 use super::shard::Shard;
 use crate::ModelError;
 use kvant_kernels::activation::{gated, Activation};
-use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 
 pub(crate) struct DenseFfn {
@@ -40,9 +40,9 @@ impl DenseFfn {
         }
         Ok(DenseFfn {
             w: Some([
-                ld.weight_rows(gate, [ff, hidden], cols.clone())?,
-                ld.weight_rows(up, [ff, hidden], cols.clone())?,
-                ld.weight_cols(down, [hidden, ff], cols)?,
+                ld.weight_part(gate, [ff, hidden], Part::Rows(cols.clone()))?,
+                ld.weight_part(up, [ff, hidden], Part::Rows(cols.clone()))?,
+                ld.weight_part(down, [hidden, ff], Part::Cols(cols))?,
             ]),
         })
     }
@@ -53,15 +53,8 @@ impl DenseFfn {
     }
 
     /// `out = FFN(xn)` for `n` tokens (`out` is `[n, hidden]`, overwritten).
-    pub fn forward(
-        &self,
-        act: Activation,
-        xn: &[f32],
-        n: usize,
-        q8: &mut Q8Activations,
-        s: &mut FfnScratch,
-        out: &mut [f32],
-    ) -> Result<(), ModelError> {
+    pub fn forward(&self, act: Activation, step: Step<'_, FfnScratch>) -> Result<(), ModelError> {
+        let Step { xn, n, q8, s, out } = step;
         let Some([gate, up, down]) = &self.w else {
             out.fill(0.0);
             return Ok(());

@@ -22,7 +22,7 @@
 //! convolution's last `K − 1` inputs and the delta rule's state, in the
 //! pool's state slot of the sequence (`KvPool::states_mut`).
 
-use super::ctx::StateCtx;
+use super::ctx::{StateCtx, Step};
 use super::loader::{check_shape, Loader};
 use super::sized;
 use crate::checkpoint::Checkpoint;
@@ -299,17 +299,13 @@ impl GatedDeltaNet {
 
     /// The layer's output (`[n, hidden]` into `out`) for the batch's `n`
     /// tokens (normed input `xn`), advancing each sequence's state.
-    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
     pub fn forward(
         &self,
         cfg: &ModelConfig,
         ctx: StateCtx<'_, '_>,
-        xn: &[f32],
-        n: usize,
-        q8: &mut Q8Activations,
-        s: &mut GdnScratch,
-        out: &mut [f32],
+        step: Step<'_, GdnScratch>,
     ) -> Result<(), ModelError> {
+        let Step { xn, n, q8, s, out } = step;
         let p = &self.p;
         let (nk, nv, dk, dv) = (p.n_k_heads, p.n_v_heads, p.dk, p.dv);
         let conv_dim = 2 * nk * dk + nv * dv;

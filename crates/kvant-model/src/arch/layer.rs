@@ -1,7 +1,7 @@
 //! One decoder layer: pre-norm attention and feed-forward blocks with
 //! residual adds (and Gemma's post-norms), whatever kind each block is.
 
-use super::ctx::{LayerCtx, Place, StateCtx};
+use super::ctx::{LayerCtx, Place, StateCtx, Step};
 use super::ffn::{DenseFfn, FfnScratch};
 use super::gdn::{GatedDeltaNet, GdnScratch};
 use super::loader::Loader;
@@ -143,11 +143,25 @@ impl Layer {
             match &self.attn {
                 Attention::Mha(a) => {
                     let rope = (self.inv_freq.as_slice(), self.window);
-                    a.forward(c, rope, ctx, xn, n, q8, mha, proj)?
+                    let step = Step {
+                        xn,
+                        n,
+                        q8,
+                        s: mha,
+                        out: proj,
+                    };
+                    a.forward(c, rope, ctx, step)?
                 }
                 Attention::Mla(a) => {
                     let m = c.mla.as_ref().ok_or(ModelError::KvShape)?;
-                    a.forward(c, m, &self.inv_freq, ctx, xn, n, q8, mla, proj)?
+                    let step = Step {
+                        xn,
+                        n,
+                        q8,
+                        s: mla,
+                        out: proj,
+                    };
+                    a.forward(c, m, &self.inv_freq, ctx, step)?
                 }
                 Attention::Linear(a) => {
                     let ctx = StateCtx {
@@ -156,7 +170,14 @@ impl Layer {
                         seqs: at.seqs,
                         slots: at.slots,
                     };
-                    a.forward(c, ctx, xn, n, q8, gdn, proj)?
+                    let step = Step {
+                        xn,
+                        n,
+                        q8,
+                        s: gdn,
+                        out: proj,
+                    };
+                    a.forward(c, ctx, step)?
                 }
             }
         }
@@ -167,11 +188,27 @@ impl Layer {
         match &self.ffn {
             Ffn::Dense(f) => {
                 if n > 0 {
-                    f.forward(c.activation, xn, n, q8, ffn, proj)?;
+                    let step = Step {
+                        xn,
+                        n,
+                        q8,
+                        s: ffn,
+                        out: proj,
+                    };
+                    f.forward(c.activation, step)?;
                 }
                 net.tp_sum(proj).await?;
             }
-            Ffn::Moe(m) => m.forward(c.activation, xn, n, q8, moe, proj, net).await?,
+            Ffn::Moe(m) => {
+                let step = Step {
+                    xn,
+                    n,
+                    q8,
+                    s: moe,
+                    out: proj,
+                };
+                m.forward(c.activation, step, net).await?
+            }
         }
         add_rms_norm(x, proj, h, self.post_ffn_norm.as_deref(), None, c.rms_eps);
         Ok(())

@@ -39,6 +39,15 @@ pub(crate) enum Bias {
     IfPresent,
 }
 
+/// Which part of a `[rows, cols]` matrix a rank loads: rows (a
+/// column-parallel share: its heads or FFN columns) or columns (a
+/// row-parallel share, whose products the ranks sum).
+#[derive(Clone, Debug)]
+pub(crate) enum Part {
+    Rows(Range<usize>),
+    Cols(Range<usize>),
+}
+
 pub(crate) struct Loader<'a> {
     pub ckpt: &'a Checkpoint,
     /// Prepare int8-capable weights for the int8 kernels.
@@ -126,34 +135,21 @@ impl Loader<'_> {
         Ok((0..n).map(|i| t.matrix(i)).collect::<Result<_, _>>()?)
     }
 
-    /// Rows `range` of the `[rows, cols]` matrix `name` (a column-parallel
-    /// share: a rank's heads or FFN columns), prepared.
-    pub fn weight_rows(
+    /// Part `part` of the `[rows, cols]` matrix `name` (a rank's share of
+    /// a projection), prepared.
+    pub fn weight_part(
         &self,
         name: &str,
         [rows, cols]: [usize; 2],
-        range: Range<usize>,
+        part: Part,
     ) -> Result<LinearWeight, ModelError> {
         let t = self.matrix(name, rows, cols)?;
-        if range == (0..rows) {
-            return self.prepare(t);
+        match part {
+            Part::Rows(r) if r == (0..rows) => self.prepare(t),
+            Part::Cols(c) if c == (0..cols) => self.prepare(t),
+            Part::Rows(r) => self.prepare(t.row_range(r)?),
+            Part::Cols(c) => self.prepare(cut_cols(&t, name, c)?),
         }
-        self.prepare(t.row_range(range)?)
-    }
-
-    /// Columns `range` of the `[rows, cols]` matrix `name` (a row-parallel
-    /// share), prepared.
-    pub fn weight_cols(
-        &self,
-        name: &str,
-        [rows, cols]: [usize; 2],
-        range: Range<usize>,
-    ) -> Result<LinearWeight, ModelError> {
-        let t = self.matrix(name, rows, cols)?;
-        if range == (0..cols) {
-            return self.prepare(t);
-        }
-        self.prepare(cut_cols(&t, name, range)?)
     }
 
     /// The rows of `runs` of `{stem}.weight` `[rows, cols]` and of its
@@ -174,37 +170,24 @@ impl Loader<'_> {
         })
     }
 
-    /// Rows `range` of `{stem}.weight` and its bias (a column-parallel
-    /// projection's share).
-    pub fn linear_rows(
+    /// Part `part` of `{stem}.weight` and the bias that goes with it:
+    /// the same rows of it (a column-parallel projection's share), or for
+    /// a column share (row-parallel, whose outputs are summed) all of it,
+    /// on the first tensor-parallel rank only.
+    pub fn linear_part(
         &self,
         stem: &str,
         [rows, cols]: [usize; 2],
-        range: Range<usize>,
+        part: Part,
         bias: Bias,
     ) -> Result<Linear, ModelError> {
         let b = self.bias(stem, rows, bias)?;
-        Ok(Linear {
-            weight: self.weight_rows(&format!("{stem}.weight"), [rows, cols], range.clone())?,
-            bias: b.map(|b| b[range].to_vec()),
-        })
-    }
-
-    /// Columns `range` of `{stem}.weight` (a row-parallel projection's
-    /// share); the bias, which belongs to the sum, only on the first
-    /// tensor-parallel rank.
-    pub fn linear_cols(
-        &self,
-        stem: &str,
-        [rows, cols]: [usize; 2],
-        range: Range<usize>,
-        bias: Bias,
-    ) -> Result<Linear, ModelError> {
-        let b = self.bias(stem, rows, bias)?;
-        Ok(Linear {
-            weight: self.weight_cols(&format!("{stem}.weight"), [rows, cols], range)?,
-            bias: b.filter(|_| self.shard.t == 0),
-        })
+        let bias = match &part {
+            Part::Rows(r) => b.map(|b| b[r.clone()].to_vec()),
+            Part::Cols(_) => b.filter(|_| self.shard.t == 0),
+        };
+        let weight = self.weight_part(&format!("{stem}.weight"), [rows, cols], part)?;
+        Ok(Linear { weight, bias })
     }
 
     /// `{stem}.bias` when present, an error when required and absent.
@@ -224,7 +207,7 @@ impl Loader<'_> {
         cols: usize,
         bias: Bias,
     ) -> Result<Linear, ModelError> {
-        self.linear_rows(stem, [rows, cols], 0..rows, bias)
+        self.linear_part(stem, [rows, cols], Part::Rows(0..rows), bias)
     }
 }
 

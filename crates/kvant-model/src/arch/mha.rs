@@ -4,14 +4,13 @@
 //! gate (Qwen3-Next, Qwen3.5: `sigmoid(gate) ⊙ attention`, the gate a second
 //! query-sized projection), output projection.
 
-use super::ctx::LayerCtx;
-use super::loader::{Bias, Linear, Loader};
+use super::ctx::{LayerCtx, Step};
+use super::loader::{Bias, Linear, Loader, Part};
 use super::sized;
 use crate::checkpoint::LayerNames;
 use crate::config::ModelConfig;
 use crate::ModelError;
 use kvant_kernels::attention::AttnParams;
-use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
 use kvant_kernels::rope::rope_rows;
@@ -63,7 +62,10 @@ impl MhaAttention {
         // A gated query projection stores `[q_h; gate_h]` per head: this
         // rank's heads' halves, regrouped.
         let (q, gate) = match cfg.attn_output_gate {
-            false => (ld.linear_rows(&n.q, [qd, h], qr.clone(), bias)?, None),
+            false => (
+                ld.linear_part(&n.q, [qd, h], Part::Rows(qr.clone()), bias)?,
+                None,
+            ),
             true => {
                 let half = |g: usize| -> Vec<_> {
                     share
@@ -84,10 +86,10 @@ impl MhaAttention {
             kv_heads: share.kv.len(),
             q,
             gate,
-            k: ld.linear_rows(&n.k, [kvd, h], kvr.clone(), bias)?,
-            v: ld.linear_rows(&n.v, [kvd, h], kvr, bias)?,
+            k: ld.linear_part(&n.k, [kvd, h], Part::Rows(kvr.clone()), bias)?,
+            v: ld.linear_part(&n.v, [kvd, h], Part::Rows(kvr), bias)?,
             o: Linear {
-                weight: ld.weight_cols(&format!("{}.weight", n.o), [h, qd], qr)?,
+                weight: ld.weight_part(&format!("{}.weight", n.o), [h, qd], Part::Cols(qr))?,
                 bias: None,
             },
             q_norm: req_norm(&n.q_norm)?,
@@ -115,18 +117,14 @@ impl MhaAttention {
     /// their keys and values in layer `layer` of `pool`; the output
     /// projection goes to `out` (`[n, hidden]`): under tensor parallelism,
     /// this rank's heads' share of it, which the layer sums over the ranks.
-    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
     pub fn forward(
         &self,
         cfg: &ModelConfig,
         (inv_freq, window): (&[f32], Option<usize>),
         ctx: LayerCtx<'_, '_>,
-        xn: &[f32],
-        n: usize,
-        q8: &mut Q8Activations,
-        s: &mut MhaScratch,
-        out: &mut [f32],
+        step: Step<'_, MhaScratch>,
     ) -> Result<(), ModelError> {
+        let Step { xn, n, q8, s, out } = step;
         let (qd, kvd) = (self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim);
         let q = sized(&mut s.q, n * qd);
         let k = sized(&mut s.k, n * kvd);

@@ -21,10 +21,10 @@
 //! [`MlaPrefill::Absorbed`], which keeps every token on the absorbed path
 //! so that results never depend on how batches were cut.
 
-use super::ctx::LayerCtx;
+use super::ctx::{LayerCtx, Step};
 use super::heads::PerHead;
 use super::indexer::{Indexer, IndexerScratch};
-use super::loader::{to_f32, transpose, Bias, Linear, Loader};
+use super::loader::{to_f32, transpose, Bias, Linear, Loader, Part};
 use super::mla_expand::{Chunk, ExpandScratch, Expansion, MlaPrefill};
 use super::sized;
 use crate::checkpoint::Checkpoint;
@@ -172,11 +172,16 @@ impl MlaAttention {
             mine.start * m.qk_dim()..mine.end * m.qk_dim(),
         );
         let q = match m.q_lora_rank {
-            None => QProj::Plain(ld.linear_rows(&names.q, [q_out, h], q_rows, Bias::IfPresent)?),
+            None => QProj::Plain(ld.linear_part(
+                &names.q,
+                [q_out, h],
+                Part::Rows(q_rows),
+                Bias::IfPresent,
+            )?),
             Some(r) => QProj::LowRank {
                 a: ld.linear(&names.q_a, r, h, Bias::IfPresent)?,
                 norm: ld.vector(&names.q_a_norm, r)?,
-                b: ld.linear_rows(&names.q_b, [q_out, r], q_rows, Bias::IfPresent)?,
+                b: ld.linear_part(&names.q_b, [q_out, r], Part::Rows(q_rows), Bias::IfPresent)?,
             },
         };
         let expanded = prefill == MlaPrefill::Auto;
@@ -231,7 +236,12 @@ impl MlaAttention {
             v_b: PerHead::new("attn_v_b head", v_b, [m.v_dim, m.kv_lora_rank])?,
             expansion,
             indexer,
-            o: ld.linear_cols(&names.o, [h, all * m.v_dim], o_cols, Bias::IfPresent)?,
+            o: ld.linear_part(
+                &names.o,
+                [h, all * m.v_dim],
+                Part::Cols(o_cols),
+                Bias::IfPresent,
+            )?,
         })
     }
 
@@ -252,19 +262,15 @@ impl MlaAttention {
     /// Attention of the batch's `n` tokens (normed input `xn`), storing
     /// their latent rows in layer `layer` of `pool`; the output projection
     /// goes to `out` (`[n, hidden]`).
-    #[allow(clippy::too_many_arguments)] // one layer's step, unpacked
     pub fn forward(
         &self,
         cfg: &ModelConfig,
         m: &MlaConfig,
         inv_freq: &[f32],
         mut ctx: LayerCtx<'_, '_>,
-        xn: &[f32],
-        n: usize,
-        q8: &mut Q8Activations,
-        s: &mut MlaScratch,
-        out: &mut [f32],
+        step: Step<'_, MlaScratch>,
     ) -> Result<(), ModelError> {
+        let Step { xn, n, q8, s, out } = step;
         let nh = self.heads;
         let (qk, lat, rank, rope) = (m.qk_dim(), m.latent_dim(), m.kv_lora_rank, m.rope_dim);
         let MlaScratch {

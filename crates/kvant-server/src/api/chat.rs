@@ -1,16 +1,10 @@
 //! `/v1/chat/completions` responses and stream chunks.
 
-use super::usage::Usage;
-use super::Header;
+use super::{Chunk, Response};
 use serde::Serialize;
 
-#[derive(Debug, Serialize)]
-pub struct ChatResponse {
-    #[serde(flatten)]
-    pub header: Header,
-    pub choices: Vec<ChatChoice>,
-    pub usage: Usage,
-}
+pub type ChatResponse = Response<ChatChoice>;
+pub type ChatChunk<'a> = Chunk<'a, ChatChunkChoice>;
 
 #[derive(Debug, Serialize)]
 pub struct ChatChoice {
@@ -46,17 +40,6 @@ pub struct FunctionCall {
     pub name: String,
     /// JSON text, as OpenAI sends it.
     pub arguments: String,
-}
-
-#[derive(Debug, Serialize)]
-pub struct ChatChunk<'a> {
-    #[serde(flatten)]
-    pub header: &'a Header,
-    pub choices: Vec<ChatChunkChoice>,
-    /// Absent unless `stream_options.include_usage`; then `null` in every
-    /// chunk but the last, which has no choices.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<Usage>>,
 }
 
 #[derive(Debug, Serialize)]

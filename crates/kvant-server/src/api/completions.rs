@@ -1,17 +1,11 @@
 //! `/v1/completions` responses and stream chunks.
 
-use super::usage::Usage;
-use super::Header;
+use super::{Chunk, Response};
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 
-#[derive(Debug, Serialize)]
-pub struct CompletionResponse {
-    #[serde(flatten)]
-    pub header: Header,
-    pub choices: Vec<CompletionChoice>,
-    pub usage: Usage,
-}
+pub type CompletionResponse = Response<CompletionChoice>;
+pub type CompletionChunk<'a> = Chunk<'a, CompletionChoice>;
 
 /// One choice of a response, or its part in one stream chunk.
 #[derive(Debug, Serialize)]
@@ -21,17 +15,6 @@ pub struct CompletionChoice {
     pub logprobs: Option<CompletionLogprobs>,
     /// `null` in every stream chunk but a choice's last.
     pub finish_reason: Option<&'static str>,
-}
-
-#[derive(Debug, Serialize)]
-pub struct CompletionChunk<'a> {
-    #[serde(flatten)]
-    pub header: &'a Header,
-    pub choices: Vec<CompletionChoice>,
-    /// Absent unless `stream_options.include_usage`; then `null` in every
-    /// chunk but the last, which has no choices.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub usage: Option<Option<Usage>>,
 }
 
 /// The legacy logprobs object: parallel arrays, one entry per token.

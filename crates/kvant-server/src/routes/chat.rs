@@ -81,36 +81,26 @@ fn response(
     with_logprobs: bool,
     tools: Option<ToolFormat>,
 ) -> ChatResponse {
-    let choices = outputs
-        .into_iter()
-        .enumerate()
-        .map(|(index, o)| {
-            let (content, calls) = match tools {
-                Some(f) => tools::parse(f, &o.text),
-                None => (o.text, Vec::new()),
-            };
-            let called = !calls.is_empty();
-            ChatChoice {
-                index,
-                logprobs: with_logprobs.then(|| logprobs::chat(tokenizer, &o.logprobs)),
-                message: AssistantMessage {
-                    role: ROLE,
-                    content: (!called || !content.is_empty()).then_some(content),
-                    tool_calls: called
-                        .then(|| calls.into_iter().map(|c| c.into_api(None)).collect()),
-                },
-                finish_reason: match called {
-                    true => Some(TOOL_CALLS),
-                    false => o.finish_reason.map(FinishReason::as_str),
-                },
-            }
-        })
-        .collect();
-    ChatResponse {
-        header,
-        choices,
-        usage,
-    }
+    ChatResponse::new(header, outputs, usage, |(index, o)| {
+        let (content, calls) = match tools {
+            Some(f) => tools::parse(f, &o.text),
+            None => (o.text, Vec::new()),
+        };
+        let called = !calls.is_empty();
+        ChatChoice {
+            index,
+            logprobs: with_logprobs.then(|| logprobs::chat(tokenizer, &o.logprobs)),
+            message: AssistantMessage {
+                role: ROLE,
+                content: (!called || !content.is_empty()).then_some(content),
+                tool_calls: called.then(|| calls.into_iter().map(|c| c.into_api(None)).collect()),
+            },
+            finish_reason: match called {
+                true => Some(TOOL_CALLS),
+                false => o.finish_reason.map(FinishReason::as_str),
+            },
+        }
+    })
 }
 
 /// Stream chunks: each choice's role first, then text deltas, then an empty
@@ -126,11 +116,7 @@ struct Chunks {
 
 impl Chunks {
     fn chunk(&self, choice: ChatChunkChoice) -> Bytes {
-        event(&ChatChunk {
-            header: &self.header,
-            choices: vec![choice],
-            usage: self.include_usage.then_some(None),
-        })
+        event(&ChatChunk::choice(&self.header, choice, self.include_usage))
     }
 
     fn content(&self, index: usize, text: String, lp: Option<TokenLogprob>) -> Bytes {
@@ -215,10 +201,6 @@ impl ChunkWriter for Chunks {
     }
 
     fn usage(&mut self, usage: Usage) -> Bytes {
-        event(&ChatChunk {
-            header: &self.header,
-            choices: Vec::new(),
-            usage: Some(Some(usage)),
-        })
+        event(&ChatChunk::usage(&self.header, usage))
     }
 }

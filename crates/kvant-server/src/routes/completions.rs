@@ -115,22 +115,13 @@ fn response(
     usage: Usage,
     logprobs: bool,
 ) -> CompletionResponse {
-    let choices = outputs
-        .into_iter()
-        .enumerate()
-        .map(|(index, o)| CompletionChoice {
-            index,
-            logprobs: logprobs
-                .then(|| CompletionLogprobsBuilder::default().entries(tokenizer, &o.logprobs)),
-            text: o.text,
-            finish_reason: o.finish_reason.map(FinishReason::as_str),
-        })
-        .collect();
-    CompletionResponse {
-        header,
-        choices,
-        usage,
-    }
+    CompletionResponse::new(header, outputs, usage, |(index, o)| CompletionChoice {
+        index,
+        logprobs: logprobs
+            .then(|| CompletionLogprobsBuilder::default().entries(tokenizer, &o.logprobs)),
+        text: o.text,
+        finish_reason: o.finish_reason.map(FinishReason::as_str),
+    })
 }
 
 /// Stream chunks: one per token with text (or a logprob), then the
@@ -148,11 +139,11 @@ struct Chunks {
 
 impl Chunks {
     fn chunk(&self, choice: CompletionChoice) -> Bytes {
-        event(&CompletionChunk {
-            header: &self.header,
-            choices: vec![choice],
-            usage: self.include_usage.then_some(None),
-        })
+        event(&CompletionChunk::choice(
+            &self.header,
+            choice,
+            self.include_usage,
+        ))
     }
 
     fn token_logprobs(
@@ -207,10 +198,6 @@ impl ChunkWriter for Chunks {
     }
 
     fn usage(&mut self, usage: Usage) -> Bytes {
-        event(&CompletionChunk {
-            header: &self.header,
-            choices: Vec::new(),
-            usage: Some(Some(usage)),
-        })
+        event(&CompletionChunk::usage(&self.header, usage))
     }
 }

@@ -47,21 +47,49 @@ pub fn kvant_err(args: &[&str]) -> String {
 /// The real default model: `$KVANT_MODEL` (set by `.ci/run` after
 /// `kvant fetch`). `None` only when `KVANT_SKIP_REAL_MODEL=1`.
 pub fn real_model() -> Option<String> {
+    real_checkpoint(
+        "KVANT_MODEL",
+        "the default model (`cargo run -p kvant -- fetch` prints its path)",
+    )
+}
+
+/// The real checkpoint `$var` names, `what` being what it should name.
+/// `None` only when `KVANT_SKIP_REAL_MODEL=1`; panics when it is unset.
+pub fn real_checkpoint(var: &str, what: &str) -> Option<String> {
     if std::env::var("KVANT_SKIP_REAL_MODEL").as_deref() == Ok("1") {
         eprintln!("KVANT_SKIP_REAL_MODEL=1: skipping a real-model test");
         return None;
     }
-    match std::env::var("KVANT_MODEL") {
+    match std::env::var(var) {
         Ok(p) if Path::new(&p).is_file() => Some(p),
-        _ => panic!(
-            "set KVANT_MODEL to the default model (`cargo run -p kvant -- fetch` prints its path), \
-             or KVANT_SKIP_REAL_MODEL=1 to skip real-model tests"
-        ),
+        _ => panic!("set {var} to {what}, or KVANT_SKIP_REAL_MODEL=1 to skip real-model tests"),
     }
 }
 
 pub fn json(s: &str) -> serde_json::Value {
     serde_json::from_str(s.trim()).unwrap_or_else(|e| panic!("bad JSON {s:?}: {e}"))
+}
+
+/// A transformers reference under `tests/fixtures/models/` (`NAME.reference.json`).
+pub fn model_reference(name: &str) -> serde_json::Value {
+    let path = fixture(&format!("models/{name}.reference.json"));
+    json(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())))
+}
+
+/// 32 greedy tokens of reference prompt `p`, checked to start from the
+/// reference's prompt ids; the output and the prompt's name.
+pub fn greedy_from_reference<'a>(
+    model: &str,
+    p: &'a serde_json::Value,
+) -> (serde_json::Value, &'a str) {
+    let out = greedy_32(model, p["text"].as_str().expect("prompt text"), EXACT);
+    let name = p["name"].as_str().expect("prompt name");
+    assert_eq!(
+        ids(&out["prompt_token_ids"]),
+        ids(&p["prompt_ids"]),
+        "{name}: prompt ids"
+    );
+    (out, name)
 }
 
 pub fn ids(v: &serde_json::Value) -> Vec<u64> {

@@ -30,6 +30,7 @@
 //! a rank that receives none for an expert are ordinary cases: it still
 //! posts every collective, with empty parts.
 
+use super::super::ctx::Step;
 use super::super::parallel::{collective, posted, Net};
 use super::experts::ExpertTensors;
 use super::routing::Router;
@@ -162,19 +163,15 @@ impl ExpertParallel {
     /// The layer's output for the group's `n` tokens (see the module
     /// docs): route this rank's share, dispatch it, compute this rank's
     /// experts, combine their results, gather the group's shares.
-    #[allow(clippy::too_many_arguments)] // the layer's step, unpacked
     pub async fn forward(
         &self,
         router: &Router,
         shared: Option<&SharedExperts>,
         act: Activation,
-        xn: &[f32],
-        n: usize,
-        q8: &mut Q8Activations,
-        s: &mut MoeLayerScratch,
-        out: &mut [f32],
+        step: Step<'_, MoeLayerScratch>,
         net: &Net<'_>,
     ) -> Result<(), ModelError> {
+        let Step { xn, n, q8, s, out } = step;
         let Some((_, streams)) = net.par else {
             return Err(ModelError::NotParallel("expert parallelism without ranks"));
         };

@@ -2,6 +2,7 @@
 //! spread over the ranks) and its shared experts, loaded from a checkpoint
 //! and run over a batch of tokens.
 
+use super::super::ctx::Step;
 use super::super::loader::Loader;
 use super::super::parallel::Net;
 use super::super::shard::Shard;
@@ -16,7 +17,6 @@ use crate::ModelError;
 use kvant_core::Tensor;
 use kvant_dist::layout::Placement;
 use kvant_kernels::activation::Activation;
-use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::moe::{moe_ffn, Experts};
 
 pub(crate) struct MoeFfn {
@@ -151,26 +151,20 @@ impl MoeFfn {
     /// `out = MoE(xn)` for `n` tokens (`[n, hidden]`, overwritten). Under
     /// tensor parallelism, summed over the group here; under expert
     /// parallelism, tokens dispatched to their experts' ranks and back.
-    #[allow(clippy::too_many_arguments)] // the layer's step, unpacked
     pub async fn forward(
         &self,
         act: Activation,
-        xn: &[f32],
-        n: usize,
-        q8: &mut Q8Activations,
-        s: &mut MoeLayerScratch,
-        out: &mut [f32],
+        step: Step<'_, MoeLayerScratch>,
         net: &Net<'_>,
     ) -> Result<(), ModelError> {
         let experts = match &self.routed {
             Routed::Parallel(ep) => {
                 let shared = self.shared.as_ref();
-                return ep
-                    .forward(&self.router, shared, act, xn, n, q8, s, out, net)
-                    .await;
+                return ep.forward(&self.router, shared, act, step, net).await;
             }
             Routed::Local(experts) => experts,
         };
+        let Step { xn, n, q8, s, out } = step;
         if n > 0 {
             self.router.route(xn, n, q8, &mut s.routes)?;
             let k = self.router.params.top_k;

@@ -2,6 +2,7 @@
 //! feed-forward every token runs beside its routed experts, whose output
 //! is added to theirs.
 
+use super::super::ctx::Step;
 use super::super::ffn::{DenseFfn, FfnScratch};
 use super::super::loader::{to_f32, Loader};
 use super::super::shard::Shard;
@@ -62,8 +63,15 @@ impl SharedExperts {
         }
         let len = xn.len();
         s.y.resize(len, 0.0);
-        self.ffn
-            .forward(act, xn, n, q8, &mut s.ffn, &mut s.y[..len])?;
+        let out = &mut s.y[..len];
+        let step = Step {
+            xn,
+            n,
+            q8,
+            s: &mut s.ffn,
+            out,
+        };
+        self.ffn.forward(act, step)?;
         Ok(())
     }
 
