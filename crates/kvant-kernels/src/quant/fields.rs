@@ -35,14 +35,13 @@ pub(super) fn blocks<'a, const BYTES: usize, const N: usize>(
 /// The 32 five-bit values of a Q5_0/Q5_1 block in weight order: weight
 /// `j` is nibble `j % 16` of `qs` (low nibbles first) with bit `j` of the
 /// little-endian `qh` as its fifth bit.
+#[inline(always)]
 pub(super) fn five_bit_values(qh: &[u8], qs: &[u8]) -> [u32; 32] {
     let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
-    std::array::from_fn(|j| {
-        let nibble = if j < 16 {
-            qs[j] & 0x0F
-        } else {
-            qs[j - 16] >> 4
-        };
-        nibble as u32 | (((qh >> j) & 1) << 4)
-    })
+    let mut out = [0u32; 32];
+    for j in 0..16 {
+        out[j] = (qs[j] & 0x0F) as u32 | (((qh >> j) & 1) << 4);
+        out[j + 16] = (qs[j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+    }
+    out
 }

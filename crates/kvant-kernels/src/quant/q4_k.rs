@@ -245,14 +245,19 @@ fn quantize_blocks(src: &[f32], dst: &mut [u8], first_pass: FirstPass) {
     }
 }
 
+/// Chunk `c` of a Q4_K/Q5_K block: `c`, its 32 bytes of `qs`, its 64
+/// weights, and its two groups' `(d·scale, dmin·min)`.
+pub(crate) type GroupPair<'a> = (usize, &'a [u8], &'a mut [f32], [(f32, f32); 2]);
+
 /// The reference walk of a Q4_K/Q5_K block `b` of weights `y`: chunk
 /// `c` of 64 weights (the low nibbles of its 32 bytes of `qs`, then the
 /// high ones) with the `(d·scale, dmin·min)` of its two groups.
+#[inline(always)]
 pub(crate) fn group_pairs<'a>(
     b: &[u8],
     qs: &'a [u8],
     y: &'a mut [f32],
-) -> impl Iterator<Item = (usize, &'a [u8], &'a mut [f32], [(f32, f32); 2])> {
+) -> impl Iterator<Item = GroupPair<'a>> {
     let groups = group_scales(b);
     qs.chunks_exact(32)
         .zip(y.chunks_exact_mut(64))
