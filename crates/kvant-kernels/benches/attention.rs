@@ -21,57 +21,89 @@
 //!
 //! `KVANT_THREADS=1 cargo bench -p kvant-kernels --bench attention`
 
-use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+mod config;
+
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion, Throughput};
 use kvant_kernels::attention::{attention_dyn, AttnParams, KvBuffer, KvDType, KvLayer, SeqAttn};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::hint::black_box;
-use std::time::Duration;
 
 const CONTEXT: usize = 2048;
 
+/// SmolLM2-135M's attention: 9 query heads on 3 KV heads of 64.
+const SMOL: AttnParams = AttnParams {
+    n_heads: 9,
+    n_kv_heads: 3,
+    head_dim: 64,
+    v_dim: 64,
+    scale: 0.125,
+    window: None,
+};
+
+fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
+    (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
+}
+
+/// `x` stored as `dtype` rows of `dims` (block size, KV heads, head size)
+/// through `table`.
+fn cache(dtype: KvDType, x: &[f32], dims: (usize, usize, usize), table: &[u32]) -> KvBuffer {
+    let mut b = KvBuffer::zeroed(dtype, x.len()).expect("whole units");
+    b.store_rows(x, dims, table, 0);
+    b
+}
+
+/// One sequence of `tokens` query tokens after `pos0` cached positions.
+fn one_seq(tokens: usize, pos0: usize, table: &[u32]) -> [SeqAttn<'_>; 1] {
+    [SeqAttn {
+        rows: 0..tokens,
+        pos0,
+        table,
+    }]
+}
+
+/// Times one attention call over `layer`, for the queries `q`.
+fn bench_call(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: String,
+    p: &AttnParams,
+    q: &[f32],
+    (layer, seqs): (&KvLayer<'_>, &[SeqAttn<'_>]),
+) {
+    let mut out = vec![0f32; q.len() / p.head_dim * p.v_dim];
+    g.bench_function(name, |b| {
+        b.iter(|| attention_dyn(p, black_box(q), layer, seqs, &mut out))
+    });
+}
+
 fn decode(c: &mut Criterion) {
-    let p = AttnParams {
-        n_heads: 9,
-        n_kv_heads: 3,
-        head_dim: 64,
-        v_dim: 64,
-        scale: 0.125,
-        window: None,
-    };
+    let p = SMOL;
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let kv_dim = p.n_kv_heads * p.head_dim;
-    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
     let (k, v, q) = (
-        rand(CONTEXT * kv_dim),
-        rand(CONTEXT * kv_dim),
-        rand(p.n_heads * p.head_dim),
+        rand_vec(&mut rng, CONTEXT * kv_dim),
+        rand_vec(&mut rng, CONTEXT * kv_dim),
+        rand_vec(&mut rng, p.n_heads * p.head_dim),
     );
-    let mut out = vec![0f32; p.n_heads * p.v_dim];
     let mut g = c.benchmark_group(format!("attention decode, {CONTEXT} positions"));
     for block_size in [CONTEXT, 16] {
         let table: Vec<u32> = (0..(CONTEXT / block_size) as u32).collect();
+        let dims = (block_size, p.n_kv_heads, p.head_dim);
         for dtype in KvDType::ALL {
-            let buf = |x: &[f32]| {
-                let mut b = KvBuffer::zeroed(dtype, CONTEXT * kv_dim).expect("whole units");
-                b.store_rows(x, (block_size, p.n_kv_heads, p.head_dim), &table, 0);
-                b
-            };
-            let (kb, vb) = (buf(&k), buf(&v));
+            let (kb, vb) = (
+                cache(dtype, &k, dims, &table),
+                cache(dtype, &v, dims, &table),
+            );
             let layer = KvLayer {
                 k: &kb,
                 v: Some(&vb),
                 block_size,
             };
-            let seqs = [SeqAttn {
-                rows: 0..1,
-                pos0: CONTEXT - 1,
-                table: &table,
-            }];
+            let seqs = one_seq(1, CONTEXT - 1, &table);
             g.throughput(Throughput::Bytes((kb.bytes() + vb.bytes()) as u64));
-            g.bench_function(format!("{dtype}, blocks of {block_size}"), |b| {
-                b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
-            });
+            let name = format!("{dtype}, blocks of {block_size}");
+            bench_call(&mut g, name, &p, &q, (&layer, &seqs));
         }
     }
     g.finish();
@@ -87,29 +119,22 @@ fn latent(c: &mut Criterion) {
         window: None,
     };
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
-    let (k, q) = (rand(CONTEXT * p.head_dim), rand(p.n_heads * p.head_dim));
-    let mut out = vec![0f32; p.n_heads * p.v_dim];
+    let k = rand_vec(&mut rng, CONTEXT * p.head_dim);
+    let q = rand_vec(&mut rng, p.n_heads * p.head_dim);
     let block_size = 16;
     let table: Vec<u32> = (0..(CONTEXT / block_size) as u32).collect();
     let mut g = c.benchmark_group(format!("latent attention decode, {CONTEXT} positions"));
     for dtype in KvDType::ALL {
-        let mut kb = KvBuffer::zeroed(dtype, CONTEXT * p.head_dim).expect("whole units");
-        kb.store_rows(&k, (block_size, 1, p.head_dim), &table, 0);
+        let kb = cache(dtype, &k, (block_size, 1, p.head_dim), &table);
         let layer = KvLayer {
             k: &kb,
             v: None,
             block_size,
         };
-        let seqs = [SeqAttn {
-            rows: 0..1,
-            pos0: CONTEXT - 1,
-            table: &table,
-        }];
+        let seqs = one_seq(1, CONTEXT - 1, &table);
         g.throughput(Throughput::Bytes(kb.bytes() as u64));
-        g.bench_function(format!("{dtype}, 16 heads, blocks of {block_size}"), |b| {
-            b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
-        });
+        let name = format!("{dtype}, 16 heads, blocks of {block_size}");
+        bench_call(&mut g, name, &p, &q, (&layer, &seqs));
     }
     g.finish();
 }
@@ -118,14 +143,7 @@ fn prefill(c: &mut Criterion) {
     // A 512-token chunk (the engine's prefill chunk) of SmolLM2's heads
     // after 4096 tokens and of Gemma 3 270M's global layer (4 query heads
     // of 256 on one KV head) after 8192.
-    let smol = AttnParams {
-        n_heads: 9,
-        n_kv_heads: 3,
-        head_dim: 64,
-        v_dim: 64,
-        scale: 0.125,
-        window: None,
-    };
+    let smol = SMOL;
     let gemma = AttnParams {
         n_heads: 4,
         n_kv_heads: 1,
@@ -160,23 +178,16 @@ fn layers_case(c: &mut Criterion, name: &str, p: AttnParams, ctx: usize, layers:
     let kv_dim = p.n_kv_heads * p.head_dim;
     let dims = (ctx, p.n_kv_heads, p.head_dim);
     let table = [0u32];
-    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
-    let caches: Vec<(KvBuffer, KvBuffer)> = (0..layers)
-        .map(|_| {
-            let mut k = KvBuffer::zeroed(KvDType::F16, ctx * kv_dim).expect("whole units");
-            let mut v = KvBuffer::zeroed(KvDType::F16, ctx * kv_dim).expect("whole units");
-            k.store_rows(&rand(ctx * kv_dim), dims, &table, 0);
-            v.store_rows(&rand(ctx * kv_dim), dims, &table, 0);
-            (k, v)
-        })
-        .collect();
-    let q = rand(p.n_heads * p.head_dim);
+    let mut f16_cache = || {
+        let x = rand_vec(&mut rng, ctx * kv_dim);
+        cache(KvDType::F16, &x, dims, &table)
+    };
+    // Keys, then values, of each layer in turn.
+    let caches: Vec<(KvBuffer, KvBuffer)> =
+        (0..layers).map(|_| (f16_cache(), f16_cache())).collect();
+    let q = rand_vec(&mut rng, p.n_heads * p.head_dim);
     let mut out = vec![0f32; p.n_heads * p.v_dim];
-    let seqs = [SeqAttn {
-        rows: 0..1,
-        pos0: ctx - 1,
-        table: &table,
-    }];
+    let seqs = one_seq(1, ctx - 1, &table);
     let bytes: usize = caches.iter().map(|(k, v)| k.bytes() + v.bytes()).sum();
     let mut g = c.benchmark_group(format!(
         "attention decode step, {name}, {layers} layers x {ctx} positions"
@@ -217,31 +228,24 @@ fn chunk_case(c: &mut Criterion, group: &str, p: AttnParams, depth: usize, chunk
     let n = depth + chunk;
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let kv_dim = p.n_kv_heads * p.head_dim;
-    let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
     let (k, v, q) = (
-        rand(n * kv_dim),
-        rand(n * kv_dim),
-        rand(chunk * p.n_heads * p.head_dim),
+        rand_vec(&mut rng, n * kv_dim),
+        rand_vec(&mut rng, n * kv_dim),
+        rand_vec(&mut rng, chunk * p.n_heads * p.head_dim),
     );
-    let mut out = vec![0f32; chunk * p.n_heads * p.v_dim];
     let block_size = 16;
     let table: Vec<u32> = (0..(n / block_size) as u32).collect();
-    let buf = |x: &[f32]| {
-        let mut b = KvBuffer::zeroed(KvDType::F16, n * kv_dim).expect("whole units");
-        b.store_rows(x, (block_size, p.n_kv_heads, p.head_dim), &table, 0);
-        b
-    };
-    let (kb, vb) = (buf(&k), buf(&v));
+    let dims = (block_size, p.n_kv_heads, p.head_dim);
+    let (kb, vb) = (
+        cache(KvDType::F16, &k, dims, &table),
+        cache(KvDType::F16, &v, dims, &table),
+    );
     let layer = KvLayer {
         k: &kb,
         v: Some(&vb),
         block_size,
     };
-    let seqs = [SeqAttn {
-        rows: 0..chunk,
-        pos0: depth,
-        table: &table,
-    }];
+    let seqs = one_seq(chunk, depth, &table);
     // Token t sees depth + t + 1 keys, or the window's last ones.
     let pairs: usize = (0..chunk)
         .map(|t| {
@@ -252,18 +256,14 @@ fn chunk_case(c: &mut Criterion, group: &str, p: AttnParams, depth: usize, chunk
     let flops = 4 * p.head_dim * p.n_heads * pairs;
     let mut g = c.benchmark_group(group);
     g.throughput(Throughput::Elements(flops as u64));
-    g.bench_function("f16, blocks of 16 (elements = FLOPs)", |b| {
-        b.iter(|| attention_dyn(&p, black_box(&q), &layer, &seqs, &mut out))
-    });
+    let name = "f16, blocks of 16 (elements = FLOPs)".to_string();
+    bench_call(&mut g, name, &p, &q, (&layer, &seqs));
     g.finish();
 }
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2))
-        .sample_size(30);
+    config = config::short();
     targets = decode, latent, prefill
 }
 criterion_main!(benches);

@@ -17,12 +17,13 @@
 //!
 //! `cargo bench -p kvant-kernels --bench delta` (`KVANT_THREADS=1` for one core)
 
+mod config;
+
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use kvant_kernels::delta::{delta_rule, DeltaInputs, DeltaParams, DeltaSeq, HeadSharing};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::hint::black_box;
-use std::time::Duration;
 
 const P: DeltaParams = DeltaParams {
     n_k_heads: 16,
@@ -156,10 +157,7 @@ fn decode(c: &mut Criterion) {
 
 criterion_group! {
     name = benches;
-    config = Criterion::default()
-        .warm_up_time(Duration::from_millis(300))
-        .measurement_time(Duration::from_secs(2))
-        .sample_size(30);
+    config = config::short();
     targets = prefill, decode
 }
 criterion_main!(benches);

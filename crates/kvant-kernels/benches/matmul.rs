@@ -17,6 +17,10 @@
 //!
 //! `cargo bench -p kvant-kernels --bench matmul [-- FILTER]`
 
+#[path = "../tests/common/mod.rs"]
+mod common;
+
+use common::random_row;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::int8::Q8Activations;
@@ -26,40 +30,8 @@ use rand_chacha::ChaCha8Rng;
 use std::hint::black_box;
 use std::time::Duration;
 
-/// Byte offsets of the f16 scales in a block (as in tests/quant_kernels.rs):
-/// random bits there could be NaN or huge, which would not time the same.
-fn scale_offsets(dtype: DType) -> &'static [usize] {
-    match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => &[],
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
-        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
-        DType::Q2_K => &[80, 82],
-        DType::Q3_K => &[108],
-        DType::Q6_K => &[208],
-    }
-}
-
 fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, out: usize, inp: usize) -> Tensor {
-    let mut bytes = Vec::new();
-    for _ in 0..out * inp / dtype.block_size() {
-        match dtype {
-            DType::F32 => bytes.extend(rng.random_range(-1.0f32..1.0).to_le_bytes()),
-            DType::F16 => {
-                bytes.extend(half::f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes())
-            }
-            DType::BF16 => {
-                bytes.extend(half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes())
-            }
-            _ => {
-                let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
-                for &off in scale_offsets(dtype) {
-                    let scale = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
-                    block[off..off + 2].copy_from_slice(&scale.to_le_bytes());
-                }
-                bytes.extend(block);
-            }
-        }
-    }
+    let bytes = random_row(rng, dtype, out * inp);
     Tensor::new(dtype, vec![out, inp], Storage::Owned(bytes.into()), 0).expect("weight tensor")
 }
 

@@ -82,13 +82,16 @@ struct Dims {
     row_bytes: usize,
 }
 
+/// Checks one call's shapes against the slices: `None` for an empty
+/// product, after zeroing `y` (each of its values, if any, a sum of no
+/// terms).
 fn check(
     op: &'static str,
     w: &Tensor,
     x: &[f32],
     n_tokens: usize,
-    y: &[f32],
-) -> Result<Dims, KernelError> {
+    y: &mut [f32],
+) -> Result<Option<Dims>, KernelError> {
     let &[out, inp] = w.shape() else {
         return Err(KernelError::NotAMatrix {
             op,
@@ -111,11 +114,15 @@ fn check(
         checked_mul(op, out, row_bytes)?,
         w.bytes().len(),
     )?;
-    Ok(Dims {
+    if out == 0 || inp == 0 || n_tokens == 0 {
+        y.fill(0.0);
+        return Ok(None);
+    }
+    Ok(Some(Dims {
         out,
         inp,
         row_bytes,
-    })
+    }))
 }
 
 /// [`matmul`] on a given tier (lowered to one the CPU supports).
@@ -126,18 +133,14 @@ pub fn matmul_with(
     n_tokens: usize,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    let Dims {
+    let Some(Dims {
         out,
         inp,
         row_bytes,
-    } = check("matmul", w, x, n_tokens, y)?;
-    if inp == 0 {
-        y.fill(0.0);
+    }) = check("matmul", w, x, n_tokens, y)?
+    else {
         return Ok(());
-    }
-    if out == 0 || n_tokens == 0 {
-        return Ok(());
-    }
+    };
     let kernel = RowKernel::new(w.dtype(), tier);
     let bytes = w.bytes();
     let job = Job {
@@ -268,21 +271,15 @@ pub fn matmul_ref(
     n_tokens: usize,
     y: &mut [f32],
 ) -> Result<(), KernelError> {
-    let Dims {
-        out,
-        inp,
-        row_bytes,
-    } = check("matmul_ref", w, x, n_tokens, y)?;
-    if row_bytes == 0 {
-        y.fill(0.0);
+    let Some(d) = check("matmul_ref", w, x, n_tokens, y)? else {
         return Ok(());
-    }
-    let mut row = vec![0f32; inp];
-    for (o, bytes) in w.bytes().chunks_exact(row_bytes).enumerate() {
+    };
+    let mut row = vec![0f32; d.inp];
+    for (o, bytes) in w.bytes().chunks_exact(d.row_bytes).enumerate() {
         dequantize_row_ref(w.dtype(), bytes, &mut row)?;
-        for (t, xt) in x.chunks_exact(inp).enumerate() {
+        for (t, xt) in x.chunks_exact(d.inp).enumerate() {
             let sum: f64 = row.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
-            y[t * out + o] = sum as f32;
+            y[t * d.out + o] = sum as f32;
         }
     }
     Ok(())

@@ -10,6 +10,9 @@
 //! - the grouped int8 product against one `gemm` per matrix, bit for bit;
 //! - every argument error.
 
+mod common;
+
+use common::random_block;
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::activation::{gated_with, Activation};
 use kvant_kernels::cpu::{self, SimdTier};
@@ -57,17 +60,6 @@ const MAX_BOUND_FRACTION: f64 = 0.25;
 
 // ---------------------------------------------------------------- inputs
 
-/// Scale-field offsets in one block of `dtype` (ggml-common.h); every
-/// other byte of a block is packed integers, where any bits are valid.
-fn scale_offsets(dtype: DType) -> &'static [usize] {
-    match dtype {
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
-        DType::Q4_1 | DType::Q4_K => &[0, 2],
-        DType::Q6_K => &[208],
-        _ => &[],
-    }
-}
-
 /// A random `[n, rows, cols]` stack of weights, as GGUF stores a layer's
 /// experts: values in ±0.1 for float types; random quants and small
 /// finite scales for block types (smaller for the k-quants, whose 6- and
@@ -92,12 +84,7 @@ fn random_stack(rng: &mut ChaCha8Rng, dtype: DType, n: usize, rows: usize, cols:
                 2e-2
             };
             for _ in 0..elements / dtype.block_size() {
-                let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
-                for &off in scale_offsets(dtype) {
-                    let d = half::f16::from_f32(rng.random_range(-s..s));
-                    block[off..off + 2].copy_from_slice(&d.to_le_bytes());
-                }
-                bytes.extend(block);
+                bytes.extend(random_block(rng, dtype, s));
             }
         }
     }
@@ -187,6 +174,32 @@ fn routed(rng: &mut ChaCha8Rng, n: usize, n_experts: usize, top_k: usize) -> (Ve
     )
     .unwrap();
     (ids, w)
+}
+
+/// `n` random tokens of a case (values in ±2) and their routing.
+struct Batch {
+    n: usize,
+    x: Vec<f32>,
+    ids: Vec<u32>,
+    w: Vec<f32>,
+}
+
+impl Batch {
+    fn random(rng: &mut ChaCha8Rng, c: &Case, n: usize) -> Batch {
+        let x = random_vec(rng, n * c.hidden, 2.0);
+        let (ids, w) = routed(rng, n, c.n_experts, c.top_k);
+        Batch { n, x, ids, w }
+    }
+
+    /// The fused layer's output for these tokens on `tier`.
+    fn fused(&self, tier: SimdTier, l: &Layer, c: &Case, s: &mut MoeScratch) -> Vec<f32> {
+        let mut out = vec![f32::NAN; self.n * c.hidden];
+        moe_ffn_with(
+            tier, &l.experts, c.act, &self.x, self.n, &self.ids, &self.w, c.top_k, s, &mut out,
+        )
+        .unwrap();
+        out
+    }
 }
 
 // ------------------------------------------------------------- experts
@@ -309,17 +322,15 @@ fn experts_match_the_reference_on_every_tier() {
             (c.n_experts, c.hidden, c.ff)
         );
         for n in [7usize, 37, 1] {
-            let x = random_vec(&mut rng, n * c.hidden, 2.0);
-            let (ids, w) = routed(&mut rng, n, c.n_experts, c.top_k);
+            let b = Batch::random(&mut rng, &c, n);
+            let (x, ids, w) = (&b.x, &b.ids, &b.w);
             let x_seen = if l.q8_in {
-                as_int8_sees(&x, n, c.hidden)
+                as_int8_sees(x, n, c.hidden)
             } else {
                 x.clone()
             };
-            let want = moe_ffn_ref(
-                &l.gate, &l.up, &l.down, c.act, &x_seen, n, &ids, &w, c.top_k,
-            )
-            .unwrap();
+            let want =
+                moe_ffn_ref(&l.gate, &l.up, &l.down, c.act, &x_seen, n, ids, w, c.top_k).unwrap();
             let bounds: Vec<(Vec<f64>, Vec<f64>)> = (0..n)
                 .map(|t| {
                     let ts = t * c.top_k..(t + 1) * c.top_k;
@@ -328,20 +339,7 @@ fn experts_match_the_reference_on_every_tier() {
                 })
                 .collect();
             for tier in cpu::available_tiers() {
-                let mut got = vec![f32::NAN; n * c.hidden];
-                moe_ffn_with(
-                    tier,
-                    &l.experts,
-                    c.act,
-                    &x,
-                    n,
-                    &ids,
-                    &w,
-                    c.top_k,
-                    &mut scratch,
-                    &mut got,
-                )
-                .unwrap();
+                let got = b.fused(tier, &l, &c, &mut scratch);
                 for (i, (&g, &r)) in got.iter().zip(&want).enumerate() {
                     let (t, o) = (i / c.hidden, i % c.hidden);
                     let (b, m) = (bounds[t].0[o], bounds[t].1[o]);
@@ -385,23 +383,10 @@ fn the_fused_layer_is_the_per_token_composition_of_the_kernels() {
     for c in cases() {
         let l = layer(&mut rng, &c);
         let (h, ff, n) = (c.hidden, c.ff, 37);
-        let x = random_vec(&mut rng, n * h, 2.0);
-        let (ids, w) = routed(&mut rng, n, c.n_experts, c.top_k);
+        let b = Batch::random(&mut rng, &c, n);
+        let (x, ids, w) = (&b.x, &b.ids, &b.w);
         for tier in cpu::available_tiers() {
-            let mut fused = vec![f32::NAN; n * h];
-            moe_ffn_with(
-                tier,
-                &l.experts,
-                c.act,
-                &x,
-                n,
-                &ids,
-                &w,
-                c.top_k,
-                &mut scratch,
-                &mut fused,
-            )
-            .unwrap();
+            let fused = b.fused(tier, &l, &c, &mut scratch);
             let [wg, wu, wd] = &l.prepared;
             for t in 0..n {
                 let xt = &x[t * h..(t + 1) * h];
@@ -449,31 +434,21 @@ fn a_token_gives_the_same_bits_alone_and_in_any_batch() {
     for c in cases() {
         let l = layer(&mut rng, &c);
         let h = c.hidden;
-        let x = random_vec(&mut rng, n * h, 2.0);
-        let (ids, w) = routed(&mut rng, n, c.n_experts, c.top_k);
+        let b = Batch::random(&mut rng, &c, n);
+        let (x, ids, w) = (&b.x, &b.ids, &b.w);
         let mut s = MoeScratch::default();
-        let mut batch = vec![f32::NAN; n * h];
-        moe_ffn(
-            &l.experts, c.act, &x, n, &ids, &w, c.top_k, &mut s, &mut batch,
-        )
-        .unwrap();
+        let batch = b.fused(cpu::tier(), &l, &c, &mut s);
         // The same tokens in reverse order.
-        let rev =
-            |v: &[f32], k: usize| -> Vec<f32> { v.chunks(k).rev().flatten().copied().collect() };
-        let ids_rev: Vec<u32> = ids.chunks(c.top_k).rev().flatten().copied().collect();
-        let mut reversed = vec![f32::NAN; n * h];
-        moe_ffn(
-            &l.experts,
-            c.act,
-            &rev(&x, h),
+        fn rev<T: Copy>(v: &[T], k: usize) -> Vec<T> {
+            v.chunks(k).rev().flatten().copied().collect()
+        }
+        let reversed = Batch {
             n,
-            &ids_rev,
-            &rev(&w, c.top_k),
-            c.top_k,
-            &mut s,
-            &mut reversed,
-        )
-        .unwrap();
+            x: rev(x, h),
+            ids: rev(ids, c.top_k),
+            w: rev(w, c.top_k),
+        }
+        .fused(cpu::tier(), &l, &c, &mut s);
         for t in 0..n {
             let ts = t * c.top_k..(t + 1) * c.top_k;
             let alone =
@@ -503,18 +478,15 @@ fn quantized_input_gives_the_bits_of_its_f32_rows() {
     for c in cases() {
         let l = layer(&mut rng, &c);
         let h = c.hidden;
-        let x = random_vec(&mut rng, n * h, 2.0);
-        let (ids, w) = routed(&mut rng, n, c.n_experts, c.top_k);
+        let b = Batch::random(&mut rng, &c, n);
         let mut s = MoeScratch::default();
-        let mut want = vec![f32::NAN; n * h];
-        moe_ffn(
-            &l.experts, c.act, &x, n, &ids, &w, c.top_k, &mut s, &mut want,
-        )
-        .unwrap();
+        let want = b.fused(cpu::tier(), &l, &c, &mut s);
         let mut xq = Q8Activations::default();
-        xq.quantize(cpu::tier(), &x, n, h).unwrap();
+        xq.quantize(cpu::tier(), &b.x, n, h).unwrap();
         let mut got = vec![f32::NAN; n * h];
-        let r = moe_ffn_quantized(&l.experts, c.act, &xq, &ids, &w, c.top_k, &mut s, &mut got);
+        let r = moe_ffn_quantized(
+            &l.experts, c.act, &xq, &b.ids, &b.w, c.top_k, &mut s, &mut got,
+        );
         assert_eq!(l.experts.takes_quantized(), l.q8_in, "{c:?}");
         match l.q8_in {
             true => {

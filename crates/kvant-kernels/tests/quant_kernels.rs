@@ -6,6 +6,9 @@
 //! the f64 dot of the reference weights under [`REL_TOL`], like every other
 //! f32 accumulation.
 
+mod common;
+
+use common::random_row;
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::cpu::{self, SimdTier};
 use kvant_kernels::matmul::{matmul, matmul_ref, matmul_with};
@@ -21,53 +24,6 @@ use rand_chacha::ChaCha8Rng;
 /// far below 1e-5 of Σ|w·x| for random signs, while one wrong, missing or
 /// duplicated term moves the result by ~1e-3 of it or more.
 const REL_TOL: f64 = 1e-5;
-
-/// Byte offsets of the f16 scale fields in one block (ggml-common.h); the
-/// rest of a block is packed integers, where every bit pattern is valid.
-fn scale_offsets(dtype: DType) -> &'static [usize] {
-    match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => &[],
-        DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
-        DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
-        DType::Q2_K => &[80, 82],
-        DType::Q3_K => &[108],
-        DType::Q6_K => &[208],
-    }
-}
-
-/// A random row of `elements` values: random packed bits, finite scales.
-fn random_row(rng: &mut ChaCha8Rng, dtype: DType, elements: usize) -> Vec<u8> {
-    let mut bytes = Vec::new();
-    match dtype {
-        DType::F32 => {
-            for _ in 0..elements {
-                bytes.extend(rng.random_range(-1.0f32..1.0).to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for _ in 0..elements {
-                bytes.extend(half::f16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes());
-            }
-        }
-        DType::BF16 => {
-            for _ in 0..elements {
-                bytes.extend(half::bf16::from_f32(rng.random_range(-1.0f32..1.0)).to_le_bytes());
-            }
-        }
-        _ => {
-            for _ in 0..elements / dtype.block_size() {
-                let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
-                for &off in scale_offsets(dtype) {
-                    let scale = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
-                    block[off..off + 2].copy_from_slice(&scale.to_le_bytes());
-                }
-                bytes.extend(block);
-            }
-        }
-    }
-    assert_eq!(bytes.len(), dtype.bytes_for(elements).unwrap());
-    bytes
-}
 
 /// Like [`random_row`], but with the minimum of each Q4_1/Q5_1 block set to
 /// `-(levels/2)·d`, as a quantizer makes it for zero-centred weights: each

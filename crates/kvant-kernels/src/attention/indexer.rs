@@ -21,7 +21,7 @@
 //! Ties at the cut therefore go to earlier positions (PyTorch's `topk`
 //! leaves tie order unspecified).
 
-use super::kv::{self, KvBlocks, KvElem, KvLayer};
+use super::kv::{self, HeadRows, KvBlocks, KvElem, KvLayer};
 use super::rows::{scores, KEY_TILE};
 use super::SeqAttn;
 use crate::cpu::{self, SimdTier};
@@ -352,10 +352,17 @@ fn score_range<T: KvElem>(
     kt.resize(KEY_TILE * hd, 0.0);
     idx.resize(KEY_TILE, 0.0);
     let qrow = |h: usize| &q[h * hd..(h + 1) * hd];
+    // The indexer's keys: one head, no values.
+    let at = HeadRows {
+        table,
+        n_kv_heads: 1,
+        dims: (hd, hd),
+        h: 0,
+    };
     let mut j0 = range.start;
     while j0 < range.end {
         let tk = KEY_TILE.min(range.end - j0);
-        keys.widen_tile(tier, table, 1, (hd, hd), 0, j0, tk, kt, &mut []);
+        keys.widen_tile(tier, &at, (j0, tk), (kt, &mut []));
         let rows = RowSet::strided(&kt[..], hd, tk, hd);
         scores(tier, (nh, qrow), (rows, &[]), st);
         combine_heads(p.scale, &st[..], &w[..nh], &mut idx[..tk]);

@@ -368,84 +368,91 @@ impl<'a, T: KvElem> KvBlocks<'a, T> {
         self.k.len() / self.block_units(n_kv_heads, head_dim).max(1)
     }
 
-    /// Widens positions `j0..j0 + n` of KV head `h` of the sequence whose
-    /// blocks are `table` (position `j` is slot `j % block_size` of block
-    /// `table[j / block_size]`) into the first `n * head_dim` values of `kt`
-    /// and (stored values only) the first `n * v_dim` of `vt`, one
-    /// contiguous run of units per block crossed.
-    #[allow(clippy::too_many_arguments)] // a tile's address, unpacked
+    /// Widens positions `j0..j0 + n` of head `at` (position `j` is slot
+    /// `j % block_size` of block `table[j / block_size]`) into the first
+    /// `n * head_dim` values of `kt` and (stored values only) the first
+    /// `n * v_dim` of `vt`, one contiguous run of units per block crossed.
     pub(super) fn widen_tile(
         &self,
         tier: SimdTier,
-        table: &[u32],
-        n_kv_heads: usize,
-        (hd, vd): (usize, usize),
-        h: usize,
-        j0: usize,
-        n: usize,
+        at: &HeadRows<'_>,
+        (j0, n): (usize, usize),
+        (kt, vt): (&mut [f32], &mut [f32]),
+    ) {
+        let bs = self.block_size;
+        let mut j = j0;
+        while j < j0 + n {
+            let run = (bs - j % bs).min(j0 + n - j);
+            self.widen_run(tier, at, (j, run), j - j0, kt, vt);
+            j += run;
+        }
+    }
+
+    /// Widens the rows of head `at` at `positions` (any order) into the
+    /// first `positions.len() * head_dim` values of `kt` and (stored values
+    /// only) `positions.len() * v_dim` of `vt`: the gathered tile of a
+    /// sparse attention kernel.
+    pub(super) fn widen_rows(
+        &self,
+        tier: SimdTier,
+        at: &HeadRows<'_>,
+        positions: &[u32],
+        (kt, vt): (&mut [f32], &mut [f32]),
+    ) {
+        for (i, &j) in positions.iter().enumerate() {
+            self.widen_run(tier, at, (j as usize, 1), i, kt, vt);
+        }
+    }
+
+    /// Widens the `run` rows of head `at` from position `j` (all in `j`'s
+    /// block) into rows `i..i + run` of `kt` and (stored values only) `vt`.
+    #[inline(always)]
+    fn widen_run(
+        &self,
+        tier: SimdTier,
+        at: &HeadRows<'_>,
+        (j, run): (usize, usize),
+        i: usize,
         kt: &mut [f32],
         vt: &mut [f32],
     ) {
         let bs = self.block_size;
+        let (hd, vd) = at.dims;
         let (ku, vu) = (hd / T::VALUES, vd / T::VALUES);
-        let (k_block, v_block) = (n_kv_heads * bs * ku, n_kv_heads * bs * vu);
-        let mut j = j0;
-        while j < j0 + n {
-            let (b, slot) = (table[j / bs] as usize, j % bs);
-            let run = (bs - slot).min(j0 + n - j);
-            let row = h * bs + slot;
-            let (src, dst) = (b * k_block + row * ku, (j - j0) * hd);
+        let (k_block, v_block) = (at.n_kv_heads * bs * ku, at.n_kv_heads * bs * vu);
+        let b = at.table[j / bs] as usize;
+        let row = at.h * bs + j % bs;
+        let src = b * k_block + row * ku;
+        T::widen(
+            tier,
+            &self.k[src..src + run * ku],
+            &mut kt[i * hd..(i + run) * hd],
+        );
+        if let Some(v) = self.v {
+            let src = b * v_block + row * vu;
             T::widen(
                 tier,
-                &self.k[src..src + run * ku],
-                &mut kt[dst..dst + run * hd],
+                &v[src..src + run * vu],
+                &mut vt[i * vd..(i + run) * vd],
             );
-            if let Some(v) = self.v {
-                let (src, dst) = (b * v_block + row * vu, (j - j0) * vd);
-                T::widen(tier, &v[src..src + run * vu], &mut vt[dst..dst + run * vd]);
-            }
-            j += run;
         }
     }
 }
 
-impl<T: KvElem> KvBlocks<'_, T> {
-    /// Widens the rows of KV head `h` at `positions` (any order) into the
-    /// first `positions.len() * head_dim` values of `kt` and (stored values
-    /// only) `positions.len() * v_dim` of `vt`: the gathered tile of a
-    /// sparse attention kernel.
-    #[allow(clippy::too_many_arguments)] // a gathered tile's address, unpacked
-    pub(super) fn widen_rows(
-        &self,
-        tier: SimdTier,
-        table: &[u32],
-        n_kv_heads: usize,
-        (hd, vd): (usize, usize),
-        h: usize,
-        positions: &[u32],
-        kt: &mut [f32],
-        vt: &mut [f32],
-    ) {
-        let bs = self.block_size;
-        let (ku, vu) = (hd / T::VALUES, vd / T::VALUES);
-        let (k_block, v_block) = (n_kv_heads * bs * ku, n_kv_heads * bs * vu);
-        for (i, &j) in positions.iter().enumerate() {
-            let j = j as usize;
-            let row = h * bs + j % bs;
-            let b = table[j / bs] as usize;
-            let src = b * k_block + row * ku;
-            T::widen(tier, &self.k[src..src + ku], &mut kt[i * hd..(i + 1) * hd]);
-            if let Some(v) = self.v {
-                let src = b * v_block + row * vu;
-                T::widen(tier, &v[src..src + vu], &mut vt[i * vd..(i + 1) * vd]);
-            }
-        }
-    }
+/// Where one KV head's rows of one sequence live in a block store: the
+/// sequence's block table, the layer's KV heads and (key, value) head
+/// sizes, and the head.
+pub(super) struct HeadRows<'a> {
+    pub table: &'a [u32],
+    pub n_kv_heads: usize,
+    pub dims: (usize, usize),
+    pub h: usize,
 }
 
 /// Writes `n` tokens' keys or values (`src`, token-major `[n, n_kv_heads *
 /// head_dim]`) at positions `pos..pos + n` of a sequence whose blocks are
-/// `table`, in a block store `dst` laid out as [`KvBlocks`].
+/// `table`, in a block store `dst` laid out as [`KvBlocks`] with `dims`
+/// (block size, KV heads, head size).
 ///
 /// # Panics
 /// If `head_dim` is not whole units of `T`, a position falls outside the
@@ -455,20 +462,12 @@ impl<T: KvElem> KvBlocks<'_, T> {
 pub fn store_rows<T: KvElem>(
     src: &[f32],
     dst: &mut [T],
-    block_size: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    dims: (usize, usize, usize),
     table: &[u32],
     pos: usize,
 ) {
-    let units = row_units::<T>(head_dim);
-    let at = head_rows(
-        (block_size, n_kv_heads, head_dim, units),
-        table,
-        pos,
-        src.len(),
-    );
-    for (at, row) in at.zip(src.chunks_exact(head_dim)) {
+    let (units, at) = head_rows::<T>(dims, table, pos, src.len());
+    for (at, row) in at.zip(src.chunks_exact(dims.2)) {
         T::narrow(row, &mut dst[at..at + units]);
     }
 }
@@ -484,21 +483,13 @@ pub fn store_rows<T: KvElem>(
 pub fn load_rows<T: KvElem>(
     src: &[T],
     dst: &mut [f32],
-    block_size: usize,
-    n_kv_heads: usize,
-    head_dim: usize,
+    dims: (usize, usize, usize),
     table: &[u32],
     pos: usize,
 ) {
-    let units = row_units::<T>(head_dim);
     let tier = cpu::tier();
-    let at = head_rows(
-        (block_size, n_kv_heads, head_dim, units),
-        table,
-        pos,
-        dst.len(),
-    );
-    for (at, row) in at.zip(dst.chunks_exact_mut(head_dim)) {
+    let (units, at) = head_rows::<T>(dims, table, pos, dst.len());
+    for (at, row) in at.zip(dst.chunks_exact_mut(dims.2)) {
         T::widen(tier, &src[at..at + units], row);
     }
 }
@@ -514,24 +505,30 @@ fn row_units<T: KvElem>(dim: usize) -> usize {
 }
 
 /// Where the `values` token-major values from position `pos` of a sequence
-/// whose blocks are `table` live in a block store laid out as [`KvBlocks`]
-/// with `units` units per row: the offset (in units) of each token's each
-/// head's `head_dim` values, in that order.
-fn head_rows(
-    (block_size, n_kv_heads, head_dim, units): (usize, usize, usize, usize),
+/// whose blocks are `table` live in a block store of `T` laid out as
+/// [`KvBlocks`] with `dims` (block size, KV heads, head size): the units
+/// per row, and the offset (in units) of each token's each head's
+/// `head_dim` values, in that order.
+///
+/// # Panics
+/// If `head_dim` is not whole units of `T`, or `values` not whole tokens.
+fn head_rows<T: KvElem>(
+    (block_size, n_kv_heads, head_dim): (usize, usize, usize),
     table: &[u32],
     pos: usize,
     values: usize,
-) -> impl Iterator<Item = usize> + '_ {
+) -> (usize, impl Iterator<Item = usize> + '_) {
+    let units = row_units::<T>(head_dim);
     let kv_dim = n_kv_heads * head_dim;
     assert!(kv_dim > 0 && block_size > 0);
     assert_eq!(values % kv_dim, 0);
     let per_block = n_kv_heads * units * block_size;
-    (pos..pos + values / kv_dim).flat_map(move |j| {
+    let at = (pos..pos + values / kv_dim).flat_map(move |j| {
         let b = table[j / block_size] as usize;
         let slot = j % block_size;
         (0..n_kv_heads).map(move |h| b * per_block + (h * block_size + slot) * units)
-    })
+    });
+    (units, at)
 }
 
 /// Zeroed storage for values of a KV element type chosen at run time:
@@ -642,13 +639,11 @@ impl KvBuffer {
     pub fn store_rows(
         &mut self,
         src: &[f32],
-        (block_size, n_heads, dim): (usize, usize, usize),
+        dims: (usize, usize, usize),
         table: &[u32],
         pos: usize,
     ) {
-        with_kv_elem!(self.dtype, T => {
-            store_rows::<T>(src, self.units_mut::<T>(), block_size, n_heads, dim, table, pos)
-        })
+        with_kv_elem!(self.dtype, T => store_rows::<T>(src, self.units_mut::<T>(), dims, table, pos))
     }
 
     /// [`load_rows`] from this buffer.
@@ -658,13 +653,11 @@ impl KvBuffer {
     pub fn load_rows(
         &self,
         dst: &mut [f32],
-        (block_size, n_heads, dim): (usize, usize, usize),
+        dims: (usize, usize, usize),
         table: &[u32],
         pos: usize,
     ) {
-        with_kv_elem!(self.dtype, T => {
-            load_rows::<T>(self.units::<T>(), dst, block_size, n_heads, dim, table, pos)
-        })
+        with_kv_elem!(self.dtype, T => load_rows::<T>(self.units::<T>(), dst, dims, table, pos))
     }
 }
 

@@ -38,6 +38,7 @@ pub use sparse::{
 
 use crate::cpu::{self, SimdTier};
 use crate::pool::{self, DisjointSlice};
+use kv::HeadRows;
 use params::MAX_ROWS;
 use rows::{fold, Item, Partial, SeqOperands, State, Tiles, PARTITION};
 use std::cell::RefCell;
@@ -243,17 +244,13 @@ fn attention_with<T: KvElem>(
             w.at = keys.start;
             w.k.resize(keys.len() * hd, 0.0);
             w.v.resize(if kv.v.is_some() { keys.len() * vd } else { 0 }, 0.0);
-            kv.widen_tile(
-                tier,
-                s.table,
-                p.n_kv_heads,
-                (hd, vd),
-                kvh,
-                keys.start,
-                keys.len(),
-                &mut w.k,
-                &mut w.v,
-            );
+            let at = HeadRows {
+                table: s.table,
+                n_kv_heads: p.n_kv_heads,
+                dims: (hd, vd),
+                h: kvh,
+            };
+            kv.widen_tile(tier, &at, (keys.start, keys.len()), (&mut w.k, &mut w.v));
         };
         execute(
             (plan, tasks, off),
@@ -553,7 +550,7 @@ fn items(p: &AttnParams, n: usize) -> impl Iterator<Item = Item> {
 
 #[cfg(test)]
 mod tests {
-    use super::testing::{fits, rand_vec, Store};
+    use super::testing::{fits, params, rand_vec, random_kvs, Case, Store};
     use super::*;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
@@ -594,19 +591,8 @@ mod tests {
     /// Online softmax in f32 over ≤ 1000 keys: errors ~1e-6; 1e-5 leaves margin.
     const TOL: f32 = 1e-5;
 
-    /// One case: heads, KV heads, (key, value) head sizes, latent
-    /// (values inside the keys), window, and per sequence (query tokens,
-    /// earlier positions).
-    type Case = (
-        usize,
-        usize,
-        (usize, usize),
-        bool,
-        Option<usize>,
-        Vec<(usize, usize)>,
-    );
-
-    fn cases() -> Vec<Case> {
+    /// The cases of the dense kernel: their parameter is the window.
+    fn cases() -> Vec<Case<Option<usize>>> {
         vec![
             (4, 2, (16, 16), false, None, vec![(7, 0)]),
             (3, 1, (5, 5), false, None, vec![(1, 20), (4, 3)]),
@@ -652,21 +638,8 @@ mod tests {
         for (case, (n_heads, n_kv, (hd, vd), latent, window, shape)) in
             cases().into_iter().enumerate()
         {
-            let p = AttnParams {
-                n_heads,
-                n_kv_heads: n_kv,
-                head_dim: hd,
-                v_dim: vd,
-                scale: 1.0 / (hd as f32).sqrt(),
-                window,
-            };
-            let kvs: Vec<(Vec<f32>, Vec<f32>)> = shape
-                .iter()
-                .map(|&(n, past)| {
-                    let len = (past + n) * n_kv;
-                    (rand_vec(&mut rng, len * hd), rand_vec(&mut rng, len * vd))
-                })
-                .collect();
+            let p = params((n_heads, n_kv), (hd, vd), 1.0 / (hd as f32).sqrt(), window);
+            let kvs = random_kvs(&mut rng, &shape, n_kv, (hd, vd));
             let n_tok: usize = shape.iter().map(|s| s.0).sum();
             let q = rand_vec(&mut rng, n_tok * n_heads * hd);
             let n_out = n_tok * n_heads * vd;
@@ -721,14 +694,7 @@ mod tests {
             (4, 2, (32, 32), false, Some(70), 37, 90),
             (8, 1, (64, 48), true, None, 19, 170),
         ] {
-            let p = AttnParams {
-                n_heads,
-                n_kv_heads: n_kv,
-                head_dim: hd,
-                v_dim: vd,
-                scale: 0.3,
-                window,
-            };
+            let p = params((n_heads, n_kv), (hd, vd), 0.3, window);
             let len = past + n;
             let me = (
                 rand_vec(&mut rng, len * n_kv * hd),

@@ -18,7 +18,7 @@
 //! task or in several. So a request decodes the same tokens alone, in a
 //! batch of 64, after a chunked prefill or after a prefix-cache hit.
 
-use super::kv::{KvBlocks, KvElem};
+use super::kv::{HeadRows, KvBlocks, KvElem};
 use super::params::{AttnParams, MAX_ROWS};
 use crate::cpu::SimdTier;
 use crate::dot::dot_keys_with;
@@ -280,13 +280,17 @@ pub(super) fn run_cached<'k, T: KvElem>(
         vt.resize(KEY_TILE * vd, 0.0);
     }
     let _ = then; // widened tile by tile: nothing read ahead
+    let at = HeadRows {
+        table,
+        n_kv_heads: p.n_kv_heads,
+        dims: (hd, vd),
+        h: kvh,
+    };
     for keys in tiles {
         let tk = keys.len();
         match keys {
-            Keys::Run { j0, len } => {
-                kv.widen_tile(tier, table, p.n_kv_heads, (hd, vd), kvh, j0, len, kt, vt)
-            }
-            Keys::Picked(ps) => kv.widen_rows(tier, table, p.n_kv_heads, (hd, vd), kvh, ps, kt, vt),
+            Keys::Run { j0, len } => kv.widen_tile(tier, &at, (j0, len), (kt, vt)),
+            Keys::Picked(ps) => kv.widen_rows(tier, &at, ps, (kt, vt)),
         }
         let t = widened_rows((kt, vt), (hd, vd), latent, (0, tk));
         run_tile(tier, p, rows, (keys.cut(), tk), (t, (&[], &[])), &mut state);

@@ -177,8 +177,7 @@ fn run_partition<T: KvElem>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::testing::fits;
-    use super::super::testing::{rand_vec, Store};
+    use super::super::testing::{fits, params, rand_vec, random_kvs, Case, Store};
     use super::super::{attention_dyn_with, attention_ref, KvDType};
     use super::*;
     use rand::seq::index::sample;
@@ -188,18 +187,8 @@ mod tests {
     /// Online softmax in f32 over ≤ 64 keys: errors ~1e-6 (as the dense test).
     const TOL: f32 = 1e-5;
 
-    /// (heads, KV heads, (key, value) dims, latent, top-k, per sequence
-    /// (tokens, past)).
-    type Case = (
-        usize,
-        usize,
-        (usize, usize),
-        bool,
-        usize,
-        Vec<(usize, usize)>,
-    );
-
-    fn cases() -> Vec<Case> {
+    /// The cases of the sparse kernel: their parameter is the top-k.
+    fn cases() -> Vec<Case<usize>> {
         vec![
             (16, 1, (40, 32), true, 8, vec![(1, 300), (5, 2), (9, 20)]),
             (4, 1, (72, 64), true, 37, vec![(3, 100)]),
@@ -219,21 +208,8 @@ mod tests {
     fn every_tier_matches_reference_on_gathered_rows() {
         let mut rng = ChaCha8Rng::seed_from_u64(31);
         for (case, (nh, n_kv, (hd, vd), latent, k, shape)) in cases().into_iter().enumerate() {
-            let p = AttnParams {
-                n_heads: nh,
-                n_kv_heads: n_kv,
-                head_dim: hd,
-                v_dim: vd,
-                scale: 1.0 / (hd as f32).sqrt(),
-                window: None,
-            };
-            let kvs: Vec<(Vec<f32>, Vec<f32>)> = shape
-                .iter()
-                .map(|&(n, past)| {
-                    let len = (past + n) * n_kv;
-                    (rand_vec(&mut rng, len * hd), rand_vec(&mut rng, len * vd))
-                })
-                .collect();
+            let p = params((nh, n_kv), (hd, vd), 1.0 / (hd as f32).sqrt(), None);
+            let kvs = random_kvs(&mut rng, &shape, n_kv, (hd, vd));
             let n_tok: usize = shape.iter().map(|s| s.0).sum();
             let q = rand_vec(&mut rng, n_tok * nh * hd);
             let mut picks = Vec::new();
@@ -309,14 +285,7 @@ mod tests {
     fn selecting_everything_is_dense_attention() {
         let mut rng = ChaCha8Rng::seed_from_u64(32);
         let (nh, hd, vd, past) = (8, 40, 32, 70);
-        let p = AttnParams {
-            n_heads: nh,
-            n_kv_heads: 1,
-            head_dim: hd,
-            v_dim: vd,
-            scale: 0.2,
-            window: None,
-        };
+        let p = params((nh, 1), (hd, vd), 0.2, None);
         let kv = vec![(rand_vec(&mut rng, (past + 1) * hd), vec![])];
         let store = Store::new(&mut rng, KvDType::F32, &kv, 1, (hd, vd), 16, true);
         let q = rand_vec(&mut rng, nh * hd);
@@ -345,14 +314,7 @@ mod tests {
     fn results_do_not_depend_on_the_split() {
         let mut rng = ChaCha8Rng::seed_from_u64(33);
         let (nh, hd, vd, k, past, n) = (16, 64, 32, 700, 3000, 40);
-        let p = AttnParams {
-            n_heads: nh,
-            n_kv_heads: 1,
-            head_dim: hd,
-            v_dim: vd,
-            scale: 0.2,
-            window: None,
-        };
+        let p = params((nh, 1), (hd, vd), 0.2, None);
         let kv = vec![(rand_vec(&mut rng, (past + n) * hd), vec![])];
         let store = Store::new(&mut rng, KvDType::Q8_0, &kv, 1, (hd, vd), 16, true);
         let q = rand_vec(&mut rng, n * nh * hd);

@@ -1,7 +1,7 @@
 //! Test helpers shared by the attention kernels' tests.
 
 use super::kv::{self, KvBuffer, KvDType, KvElem, KvLayer};
-use super::SeqAttn;
+use super::{AttnParams, SeqAttn};
 use crate::cpu::SimdTier;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -9,6 +9,45 @@ use rand_chacha::ChaCha8Rng;
 
 pub(super) fn rand_vec(rng: &mut ChaCha8Rng, n: usize) -> Vec<f32> {
     (0..n).map(|_| rng.random_range(-2.0..2.0)).collect()
+}
+
+/// One test case: heads, KV heads, (key, value) head sizes, latent
+/// (values inside the keys), the kernel's own parameter `X` (a window, a
+/// top-k), and per sequence (query tokens, earlier positions).
+pub(super) type Case<X> = (usize, usize, (usize, usize), bool, X, Vec<(usize, usize)>);
+
+/// `n_heads` query heads on `n_kv_heads` KV heads of `(hd, vd)` values.
+pub(super) fn params(
+    (n_heads, n_kv_heads): (usize, usize),
+    (hd, vd): (usize, usize),
+    scale: f32,
+    window: Option<usize>,
+) -> AttnParams {
+    AttnParams {
+        n_heads,
+        n_kv_heads,
+        head_dim: hd,
+        v_dim: vd,
+        scale,
+        window,
+    }
+}
+
+/// Random keys and values (token-major, `n_kv` heads of `(hd, vd)`) of
+/// each sequence `(query tokens, earlier positions)` of `shape`.
+pub(super) fn random_kvs(
+    rng: &mut ChaCha8Rng,
+    shape: &[(usize, usize)],
+    n_kv: usize,
+    (hd, vd): (usize, usize),
+) -> Vec<(Vec<f32>, Vec<f32>)> {
+    shape
+        .iter()
+        .map(|&(n, past)| {
+            let len = (past + n) * n_kv;
+            (rand_vec(rng, len * hd), rand_vec(rng, len * vd))
+        })
+        .collect()
 }
 
 /// `x` (whole units of `dtype`) as a `dtype` cache holds it: narrowed

@@ -225,30 +225,34 @@ fn group_rows(
                 (_, false) => TOKEN_TILE,
                 (_, true) => VNNI_TOKEN_TILE,
             };
+            let tiles = GroupTiles {
+                w,
+                blk,
+                x,
+                store: &store,
+            };
             let mut t = tokens.start;
             while t < tokens.end {
                 let left = (tokens.end - t).min(most);
                 // SAFETY: the tier has AVX2/FMA/F16C (clamped to the CPU);
                 // `blk` is this group's `blocks()` packed blocks and each
                 // token's slices hold `cols` quants and `cols/32` scales.
+                // One arm per tile length below the largest, whose tile
+                // takes every longer rest.
+                macro_rules! by_len {
+                    ($tile:ident, $most:ident; $($k:literal)*) => {
+                        match left {
+                            $($k => $tile::<$k>(&tiles, t),)*
+                            _ => $tile::<$most>(&tiles, t),
+                        }
+                    };
+                }
                 let done = unsafe {
-                    match (left, vnni) {
-                        (1, false) => tile::<1>(w, blk, t, x, &store),
-                        (2, false) => tile::<2>(w, blk, t, x, &store),
-                        (3, false) => tile::<3>(w, blk, t, x, &store),
-                        (4, false) => tile::<4>(w, blk, t, x, &store),
-                        (5, false) => tile::<5>(w, blk, t, x, &store),
-                        (_, false) => tile::<TOKEN_TILE>(w, blk, t, x, &store),
-                        // SAFETY (these arms): AVX-512 VNNI, F and VL were
+                    match vnni {
+                        false => by_len!(tile, TOKEN_TILE; 1 2 3 4 5),
+                        // SAFETY (this arm): AVX-512 VNNI, F and VL were
                         // detected (`has_avx512_vnni` implies the tier).
-                        (1, true) => tile_vnni::<1>(w, blk, t, x, &store),
-                        (2, true) => tile_vnni::<2>(w, blk, t, x, &store),
-                        (3, true) => tile_vnni::<3>(w, blk, t, x, &store),
-                        (4, true) => tile_vnni::<4>(w, blk, t, x, &store),
-                        (5, true) => tile_vnni::<5>(w, blk, t, x, &store),
-                        (6, true) => tile_vnni::<6>(w, blk, t, x, &store),
-                        (7, true) => tile_vnni::<7>(w, blk, t, x, &store),
-                        (_, true) => tile_vnni::<VNNI_TOKEN_TILE>(w, blk, t, x, &store),
+                        true => by_len!(tile_vnni, VNNI_TOKEN_TILE; 1 2 3 4 5 6 7),
                     }
                 };
                 t += done;
@@ -334,6 +338,16 @@ unsafe fn pair_tile<const T: usize>(
     }
 }
 
+/// One group's operands for its token tiles: the matrix, the group's
+/// packed blocks, the tokens, and where each token's eight rows go.
+#[cfg(target_arch = "x86_64")]
+struct GroupTiles<'a, S> {
+    w: &'a PackedMatrix,
+    blk: &'a [u8],
+    x: &'a Q8Activations,
+    store: &'a S,
+}
+
 /// Runs tokens `t0..t0 + T` of one group; returns `T`.
 ///
 /// # Safety
@@ -341,14 +355,11 @@ unsafe fn pair_tile<const T: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile<const T: usize>(
-    w: &PackedMatrix,
-    blk: &[u8],
+    tiles: &GroupTiles<'_, impl Fn(usize, &[f32; GROUP])>,
     t0: usize,
-    x: &Q8Activations,
-    store: &impl Fn(usize, &[f32; GROUP]),
 ) -> usize {
     // SAFETY: the caller's contract; AVX2, FMA and F16C are enabled here.
-    unsafe { tile_body::<T, false>(w, blk, t0, x, store) }
+    unsafe { tile_body::<T, false>(tiles, t0) }
 }
 
 /// [`tile`] on the AVX-512 VNNI kernels.
@@ -358,14 +369,11 @@ unsafe fn tile<const T: usize>(
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
 unsafe fn tile_vnni<const T: usize>(
-    w: &PackedMatrix,
-    blk: &[u8],
+    tiles: &GroupTiles<'_, impl Fn(usize, &[f32; GROUP])>,
     t0: usize,
-    x: &Q8Activations,
-    store: &impl Fn(usize, &[f32; GROUP]),
 ) -> usize {
     // SAFETY: the caller's contract; the VNNI features are enabled here.
-    unsafe { tile_body::<T, true>(w, blk, t0, x, store) }
+    unsafe { tile_body::<T, true>(tiles, t0) }
 }
 
 /// The body of [`tile`] and [`tile_vnni`], inlined into each so that the
@@ -376,13 +384,11 @@ unsafe fn tile_vnni<const T: usize>(
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn tile_body<const T: usize, const VNNI: bool>(
-    w: &PackedMatrix,
-    blk: &[u8],
+    tiles: &GroupTiles<'_, impl Fn(usize, &[f32; GROUP])>,
     t0: usize,
-    x: &Q8Activations,
-    store: &impl Fn(usize, &[f32; GROUP]),
 ) -> usize {
     use std::arch::x86_64::_mm256_storeu_ps;
+    let GroupTiles { w, blk, x, store } = tiles;
     let ptrs = avx2::TokenPtrs::tile::<T>(x, t0);
     let (f, b) = (w.format(), w.blocks());
     // SAFETY: the caller's contract (and features).

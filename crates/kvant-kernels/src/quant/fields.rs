@@ -1,6 +1,6 @@
 //! Fields every ggml block format reads or sets the same way: the
-//! little-endian f16 scales, and the signed maximum that sets a symmetric
-//! quantizer's scale.
+//! little-endian f16 scales, the signed maximum that sets a symmetric
+//! quantizer's scale, and the walk over whole blocks and their values.
 
 /// Little-endian f16 at byte `off` of a block, widened exactly to f32.
 pub(super) fn f16_at(block: &[u8], off: usize) -> f32 {
@@ -19,4 +19,29 @@ pub(super) fn signed_absmax(x: &[f32]) -> f32 {
         }
     }
     max
+}
+
+/// Each whole block of `src` (`BYTES` bytes) with its `N` values in `dst`,
+/// in order: the walk of every reference decoder.
+#[inline(always)]
+pub(super) fn blocks<'a, const BYTES: usize, const N: usize>(
+    src: &'a [u8],
+    dst: &'a mut [f32],
+) -> impl Iterator<Item = (&'a [u8], &'a mut [f32])> {
+    debug_assert_eq!(src.len() / BYTES * N, dst.len());
+    src.chunks_exact(BYTES).zip(dst.chunks_exact_mut(N))
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block in weight order: weight
+/// `j` is nibble `j % 16` of `qs` (low nibbles first) with bit `j` of the
+/// little-endian `qh` as its fifth bit.
+#[inline(always)]
+pub(super) fn five_bit_values(qh: &[u8], qs: &[u8]) -> [u32; 32] {
+    let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+    let mut out = [0u32; 32];
+    for j in 0..16 {
+        out[j] = (qs[j] & 0x0F) as u32 | (((qh >> j) & 1) << 4);
+        out[j + 16] = (qs[j] >> 4) as u32 | (((qh >> (j + 16)) & 1) << 4);
+    }
+    out
 }

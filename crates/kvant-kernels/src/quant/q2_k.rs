@@ -5,17 +5,13 @@
 //! uses 32 bytes of `qs`; shift `2j` of byte `l` (l < 32) gives weight
 //! `32j + l` of that half. `w = d·scale · q - dmin·min`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 16 + QK_K / 4 + 2 + 2;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK_K, dst.len());
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
         let scales = &b[..16];
         let qs = &b[16..80];
         let d = f16_at(b, 80);
@@ -42,6 +38,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::simd::{f16_load, store_affine_u8x32};
     use super::{BLOCK_BYTES, QK_K};
     use std::arch::x86_64::*;
@@ -63,10 +60,7 @@ pub(crate) mod avx2 {
     /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
             let p = b.as_ptr();
             // SAFETY: `b` is one whole block: `d`, `dmin` at 80 and 82.
             let (d, dmin) = (f16_load(p.add(80)), f16_load(p.add(82)));

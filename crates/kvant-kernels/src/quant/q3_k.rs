@@ -8,7 +8,7 @@
 //! two-bit pairs in bytes 8..12 (group `g` at byte `8 + g % 4`, shift
 //! `2·(g / 4)`), stored with an offset of 32. `w = d·(scale - 32) · q`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 8 + QK_K / 4 + 12 + 2;
@@ -29,11 +29,7 @@ fn scales(packed: &[u8]) -> [i32; 16] {
 }
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK_K, dst.len());
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
         let hmask = &b[..32];
         let qs = &b[32..96];
         let scales = scales(&b[96..108]);
@@ -55,6 +51,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::simd::{f16_load, store_scaled_i8x32};
     use super::{scales, BLOCK_BYTES, QK_K};
     use std::arch::x86_64::*;
@@ -80,10 +77,7 @@ pub(crate) mod avx2 {
     /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
             let p = b.as_ptr();
             // SAFETY (loads): `b` is one whole block: `hmask` at 0..32, `qs`
             // at 32..96, `d` at 108.

@@ -3,14 +3,13 @@
 //! Block (18 bytes): `d: f16`, `qs: [u8; 16]`. Byte `j` holds weight `j` in its
 //! low nibble and weight `j + 16` in its high nibble; `w = (q - 8) · d`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + QK / 2;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK, dst.len());
-    for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+    for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
         let d = f16_at(b, 0);
         let qs = &b[2..];
         for j in 0..QK / 2 {
@@ -43,6 +42,7 @@ pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::simd::f16_splat;
     use super::{BLOCK_BYTES, QK};
     use std::arch::x86_64::*;
@@ -55,7 +55,7 @@ pub(crate) mod avx2 {
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
         let mask = _mm_set1_epi8(0x0F);
         let eight = _mm256_set1_epi32(8);
-        for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+        for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
             // SAFETY: the scale is the block's first two bytes.
             let d = f16_splat(b.as_ptr());
             // SAFETY: `b` is one whole block: 16 quant bytes start at offset 2.

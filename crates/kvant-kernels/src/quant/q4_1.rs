@@ -3,14 +3,13 @@
 //! Block (20 bytes): `d: f16`, `m: f16`, `qs: [u8; 16]`, nibbles ordered as in
 //! Q4_0; `w = q · d + m`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 4 + QK / 2;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK, dst.len());
-    for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+    for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
         let d = f16_at(b, 0);
         let m = f16_at(b, 2);
         let qs = &b[4..];
@@ -23,6 +22,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::simd::f16_at;
     use super::{BLOCK_BYTES, QK};
     use std::arch::x86_64::*;
@@ -35,7 +35,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
         let mask = _mm_set1_epi8(0x0F);
-        for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+        for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
             let d = _mm256_set1_ps(f16_at(b, 0));
             let m = _mm256_set1_ps(f16_at(b, 2));
             // SAFETY: `b` is one whole block: 16 quant bytes start at offset 4.

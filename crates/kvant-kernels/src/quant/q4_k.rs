@@ -4,7 +4,7 @@
 //! Each 64 weights use 32 bytes of `qs`: low nibbles are group `2c`, high
 //! nibbles group `2c + 1`. `w = d·scale · q - dmin·min`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + 2 + 12 + QK_K / 2;
@@ -25,7 +25,7 @@ pub(crate) fn scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
 }
 
 /// Per-group `(d·scale, dmin·min)` of one Q4_K/Q5_K block.
-pub(crate) fn group_scales(b: &[u8]) -> [(f32, f32); 8] {
+fn group_scales(b: &[u8]) -> [(f32, f32); 8] {
     let d = f16_at(b, 0);
     let dmin = f16_at(b, 2);
     let packed = &b[4..16];
@@ -245,20 +245,29 @@ fn quantize_blocks(src: &[f32], dst: &mut [u8], first_pass: FirstPass) {
     }
 }
 
+/// Chunk `c` of a Q4_K/Q5_K block: `c`, its 32 bytes of `qs`, its 64
+/// weights, and its two groups' `(d·scale, dmin·min)`.
+pub(crate) type GroupPair<'a> = (usize, &'a [u8], &'a mut [f32], [(f32, f32); 2]);
+
+/// The reference walk of a Q4_K/Q5_K block `b` of weights `y`: chunk
+/// `c` of 64 weights (the low nibbles of its 32 bytes of `qs`, then the
+/// high ones) with the `(d·scale, dmin·min)` of its two groups.
+#[inline(always)]
+pub(crate) fn group_pairs<'a>(
+    b: &[u8],
+    qs: &'a [u8],
+    y: &'a mut [f32],
+) -> impl Iterator<Item = GroupPair<'a>> {
+    let groups = group_scales(b);
+    qs.chunks_exact(32)
+        .zip(y.chunks_exact_mut(64))
+        .enumerate()
+        .map(move |(c, (q, y))| (c, q, y, [groups[2 * c], groups[2 * c + 1]]))
+}
+
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK_K, dst.len());
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
-        let groups = group_scales(b);
-        for (c, (q, y)) in b[16..]
-            .chunks_exact(32)
-            .zip(y.chunks_exact_mut(64))
-            .enumerate()
-        {
-            let (d1, m1) = groups[2 * c];
-            let (d2, m2) = groups[2 * c + 1];
+    for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
+        for (_, q, y, [(d1, m1), (d2, m2)]) in group_pairs(b, &b[16..], y) {
             for l in 0..32 {
                 y[l] = d1 * (q[l] & 0x0F) as f32 - m1;
                 y[l + 32] = d2 * (q[l] >> 4) as f32 - m2;
@@ -269,6 +278,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::simd::{f16_pair_splat, lane, store_affine_u8x32};
     use super::{unpack_scales, BLOCK_BYTES, QK_K};
     use std::arch::x86_64::*;
@@ -414,10 +424,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
         let mask = _mm256_set1_epi8(0x0F);
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
             // SAFETY: `b` is one whole block.
             let (sc, mn) = scales_mins(b.as_ptr());
             for (c, (q, y)) in b[16..]

@@ -4,22 +4,16 @@
 //! bit of weight `j`), `qs: [u8; 16]` (low nibbles ordered as in Q4_0);
 //! `w = (q - 16) · d`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at, five_bit_values};
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + 4 + QK / 2;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK, dst.len());
-    for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+    for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
         let d = f16_at(b, 0);
-        let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-        let qs = &b[6..];
-        for j in 0..QK / 2 {
-            let h0 = ((qh >> j) & 1) << 4;
-            let h1 = ((qh >> (j + QK / 2)) & 1) << 4;
-            y[j] = (((qs[j] & 0x0F) as u32 | h0) as i32 - 16) as f32 * d;
-            y[j + QK / 2] = (((qs[j] >> 4) as u32 | h1) as i32 - 16) as f32 * d;
+        for (y, q) in y.iter_mut().zip(five_bit_values(&b[2..6], &b[6..])) {
+            *y = (q as i32 - 16) as f32 * d;
         }
     }
 }
@@ -51,7 +45,8 @@ pub(crate) fn quantize_ref(src: &[f32], dst: &mut [u8]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
-    use super::super::simd::{f16_splat, high_bits, nibbles_i32};
+    use super::super::fields::blocks;
+    use super::super::simd::{f16_splat, five_bit_values};
     use super::{BLOCK_BYTES, QK};
     use std::arch::x86_64::*;
 
@@ -62,14 +57,13 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
         let sixteen = _mm256_set1_epi32(16);
-        for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+        for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
             // SAFETY: `b` is one whole block: `qh` at 2, 16 quant bytes at 6.
             let p = b.as_ptr();
             let d = f16_splat(p);
-            let (h, q) = (high_bits(p.add(2)), nibbles_i32(p.add(6)));
-            for (k, (h, q)) in h.into_iter().zip(q).enumerate() {
-                let h = _mm256_and_si256(_mm256_srai_epi32(h, 31), sixteen);
-                let v = _mm256_sub_epi32(_mm256_or_si256(q, h), sixteen);
+            let values = five_bit_values(p.add(2), p.add(6));
+            for (k, q) in values.into_iter().enumerate() {
+                let v = _mm256_sub_epi32(q, sixteen);
                 // SAFETY: `y` holds 32 floats; this writes 8k..8k+8.
                 _mm256_storeu_ps(
                     y.as_mut_ptr().add(8 * k),

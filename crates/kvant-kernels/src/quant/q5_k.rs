@@ -5,26 +5,16 @@
 //! Q4_K; bit `g` of `qh[l]` is the fifth bit of weight `l` of group `g`.
 //! `w = d·scale · q - dmin·min`.
 
-use super::q4_k::group_scales;
+use super::fields::blocks;
+use super::q4_k::group_pairs;
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + 2 + 12 + QK_K / 8 + QK_K / 2;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK_K, dst.len());
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
-        let groups = group_scales(b);
+    for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
         let qh = &b[16..48];
-        for (c, (ql, y)) in b[48..]
-            .chunks_exact(32)
-            .zip(y.chunks_exact_mut(64))
-            .enumerate()
-        {
-            let (d1, m1) = groups[2 * c];
-            let (d2, m2) = groups[2 * c + 1];
+        for (c, ql, y, [(d1, m1), (d2, m2)]) in group_pairs(b, &b[48..], y) {
             for l in 0..32 {
                 let h1 = ((qh[l] >> (2 * c)) & 1) << 4;
                 let h2 = ((qh[l] >> (2 * c + 1)) & 1) << 4;
@@ -37,6 +27,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::q4_k::avx2::scales_mins;
     use super::super::simd::{lane, store_affine_u8x32};
     use super::{BLOCK_BYTES, QK_K};
@@ -49,10 +40,7 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
         let (m4, bit4) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
             let p = b.as_ptr();
             // SAFETY (loads): `b` is one whole block: scales at 4, `qh` at
             // 16..48, the 128 low-nibble bytes at 48.

@@ -7,17 +7,13 @@
 //! bit pairs 0, 2, 4, 6 of `qh[l]` as their top two bits, offset by 32.
 //! `w = d·scale · q`, with the scale of group `(index within half) / 16`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK_K;
 
 pub(crate) const BLOCK_BYTES: usize = QK_K / 2 + QK_K / 4 + QK_K / 16 + 2;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK_K, dst.len());
-    for (b, y) in src
-        .chunks_exact(BLOCK_BYTES)
-        .zip(dst.chunks_exact_mut(QK_K))
-    {
+    for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
         let d = f16_at(b, 208);
         for (half, y) in y.chunks_exact_mut(128).enumerate() {
             let ql = &b[64 * half..64 * half + 64];
@@ -42,6 +38,7 @@ pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
+    use super::super::fields::blocks;
     use super::super::simd::{f16_at, store_scaled_i8x32};
     use super::{BLOCK_BYTES, QK_K};
     use std::arch::x86_64::*;
@@ -88,10 +85,7 @@ pub(crate) mod avx2 {
     /// The CPU supports AVX2 (lengths only need to match for a meaningful result).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) unsafe fn dequantize(src: &[u8], dst: &mut [f32]) {
-        for (b, y) in src
-            .chunks_exact(BLOCK_BYTES)
-            .zip(dst.chunks_exact_mut(QK_K))
-        {
+        for (b, y) in blocks::<BLOCK_BYTES, QK_K>(src, dst) {
             let d = f16_at(b, 208);
             for (half, y) in y.chunks_exact_mut(128).enumerate() {
                 // SAFETY: `b` is one whole block.

@@ -2,14 +2,13 @@
 //!
 //! Block (34 bytes): `d: f16`, `qs: [i8; 32]`.
 
-use super::fields::f16_at;
+use super::fields::{blocks, f16_at};
 use kvant_core::dtype::QK;
 
 pub(crate) const BLOCK_BYTES: usize = 2 + QK;
 
 pub(crate) fn dequantize_ref(src: &[u8], dst: &mut [f32]) {
-    debug_assert_eq!(src.len() / BLOCK_BYTES * QK, dst.len());
-    for (b, y) in src.chunks_exact(BLOCK_BYTES).zip(dst.chunks_exact_mut(QK)) {
+    for (b, y) in blocks::<BLOCK_BYTES, QK>(src, dst) {
         let d = f16_at(b, 0);
         for (y, &q) in y.iter_mut().zip(&b[2..]) {
             *y = q as i8 as f32 * d;

@@ -85,7 +85,7 @@ fn quarters<const SIGNED: bool>(v: __m256i) -> [__m256; 4] {
 /// The CPU supports AVX2; `p` is valid for 16 bytes (unaligned).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn nibbles_i32(p: *const u8) -> [__m256i; 4] {
+unsafe fn nibbles_i32(p: *const u8) -> [__m256i; 4] {
     let a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
     let b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p.add(8) as *const __m128i));
     let m = _mm256_set1_epi32(0x0F);
@@ -140,7 +140,7 @@ pub(crate) fn lane(v: __m256, i: usize) -> __m256 {
 /// The CPU supports AVX2; `p` is valid for 4 bytes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(crate) unsafe fn high_bits(p: *const u8) -> [__m256i; 4] {
+unsafe fn high_bits(p: *const u8) -> [__m256i; 4] {
     let qh = _mm256_set1_epi32((p as *const i32).read_unaligned());
     // Bit j (lane j % 8 of vector j / 8) shifts left by 31 - j.
     let shift = |k: i32| {
@@ -148,4 +148,21 @@ pub(crate) unsafe fn high_bits(p: *const u8) -> [__m256i; 4] {
         _mm256_setr_epi32(b, b - 1, b - 2, b - 3, b - 4, b - 5, b - 6, b - 7)
     };
     [0, 1, 2, 3].map(|k| _mm256_sllv_epi32(qh, shift(k)))
+}
+
+/// The 32 five-bit values of a Q5_0/Q5_1 block as four vectors of eight
+/// i32 (in weight order): the nibbles of the 16 bytes at `qs`, each with
+/// 16 added where its bit of the `u32` at `qh` is set.
+///
+/// # Safety
+/// The CPU supports AVX2; `qh` is valid for 4 bytes, `qs` for 16.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(crate) unsafe fn five_bit_values(qh: *const u8, qs: *const u8) -> [__m256i; 4] {
+    let sixteen = _mm256_set1_epi32(16);
+    let (h, q) = (high_bits(qh), nibbles_i32(qs));
+    [0, 1, 2, 3].map(|k| {
+        let h = _mm256_and_si256(_mm256_srai_epi32(h[k], 31), sixteen);
+        _mm256_or_si256(q[k], h)
+    })
 }
