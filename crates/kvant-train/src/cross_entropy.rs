@@ -674,12 +674,21 @@ pub fn cross_entropy_ref(a: &CeArgs<'_>, logits: &[f64]) -> Result<CeRef, Kernel
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use half::bf16;
     use kvant_kernels::cpu;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
+
+    /// `run` on 1 and on 3 threads gives the same result.
+    pub(crate) fn same_on_1_and_3_threads<T: PartialEq + std::fmt::Debug>(
+        run: impl Fn(&ThreadPool) -> T,
+    ) {
+        let one = ThreadPool::new(1).unwrap();
+        let three = ThreadPool::new(3).unwrap();
+        assert_eq!(run(&one), run(&three));
+    }
 
     fn options() -> Vec<CeOptions> {
         let mut v = Vec::new();
@@ -899,15 +908,12 @@ mod tests {
             vocab,
             options: options()[1],
         };
-        let one = ThreadPool::new(1).unwrap();
-        let three = ThreadPool::new(3).unwrap();
-        let run = |pool: &ThreadPool| {
+        same_on_1_and_3_threads(|pool| {
             let mut g = x.clone();
             let mut l = vec![0f32; rows];
             let tot = cross_entropy_fwd(pool, cpu::tier(), &a, &mut g, &mut l, true).unwrap();
             (g, l, tot.loss.to_bits())
-        };
-        assert_eq!(run(&one), run(&three));
+        });
     }
 
     /// [`cross_entropy_fwd`] in place on the global pool and the CPU's tier.

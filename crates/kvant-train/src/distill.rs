@@ -139,6 +139,16 @@ impl JsdRows<'_> {
     }
 }
 
+/// The tensors of a run of JSD rows: the student's (`x = log q`) and the
+/// teacher's (`y = log p`) log-probabilities in; the gradient w.r.t. `x`
+/// and the per-row sums out.
+pub(crate) struct JsdIo<'a, E> {
+    pub(crate) x: &'a [E],
+    pub(crate) y: &'a [E],
+    pub(crate) dx: &'a mut [E],
+    pub(crate) sums: &'a mut [f32],
+}
+
 #[inline(always)]
 fn jsd_row<E: Elem, F: Fma>(x: &[E], y: &[E], kind: Jsd, scale: f32, dx: &mut [E]) -> f32 {
     let mut sum = 0f32;
@@ -169,7 +179,8 @@ fn jsd_row<E: Elem, F: Fma>(x: &[E], y: &[E], kind: Jsd, scale: f32, dx: &mut [E
 }
 
 #[inline(always)]
-fn jsd_rows<E: Elem, F: Fma>(job: &JsdRows<'_>, x: &[E], y: &[E], dx: &mut [E], sums: &mut [f32]) {
+fn jsd_rows<E: Elem, F: Fma>(job: &JsdRows<'_>, io: JsdIo<'_, E>) {
+    let JsdIo { x, y, dx, sums } = io;
     let JsdRows {
         labels,
         vocab,
@@ -198,12 +209,9 @@ kvant_kernels::per_tier! {
     fn jsd_rows_on<E: Elem>(
         tier: SimdTier,
         job: &JsdRows<'_>,
-        x: &[E],
-        y: &[E],
-        dx: &mut [E],
-        sums: &mut [f32],
+        io: JsdIo<'_, E>,
     ) [F = Plain, Fused] {
-        jsd_rows::<E, F>(job, x, y, dx, sums)
+        jsd_rows::<E, F>(job, io)
     }
 }
 
@@ -249,24 +257,22 @@ fn par_rows(
 }
 
 /// The checked, parallel JSD shared with the fused linear JSD: per-row
-/// sums (unscaled) into `sums`, gradients (times `job.scale`) into `dx`.
+/// sums (unscaled) into `io.sums`, gradients (times `job.scale`) into `io.dx`.
 pub(crate) fn jsd_rows_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
     job: &JsdRows<'_>,
-    x: &[E],
-    y: &[E],
-    dx: &mut [E],
-    sums: &mut [f32],
+    io: JsdIo<'_, E>,
 ) {
+    let JsdIo { x, y, dx, sums } = io;
     let rows = sums.len();
     let d = DisjointSlice::new(dx);
     let s = DisjointSlice::new(sums);
     par_rows(pool, rows, job.vocab, &|r, e| {
         // SAFETY: each task alone owns its rows `r` (disjoint ranges).
-        let (dr, sr) = unsafe { (d.range(e.clone()), s.range(r.clone())) };
-        let (xr, yr) = (&x[e.clone()], &y[e]);
-        jsd_rows_on(tier, &job.rows(r), xr, yr, dr, sr)
+        let (dx, sums) = unsafe { (d.range(e.clone()), s.range(r.clone())) };
+        let (x, y) = (&x[e.clone()], &y[e]);
+        jsd_rows_on(tier, &job.rows(r), JsdIo { x, y, dx, sums })
     });
 }
 
@@ -286,7 +292,13 @@ pub fn jsd_fwd<E: Elem>(
     let (rows, job) = a.check(log_q.len(), log_p.len())?;
     check_len("jsd dlog_q", log_q.len(), dlog_q.len())?;
     let mut sums = vec![0f32; rows];
-    jsd_rows_in(pool, tier, &job, log_q, log_p, dlog_q, &mut sums);
+    let io = JsdIo {
+        x: log_q,
+        y: log_p,
+        dx: dlog_q,
+        sums: &mut sums,
+    };
+    jsd_rows_in(pool, tier, &job, io);
     let total: f64 = sums.iter().map(|&v| v as f64).sum();
     Ok(((total * job.scale as f64) as f32, job.counted))
 }
@@ -550,6 +562,7 @@ pub fn kl_div_ref(
 
 #[cfg(test)]
 mod tests {
+    use super::super::cross_entropy::tests::same_on_1_and_3_threads;
     use super::*;
     use half::bf16;
     use rand::{Rng, SeedableRng};
@@ -769,7 +782,7 @@ mod tests {
             .iter()
             .map(|&v| v as f32)
             .collect();
-        let run = |pool: &ThreadPool| {
+        same_on_1_and_3_threads(|pool| {
             let mut d = vec![0f32; q.len()];
             let a = jsd(None, vocab, 0.3);
             let (l, _) = jsd_fwd(pool, cpu::tier(), &a, &q, &p, &mut d).unwrap();
@@ -781,11 +794,7 @@ mod tests {
             };
             let k = kl_div_fwd(pool, cpu::tier(), &a, &q, &p, &mut el).unwrap();
             (l.to_bits(), d, k.to_bits(), el)
-        };
-        assert_eq!(
-            run(&ThreadPool::new(1).unwrap()),
-            run(&ThreadPool::new(3).unwrap())
-        );
+        });
     }
 
     #[test]

@@ -31,7 +31,7 @@ use kvant_kernels::vecops::{exp, Fma, Plain};
 use kvant_kernels::KernelError;
 
 use super::cross_entropy::{ce_rows, grad_scale, totals, CeArgs, CeRows, CeTotals, RowsIo};
-use super::distill::{jsd_rows_in, JsdArgs};
+use super::distill::{jsd_rows_in, JsdArgs, JsdIo};
 use super::gemm::{gemm_in, MatRef};
 use super::Elem;
 
@@ -429,7 +429,13 @@ pub fn linear_jsd<E: Elem>(
         gemm_in(pool, tier, xt, wt.t(), tb, v, 1.0, 0.0)?;
         par_rows(pool, sb, &[], v, &lsm);
         par_rows(pool, tb, &[], v, &lsm);
-        jsd_rows_in(pool, tier, &job.rows(c0..c1), sb, tb, gb, &mut sums[c0..c1]);
+        let io = JsdIo {
+            x: sb,
+            y: tb,
+            dx: gb,
+            sums: &mut sums[c0..c1],
+        };
+        jsd_rows_in(pool, tier, &job.rows(c0..c1), io);
         if want {
             par_rows(pool, gb, sb, v, &back);
             let gm = MatRef::row_major(&*gb, cr, v)?;
@@ -451,6 +457,7 @@ pub fn linear_jsd<E: Elem>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::cross_entropy::tests::same_on_1_and_3_threads;
     use super::super::cross_entropy::{cross_entropy_ref, CeOptions};
     use super::super::distill::jsd_ref;
     use super::super::Reduction;
@@ -494,6 +501,20 @@ mod tests {
         (dx, dw)
     }
 
+    /// dx and dW against f64, within the tolerances [`check`] explains.
+    fn close_grads<E: Elem>(what: &str, (dx, dw): (&[E], &[f32]), (wdx, wdw): (&[f64], &[f64])) {
+        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
+        let dw_tol = if E::F32 { 1e-4 } else { 1.0 / 256.0 };
+        close(
+            what,
+            dx.iter().map(|v| v.to_f32() as f64),
+            wdx,
+            dx_tol,
+            1e-7,
+        );
+        close(what, dw.iter().map(|&v| v as f64), wdw, dw_tol, 1e-7);
+    }
+
     /// `|got − want| ≤ atol + rtol·max|want|` elementwise.
     fn close(what: &str, got: impl Iterator<Item = f64>, want: &[f64], rtol: f64, atol: f64) {
         let m = want.iter().fold(0f64, |a, &b| a.max(b.abs()));
@@ -528,8 +549,6 @@ mod tests {
             })
             .collect();
         let rs: Vec<f32> = (0..n).map(|_| rng.random_range(0.5..2.0)).collect();
-        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
-        let dw_tol = if E::F32 { 1e-4 } else { 1.0 / 256.0 };
         for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
             for (with_bias, opts) in [(false, 0), (true, 1)] {
                 let o = if opts == 0 {
@@ -598,14 +617,7 @@ mod tests {
                 if want.counted > 0 {
                     assert!((tot.loss as f64 - want.loss).abs() <= 1e-4 * want.loss.abs().max(1.0));
                 }
-                close(
-                    &what,
-                    dx.iter().map(|v| v.to_f32() as f64),
-                    &wdx,
-                    dx_tol,
-                    1e-7,
-                );
-                close(&what, dw.iter().map(|&v| v as f64), &wdw, dw_tol, 1e-7);
+                close_grads(&what, (&dx, &dw), (&wdx, &wdw));
                 close(&what, db.iter().map(|&v| v as f64), &wdb, 1e-4, 1e-7);
                 // Loss only: the same losses, nothing else touched.
                 let mut l2 = vec![f32::NAN; n];
@@ -693,8 +705,6 @@ mod tests {
         let labels: Vec<i64> = (0..n)
             .map(|_| if rng.random_bool(0.5) { -100 } else { 0 })
             .collect();
-        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
-        let dw_tol = if E::F32 { 1e-4 } else { 1.0 / 256.0 };
         for beta in [0.0f32, 0.5, 1.0] {
             for lab in [None, Some(&labels[..])] {
                 let jsd = JsdArgs {
@@ -734,14 +744,7 @@ mod tests {
                     (l as f64 - wl).abs() <= 1e-6 + 1e-4 * wl.abs(),
                     "{what}: {l} vs {wl}"
                 );
-                close(
-                    &what,
-                    dx.iter().map(|v| v.to_f32() as f64),
-                    &wdx,
-                    dx_tol,
-                    1e-7,
-                );
-                close(&what, dw.iter().map(|&v| v as f64), &wdw, dw_tol, 1e-7);
+                close_grads(&what, (&dx, &dw), (&wdx, &wdw));
             }
         }
     }
@@ -763,7 +766,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let (a, _) = rand_vec::<f32>(&mut rng, 37 * 29, 1.0);
         let (b, _) = rand_vec::<f32>(&mut rng, 41 * 29, 1.0);
-        let run = |pool: &ThreadPool| {
+        same_on_1_and_3_threads(|pool| {
             let mut c = vec![0f32; 37 * 41];
             let am = MatRef::row_major(&a[..], 37, 29).unwrap();
             let bm = MatRef::row_major(&b[..], 41, 29).unwrap();
@@ -771,11 +774,7 @@ mod tests {
             let mut d = vec![0f32; 29 * 29];
             gemm_in(pool, cpu::tier(), am.t(), am, &mut d, 29, 1.0, 0.0).unwrap();
             (c, d)
-        };
-        assert_eq!(
-            run(&ThreadPool::new(1).unwrap()),
-            run(&ThreadPool::new(3).unwrap())
-        );
+        });
     }
 
     #[test]
