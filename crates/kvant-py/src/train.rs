@@ -8,7 +8,7 @@
 //! with autograd.
 
 use crate::tensor::{detach_float, same_float, with_float, Dt, Tensors, View};
-use kvant_kernels::KernelError;
+use kvant_kernels::{cpu, pool, KernelError};
 use kvant_train::{cross_entropy, distill, flash, glu, linear_ce, norm, rope, Reduction};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -413,11 +413,12 @@ pub fn cross_entropy_fwd(
             with_float!(f, E => {
                 // SAFETY: as in `rms_norm_fwd`.
                 unsafe {
+                    let a = cross_entropy::CeArgs { targets: targets.slice(), vocab, options: o };
                     cross_entropy::cross_entropy_fwd_into::<E>(
+                        pool::global(),
+                        cpu::tier(),
+                        &a,
                         logits.slice(),
-                        targets.slice(),
-                        vocab,
-                        &o,
                         losses.slice_mut(),
                         grad.as_ref().map(|g| g.slice_mut()),
                     )
@@ -488,10 +489,12 @@ pub fn linear_cross_entropy(
                             why: "grad_x and grad_weight come together".into(),
                         }),
                     };
-                    linear_ce::linear_cross_entropy::<E>(
-                        x.slice(), w.slice(), bias.as_ref().map(|b| b.slice()), targets.slice(), hidden, vocab, &o,
-                        row_scale.as_ref().map(|r| r.slice()), losses.slice_mut(), grads,
-                    )
+                    let a = linear_ce::LinearCeArgs::<E> {
+                        x: x.slice(), w: w.slice(), bias: bias.as_ref().map(|b| b.slice()), hidden,
+                        ce: cross_entropy::CeArgs { targets: targets.slice(), vocab, options: o },
+                        row_scale: row_scale.as_ref().map(|r| r.slice()), chunk: None,
+                    };
+                    linear_ce::linear_cross_entropy::<E>(&a, losses.slice_mut(), grads)
                 }
             })
         })
@@ -525,7 +528,8 @@ pub fn jsd_fwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            distill::jsd_fwd::<E>(q.slice(), p.slice(), labels.as_ref().map(|l| l.slice()), vocab, beta, ignore_index, dq.slice_mut())
+            let a = distill::JsdArgs { labels: labels.as_ref().map(|l| l.slice()), vocab, beta, ignore_index };
+            distill::jsd_fwd::<E>(pool::global(), cpu::tier(), &a, q.slice(), p.slice(), dq.slice_mut())
         }
     })
 }
@@ -558,7 +562,10 @@ pub fn kl_div_fwd(
     let vocab = i.last();
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
-        unsafe { distill::kl_div_fwd::<E>(i.slice(), tg.slice(), vocab, log_target, red, e.slice_mut()) }
+        unsafe {
+            let a = distill::KlArgs { vocab, log_target, reduction: red };
+            distill::kl_div_fwd::<E>(pool::global(), cpu::tier(), &a, i.slice(), tg.slice(), e.slice_mut())
+        }
     })
 }
 
@@ -585,7 +592,8 @@ pub fn kl_div_bwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            distill::kl_div_bwd::<E>(tg.slice(), log_target, red, vocab, grad_out, ge.as_ref().map(|g| g.slice()), di.slice_mut())
+            let a = distill::KlArgs { vocab, log_target, reduction: red };
+            distill::kl_div_bwd::<E>(&a, tg.slice(), grad_out, ge.as_ref().map(|g| g.slice()), di.slice_mut())
         }
     })
 }
@@ -639,11 +647,12 @@ pub fn linear_jsd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            linear_ce::linear_jsd::<E>(
-                xs.slice(), ws.slice(), xt.slice(), wt.slice(), labels.as_ref().map(|l| l.slice()),
-                hs, ht, vocab, beta, ignore_index, temperature,
-                dx.as_ref().map(|d| d.slice_mut()), dw.as_ref().map(|d| d.slice_mut()),
-            )
+            let jsd = distill::JsdArgs { labels: labels.as_ref().map(|l| l.slice()), vocab, beta, ignore_index };
+            let a = linear_ce::LinearJsdArgs::<E> {
+                x_s: xs.slice(), w_s: ws.slice(), x_t: xt.slice(), w_t: wt.slice(),
+                hs, ht, jsd, temperature, chunk: None,
+            };
+            linear_ce::linear_jsd::<E>(&a, dx.as_ref().map(|d| d.slice_mut()), dw.as_ref().map(|d| d.slice_mut()))
         }
     })
 }

@@ -22,9 +22,10 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use kvant_train::cross_entropy::{cross_entropy_fwd, CeOptions};
+use kvant_kernels::{cpu, pool};
+use kvant_train::cross_entropy::{cross_entropy_fwd, CeArgs, CeOptions};
 use kvant_train::gemm::{gemm, MatRef};
-use kvant_train::linear_ce::{linear_cross_entropy, LinearCeGrads};
+use kvant_train::linear_ce::{linear_cross_entropy, LinearCeArgs, LinearCeGrads};
 use kvant_train::Elem;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
@@ -39,7 +40,12 @@ fn ce<E: Elem>(c: &mut Criterion, name: &str) {
         .map(|_| rng.random_range(0..vocab as i64))
         .collect();
     let mut losses = vec![0f32; rows];
-    let o = CeOptions::default();
+    let a = CeArgs {
+        targets: &targets,
+        vocab,
+        options: CeOptions::default(),
+    };
+    let (pool, tier) = (pool::global(), cpu::tier());
     let mut g = c.benchmark_group("cross_entropy_fwd_grad");
     g.sample_size(10).measurement_time(Duration::from_secs(5));
     g.throughput(Throughput::Bytes(
@@ -48,7 +54,7 @@ fn ce<E: Elem>(c: &mut Criterion, name: &str) {
     g.bench_function(name, |b| {
         // The gradient overwrites the logits: later runs see the gradient
         // (finite values), the same work.
-        b.iter(|| cross_entropy_fwd(&mut logits, &targets, vocab, &o, &mut losses, true).unwrap())
+        b.iter(|| cross_entropy_fwd(pool, tier, &a, &mut logits, &mut losses, true).unwrap())
     });
     g.finish();
 }
@@ -66,28 +72,29 @@ fn linear<E: Elem>(c: &mut Criterion, name: &str) {
     let mut losses = vec![0f32; n];
     let mut dx = vec![E::from_f32(0.0); n * h];
     let mut dw = vec![0f32; v * h];
-    let o = CeOptions::default();
+    let a = LinearCeArgs {
+        x: &x,
+        w: &w,
+        bias: None,
+        hidden: h,
+        ce: CeArgs {
+            targets: &targets,
+            vocab: v,
+            options: CeOptions::default(),
+        },
+        row_scale: None,
+        chunk: None,
+    };
     let mut g = c.benchmark_group("linear_cross_entropy");
     g.sample_size(10).measurement_time(Duration::from_secs(20));
     g.bench_function(format!("fused_{name}"), |b| {
         b.iter(|| {
-            linear_cross_entropy(
-                &x,
-                &w,
-                None,
-                &targets,
-                h,
-                v,
-                &o,
-                None,
-                &mut losses,
-                Some(LinearCeGrads {
-                    dx: &mut dx,
-                    dw: &mut dw,
-                    dbias: None,
-                }),
-            )
-            .unwrap()
+            let grads = LinearCeGrads {
+                dx: &mut dx,
+                dw: &mut dw,
+                dbias: None,
+            };
+            linear_cross_entropy(&a, &mut losses, Some(grads)).unwrap()
         })
     });
     let mut logits = vec![0f32; n * v];

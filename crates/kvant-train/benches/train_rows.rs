@@ -34,9 +34,22 @@ fn data<E: Elem>(n: usize, seed: u32) -> Vec<E> {
         .collect()
 }
 
+/// A case's group and name, and the bytes one run moves.
+struct Case<'a> {
+    group: &'a str,
+    name: &'a str,
+    bytes: u64,
+}
+
 /// Where a case runs: criterion, or the CPU-time loop.
 trait Runner {
-    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut());
+    /// Times `f`, running `setup` (untimed) before every `f` if given.
+    fn run(&mut self, c: Case<'_>, setup: Option<&mut dyn FnMut()>, f: &mut dyn FnMut());
+
+    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut()) {
+        self.run(Case { group, name, bytes }, None, f)
+    }
+
     /// `setup` (untimed) before every `f`.
     fn case_batched(
         &mut self,
@@ -45,32 +58,23 @@ trait Runner {
         bytes: u64,
         setup: &mut dyn FnMut(),
         f: &mut dyn FnMut(),
-    );
+    ) {
+        self.run(Case { group, name, bytes }, Some(setup), f)
+    }
 }
 
 struct Crit<'a>(&'a mut Criterion);
 
 impl Runner for Crit<'_> {
-    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut()) {
-        let mut g = self.0.benchmark_group(group);
-        g.throughput(Throughput::BytesDecimal(bytes));
-        g.bench_function(name, |b| b.iter(&mut *f));
-        g.finish();
-    }
-
-    fn case_batched(
-        &mut self,
-        group: &str,
-        name: &str,
-        bytes: u64,
-        setup: &mut dyn FnMut(),
-        f: &mut dyn FnMut(),
-    ) {
-        let mut g = self.0.benchmark_group(group);
-        g.throughput(Throughput::BytesDecimal(bytes));
-        g.bench_function(name, |b| {
-            b.iter_batched(&mut *setup, |()| f(), BatchSize::PerIteration)
-        });
+    fn run(&mut self, c: Case<'_>, setup: Option<&mut dyn FnMut()>, f: &mut dyn FnMut()) {
+        let mut g = self.0.benchmark_group(c.group);
+        g.throughput(Throughput::BytesDecimal(c.bytes));
+        match setup {
+            None => g.bench_function(c.name, |b| b.iter(&mut *f)),
+            Some(setup) => g.bench_function(c.name, |b| {
+                b.iter_batched(&mut *setup, |()| f(), BatchSize::PerIteration)
+            }),
+        };
         g.finish();
     }
 }
@@ -86,18 +90,9 @@ fn cpu_ns() -> u64 {
 struct CpuTime;
 
 impl Runner for CpuTime {
-    fn case(&mut self, group: &str, name: &str, bytes: u64, f: &mut dyn FnMut()) {
-        self.case_batched(group, name, bytes, &mut || {}, f)
-    }
-
-    fn case_batched(
-        &mut self,
-        group: &str,
-        name: &str,
-        bytes: u64,
-        setup: &mut dyn FnMut(),
-        f: &mut dyn FnMut(),
-    ) {
+    fn run(&mut self, c: Case<'_>, setup: Option<&mut dyn FnMut()>, f: &mut dyn FnMut()) {
+        let mut nothing = || {};
+        let setup = setup.unwrap_or(&mut nothing);
         setup();
         f();
         let (mut cpu, mut wall, mut reps) = (0u64, Duration::ZERO, 0u64);
@@ -109,9 +104,11 @@ impl Runner for CpuTime {
             wall += w0.elapsed();
             reps += 1;
         }
-        let gb = (bytes * reps) as f64 / 1e9;
+        let gb = (c.bytes * reps) as f64 / 1e9;
         println!(
-            "{group}/{name}: {:.2} GB/s of CPU time, {:.2} GB/s wall (1 thread, {reps} runs)",
+            "{}/{}: {:.2} GB/s of CPU time, {:.2} GB/s wall (1 thread, {reps} runs)",
+            c.group,
+            c.name,
             gb / (cpu as f64 / 1e9),
             gb / wall.as_secs_f64()
         );

@@ -25,13 +25,15 @@
 //! rows in row order (f64), so no result depends on the thread count or on
 //! how rows are split into tasks.
 
-use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::cpu::SimdTier;
 use kvant_kernels::error::{check_len, checked_mul};
 use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 #[cfg(target_arch = "x86_64")]
 use kvant_kernels::vecops::Fused;
 use kvant_kernels::vecops::{exp, Fma, Plain};
 use kvant_kernels::KernelError;
+
+use std::ops::Range;
 
 use super::{Elem, Reduction};
 
@@ -61,6 +63,45 @@ impl Default for CeOptions {
     }
 }
 
+/// One cross-entropy problem besides its logits: the targets (one per row
+/// of `vocab` logits) and the options. The fast paths and the f64
+/// reference check it alike ([`CeArgs::check`]).
+#[derive(Clone, Copy, Debug)]
+pub struct CeArgs<'a> {
+    /// `[rows]`, each in `0..vocab` or `options.ignore_index`.
+    pub targets: &'a [i64],
+    pub vocab: usize,
+    pub options: CeOptions,
+}
+
+impl CeArgs<'_> {
+    /// The options and the targets: the options the row loop needs and
+    /// the number of rows that count.
+    pub(crate) fn prepare(&self) -> Result<(Prepared, usize), KernelError> {
+        let p = Prepared::new(&self.options)?;
+        let counted = count_targets(self.targets, self.vocab, self.options.ignore_index)?;
+        Ok((p, counted))
+    }
+
+    /// [`CeArgs::prepare`] after the shape: a positive vocabulary (unless
+    /// there is no row) and `logits` values, `[rows, vocab]`.
+    pub(crate) fn check(&self, logits: usize) -> Result<(Prepared, usize), KernelError> {
+        let rows = self.targets.len();
+        if self.vocab == 0 && rows > 0 {
+            return Err(KernelError::InvalidShape {
+                op: "cross_entropy",
+                why: "vocab is 0".into(),
+            });
+        }
+        check_len(
+            "cross-entropy logits",
+            checked_mul("cross_entropy", rows, self.vocab)?,
+            logits,
+        )?;
+        self.prepare()
+    }
+}
+
 /// What [`cross_entropy_fwd`] returns besides the per-row losses.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CeTotals {
@@ -86,10 +127,11 @@ pub(crate) struct Prepared {
     eps: f32,
     z_loss: f32,
     cap: Option<f32>,
+    ignore_index: i64,
 }
 
 impl Prepared {
-    pub(crate) fn new(o: &CeOptions) -> Result<Prepared, KernelError> {
+    fn new(o: &CeOptions) -> Result<Prepared, KernelError> {
         let bad = |why: String| KernelError::InvalidShape {
             op: "cross_entropy",
             why,
@@ -112,17 +154,14 @@ impl Prepared {
             eps: o.label_smoothing,
             z_loss: o.z_loss,
             cap: o.softcap,
+            ignore_index: o.ignore_index,
         })
     }
 }
 
 /// Checks the targets (each in `0..vocab` or `ignore_index`) and counts
 /// the rows that count.
-pub(crate) fn count_targets(
-    targets: &[i64],
-    vocab: usize,
-    ignore_index: i64,
-) -> Result<usize, KernelError> {
+fn count_targets(targets: &[i64], vocab: usize, ignore_index: i64) -> Result<usize, KernelError> {
     let mut counted = 0;
     for &t in targets {
         if t == ignore_index {
@@ -324,20 +363,44 @@ pub(crate) enum RowsIo<'a, E> {
     Into(&'a [E], Option<&'a mut [E]>),
 }
 
+/// The checked arguments of the row loop, for a run of rows.
+#[derive(Clone, Copy)]
+pub(crate) struct CeRows<'a> {
+    pub(crate) targets: &'a [i64],
+    pub(crate) vocab: usize,
+    pub(crate) p: Prepared,
+    /// The scale of every counted row's gradient (None: no gradient).
+    pub(crate) grad: Option<f32>,
+    /// Row i's gradient times `row_scale[i]` besides.
+    pub(crate) row_scale: Option<&'a [f32]>,
+}
+
+impl CeRows<'_> {
+    /// Rows `r` of these.
+    pub(crate) fn rows(&self, r: Range<usize>) -> CeRows<'_> {
+        CeRows {
+            targets: &self.targets[r.clone()],
+            row_scale: self.row_scale.map(|s| &s[r]),
+            ..*self
+        }
+    }
+}
+
 /// Rows of one task: losses (and z-loss terms) per row; ignored rows 0.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn rows_body<E: Elem, F: Fma>(
     mut io: RowsIo<'_, E>,
-    targets: &[i64],
-    vocab: usize,
-    p: Prepared,
-    ignore_index: i64,
-    grad: Option<f32>,
-    row_scale: Option<&[f32]>,
+    job: &CeRows<'_>,
     losses: &mut [f32],
     zs: &mut [f32],
 ) {
+    let CeRows {
+        targets,
+        vocab,
+        p,
+        grad,
+        row_scale,
+    } = *job;
     let mut sc = Scratch::new(vocab, p);
     for (i, &t) in targets.iter().enumerate() {
         let r = i * vocab..(i + 1) * vocab;
@@ -347,7 +410,7 @@ fn rows_body<E: Elem, F: Fma>(
             RowsIo::InPlace(l) => (Some(&l[r]), None),
             RowsIo::Into(x, g) => (Some(&x[r.clone()]), g.as_deref_mut().map(|g| &mut g[r])),
         };
-        if t == ignore_index {
+        if t == p.ignore_index {
             if let Some(o) = out {
                 o.fill(E::from_f32(0.0));
             }
@@ -377,16 +440,11 @@ kvant_kernels::per_tier! {
     fn rows_with<E: Elem>(
         tier: SimdTier,
         io: RowsIo<'_, E>,
-        targets: &[i64],
-        vocab: usize,
-        p: Prepared,
-        ignore_index: i64,
-        grad: Option<f32>,
-        row_scale: Option<&[f32]>,
+        job: &CeRows<'_>,
         losses: &mut [f32],
         zs: &mut [f32],
     ) [F = Plain, Fused] {
-        rows_body::<E, F>(io, targets, vocab, p, ignore_index, grad, row_scale, losses, zs)
+        rows_body::<E, F>(io, job, losses, zs)
     }
 }
 
@@ -397,23 +455,16 @@ fn tasks_for(rows: usize, pool: &ThreadPool) -> usize {
 }
 
 /// The checked, parallel row loop shared with the fused linear
-/// cross-entropy: `grad` is the scale of the gradient of every counted
-/// row (times `row_scale[i]`); `zs` receives each row's z-loss term.
-#[allow(clippy::too_many_arguments)]
+/// cross-entropy: per-row losses into `losses`, z-loss terms into `zs`.
 pub(crate) fn ce_rows<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
     io: RowsIo<'_, E>,
-    targets: &[i64],
-    vocab: usize,
-    p: Prepared,
-    ignore_index: i64,
-    grad: Option<f32>,
-    row_scale: Option<&[f32]>,
+    job: &CeRows<'_>,
     losses: &mut [f32],
     zs: &mut [f32],
 ) {
-    let rows = targets.len();
+    let (rows, vocab) = (job.targets.len(), job.vocab);
     let tasks = tasks_for(rows, pool);
     let (src, out): (Option<&[E]>, Option<DisjointSlice<'_, E>>) = match io {
         RowsIo::InPlace(l) => (None, Some(DisjointSlice::new(l))),
@@ -438,18 +489,7 @@ pub(crate) fn ce_rows<E: Elem>(
             (None, Some(o)) => RowsIo::InPlace(o),
             (None, None) => return,
         };
-        rows_with(
-            tier,
-            io,
-            &targets[r.clone()],
-            vocab,
-            p,
-            ignore_index,
-            grad,
-            row_scale.map(|s| &s[r.clone()]),
-            lo,
-            z,
-        );
+        rows_with(tier, io, &job.rows(r), lo, z);
     });
 }
 
@@ -477,7 +517,8 @@ pub(crate) fn totals(losses: &[f32], zs: &[f32], counted: usize, reduction: Redu
     }
 }
 
-/// Cross-entropy of `logits` `[rows, vocab]` against `targets` `[rows]`.
+/// Cross-entropy of `logits` `[rows, vocab]` against `a.targets`
+/// `[rows]`, on `pool` and `tier` (lowered to one the CPU supports).
 ///
 /// Writes per-row losses (0 for ignored rows; with z-loss included) into
 /// `losses` and, if `want_grad`, overwrites `logits` with the gradient of
@@ -487,34 +528,10 @@ pub(crate) fn totals(losses: &[f32], zs: &[f32], counted: usize, reduction: Redu
 /// `0..vocab` that is not `ignore_index` is an error before anything is
 /// written.
 pub fn cross_entropy_fwd<E: Elem>(
-    logits: &mut [E],
-    targets: &[i64],
-    vocab: usize,
-    o: &CeOptions,
-    losses: &mut [f32],
-    want_grad: bool,
-) -> Result<CeTotals, KernelError> {
-    cross_entropy_fwd_in(
-        pool::global(),
-        cpu::tier(),
-        logits,
-        targets,
-        vocab,
-        o,
-        losses,
-        want_grad,
-    )
-}
-
-/// [`cross_entropy_fwd`] on a given pool and tier (lowered to one the CPU supports).
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_fwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
+    a: &CeArgs<'_>,
     logits: &mut [E],
-    targets: &[i64],
-    vocab: usize,
-    o: &CeOptions,
     losses: &mut [f32],
     want_grad: bool,
 ) -> Result<CeTotals, KernelError> {
@@ -523,107 +540,56 @@ pub fn cross_entropy_fwd_in<E: Elem>(
     } else {
         RowsIo::Into(logits, None)
     };
-    run(pool, tier, io, targets, vocab, o, losses)
+    run(pool, tier, a, io, losses)
 }
 
 /// [`cross_entropy_fwd`] leaving the logits as they are: the gradient (if
 /// `grad` is given, `[rows, vocab]`) is written there instead. What an
 /// autograd op needs, whose input may not change: no copy of the logits.
 pub fn cross_entropy_fwd_into<E: Elem>(
-    logits: &[E],
-    targets: &[i64],
-    vocab: usize,
-    o: &CeOptions,
-    losses: &mut [f32],
-    grad: Option<&mut [E]>,
-) -> Result<CeTotals, KernelError> {
-    cross_entropy_fwd_into_in(
-        pool::global(),
-        cpu::tier(),
-        logits,
-        targets,
-        vocab,
-        o,
-        losses,
-        grad,
-    )
-}
-
-/// [`cross_entropy_fwd_into`] on a given pool and tier (lowered to one the CPU supports).
-#[allow(clippy::too_many_arguments)]
-pub fn cross_entropy_fwd_into_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
+    a: &CeArgs<'_>,
     logits: &[E],
-    targets: &[i64],
-    vocab: usize,
-    o: &CeOptions,
     losses: &mut [f32],
     grad: Option<&mut [E]>,
 ) -> Result<CeTotals, KernelError> {
     if let Some(g) = &grad {
         check_len("cross-entropy gradient", logits.len(), g.len())?;
     }
-    run(
-        pool,
-        tier,
-        RowsIo::Into(logits, grad),
-        targets,
-        vocab,
-        o,
-        losses,
-    )
+    run(pool, tier, a, RowsIo::Into(logits, grad), losses)
 }
 
 /// Checks the arguments, then the parallel row loop and the totals.
 fn run<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
+    a: &CeArgs<'_>,
     io: RowsIo<'_, E>,
-    targets: &[i64],
-    vocab: usize,
-    o: &CeOptions,
     losses: &mut [f32],
 ) -> Result<CeTotals, KernelError> {
-    let rows = targets.len();
-    if vocab == 0 && rows > 0 {
-        return Err(KernelError::InvalidShape {
-            op: "cross_entropy",
-            why: "vocab is 0".into(),
-        });
-    }
     let len = match &io {
         RowsIo::InPlace(l) => l.len(),
         RowsIo::Into(l, _) => l.len(),
     };
-    check_len(
-        "cross-entropy logits",
-        checked_mul("cross_entropy", rows, vocab)?,
-        len,
-    )?;
+    let (p, counted) = a.check(len)?;
+    let rows = a.targets.len();
     check_len("cross-entropy losses", rows, losses.len())?;
-    let p = Prepared::new(o)?;
-    let counted = count_targets(targets, vocab, o.ignore_index)?;
     let want_grad = match &io {
         RowsIo::InPlace(_) => true,
         RowsIo::Into(_, g) => g.is_some(),
     };
-    let grad = want_grad.then(|| grad_scale(o.reduction, counted));
-    let mut zs = vec![0f32; rows];
-    ce_rows(
-        pool,
-        tier,
-        io,
-        targets,
-        vocab,
+    let reduction = a.options.reduction;
+    let job = CeRows {
+        targets: a.targets,
+        vocab: a.vocab,
         p,
-        o.ignore_index,
-        grad,
-        None,
-        losses,
-        &mut zs,
-    );
-    Ok(totals(losses, &zs, counted, o.reduction))
+        grad: want_grad.then(|| grad_scale(reduction, counted)),
+        row_scale: None,
+    };
+    let mut zs = vec![0f32; rows];
+    ce_rows(pool, tier, io, &job, losses, &mut zs);
+    Ok(totals(losses, &zs, counted, reduction))
 }
 
 /// The f64 reference's results.
@@ -639,21 +605,16 @@ pub struct CeRef {
     pub grad: Vec<f64>,
 }
 
-/// Scalar f64 reference of [`cross_entropy_fwd`], straight from the formulas.
-pub fn cross_entropy_ref(
-    logits: &[f64],
-    targets: &[i64],
-    vocab: usize,
-    o: &CeOptions,
-) -> Result<CeRef, KernelError> {
+/// Scalar f64 reference of [`cross_entropy_fwd`], straight from the
+/// formulas; the arguments are checked as there.
+pub fn cross_entropy_ref(a: &CeArgs<'_>, logits: &[f64]) -> Result<CeRef, KernelError> {
+    let (_, counted) = a.check(logits.len())?;
+    let CeArgs {
+        targets,
+        vocab,
+        options: ref o,
+    } = *a;
     let rows = targets.len();
-    check_len(
-        "cross-entropy logits",
-        checked_mul("cross_entropy", rows, vocab)?,
-        logits.len(),
-    )?;
-    Prepared::new(o)?;
-    let counted = count_targets(targets, vocab, o.ignore_index)?;
     let eps = o.label_smoothing as f64;
     let s = o.z_loss as f64;
     let v = vocab as f64;
@@ -713,11 +674,21 @@ pub fn cross_entropy_ref(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use half::bf16;
+    use kvant_kernels::cpu;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
+
+    /// `run` on 1 and on 3 threads gives the same result.
+    pub(crate) fn same_on_1_and_3_threads<T: PartialEq + std::fmt::Debug>(
+        run: impl Fn(&ThreadPool) -> T,
+    ) {
+        let one = ThreadPool::new(1).unwrap();
+        let three = ThreadPool::new(3).unwrap();
+        assert_eq!(run(&one), run(&three));
+    }
 
     fn options() -> Vec<CeOptions> {
         let mut v = Vec::new();
@@ -796,7 +767,12 @@ mod tests {
         let x64: Vec<f64> = xe.iter().map(|v| v.to_f32() as f64).collect();
         let rel = if E::F32 { 0.0 } else { 1.0 / 256.0 };
         for o in options() {
-            let want = cross_entropy_ref(&x64, &t, vocab, &o).unwrap();
+            let a = CeArgs {
+                targets: &t,
+                vocab,
+                options: o,
+            };
+            let want = cross_entropy_ref(&a, &x64).unwrap();
             let gs = match o.reduction {
                 Reduction::Mean => 1.0 / want.counted.max(1) as f64,
                 _ => 1.0,
@@ -804,17 +780,8 @@ mod tests {
             for tier in cpu::available_tiers() {
                 let mut g = xe.clone();
                 let mut losses = vec![f32::NAN; rows];
-                let tot = cross_entropy_fwd_in(
-                    pool::global(),
-                    tier,
-                    &mut g,
-                    &t,
-                    vocab,
-                    &o,
-                    &mut losses,
-                    true,
-                )
-                .unwrap();
+                let tot =
+                    cross_entropy_fwd(pool::global(), tier, &a, &mut g, &mut losses, true).unwrap();
                 assert_eq!(tot.counted, want.counted);
                 for (i, (&l, &w)) in losses.iter().zip(&want.losses).enumerate() {
                     assert!(
@@ -841,17 +808,9 @@ mod tests {
                 // Out of place: the same bits, the logits untouched.
                 let mut into = vec![E::from_f32(f32::NAN); xe.len()];
                 let mut l3 = vec![f32::NAN; rows];
-                let tot3 = cross_entropy_fwd_into_in(
-                    pool::global(),
-                    tier,
-                    &xe,
-                    &t,
-                    vocab,
-                    &o,
-                    &mut l3,
-                    Some(&mut into),
-                )
-                .unwrap();
+                let tot3 =
+                    cross_entropy_fwd_into(pool::global(), tier, &a, &xe, &mut l3, Some(&mut into))
+                        .unwrap();
                 assert!(into
                     .iter()
                     .zip(&g)
@@ -861,17 +820,7 @@ mod tests {
                 // Without the gradient the logits stay as they were.
                 let mut same = xe.clone();
                 let mut l2 = vec![f32::NAN; rows];
-                cross_entropy_fwd_in(
-                    pool::global(),
-                    tier,
-                    &mut same,
-                    &t,
-                    vocab,
-                    &o,
-                    &mut l2,
-                    false,
-                )
-                .unwrap();
+                cross_entropy_fwd(pool::global(), tier, &a, &mut same, &mut l2, false).unwrap();
                 assert!(same
                     .iter()
                     .zip(&xe)
@@ -921,14 +870,19 @@ mod tests {
             .collect();
         let t = vec![2, -100, 4];
         for o in options() {
-            let r = cross_entropy_ref(&x, &t, vocab, &o).unwrap();
+            let a = CeArgs {
+                targets: &t,
+                vocab,
+                options: o,
+            };
+            let r = cross_entropy_ref(&a, &x).unwrap();
             for k in 0..x.len() {
                 let h = 1e-6;
-                let (mut a, mut b) = (x.clone(), x.clone());
-                a[k] += h;
-                b[k] -= h;
-                let fa = cross_entropy_ref(&a, &t, vocab, &o).unwrap();
-                let fb = cross_entropy_ref(&b, &t, vocab, &o).unwrap();
+                let (mut xa, mut xb) = (x.clone(), x.clone());
+                xa[k] += h;
+                xb[k] -= h;
+                let fa = cross_entropy_ref(&a, &xa).unwrap();
+                let fb = cross_entropy_ref(&a, &xb).unwrap();
                 let fd = match o.reduction {
                     Reduction::None => (fa.losses[k / vocab] - fb.losses[k / vocab]) / (2.0 * h),
                     _ => (fa.loss - fb.loss) / (2.0 * h),
@@ -949,17 +903,33 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(11);
         let (rows, vocab) = (37, 1001);
         let (x, t) = data(&mut rng, rows, vocab, 5.0);
-        let o = options()[1];
-        let one = ThreadPool::new(1).unwrap();
-        let three = ThreadPool::new(3).unwrap();
-        let run = |pool: &ThreadPool| {
+        let a = CeArgs {
+            targets: &t,
+            vocab,
+            options: options()[1],
+        };
+        same_on_1_and_3_threads(|pool| {
             let mut g = x.clone();
             let mut l = vec![0f32; rows];
-            let tot = cross_entropy_fwd_in(pool, cpu::tier(), &mut g, &t, vocab, &o, &mut l, true)
-                .unwrap();
+            let tot = cross_entropy_fwd(pool, cpu::tier(), &a, &mut g, &mut l, true).unwrap();
             (g, l, tot.loss.to_bits())
+        });
+    }
+
+    /// [`cross_entropy_fwd`] in place on the global pool and the CPU's tier.
+    fn fwd(
+        targets: &[i64],
+        vocab: usize,
+        options: CeOptions,
+        x: &mut [f32],
+        l: &mut [f32],
+    ) -> Result<CeTotals, KernelError> {
+        let a = CeArgs {
+            targets,
+            vocab,
+            options,
         };
-        assert_eq!(run(&one), run(&three));
+        cross_entropy_fwd(pool::global(), cpu::tier(), &a, x, l, true)
     }
 
     #[test]
@@ -967,7 +937,7 @@ mod tests {
         let mut x = vec![1f32; 6];
         let mut l = vec![f32::NAN; 2];
         let o = CeOptions::default();
-        let t = cross_entropy_fwd(&mut x, &[-100, -100], 3, &o, &mut l, true).unwrap();
+        let t = fwd(&[-100, -100], 3, o, &mut x, &mut l).unwrap();
         assert!(t.loss.is_nan());
         assert_eq!(t.counted, 0);
         assert_eq!(x, vec![0.0; 6]);
@@ -980,16 +950,22 @@ mod tests {
         let mut x = vec![1f32; 6];
         let mut l = vec![f32::NAN; 2];
         for t in [[0i64, 3], [-1, 0], [0, i64::MAX]] {
-            assert!(cross_entropy_fwd(&mut x, &t, 3, &o, &mut l, true).is_err());
+            assert!(fwd(&t, 3, o, &mut x, &mut l).is_err());
             assert_eq!(x, vec![1.0; 6]);
             assert!(l.iter().all(|v| v.is_nan()));
         }
-        assert!(cross_entropy_fwd(&mut x, &[0, 1], 4, &o, &mut l, true).is_err());
-        assert!(cross_entropy_fwd(&mut x, &[0], 3, &o, &mut l, true).is_err());
-        assert!(cross_entropy_fwd(&mut x, &[0, 1], 0, &o, &mut l, true).is_err());
-        assert!(cross_entropy_fwd(&mut x, &[0, 1], usize::MAX, &o, &mut l, true).is_err());
+        assert!(fwd(&[0, 1], 4, o, &mut x, &mut l).is_err());
+        assert!(fwd(&[0], 3, o, &mut x, &mut l).is_err());
+        assert!(fwd(&[0, 1], 0, o, &mut x, &mut l).is_err());
+        assert!(fwd(&[0, 1], usize::MAX, o, &mut x, &mut l).is_err());
         let mut short = vec![f32::NAN; 5];
-        assert!(cross_entropy_fwd_into(&x, &[0, 1], 3, &o, &mut l, Some(&mut short)).is_err());
+        let a = CeArgs {
+            targets: &[0, 1],
+            vocab: 3,
+            options: o,
+        };
+        let (pool, tier) = (pool::global(), cpu::tier());
+        assert!(cross_entropy_fwd_into(pool, tier, &a, &x, &mut l, Some(&mut short)).is_err());
         assert!(short.iter().all(|v| v.is_nan()));
         for bad in [
             CeOptions {
@@ -1005,7 +981,7 @@ mod tests {
                 ..o
             },
         ] {
-            assert!(cross_entropy_fwd(&mut x, &[0, 1], 3, &bad, &mut l, true).is_err());
+            assert!(fwd(&[0, 1], 3, bad, &mut x, &mut l).is_err());
         }
         assert_eq!(x, vec![1.0; 6]);
     }

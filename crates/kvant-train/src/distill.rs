@@ -28,6 +28,7 @@ use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 use kvant_kernels::vecops::Fused;
 use kvant_kernels::vecops::{exp, Fma, Plain};
 use kvant_kernels::KernelError;
+use std::ops::Range;
 
 use super::Elem;
 
@@ -42,12 +43,110 @@ pub enum KlReduction {
     BatchMean,
 }
 
+/// One JSD problem besides its log-probabilities: the labels (`[rows]`;
+/// rows whose label is `ignore_index` do not count), the vocabulary and
+/// `beta`. [`jsd_fwd`], the fused linear JSD and [`jsd_ref`] check it alike.
+#[derive(Clone, Copy, Debug)]
+pub struct JsdArgs<'a> {
+    pub labels: Option<&'a [i64]>,
+    pub vocab: usize,
+    /// In `0..=1`.
+    pub beta: f32,
+    pub ignore_index: i64,
+}
+
+impl JsdArgs<'_> {
+    /// `log_q` and `log_p` (as many values, whole rows), then
+    /// [`JsdArgs::prepare`]: the rows and the row loop's arguments.
+    fn check(&self, log_q: usize, log_p: usize) -> Result<(usize, JsdRows<'_>), KernelError> {
+        let rows = rows_of("jsd", log_q, self.vocab)?;
+        check_len("jsd log_p", log_q, log_p)?;
+        Ok((rows, self.prepare(("jsd", "jsd labels"), rows)?))
+    }
+
+    /// `beta` and the labels of `rows` rows: the row loop's arguments,
+    /// with the counted rows and the mean's scale. `op` names the
+    /// operation and its labels in errors.
+    pub(crate) fn prepare(
+        &self,
+        (op, labels_what): (&'static str, &'static str),
+        rows: usize,
+    ) -> Result<JsdRows<'_>, KernelError> {
+        if !(0.0..=1.0).contains(&self.beta) {
+            return Err(KernelError::InvalidShape {
+                op,
+                why: format!("beta {} is not in 0..=1", self.beta),
+            });
+        }
+        let kind = if self.beta == 0.0 {
+            Jsd::Forward
+        } else if self.beta == 1.0 {
+            Jsd::Reverse
+        } else {
+            Jsd::General(self.beta)
+        };
+        let counted = match self.labels {
+            Some(l) => {
+                check_len(labels_what, rows, l.len())?;
+                l.iter().filter(|&&v| v != self.ignore_index).count()
+            }
+            None => rows,
+        };
+        let scale = if counted > 0 {
+            1.0 / counted as f32
+        } else {
+            0.0
+        };
+        Ok(JsdRows {
+            labels: self.labels,
+            vocab: self.vocab,
+            kind,
+            ignore_index: self.ignore_index,
+            scale,
+            counted,
+        })
+    }
+}
+
 /// Which JSD formula a `beta` selects.
 #[derive(Clone, Copy)]
 enum Jsd {
     Forward,
     Reverse,
     General(f32),
+}
+
+/// The checked arguments of the JSD row loop, for a run of rows.
+#[derive(Clone, Copy)]
+pub(crate) struct JsdRows<'a> {
+    labels: Option<&'a [i64]>,
+    vocab: usize,
+    kind: Jsd,
+    ignore_index: i64,
+    /// The gradient's scale, and the loss's: 1/counted (0 with none).
+    pub(crate) scale: f32,
+    /// Rows whose label is not `ignore_index` (every row without labels).
+    pub(crate) counted: usize,
+}
+
+impl JsdRows<'_> {
+    /// Rows `r` of these.
+    pub(crate) fn rows(&self, r: Range<usize>) -> JsdRows<'_> {
+        JsdRows {
+            labels: self.labels.map(|l| &l[r]),
+            ..*self
+        }
+    }
+}
+
+/// The tensors of a run of JSD rows: the student's (`x = log q`) and the
+/// teacher's (`y = log p`) log-probabilities in; the gradient w.r.t. `x`
+/// and the per-row sums out.
+pub(crate) struct JsdIo<'a, E> {
+    pub(crate) x: &'a [E],
+    pub(crate) y: &'a [E],
+    pub(crate) dx: &'a mut [E],
+    pub(crate) sums: &'a mut [f32],
 }
 
 #[inline(always)]
@@ -80,18 +179,16 @@ fn jsd_row<E: Elem, F: Fma>(x: &[E], y: &[E], kind: Jsd, scale: f32, dx: &mut [E
 }
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn jsd_rows<E: Elem, F: Fma>(
-    x: &[E],
-    y: &[E],
-    labels: Option<&[i64]>,
-    vocab: usize,
-    kind: Jsd,
-    ignore_index: i64,
-    scale: f32,
-    dx: &mut [E],
-    sums: &mut [f32],
-) {
+fn jsd_rows<E: Elem, F: Fma>(job: &JsdRows<'_>, io: JsdIo<'_, E>) {
+    let JsdIo { x, y, dx, sums } = io;
+    let JsdRows {
+        labels,
+        vocab,
+        kind,
+        ignore_index,
+        scale,
+        ..
+    } = *job;
     for (i, ((xr, yr), dr)) in x
         .chunks_exact(vocab)
         .zip(y.chunks_exact(vocab))
@@ -111,38 +208,15 @@ kvant_kernels::per_tier! {
     /// [`jsd_rows`] on `tier`.
     fn jsd_rows_on<E: Elem>(
         tier: SimdTier,
-        x: &[E],
-        y: &[E],
-        labels: Option<&[i64]>,
-        vocab: usize,
-        kind: Jsd,
-        ignore_index: i64,
-        scale: f32,
-        dx: &mut [E],
-        sums: &mut [f32],
+        job: &JsdRows<'_>,
+        io: JsdIo<'_, E>,
     ) [F = Plain, Fused] {
-        jsd_rows::<E, F>(x, y, labels, vocab, kind, ignore_index, scale, dx, sums)
+        jsd_rows::<E, F>(job, io)
     }
 }
 
 fn tasks_for(rows: usize, pool: &ThreadPool) -> usize {
     rows.min(pool.threads() * 4).max(1)
-}
-
-fn check_beta(beta: f32) -> Result<Jsd, KernelError> {
-    if !(0.0..=1.0).contains(&beta) {
-        return Err(KernelError::InvalidShape {
-            op: "jsd",
-            why: format!("beta {beta} is not in 0..=1"),
-        });
-    }
-    Ok(if beta == 0.0 {
-        Jsd::Forward
-    } else if beta == 1.0 {
-        Jsd::Reverse
-    } else {
-        Jsd::General(beta)
-    })
 }
 
 /// Rows of a `[rows, vocab]` tensor of `len` values, or an error.
@@ -165,124 +239,86 @@ fn rows_of(op: &'static str, len: usize, vocab: usize) -> Result<usize, KernelEr
     Ok(len / vocab)
 }
 
-/// The checked, parallel JSD shared with the fused linear JSD: per-row
-/// sums (unscaled) into `sums`, gradients (times `scale`) into `dx`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn jsd_rows_in<E: Elem>(
+/// `f(rows, elements)` for each task's rows of a `[rows, vocab]` tensor,
+/// in parallel: the split every row loop here shares (rows independent,
+/// so it changes no result).
+fn par_rows(
     pool: &ThreadPool,
-    tier: SimdTier,
-    x: &[E],
-    y: &[E],
-    labels: Option<&[i64]>,
+    rows: usize,
     vocab: usize,
-    beta: f32,
-    ignore_index: i64,
-    scale: f32,
-    dx: &mut [E],
-    sums: &mut [f32],
-) -> Result<(), KernelError> {
-    let kind = check_beta(beta)?;
-    let rows = sums.len();
+    f: &(dyn Fn(Range<usize>, Range<usize>) + Sync),
+) {
     let tasks = tasks_for(rows, pool);
-    let d = DisjointSlice::new(dx);
-    let s = DisjointSlice::new(sums);
     pool.run(tasks, &|t| {
         let r = pool::chunk(rows, tasks, 1, t);
         let e = r.start * vocab..r.end * vocab;
-        // SAFETY: task `t` alone owns rows `r` (`chunk` ranges are disjoint).
-        let (dr, sr) = unsafe { (d.range(e.clone()), s.range(r.clone())) };
-        let lr = labels.map(|l| &l[r.clone()]);
-        let (xr, yr) = (&x[e.clone()], &y[e]);
-        jsd_rows_on(tier, xr, yr, lr, vocab, kind, ignore_index, scale, dr, sr)
+        f(r, e)
     });
-    Ok(())
 }
 
-/// Liger's `LigerJSD`: generalised JSD of student `log_q` and teacher
-/// `log_p` (`[rows, vocab]` log-probabilities), `beta` in `0..=1`,
-/// optional `labels` with `ignore_index` (those rows ignored); loss = sum
+/// The checked, parallel JSD shared with the fused linear JSD: per-row
+/// sums (unscaled) into `io.sums`, gradients (times `job.scale`) into `io.dx`.
+pub(crate) fn jsd_rows_in<E: Elem>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    job: &JsdRows<'_>,
+    io: JsdIo<'_, E>,
+) {
+    let JsdIo { x, y, dx, sums } = io;
+    let rows = sums.len();
+    let d = DisjointSlice::new(dx);
+    let s = DisjointSlice::new(sums);
+    par_rows(pool, rows, job.vocab, &|r, e| {
+        // SAFETY: each task alone owns its rows `r` (disjoint ranges).
+        let (dx, sums) = unsafe { (d.range(e.clone()), s.range(r.clone())) };
+        let (x, y) = (&x[e.clone()], &y[e]);
+        jsd_rows_on(tier, &job.rows(r), JsdIo { x, y, dx, sums })
+    });
+}
+
+/// Liger's `LigerJSD` on `pool` and `tier`: generalised JSD of student
+/// `log_q` and teacher `log_p` (`[rows, vocab]` log-probabilities) with
+/// `a.beta`; rows whose label is `ignore_index` are ignored; loss = sum
 /// over counted rows / counted. The gradient w.r.t. `log_q` is written into
 /// `dlog_q` (scaled for the mean; 0 on ignored rows). Returns `(loss, counted)`.
 pub fn jsd_fwd<E: Elem>(
-    log_q: &[E],
-    log_p: &[E],
-    labels: Option<&[i64]>,
-    vocab: usize,
-    beta: f32,
-    ignore_index: i64,
-    dlog_q: &mut [E],
-) -> Result<(f32, usize), KernelError> {
-    jsd_fwd_in(
-        pool::global(),
-        cpu::tier(),
-        log_q,
-        log_p,
-        labels,
-        vocab,
-        beta,
-        ignore_index,
-        dlog_q,
-    )
-}
-
-/// [`jsd_fwd`] on a given pool and tier.
-#[allow(clippy::too_many_arguments)]
-pub fn jsd_fwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
+    a: &JsdArgs<'_>,
     log_q: &[E],
     log_p: &[E],
-    labels: Option<&[i64]>,
-    vocab: usize,
-    beta: f32,
-    ignore_index: i64,
     dlog_q: &mut [E],
 ) -> Result<(f32, usize), KernelError> {
-    let rows = rows_of("jsd", log_q.len(), vocab)?;
-    check_len("jsd log_p", log_q.len(), log_p.len())?;
+    let (rows, job) = a.check(log_q.len(), log_p.len())?;
     check_len("jsd dlog_q", log_q.len(), dlog_q.len())?;
-    check_beta(beta)?;
-    let counted = match labels {
-        Some(l) => {
-            check_len("jsd labels", rows, l.len())?;
-            l.iter().filter(|&&v| v != ignore_index).count()
-        }
-        None => rows,
-    };
-    let scale = if counted > 0 {
-        1.0 / counted as f32
-    } else {
-        0.0
-    };
     let mut sums = vec![0f32; rows];
-    jsd_rows_in(
-        pool,
-        tier,
-        log_q,
-        log_p,
-        labels,
-        vocab,
-        beta,
-        ignore_index,
-        scale,
-        dlog_q,
-        &mut sums,
-    )?;
+    let io = JsdIo {
+        x: log_q,
+        y: log_p,
+        dx: dlog_q,
+        sums: &mut sums,
+    };
+    jsd_rows_in(pool, tier, &job, io);
     let total: f64 = sums.iter().map(|&v| v as f64).sum();
-    Ok(((total * scale as f64) as f32, counted))
+    Ok(((total * job.scale as f64) as f32, job.counted))
 }
 
-/// f64 reference of [`jsd_fwd`]: `(loss, counted, dlog_q)`.
+/// f64 reference of [`jsd_fwd`], arguments checked as there:
+/// `(loss, counted, dlog_q)`.
 pub fn jsd_ref(
+    a: &JsdArgs<'_>,
     log_q: &[f64],
     log_p: &[f64],
-    labels: Option<&[i64]>,
-    vocab: usize,
-    beta: f64,
-    ignore_index: i64,
-) -> (f64, usize, Vec<f64>) {
-    let rows = log_q.len() / vocab.max(1);
-    let counted = labels.map_or(rows, |l| l.iter().filter(|&&v| v != ignore_index).count());
+) -> Result<(f64, usize, Vec<f64>), KernelError> {
+    let (rows, job) = a.check(log_q.len(), log_p.len())?;
+    let JsdRows {
+        labels,
+        vocab,
+        ignore_index,
+        counted,
+        ..
+    } = job;
+    let beta = a.beta as f64;
     let scale = if counted > 0 {
         1.0 / counted as f64
     } else {
@@ -312,7 +348,31 @@ pub fn jsd_ref(
             grad[j] = g * scale;
         }
     }
-    (loss * scale, counted, grad)
+    Ok((loss * scale, counted, grad))
+}
+
+/// One `kl_div` problem besides its tensors: the row length and torch's
+/// options. The forward, the backward and [`kl_div_ref`] check it alike.
+#[derive(Clone, Copy, Debug)]
+pub struct KlArgs {
+    pub vocab: usize,
+    /// The target holds log-probabilities (else probabilities).
+    pub log_target: bool,
+    pub reduction: KlReduction,
+}
+
+impl KlArgs {
+    /// The rows of a tensor of `len` values (whole rows of `vocab`), with
+    /// `other` (named `what`) as long.
+    fn check(
+        &self,
+        len: usize,
+        (what, other): (&'static str, usize),
+    ) -> Result<usize, KernelError> {
+        let rows = rows_of("kl_div", len, self.vocab)?;
+        check_len(what, len, other)?;
+        Ok(rows)
+    }
 }
 
 #[inline(always)]
@@ -328,14 +388,10 @@ fn kl_elem<F: Fma>(x: f32, t: f32, log_target: bool) -> f32 {
 }
 
 #[inline(always)]
-fn kl_rows<E: Elem, F: Fma>(
-    x: &[E],
-    t: &[E],
-    vocab: usize,
-    log_target: bool,
-    el: Option<&mut [E]>,
-    sums: &mut [f32],
-) {
+fn kl_rows<E: Elem, F: Fma>(a: &KlArgs, x: &[E], t: &[E], el: Option<&mut [E]>, sums: &mut [f32]) {
+    let KlArgs {
+        vocab, log_target, ..
+    } = *a;
     match el {
         Some(el) => {
             for (((xr, tr), er), s) in x
@@ -373,74 +429,46 @@ kvant_kernels::per_tier! {
     /// [`kl_rows`] on `tier`.
     fn kl_rows_on<E: Elem>(
         tier: SimdTier,
+        a: &KlArgs,
         x: &[E],
         t: &[E],
-        vocab: usize,
-        log_target: bool,
         el: Option<&mut [E]>,
         sums: &mut [f32],
     ) [F = Plain, Fused] {
-        kl_rows::<E, F>(x, t, vocab, log_target, el, sums)
+        kl_rows::<E, F>(a, x, t, el, sums)
     }
 }
 
 /// `torch.nn.functional.kl_div(input, target, reduction, log_target)` on
-/// `[rows, vocab]` tensors, `input = log q`. Returns the reduced loss (for
-/// `None` the sum, and the elementwise losses are written to `elementwise`,
-/// `rows·vocab` long; otherwise `elementwise` is not touched and may be empty).
+/// `[rows, vocab]` tensors, `input = log q`, on `pool` and `tier`. Returns
+/// the reduced loss (for `None` the sum, and the elementwise losses are
+/// written to `elementwise`, `rows·vocab` long; otherwise `elementwise` is
+/// not touched and may be empty).
 pub fn kl_div_fwd<E: Elem>(
-    input: &[E],
-    target: &[E],
-    vocab: usize,
-    log_target: bool,
-    reduction: KlReduction,
-    elementwise: &mut [E],
-) -> Result<f32, KernelError> {
-    kl_div_fwd_in(
-        pool::global(),
-        cpu::tier(),
-        input,
-        target,
-        vocab,
-        log_target,
-        reduction,
-        elementwise,
-    )
-}
-
-/// [`kl_div_fwd`] on a given pool and tier.
-#[allow(clippy::too_many_arguments)]
-pub fn kl_div_fwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
+    a: &KlArgs,
     input: &[E],
     target: &[E],
-    vocab: usize,
-    log_target: bool,
-    reduction: KlReduction,
     elementwise: &mut [E],
 ) -> Result<f32, KernelError> {
-    let rows = rows_of("kl_div", input.len(), vocab)?;
-    check_len("kl_div target", input.len(), target.len())?;
-    let write = reduction == KlReduction::None;
+    let rows = a.check(input.len(), ("kl_div target", target.len()))?;
+    let write = a.reduction == KlReduction::None;
     if write {
         check_len("kl_div elementwise", input.len(), elementwise.len())?;
     }
     let mut sums = vec![0f32; rows];
-    let tasks = tasks_for(rows, pool);
     let el = DisjointSlice::new(elementwise);
     let s = DisjointSlice::new(&mut sums);
-    pool.run(tasks, &|t| {
-        let r = pool::chunk(rows, tasks, 1, t);
-        let e = r.start * vocab..r.end * vocab;
-        // SAFETY: task `t` alone owns rows `r` (`chunk` ranges are
-        // disjoint); `elementwise` is only ranged when its length was checked.
-        let (er, sr) = unsafe { (write.then(|| el.range(e.clone())), s.range(r.clone())) };
+    par_rows(pool, rows, a.vocab, &|r, e| {
+        // SAFETY: each task alone owns its rows `r` (disjoint ranges);
+        // `elementwise` is only ranged when its length was checked.
+        let (er, sr) = unsafe { (write.then(|| el.range(e.clone())), s.range(r)) };
         let (xr, tr) = (&input[e.clone()], &target[e]);
-        kl_rows_on(tier, xr, tr, vocab, log_target, er, sr)
+        kl_rows_on(tier, a, xr, tr, er, sr)
     });
     let total: f64 = sums.iter().map(|&v| v as f64).sum();
-    Ok((total * kl_scale(reduction, rows, input.len())) as f32)
+    Ok((total * kl_scale(a.reduction, rows, input.len())) as f32)
 }
 
 fn kl_scale(reduction: KlReduction, rows: usize, numel: usize) -> f64 {
@@ -455,31 +483,24 @@ fn kl_scale(reduction: KlReduction, rows: usize, numel: usize) -> f64 {
 /// grad_out`, times `grad_elementwise[k]` (reduction None) if given; the
 /// scale is 1, `1/numel` (Mean) or `1/rows` (BatchMean).
 pub fn kl_div_bwd<E: Elem>(
+    a: &KlArgs,
     target: &[E],
-    log_target: bool,
-    reduction: KlReduction,
-    vocab: usize,
     grad_out: f32,
     grad_elementwise: Option<&[E]>,
     dinput: &mut [E],
 ) -> Result<(), KernelError> {
-    let rows = rows_of("kl_div", target.len(), vocab)?;
-    check_len("kl_div dinput", target.len(), dinput.len())?;
+    let rows = a.check(target.len(), ("kl_div dinput", dinput.len()))?;
     if let Some(g) = grad_elementwise {
         check_len("kl_div grad_elementwise", target.len(), g.len())?;
     }
-    let scale = (kl_scale(reduction, rows, target.len()) * grad_out as f64) as f32;
+    let scale = (kl_scale(a.reduction, rows, target.len()) * grad_out as f64) as f32;
     let tier = cpu::clamp(cpu::tier());
-    let pool = pool::global();
-    let tasks = tasks_for(rows, pool);
     let d = DisjointSlice::new(dinput);
-    pool.run(tasks, &|t| {
-        let r = pool::chunk(rows, tasks, 1, t);
-        let e = r.start * vocab..r.end * vocab;
-        // SAFETY: task `t` alone owns rows `r` (`chunk` ranges are disjoint).
+    par_rows(pool::global(), rows, a.vocab, &|_, e| {
+        // SAFETY: each task alone owns its rows' elements `e` (disjoint ranges).
         let dr = unsafe { d.range(e.clone()) };
         let g = grad_elementwise.map(|g| &g[e.clone()]);
-        kl_bwd_on(tier, &target[e], log_target, scale, g, dr)
+        kl_bwd_on(tier, &target[e], a.log_target, scale, g, dr)
     });
     Ok(())
 }
@@ -514,19 +535,19 @@ kvant_kernels::per_tier! {
     }
 }
 
-/// f64 reference of `kl_div`: `(elementwise, reduced)`.
+/// f64 reference of `kl_div`, arguments checked as in [`kl_div_fwd`]:
+/// `(elementwise, reduced)`.
 pub fn kl_div_ref(
+    a: &KlArgs,
     input: &[f64],
     target: &[f64],
-    vocab: usize,
-    log_target: bool,
-    reduction: KlReduction,
-) -> (Vec<f64>, f64) {
+) -> Result<(Vec<f64>, f64), KernelError> {
+    let rows = a.check(input.len(), ("kl_div target", target.len()))?;
     let el: Vec<f64> = input
         .iter()
         .zip(target)
         .map(|(&x, &t)| {
-            if log_target {
+            if a.log_target {
                 t.exp() * (t - x)
             } else if t == 0.0 {
                 0.0
@@ -535,13 +556,13 @@ pub fn kl_div_ref(
             }
         })
         .collect();
-    let rows = input.len() / vocab.max(1);
     let sum: f64 = el.iter().sum();
-    (el, sum * kl_scale(reduction, rows, input.len()))
+    Ok((el, sum * kl_scale(a.reduction, rows, input.len())))
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::cross_entropy::tests::same_on_1_and_3_threads;
     use super::*;
     use half::bf16;
     use rand::{Rng, SeedableRng};
@@ -557,6 +578,26 @@ mod tests {
             v.extend(x.iter().map(|&a| a - lse));
         }
         v
+    }
+
+    /// JSD arguments with ignore_index -100.
+    fn jsd(labels: Option<&[i64]>, vocab: usize, beta: f32) -> JsdArgs<'_> {
+        JsdArgs {
+            labels,
+            vocab,
+            beta,
+            ignore_index: -100,
+        }
+    }
+
+    /// [`jsd_fwd`] on the global pool and the CPU's tier.
+    fn jsd_global(
+        a: JsdArgs<'_>,
+        q: &[f32],
+        p: &[f32],
+        d: &mut [f32],
+    ) -> Result<(f32, usize), KernelError> {
+        jsd_fwd(pool::global(), cpu::tier(), &a, q, p, d)
     }
 
     fn round<E: Elem>(v: &[f64]) -> (Vec<E>, Vec<f64>) {
@@ -578,12 +619,11 @@ mod tests {
         let rel = if E::F32 { 0.0 } else { 1.0 / 256.0 };
         for beta in [0.0f32, 1.0, 0.5, 0.1] {
             for lab in [None, Some(&labels[..])] {
-                let (wl, wc, wg) = jsd_ref(&q64, &p64, lab, vocab, beta as f64, -100);
+                let a = jsd(lab, vocab, beta);
+                let (wl, wc, wg) = jsd_ref(&a, &q64, &p64).unwrap();
                 for tier in cpu::available_tiers() {
                     let mut d = vec![E::from_f32(f32::NAN); q.len()];
-                    let (l, c) =
-                        jsd_fwd_in(pool::global(), tier, &q, &p, lab, vocab, beta, -100, &mut d)
-                            .unwrap();
+                    let (l, c) = jsd_fwd(pool::global(), tier, &a, &q, &p, &mut d).unwrap();
                     assert_eq!(c, wc);
                     assert!(
                         (l as f64 - wl).abs() <= 1e-6 + 1e-5 * wl.abs(),
@@ -621,14 +661,13 @@ mod tests {
         let q = log_probs(&mut rng, 2, 5);
         let p = log_probs(&mut rng, 2, 5);
         for beta in [0.0, 1.0, 0.3] {
-            let (_, _, g) = jsd_ref(&q, &p, Some(&[0, 3]), 5, beta, -100);
+            let a = jsd(Some(&[0, 3]), 5, beta);
+            let (_, _, g) = jsd_ref(&a, &q, &p).unwrap();
             for k in 0..q.len() {
-                let (mut a, mut b) = (q.clone(), q.clone());
-                a[k] += 1e-6;
-                b[k] -= 1e-6;
-                let fd = (jsd_ref(&a, &p, Some(&[0, 3]), 5, beta, -100).0
-                    - jsd_ref(&b, &p, Some(&[0, 3]), 5, beta, -100).0)
-                    / 2e-6;
+                let (mut qa, mut qb) = (q.clone(), q.clone());
+                qa[k] += 1e-6;
+                qb[k] -= 1e-6;
+                let fd = (jsd_ref(&a, &qa, &p).unwrap().0 - jsd_ref(&a, &qb, &p).unwrap().0) / 2e-6;
                 assert!(
                     (fd - g[k]).abs() < 1e-7,
                     "beta {beta} {k}: {fd} vs {}",
@@ -645,12 +684,12 @@ mod tests {
         let q = [0.25f32.ln(), 0.75f32.ln()];
         let p = [0.5f32.ln(), 0.5f32.ln()];
         let mut d = [0f32; 2];
-        let (l, _) = jsd_fwd(&q, &q, None, 2, 0.5, -100, &mut d).unwrap();
+        let (l, _) = jsd_global(jsd(None, 2, 0.5), &q, &q, &mut d).unwrap();
         assert!(l.abs() < 1e-7);
-        let (l, _) = jsd_fwd(&q, &p, None, 2, 0.0, -100, &mut d).unwrap();
+        let (l, _) = jsd_global(jsd(None, 2, 0.0), &q, &p, &mut d).unwrap();
         let want = 0.5 * (0.5f32 / 0.25).ln() + 0.5 * (0.5f32 / 0.75).ln();
         assert!((l - want).abs() < 1e-6);
-        let (l, c) = jsd_fwd(&q, &p, Some(&[-100]), 2, 0.5, -100, &mut d).unwrap();
+        let (l, c) = jsd_global(jsd(Some(&[-100]), 2, 0.5), &q, &p, &mut d).unwrap();
         assert_eq!((l, c), (0.0, 0));
         assert_eq!(d, [0.0, 0.0]);
     }
@@ -678,20 +717,15 @@ mod tests {
                 KlReduction::Mean,
                 KlReduction::BatchMean,
             ] {
-                let (wel, wl) = kl_div_ref(&x64, &t64, vocab, log_target, red);
+                let a = KlArgs {
+                    vocab,
+                    log_target,
+                    reduction: red,
+                };
+                let (wel, wl) = kl_div_ref(&a, &x64, &t64).unwrap();
                 for tier in cpu::available_tiers() {
                     let mut el = vec![E::from_f32(f32::NAN); x.len()];
-                    let l = kl_div_fwd_in(
-                        pool::global(),
-                        tier,
-                        &x,
-                        &t,
-                        vocab,
-                        log_target,
-                        red,
-                        &mut el,
-                    )
-                    .unwrap();
+                    let l = kl_div_fwd(pool::global(), tier, &a, &x, &t, &mut el).unwrap();
                     assert!(
                         (l as f64 - wl).abs() <= 1e-6 + 1e-5 * wl.abs(),
                         "{tier} {red:?} {log_target}: {l} vs {wl}"
@@ -710,7 +744,7 @@ mod tests {
                     .collect();
                 let g = (red == KlReduction::None).then_some(&ge[..]);
                 let mut d = vec![E::from_f32(f32::NAN); x.len()];
-                kl_div_bwd(&t, log_target, red, vocab, 0.7, g, &mut d).unwrap();
+                kl_div_bwd(&a, &t, 0.7, g, &mut d).unwrap();
                 let s = 0.7 * kl_scale(red, rows, x.len());
                 for (k, (dv, tv)) in d.iter().zip(&t64).enumerate() {
                     let p = if log_target { tv.exp() } else { *tv };
@@ -748,42 +782,41 @@ mod tests {
             .iter()
             .map(|&v| v as f32)
             .collect();
-        let run = |pool: &ThreadPool| {
+        same_on_1_and_3_threads(|pool| {
             let mut d = vec![0f32; q.len()];
-            let (l, _) =
-                jsd_fwd_in(pool, cpu::tier(), &q, &p, None, vocab, 0.3, -100, &mut d).unwrap();
+            let a = jsd(None, vocab, 0.3);
+            let (l, _) = jsd_fwd(pool, cpu::tier(), &a, &q, &p, &mut d).unwrap();
             let mut el = vec![0f32; q.len()];
-            let k = kl_div_fwd_in(
-                pool,
-                cpu::tier(),
-                &q,
-                &p,
+            let a = KlArgs {
                 vocab,
-                true,
-                KlReduction::None,
-                &mut el,
-            )
-            .unwrap();
+                log_target: true,
+                reduction: KlReduction::None,
+            };
+            let k = kl_div_fwd(pool, cpu::tier(), &a, &q, &p, &mut el).unwrap();
             (l.to_bits(), d, k.to_bits(), el)
-        };
-        assert_eq!(
-            run(&ThreadPool::new(1).unwrap()),
-            run(&ThreadPool::new(3).unwrap())
-        );
+        });
     }
 
     #[test]
     fn bad_arguments_are_errors() {
         let x = [0f32; 6];
         let mut d = [0f32; 6];
-        assert!(jsd_fwd(&x, &x, None, 4, 0.5, -100, &mut d).is_err());
-        assert!(jsd_fwd(&x, &x, None, 0, 0.5, -100, &mut d).is_err());
-        assert!(jsd_fwd(&x, &x[..3], None, 3, 0.5, -100, &mut d).is_err());
-        assert!(jsd_fwd(&x, &x, None, 3, 1.5, -100, &mut d).is_err());
-        assert!(jsd_fwd(&x, &x, Some(&[0]), 3, 0.5, -100, &mut d).is_err());
-        assert!(kl_div_fwd(&x, &x, 3, false, KlReduction::None, &mut d[..5]).is_err());
-        assert!(kl_div_fwd(&x, &x, 3, false, KlReduction::Sum, &mut []).is_ok());
-        assert!(kl_div_bwd(&x, false, KlReduction::Sum, 3, 1.0, Some(&x[..2]), &mut d).is_err());
-        assert!(kl_div_bwd(&x, false, KlReduction::Sum, 4, 1.0, None, &mut d).is_err());
+        assert!(jsd_global(jsd(None, 4, 0.5), &x, &x, &mut d).is_err());
+        assert!(jsd_global(jsd(None, 0, 0.5), &x, &x, &mut d).is_err());
+        assert!(jsd_global(jsd(None, 3, 0.5), &x, &x[..3], &mut d).is_err());
+        assert!(jsd_global(jsd(None, 3, 1.5), &x, &x, &mut d).is_err());
+        assert!(jsd_global(jsd(Some(&[0]), 3, 0.5), &x, &x, &mut d).is_err());
+        let kl = |vocab, reduction| KlArgs {
+            vocab,
+            log_target: false,
+            reduction,
+        };
+        let (pool, tier) = (pool::global(), cpu::tier());
+        let none = kl(3, KlReduction::None);
+        assert!(kl_div_fwd(pool, tier, &none, &x, &x, &mut d[..5]).is_err());
+        let sum = kl(3, KlReduction::Sum);
+        assert!(kl_div_fwd(pool, tier, &sum, &x, &x, &mut []).is_ok());
+        assert!(kl_div_bwd(&sum, &x, 1.0, Some(&x[..2]), &mut d).is_err());
+        assert!(kl_div_bwd(&kl(4, KlReduction::Sum), &x, 1.0, None, &mut d).is_err());
     }
 }

@@ -30,12 +30,29 @@ use kvant_kernels::vecops::Fused;
 use kvant_kernels::vecops::{exp, Fma, Plain};
 use kvant_kernels::KernelError;
 
-use super::cross_entropy::{
-    ce_rows, count_targets, grad_scale, totals, CeOptions, CeTotals, Prepared, RowsIo,
-};
-use super::distill::jsd_rows_in;
+use super::cross_entropy::{ce_rows, grad_scale, totals, CeArgs, CeRows, CeTotals, RowsIo};
+use super::distill::{jsd_rows_in, JsdArgs, JsdIo};
 use super::gemm::{gemm_in, MatRef};
 use super::Elem;
+
+/// What [`linear_cross_entropy`] reads: the LM head, the cross-entropy's
+/// targets and options, and the chunking.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearCeArgs<'a, E> {
+    /// `[n, hidden]`.
+    pub x: &'a [E],
+    /// `[vocab, hidden]`.
+    pub w: &'a [E],
+    /// `[vocab]`.
+    pub bias: Option<&'a [E]>,
+    pub hidden: usize,
+    /// `n` targets, the vocabulary and the loss's options.
+    pub ce: CeArgs<'a>,
+    /// `[n]`: row i's gradient times `row_scale[i]`.
+    pub row_scale: Option<&'a [f32]>,
+    /// Rows per chunk; None: [`chunk_rows`].
+    pub chunk: Option<usize>,
+}
 
 /// Gradients [`linear_cross_entropy`] writes.
 pub struct LinearCeGrads<'a, E> {
@@ -75,53 +92,23 @@ pub fn chunk_rows(n: usize, h: usize, v: usize) -> usize {
 /// in row chunks ([`chunk_rows`]) so the `[n, v]` logits never exist.
 /// With `grads`, `dx_c = G_c·W`, `dW = Σ G_cᵀ·x_c` (f32), `dbias = Σ G_c`
 /// in the same pass; `row_scale` (`[n]`) multiplies row i's gradient.
-#[allow(clippy::too_many_arguments)]
 pub fn linear_cross_entropy<E: Elem>(
-    x: &[E],
-    w: &[E],
-    bias: Option<&[E]>,
-    targets: &[i64],
-    hidden: usize,
-    vocab: usize,
-    o: &CeOptions,
-    row_scale: Option<&[f32]>,
-    losses: &mut [f32],
-    grads: Option<LinearCeGrads<'_, E>>,
-) -> Result<CeTotals, KernelError> {
-    let n = targets.len();
-    linear_cross_entropy_with_chunk(
-        chunk_rows(n, hidden, vocab),
-        x,
-        w,
-        bias,
-        targets,
-        hidden,
-        vocab,
-        o,
-        row_scale,
-        losses,
-        grads,
-    )
-}
-
-/// [`linear_cross_entropy`] with a given number of rows per chunk (tests).
-#[allow(clippy::too_many_arguments)]
-pub fn linear_cross_entropy_with_chunk<E: Elem>(
-    chunk: usize,
-    x: &[E],
-    w: &[E],
-    bias: Option<&[E]>,
-    targets: &[i64],
-    hidden: usize,
-    vocab: usize,
-    o: &CeOptions,
-    row_scale: Option<&[f32]>,
+    a: &LinearCeArgs<'_, E>,
     losses: &mut [f32],
     mut grads: Option<LinearCeGrads<'_, E>>,
 ) -> Result<CeTotals, KernelError> {
     const OP: &str = "linear_cross_entropy";
-    let n = targets.len();
-    let (h, v) = (hidden, vocab);
+    let LinearCeArgs {
+        x,
+        w,
+        bias,
+        hidden: h,
+        ce,
+        row_scale,
+        chunk,
+    } = *a;
+    let (n, v, o) = (ce.targets.len(), ce.vocab, ce.options);
+    let chunk = chunk.unwrap_or_else(|| chunk_rows(n, h, v));
     if v == 0 || chunk == 0 {
         return Err(KernelError::InvalidShape {
             op: OP,
@@ -145,9 +132,14 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
             check_len("linear-ce dbias", v, db.len())?;
         }
     }
-    let p = Prepared::new(o)?;
-    let counted = count_targets(targets, v, o.ignore_index)?;
-    let scale = grad_scale(o.reduction, counted);
+    let (p, counted) = ce.prepare()?;
+    let job = CeRows {
+        targets: ce.targets,
+        vocab: v,
+        p,
+        grad: grads.is_some().then(|| grad_scale(o.reduction, counted)),
+        row_scale,
+    };
     let (pool, tier) = (pool::global(), cpu::tier());
     let chunk = chunk.min(n.max(1));
     let mut logits = vec![0f32; chunk * v];
@@ -184,19 +176,8 @@ pub fn linear_cross_entropy_with_chunk<E: Elem>(
             None => 0.0,
         };
         gemm_in(pool, tier, xc, wm.t(), lg, v, 1.0, beta)?;
-        ce_rows(
-            pool,
-            tier,
-            RowsIo::InPlace(lg),
-            &targets[c0..c1],
-            v,
-            p,
-            o.ignore_index,
-            grads.is_some().then_some(scale),
-            row_scale.map(|r| &r[c0..c1]),
-            &mut losses[c0..c1],
-            &mut zs[c0..c1],
-        );
+        let (lc, zc) = (&mut losses[c0..c1], &mut zs[c0..c1]);
+        ce_rows(pool, tier, RowsIo::InPlace(lg), &job.rows(c0..c1), lc, zc);
         if let Some(g) = grads.as_mut() {
             let dx = &mut dxc[..cr * h];
             if E::F32 {
@@ -348,67 +329,51 @@ fn par_rows(
     });
 }
 
+/// What [`linear_jsd`] reads: the student's and the teacher's LM heads,
+/// the JSD's labels, vocabulary and `beta`, the temperature and the
+/// chunking.
+#[derive(Clone, Copy, Debug)]
+pub struct LinearJsdArgs<'a, E> {
+    /// Student `[n, hs]` and its head `[vocab, hs]`.
+    pub x_s: &'a [E],
+    pub w_s: &'a [E],
+    /// Teacher `[n, ht]` and its head `[vocab, ht]`.
+    pub x_t: &'a [E],
+    pub w_t: &'a [E],
+    pub hs: usize,
+    pub ht: usize,
+    pub jsd: JsdArgs<'a>,
+    /// Both heads' logits are divided by it; positive.
+    pub temperature: f32,
+    /// Rows per chunk; None: [`chunk_rows`].
+    pub chunk: Option<usize>,
+}
+
 /// Fused linear JSD for distillation (Liger's `LigerFusedLinearJSD`):
 /// student `x_s` `[n, hs]`·`w_s` `[v, hs]`ᵀ and teacher `x_t` `[n, ht]`·
 /// `w_t` `[v, ht]`ᵀ, both divided by `temperature`, log-softmax, JSD with
 /// `beta` as [`super::distill::jsd_fwd`] (labels/ignore_index), chunked as
 /// [`linear_cross_entropy`]; gradients for the student only (`dx_s`
 /// `[n, hs]`, `dw_s` `[v, hs]` f32, overwritten). Returns `(loss, counted)`.
-#[allow(clippy::too_many_arguments)]
 pub fn linear_jsd<E: Elem>(
-    x_s: &[E],
-    w_s: &[E],
-    x_t: &[E],
-    w_t: &[E],
-    labels: Option<&[i64]>,
-    hs: usize,
-    ht: usize,
-    vocab: usize,
-    beta: f32,
-    ignore_index: i64,
-    temperature: f32,
-    dx_s: Option<&mut [E]>,
-    dw_s: Option<&mut [f32]>,
-) -> Result<(f32, usize), KernelError> {
-    let n = x_s.len() / hs.max(1);
-    linear_jsd_with_chunk(
-        chunk_rows(n, hs.max(ht), vocab),
-        x_s,
-        w_s,
-        x_t,
-        w_t,
-        labels,
-        hs,
-        ht,
-        vocab,
-        beta,
-        ignore_index,
-        temperature,
-        dx_s,
-        dw_s,
-    )
-}
-
-/// [`linear_jsd`] with a given number of rows per chunk (tests).
-#[allow(clippy::too_many_arguments)]
-pub fn linear_jsd_with_chunk<E: Elem>(
-    chunk: usize,
-    x_s: &[E],
-    w_s: &[E],
-    x_t: &[E],
-    w_t: &[E],
-    labels: Option<&[i64]>,
-    hs: usize,
-    ht: usize,
-    vocab: usize,
-    beta: f32,
-    ignore_index: i64,
-    temperature: f32,
+    a: &LinearJsdArgs<'_, E>,
     mut dx_s: Option<&mut [E]>,
     mut dw_s: Option<&mut [f32]>,
 ) -> Result<(f32, usize), KernelError> {
     const OP: &str = "linear_jsd";
-    let v = vocab;
+    let LinearJsdArgs {
+        x_s,
+        w_s,
+        x_t,
+        w_t,
+        hs,
+        ht,
+        jsd,
+        temperature,
+        chunk,
+    } = *a;
+    let v = jsd.vocab;
+    let chunk = chunk.unwrap_or_else(|| chunk_rows(x_s.len() / hs.max(1), hs.max(ht), v));
     let bad = |why: String| KernelError::InvalidShape { op: OP, why };
     if v == 0 || hs == 0 || ht == 0 || chunk == 0 {
         return Err(bad(format!(
@@ -417,9 +382,6 @@ pub fn linear_jsd_with_chunk<E: Elem>(
     }
     if !(temperature > 0.0 && temperature.is_finite()) {
         return Err(bad(format!("temperature {temperature} is not positive")));
-    }
-    if !(0.0..=1.0).contains(&beta) {
-        return Err(bad(format!("beta {beta} is not in 0..=1")));
     }
     if !x_s.len().is_multiple_of(hs) {
         return Err(bad(format!("{} values are not rows of {hs}", x_s.len())));
@@ -435,18 +397,7 @@ pub fn linear_jsd_with_chunk<E: Elem>(
     if let Some(d) = &dw_s {
         check_len("linear-jsd dw_s", v * hs, d.len())?;
     }
-    let counted = match labels {
-        Some(l) => {
-            check_len("linear-jsd labels", n, l.len())?;
-            l.iter().filter(|&&x| x != ignore_index).count()
-        }
-        None => n,
-    };
-    let scale = if counted > 0 {
-        1.0 / counted as f32
-    } else {
-        0.0
-    };
+    let job = jsd.prepare((OP, "linear-jsd labels"), n)?;
     let want = dx_s.is_some() || dw_s.is_some();
     let (pool, tier) = (pool::global(), cpu::tier());
     let tier = cpu::clamp(tier);
@@ -478,19 +429,13 @@ pub fn linear_jsd_with_chunk<E: Elem>(
         gemm_in(pool, tier, xt, wt.t(), tb, v, 1.0, 0.0)?;
         par_rows(pool, sb, &[], v, &lsm);
         par_rows(pool, tb, &[], v, &lsm);
-        jsd_rows_in(
-            pool,
-            tier,
-            &*sb,
-            &*tb,
-            labels.map(|l| &l[c0..c1]),
-            v,
-            beta,
-            ignore_index,
-            scale,
-            gb,
-            &mut sums[c0..c1],
-        )?;
+        let io = JsdIo {
+            x: sb,
+            y: tb,
+            dx: gb,
+            sums: &mut sums[c0..c1],
+        };
+        jsd_rows_in(pool, tier, &job.rows(c0..c1), io);
         if want {
             par_rows(pool, gb, sb, v, &back);
             let gm = MatRef::row_major(&*gb, cr, v)?;
@@ -507,12 +452,13 @@ pub fn linear_jsd_with_chunk<E: Elem>(
         }
     }
     let total: f64 = sums.iter().map(|&s| s as f64).sum();
-    Ok(((total * scale as f64) as f32, counted))
+    Ok(((total * job.scale as f64) as f32, job.counted))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::cross_entropy::cross_entropy_ref;
+    use super::super::cross_entropy::tests::same_on_1_and_3_threads;
+    use super::super::cross_entropy::{cross_entropy_ref, CeOptions};
     use super::super::distill::jsd_ref;
     use super::super::Reduction;
     use super::*;
@@ -555,6 +501,20 @@ mod tests {
         (dx, dw)
     }
 
+    /// dx and dW against f64, within the tolerances [`check`] explains.
+    fn close_grads<E: Elem>(what: &str, (dx, dw): (&[E], &[f32]), (wdx, wdw): (&[f64], &[f64])) {
+        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
+        let dw_tol = if E::F32 { 1e-4 } else { 1.0 / 256.0 };
+        close(
+            what,
+            dx.iter().map(|v| v.to_f32() as f64),
+            wdx,
+            dx_tol,
+            1e-7,
+        );
+        close(what, dw.iter().map(|&v| v as f64), wdw, dw_tol, 1e-7);
+    }
+
     /// `|got − want| ≤ atol + rtol·max|want|` elementwise.
     fn close(what: &str, got: impl Iterator<Item = f64>, want: &[f64], rtol: f64, atol: f64) {
         let m = want.iter().fold(0f64, |a, &b| a.max(b.abs()));
@@ -589,8 +549,6 @@ mod tests {
             })
             .collect();
         let rs: Vec<f32> = (0..n).map(|_| rng.random_range(0.5..2.0)).collect();
-        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
-        let dw_tol = if E::F32 { 1e-4 } else { 1.0 / 256.0 };
         for reduction in [Reduction::Mean, Reduction::Sum, Reduction::None] {
             for (with_bias, opts) in [(false, 0), (true, 1)] {
                 let o = if opts == 0 {
@@ -614,7 +572,12 @@ mod tests {
                         r.iter_mut().zip(&b64).for_each(|(l, b)| *l += b);
                     }
                 }
-                let want = cross_entropy_ref(&logits, &t, v, &o).unwrap();
+                let ce = CeArgs {
+                    targets: &t,
+                    vocab: v,
+                    options: o,
+                };
+                let want = cross_entropy_ref(&ce, &logits).unwrap();
                 let mut g = want.grad.clone();
                 if use_rs {
                     for (i, r) in g.chunks_exact_mut(v).enumerate() {
@@ -627,24 +590,21 @@ mod tests {
                 let mut dx = vec![E::from_f32(f32::NAN); n * h];
                 let mut dw = vec![f32::NAN; v * h];
                 let mut db = vec![f32::NAN; v];
-                let tot = linear_cross_entropy_with_chunk(
-                    chunk,
-                    &x,
-                    &w,
-                    with_bias.then_some(&b[..]),
-                    &t,
-                    h,
-                    v,
-                    &o,
-                    use_rs.then_some(&rs[..]),
-                    &mut losses,
-                    Some(LinearCeGrads {
-                        dx: &mut dx,
-                        dw: &mut dw,
-                        dbias: Some(&mut db),
-                    }),
-                )
-                .unwrap();
+                let a = LinearCeArgs {
+                    x: &x,
+                    w: &w,
+                    bias: with_bias.then_some(&b[..]),
+                    hidden: h,
+                    ce,
+                    row_scale: use_rs.then_some(&rs[..]),
+                    chunk: Some(chunk),
+                };
+                let grads = LinearCeGrads {
+                    dx: &mut dx,
+                    dw: &mut dw,
+                    dbias: Some(&mut db),
+                };
+                let tot = linear_cross_entropy(&a, &mut losses, Some(grads)).unwrap();
                 let what = format!("n {n} h {h} v {v} chunk {chunk} {o:?} bias {with_bias}");
                 assert_eq!(tot.counted, want.counted);
                 close(
@@ -657,31 +617,15 @@ mod tests {
                 if want.counted > 0 {
                     assert!((tot.loss as f64 - want.loss).abs() <= 1e-4 * want.loss.abs().max(1.0));
                 }
-                close(
-                    &what,
-                    dx.iter().map(|v| v.to_f32() as f64),
-                    &wdx,
-                    dx_tol,
-                    1e-7,
-                );
-                close(&what, dw.iter().map(|&v| v as f64), &wdw, dw_tol, 1e-7);
+                close_grads(&what, (&dx, &dw), (&wdx, &wdw));
                 close(&what, db.iter().map(|&v| v as f64), &wdb, 1e-4, 1e-7);
                 // Loss only: the same losses, nothing else touched.
                 let mut l2 = vec![f32::NAN; n];
-                let tot2 = linear_cross_entropy_with_chunk(
-                    chunk,
-                    &x,
-                    &w,
-                    with_bias.then_some(&b[..]),
-                    &t,
-                    h,
-                    v,
-                    &o,
-                    None,
-                    &mut l2,
-                    None,
-                )
-                .unwrap();
+                let a = LinearCeArgs {
+                    row_scale: None,
+                    ..a
+                };
+                let tot2 = linear_cross_entropy(&a, &mut l2, None).unwrap();
                 assert_eq!(l2, losses);
                 assert_eq!(tot2.loss.to_bits(), tot.loss.to_bits());
             }
@@ -716,17 +660,18 @@ mod tests {
     }
 
     /// f64 reference of the fused linear JSD: `(loss, dx_s, dw_s)`.
-    #[allow(clippy::too_many_arguments)]
-    fn jsd_linear_ref(
-        xs: &[f64],
-        ws: &[f64],
-        xt: &[f64],
-        wt: &[f64],
-        labels: Option<&[i64]>,
-        (n, hs, ht, v): (usize, usize, usize, usize),
-        beta: f64,
-        temp: f64,
-    ) -> (f64, Vec<f64>, Vec<f64>) {
+    fn jsd_linear_ref(a: &LinearJsdArgs<'_, f64>) -> (f64, Vec<f64>, Vec<f64>) {
+        let LinearJsdArgs {
+            x_s: xs,
+            w_s: ws,
+            x_t: xt,
+            w_t: wt,
+            hs,
+            ht,
+            jsd,
+            ..
+        } = *a;
+        let (n, v, temp) = (xs.len() / hs, jsd.vocab, a.temperature as f64);
         let lsm = |z: Vec<f64>| -> Vec<f64> {
             let mut out = Vec::with_capacity(z.len());
             for r in z.chunks_exact(v) {
@@ -739,7 +684,7 @@ mod tests {
         };
         let lq = lsm(mm_bt(xs, ws, n, hs, v));
         let lp = lsm(mm_bt(xt, wt, n, ht, v));
-        let (loss, _, g) = jsd_ref(&lq, &lp, labels, v, beta, -100);
+        let (loss, _, g) = jsd_ref(&jsd, &lq, &lp).unwrap();
         let mut dz = g.clone();
         for (r, l) in dz.chunks_exact_mut(v).zip(lq.chunks_exact(v)) {
             let s: f64 = r.iter().sum();
@@ -760,53 +705,46 @@ mod tests {
         let labels: Vec<i64> = (0..n)
             .map(|_| if rng.random_bool(0.5) { -100 } else { 0 })
             .collect();
-        let dx_tol = if E::F32 { 1e-4 } else { 1e-2 };
-        let dw_tol = if E::F32 { 1e-4 } else { 1.0 / 256.0 };
         for beta in [0.0f32, 0.5, 1.0] {
             for lab in [None, Some(&labels[..])] {
-                let temp = 2.0f32;
-                let (wl, wdx, wdw) = jsd_linear_ref(
-                    &xs64,
-                    &ws64,
-                    &xt64,
-                    &wt64,
-                    lab,
-                    (n, hs, ht, v),
-                    beta as f64,
-                    temp as f64,
-                );
-                let mut dx = vec![E::from_f32(f32::NAN); n * hs];
-                let mut dw = vec![f32::NAN; v * hs];
-                let (l, _) = linear_jsd_with_chunk(
-                    chunk,
-                    &xs,
-                    &ws,
-                    &xt,
-                    &wt,
-                    lab,
+                let jsd = JsdArgs {
+                    labels: lab,
+                    vocab: v,
+                    beta,
+                    ignore_index: -100,
+                };
+                let (temperature, chunk) = (2.0f32, Some(chunk));
+                let (wl, wdx, wdw) = jsd_linear_ref(&LinearJsdArgs {
+                    x_s: &xs64,
+                    w_s: &ws64,
+                    x_t: &xt64,
+                    w_t: &wt64,
                     hs,
                     ht,
-                    v,
-                    beta,
-                    -100,
-                    temp,
-                    Some(&mut dx),
-                    Some(&mut dw),
-                )
-                .unwrap();
+                    jsd,
+                    temperature,
+                    chunk,
+                });
+                let a = LinearJsdArgs {
+                    x_s: &xs,
+                    w_s: &ws,
+                    x_t: &xt,
+                    w_t: &wt,
+                    hs,
+                    ht,
+                    jsd,
+                    temperature,
+                    chunk,
+                };
+                let mut dx = vec![E::from_f32(f32::NAN); n * hs];
+                let mut dw = vec![f32::NAN; v * hs];
+                let (l, _) = linear_jsd(&a, Some(&mut dx), Some(&mut dw)).unwrap();
                 let what = format!("jsd n {n} v {v} beta {beta}");
                 assert!(
                     (l as f64 - wl).abs() <= 1e-6 + 1e-4 * wl.abs(),
                     "{what}: {l} vs {wl}"
                 );
-                close(
-                    &what,
-                    dx.iter().map(|v| v.to_f32() as f64),
-                    &wdx,
-                    dx_tol,
-                    1e-7,
-                );
-                close(&what, dw.iter().map(|&v| v as f64), &wdw, dw_tol, 1e-7);
+                close_grads(&what, (&dx, &dw), (&wdx, &wdw));
             }
         }
     }
@@ -828,7 +766,7 @@ mod tests {
         let mut rng = ChaCha8Rng::seed_from_u64(5);
         let (a, _) = rand_vec::<f32>(&mut rng, 37 * 29, 1.0);
         let (b, _) = rand_vec::<f32>(&mut rng, 41 * 29, 1.0);
-        let run = |pool: &ThreadPool| {
+        same_on_1_and_3_threads(|pool| {
             let mut c = vec![0f32; 37 * 41];
             let am = MatRef::row_major(&a[..], 37, 29).unwrap();
             let bm = MatRef::row_major(&b[..], 41, 29).unwrap();
@@ -836,11 +774,7 @@ mod tests {
             let mut d = vec![0f32; 29 * 29];
             gemm_in(pool, cpu::tier(), am.t(), am, &mut d, 29, 1.0, 0.0).unwrap();
             (c, d)
-        };
-        assert_eq!(
-            run(&ThreadPool::new(1).unwrap()),
-            run(&ThreadPool::new(3).unwrap())
-        );
+        });
     }
 
     #[test]
@@ -848,9 +782,22 @@ mod tests {
         let x = [0f32; 6];
         let w = [0f32; 9];
         let mut l = [0f32; 2];
-        let o = CeOptions::default();
-        let call = |t: &[i64], h, v, l: &mut [f32]| {
-            linear_cross_entropy(&x, &w, None, t, h, v, &o, None, l, None)
+        let call = |targets: &[i64], hidden, vocab, l: &mut [f32]| {
+            let ce = CeArgs {
+                targets,
+                vocab,
+                options: CeOptions::default(),
+            };
+            let a = LinearCeArgs {
+                x: &x,
+                w: &w,
+                bias: None,
+                hidden,
+                ce,
+                row_scale: None,
+                chunk: None,
+            };
+            linear_cross_entropy(&a, l, None)
         };
         assert!(call(&[0, 1], 3, 3, &mut l).is_ok());
         assert!(call(&[0, 3], 3, 3, &mut l).is_err());
@@ -865,74 +812,58 @@ mod tests {
             dw: &mut dw,
             dbias: None,
         };
-        assert!(
-            linear_cross_entropy(&x, &w, None, &[0, 1], 3, 3, &o, None, &mut l, Some(g)).is_err()
-        );
+        let a = LinearCeArgs {
+            x: &x,
+            w: &w,
+            bias: None,
+            hidden: 3,
+            ce: CeArgs {
+                targets: &[0, 1],
+                vocab: 3,
+                options: CeOptions::default(),
+            },
+            row_scale: None,
+            chunk: None,
+        };
+        assert!(linear_cross_entropy(&a, &mut l, Some(g)).is_err());
         let mut d = [0f32; 6];
-        assert!(linear_jsd(
-            &x,
-            &w,
-            &x,
-            &w,
-            None,
-            3,
-            3,
-            3,
-            0.5,
-            -100,
-            0.0,
-            Some(&mut d),
-            None
-        )
-        .is_err());
-        assert!(linear_jsd(&x, &w, &x, &w, None, 3, 3, 3, 1.5, -100, 1.0, None, None).is_err());
-        assert!(linear_jsd(
-            &x,
-            &w,
-            &x,
-            &w[..6],
-            None,
-            3,
-            3,
-            3,
-            0.5,
-            -100,
-            1.0,
-            None,
-            None
-        )
-        .is_err());
-        assert!(linear_jsd(
-            &x,
-            &w,
-            &x,
-            &w,
-            Some(&[0]),
-            3,
-            3,
-            3,
-            0.5,
-            -100,
-            1.0,
-            None,
-            None
-        )
-        .is_err());
-        assert!(linear_jsd(
-            &x,
-            &w,
-            &x,
-            &w,
-            None,
-            3,
-            3,
-            3,
-            0.5,
-            -100,
-            1.0,
-            Some(&mut d),
-            None
-        )
-        .is_ok());
+        let jsd = JsdArgs {
+            labels: None,
+            vocab: 3,
+            beta: 0.5,
+            ignore_index: -100,
+        };
+        let ok = LinearJsdArgs {
+            x_s: &x,
+            w_s: &w,
+            x_t: &x,
+            w_t: &w,
+            hs: 3,
+            ht: 3,
+            jsd,
+            temperature: 1.0,
+            chunk: None,
+        };
+        let cold = LinearJsdArgs {
+            temperature: 0.0,
+            ..ok
+        };
+        assert!(linear_jsd(&cold, Some(&mut d), None).is_err());
+        let beta = LinearJsdArgs {
+            jsd: JsdArgs { beta: 1.5, ..jsd },
+            ..ok
+        };
+        assert!(linear_jsd(&beta, None, None).is_err());
+        let short = LinearJsdArgs { w_t: &w[..6], ..ok };
+        assert!(linear_jsd(&short, None, None).is_err());
+        let labels = LinearJsdArgs {
+            jsd: JsdArgs {
+                labels: Some(&[0]),
+                ..jsd
+            },
+            ..ok
+        };
+        assert!(linear_jsd(&labels, None, None).is_err());
+        assert!(linear_jsd(&ok, Some(&mut d), None).is_ok());
     }
 }
