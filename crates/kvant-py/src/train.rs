@@ -721,7 +721,11 @@ pub fn flash_attn_fwd(
     let s = flash_shape(&q, &k, &v, scale, causal, window)?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
-        unsafe { flash::flash_attn_fwd::<E>(&s, q.slice(), k.slice(), v.slice(), o.slice_mut(), lse.slice_mut()) }
+        unsafe {
+            flash::flash_attn_fwd::<E>(kvant_kernels::cpu::tier(), flash::FlashFwd {
+                shape: s, q: q.slice(), k: k.slice(), v: v.slice(), out: o.slice_mut(), lse: lse.slice_mut(),
+            })
+        }
     })
 }
 
@@ -764,10 +768,10 @@ pub fn flash_attn_bwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            flash::flash_attn_bwd::<E>(
-                &s, q.slice(), k.slice(), v.slice(), o.slice(), d_o.slice(), lse.slice(),
-                dq.slice_mut(), dk.slice_mut(), dv.slice_mut(),
-            )
+            flash::flash_attn_bwd::<E>(kvant_kernels::cpu::tier(), flash::FlashBwd {
+                shape: s, q: q.slice(), k: k.slice(), v: v.slice(), out: o.slice(), dout: d_o.slice(),
+                lse: lse.slice(), dq: dq.slice_mut(), dk: dk.slice_mut(), dv: dv.slice_mut(),
+            })
         }
     })
 }

@@ -8,7 +8,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
-use kvant_train::gemm::{gemm, MatRef};
+use kvant_train::gemm::{gemm, GemmArgs, MatRef};
 use kvant_train::Elem;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
@@ -44,7 +44,7 @@ fn shapes<E: Elem>(c: &mut Criterion, name: &str) {
                     false => MatRef::row_major(&b[..], k, n).unwrap(),
                     true => MatRef::row_major(&b[..], n, k).unwrap().t(),
                 };
-                gemm(am, bm, &mut cm, n, 1.0, 0.0).unwrap();
+                gemm(GemmArgs::new(am, bm, &mut cm, n)).unwrap();
             })
         });
     }

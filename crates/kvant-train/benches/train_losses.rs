@@ -24,7 +24,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use half::bf16;
 use kvant_kernels::{cpu, pool};
 use kvant_train::cross_entropy::{cross_entropy_fwd, CeArgs, CeOptions};
-use kvant_train::gemm::{gemm, MatRef};
+use kvant_train::gemm::{gemm, GemmArgs, MatRef};
 use kvant_train::linear_ce::{linear_cross_entropy, LinearCeArgs, LinearCeGrads};
 use kvant_train::Elem;
 use rand::{Rng, SeedableRng};
@@ -103,10 +103,10 @@ fn linear<E: Elem>(c: &mut Criterion, name: &str) {
         b.iter(|| {
             let xm = MatRef::row_major(&x[..], n, h).unwrap();
             let wm = MatRef::row_major(&w[..], v, h).unwrap();
-            gemm(xm, wm.t(), &mut logits, v, 1.0, 0.0).unwrap();
+            gemm(GemmArgs::new(xm, wm.t(), &mut logits, v)).unwrap();
             let gm = MatRef::row_major(&logits[..], n, v).unwrap();
-            gemm(gm, wm, &mut dxf, h, 1.0, 0.0).unwrap();
-            gemm(gm.t(), xm, &mut dw, h, 1.0, 0.0).unwrap();
+            gemm(GemmArgs::new(gm, wm, &mut dxf, h)).unwrap();
+            gemm(GemmArgs::new(gm.t(), xm, &mut dw, h)).unwrap();
         })
     });
     g.finish();

@@ -38,7 +38,7 @@
 
 use crate::{zero_first, Elem};
 use half::bf16;
-use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::cpu::SimdTier;
 use kvant_kernels::error::{check_len, checked_mul};
 use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 use kvant_kernels::vecops::{exp, Fma, Plain};
@@ -46,7 +46,7 @@ use kvant_kernels::KernelError;
 use std::cell::RefCell;
 use std::sync::Mutex;
 
-use super::gemm::{gemm_serial, MatRef};
+use super::gemm::{gemm_serial, GemmArgs, MatRef};
 
 /// Query rows per tile: a multiple of both microkernels' rows (12 and 6)
 /// and columns (32 and 16), so no product has an edge tile. Measured on
@@ -109,7 +109,7 @@ fn sizes(op: &'static str, s: &FlashShape) -> Result<Sizes, KernelError> {
 }
 
 impl Sizes {
-    /// The lengths of a forward's tensors (kernel and reference alike).
+    /// The lengths of the tensors a forward and a backward share.
     fn check_fwd<E>(
         &self,
         q: &[E],
@@ -124,25 +124,59 @@ impl Sizes {
         check_len("flash_attn out", self.o, out.len())?;
         check_len("flash_attn lse", self.lse, lse.len())
     }
+}
 
-    /// The lengths of a backward's tensors: the forward's, `dout`, and the
-    /// gradients of q, k and v.
-    #[allow(clippy::too_many_arguments)]
-    fn check_bwd<E>(
-        &self,
-        q: &[E],
-        k: &[E],
-        v: &[E],
-        out: &[E],
-        dout: &[E],
-        lse: &[f32],
-        (dq, dk, dv): (&[E], &[E], &[E]),
-    ) -> Result<(), KernelError> {
-        self.check_fwd(q, k, v, out, lse)?;
-        check_len("flash_attn dout", self.o, dout.len())?;
-        check_len("flash_attn dq", self.q, dq.len())?;
-        check_len("flash_attn dk", self.k, dk.len())?;
-        check_len("flash_attn dv", self.v, dv.len())
+/// One forward: `q` `[batch, q_heads, q_len, head_dim]`, `k` `[batch,
+/// kv_heads, kv_len, head_dim]`, `v` `[batch, kv_heads, kv_len, v_dim]`
+/// (contiguous) in; `out` `[batch, q_heads, q_len, v_dim]` and `lse`
+/// `[batch, q_heads, q_len]` (natural log of Σ exp(scale·q·k) over seen
+/// keys; -inf and out = 0 for a row that sees no key) out. The kernel and
+/// its reference take the same and check it the same way.
+pub struct FlashFwd<'a, E> {
+    pub shape: FlashShape,
+    pub q: &'a [E],
+    pub k: &'a [E],
+    pub v: &'a [E],
+    pub out: &'a mut [E],
+    pub lse: &'a mut [f32],
+}
+
+/// One backward: the forward's tensors (`out` and `lse` as it wrote them),
+/// `dout` (as `out`) in; the gradients `dq`, `dk`, `dv` (as `q`, `k`, `v`)
+/// out.
+pub struct FlashBwd<'a, E> {
+    pub shape: FlashShape,
+    pub q: &'a [E],
+    pub k: &'a [E],
+    pub v: &'a [E],
+    pub out: &'a [E],
+    pub dout: &'a [E],
+    pub lse: &'a [f32],
+    pub dq: &'a mut [E],
+    pub dk: &'a mut [E],
+    pub dv: &'a mut [E],
+}
+
+impl<E> FlashFwd<'_, E> {
+    /// Checks the shape and every length, for the kernel and the
+    /// reference alike; the element counts.
+    fn check(&self, op: &'static str) -> Result<Sizes, KernelError> {
+        let n = sizes(op, &self.shape)?;
+        n.check_fwd(self.q, self.k, self.v, self.out, self.lse)?;
+        Ok(n)
+    }
+}
+
+impl<E> FlashBwd<'_, E> {
+    /// As [`FlashFwd::check`], with `dout` and the gradients.
+    fn check(&self, op: &'static str) -> Result<Sizes, KernelError> {
+        let n = sizes(op, &self.shape)?;
+        n.check_fwd(self.q, self.k, self.v, self.out, self.lse)?;
+        check_len("flash_attn dout", n.o, self.dout.len())?;
+        check_len("flash_attn dq", n.q, self.dq.len())?;
+        check_len("flash_attn dk", n.k, self.dk.len())?;
+        check_len("flash_attn dv", n.v, self.dv.len())?;
+        Ok(n)
     }
 }
 
@@ -220,7 +254,7 @@ fn mm<A: Elem, B: Elem>(
     beta: f32,
 ) -> Result<(), KernelError> {
     let n = b.cols();
-    gemm_serial(tier, a, b, c, n, 1.0, beta)
+    gemm_serial(tier, GemmArgs::new(a, b, c, n).beta(beta))
 }
 
 /// Rows `r0..r0+n` of a `[rows, w]` row-major tensor as a matrix.
@@ -329,7 +363,17 @@ struct Args<'a, E> {
     v: &'a [E],
 }
 
-impl<E> Args<'_, E> {
+impl<'a, E> Args<'a, E> {
+    fn new(s: &FlashShape, tier: SimdTier, q: &'a [E], k: &'a [E], v: &'a [E]) -> Self {
+        Args {
+            s: *s,
+            m: Mask::new(s),
+            tier,
+            q,
+            k,
+            v,
+        }
+    }
     fn group(&self) -> usize {
         self.s.q_heads / self.s.kv_heads
     }
@@ -342,19 +386,32 @@ impl<E> Args<'_, E> {
     }
 }
 
-/// Forward of query rows `i0..i1` of `(b, h)`: `out` and `lse` are those rows.
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn fwd_tile<E: Elem, F: Fma>(
-    a: &Args<'_, E>,
+/// What one forward task writes: query rows `i0..i1` of `(b, h)`, their
+/// `out` and `lse` rows.
+struct RowsOut<'a, E> {
     b: usize,
     h: usize,
     i0: usize,
     i1: usize,
-    out: &mut [E],
-    lse: &mut [f32],
+    out: &'a mut [E],
+    lse: &'a mut [f32],
+}
+
+/// The forward of `o`'s query rows.
+#[inline(always)]
+fn fwd_tile<E: Elem, F: Fma>(
+    a: &Args<'_, E>,
+    o: RowsOut<'_, E>,
     sc: &mut Scratch,
 ) -> Result<(), KernelError> {
+    let RowsOut {
+        b,
+        h,
+        i0,
+        i1,
+        out,
+        lse,
+    } = o;
     let (d, dv, scale) = (a.s.head_dim, a.s.v_dim, a.s.scale);
     let nq = i1 - i0;
     let g = h / a.group();
@@ -564,15 +621,10 @@ kvant_kernels::per_tier! {
     fn fwd_on<E: Elem>(
         tier: SimdTier,
         a: &Args<'_, E>,
-        b: usize,
-        h: usize,
-        i0: usize,
-        i1: usize,
-        out: &mut [E],
-        lse: &mut [f32],
+        o: RowsOut<'_, E>,
         sc: &mut Scratch,
     ) -> Result<(), KernelError> [F = Plain, kvant_kernels::vecops::Fused] {
-        fwd_tile::<E, F>(a, b, h, i0, i1, out, lse, sc)
+        fwd_tile::<E, F>(a, o, sc)
     }
 
     /// [`bwd_group`] on `tier`.
@@ -623,57 +675,28 @@ impl FirstError {
 // ---------------------------------------------------------------------------
 // Entry points.
 
-/// q [batch, q_heads, q_len, head_dim], k [batch, kv_heads, kv_len, head_dim], v [batch, kv_heads, kv_len, v_dim] (contiguous);
-/// out [batch, q_heads, q_len, v_dim]; lse [batch, q_heads, q_len] (natural log of Σ exp(scale·q·k) over seen keys; -inf and out = 0 for a row that sees no key).
-pub fn flash_attn_fwd<E: Elem>(
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &mut [E],
-    lse: &mut [f32],
-) -> Result<(), KernelError> {
-    fwd_in(pool::global(), cpu::tier(), s, q, k, v, out, lse)
+/// The forward on the global pool, on `tier` (lowered to one the CPU
+/// supports).
+///
+/// # Errors
+/// When the q heads are not a multiple of the kv heads, a size overflows,
+/// or a tensor's length is not the shape's.
+pub fn flash_attn_fwd<E: Elem>(tier: SimdTier, a: FlashFwd<'_, E>) -> Result<(), KernelError> {
+    fwd_in(pool::global(), tier, a)
 }
 
-/// [`flash_attn_fwd`] on a given tier (lowered to one the CPU supports).
-pub fn flash_attn_fwd_with<E: Elem>(
-    tier: SimdTier,
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &mut [E],
-    lse: &mut [f32],
-) -> Result<(), KernelError> {
-    fwd_in(pool::global(), tier, s, q, k, v, out, lse)
-}
-
-#[allow(clippy::too_many_arguments)]
 fn fwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &mut [E],
-    lse: &mut [f32],
+    fa: FlashFwd<'_, E>,
 ) -> Result<(), KernelError> {
-    const OP: &str = "flash_attn_fwd";
-    let n = sizes(OP, s)?;
-    n.check_fwd(q, k, v, out, lse)?;
+    let n = fa.check("flash_attn_fwd")?;
+    let (s, q, k, v) = (&fa.shape, fa.q, fa.k, fa.v);
+    let (out, lse) = (fa.out, fa.lse);
     if n.lse == 0 {
         return Ok(());
     }
-    let a = Args {
-        s: *s,
-        m: Mask::new(s),
-        tier,
-        q,
-        k,
-        v,
-    };
+    let a = Args::new(s, tier, q, k, v);
     let tiles = s.q_len.div_ceil(BQ);
     let bh = s.batch * s.q_heads;
     let dv = s.v_dim;
@@ -689,80 +712,40 @@ fn fwd_in<E: Elem>(
         let r1 = r0 + (i1 - i0);
         // SAFETY: task `t` owns query rows r0..r1 of (b, h), disjoint from
         // every other task's.
-        let (o, l) = unsafe { (outs.range(r0 * dv..r1 * dv), lses.range(r0..r1)) };
-        err.record(with_scratch(|sc| {
-            fwd_on(a.tier, &a, b, h, i0, i1, o, l, sc)
-        }));
+        let (out, lse) = unsafe { (outs.range(r0 * dv..r1 * dv), lses.range(r0..r1)) };
+        let o = RowsOut {
+            b,
+            h,
+            i0,
+            i1,
+            out,
+            lse,
+        };
+        err.record(with_scratch(|sc| fwd_on(a.tier, &a, o, sc)));
     });
     err.result()
 }
 
-/// Gradients (dq, dk, dv same shapes as q, k, v), from dout, the forward's out and lse.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_bwd<E: Elem>(
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &[E],
-    dout: &[E],
-    lse: &[f32],
-    dq: &mut [E],
-    dk: &mut [E],
-    dv: &mut [E],
-) -> Result<(), KernelError> {
-    bwd_in(
-        pool::global(),
-        cpu::tier(),
-        s,
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        dq,
-        dk,
-        dv,
-    )
+/// The backward on the global pool, on `tier` (lowered to one the CPU
+/// supports).
+///
+/// # Errors
+/// When the q heads are not a multiple of the kv heads, a size overflows,
+/// or a tensor's length is not the shape's.
+pub fn flash_attn_bwd<E: Elem>(tier: SimdTier, a: FlashBwd<'_, E>) -> Result<(), KernelError> {
+    bwd_in(pool::global(), tier, a)
 }
 
-/// [`flash_attn_bwd`] on a given tier (lowered to one the CPU supports).
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_bwd_with<E: Elem>(
-    tier: SimdTier,
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &[E],
-    dout: &[E],
-    lse: &[f32],
-    dq: &mut [E],
-    dk: &mut [E],
-    dv: &mut [E],
-) -> Result<(), KernelError> {
-    bwd_in(pool::global(), tier, s, q, k, v, out, dout, lse, dq, dk, dv)
-}
-
-#[allow(clippy::too_many_arguments)]
 fn bwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &[E],
-    dout: &[E],
-    lse: &[f32],
-    dq: &mut [E],
-    dk: &mut [E],
-    dv: &mut [E],
+    ba: FlashBwd<'_, E>,
 ) -> Result<(), KernelError> {
     const OP: &str = "flash_attn_bwd";
-    let n = sizes(OP, s)?;
-    n.check_bwd(q, k, v, out, dout, lse, (dq, dk, dv))?;
+    let n = ba.check(OP)?;
+    let (s, q, k, v) = (&ba.shape, ba.q, ba.k, ba.v);
+    let (out, dout, lse) = (ba.out, ba.dout, ba.lse);
+    let (dq, dk, dv) = (ba.dq, ba.dk, ba.dv);
     // Keys no query row sees (or every key, without queries) get 0.
     dk.fill(E::from_f32(0.0));
     dv.fill(E::from_f32(0.0));
@@ -787,14 +770,7 @@ fn bwd_in<E: Elem>(
             }
         });
     }
-    let a = Args {
-        s: *s,
-        m: Mask::new(s),
-        tier,
-        q,
-        k,
-        v,
-    };
+    let a = Args::new(s, tier, q, k, v);
     let d = s.head_dim;
     let err = FirstError::default();
     // Partial dQ per key group: [groups][batch][q_heads][q_len][d], f32.
@@ -869,40 +845,46 @@ fn to64<E: Elem>(x: &[E]) -> Vec<f64> {
     x.iter().map(|v| v.to_f32() as f64).collect()
 }
 
+/// Every query row of the reference, in order: `(r, k0, lo, hi)`, its row
+/// `r`, the row of its kv head's first key, and the keys `lo..hi` it sees.
+fn ref_rows(s: &FlashShape) -> impl Iterator<Item = (usize, usize, usize, usize)> + '_ {
+    let m = Mask::new(s);
+    let grp = s.q_heads / s.kv_heads.max(1);
+    (0..s.batch * s.q_heads).flat_map(move |bh| {
+        let (b, h) = (bh / s.q_heads, bh % s.q_heads);
+        let k0 = (b * s.kv_heads + h / grp) * s.kv_len;
+        (0..s.q_len).map(move |i| {
+            let (lo, hi) = m.range(i);
+            (bh * s.q_len + i, k0, lo, hi)
+        })
+    })
+}
+
 /// f64 forward: (out, lse).
 fn ref_fwd64(s: &FlashShape, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
     let (d, dv) = (s.head_dim, s.v_dim);
-    let m = Mask::new(s);
     let rows = s.batch * s.q_heads * s.q_len;
     let mut out = vec![0f64; rows * dv];
     let mut lse = vec![f64::NEG_INFINITY; rows];
-    let grp = s.q_heads / s.kv_heads.max(1);
-    for b in 0..s.batch {
-        for h in 0..s.q_heads {
-            let g = h / grp;
-            for i in 0..s.q_len {
-                let r = (b * s.q_heads + h) * s.q_len + i;
-                let (lo, hi) = m.range(i);
-                if lo >= hi {
-                    continue;
-                }
-                let qi = &q[r * d..][..d];
-                let sc: Vec<f64> = (lo..hi)
-                    .map(|j| {
-                        let kj = &k[((b * s.kv_heads + g) * s.kv_len + j) * d..][..d];
-                        s.scale as f64 * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
-                    })
-                    .collect();
-                let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let l = mx + sc.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
-                lse[r] = l;
-                for (j, x) in (lo..hi).zip(&sc) {
-                    let p = (x - l).exp();
-                    let vj = &v[((b * s.kv_heads + g) * s.kv_len + j) * dv..][..dv];
-                    for (o, y) in out[r * dv..][..dv].iter_mut().zip(vj) {
-                        *o += p * y;
-                    }
-                }
+    for (r, k0, lo, hi) in ref_rows(s) {
+        if lo >= hi {
+            continue;
+        }
+        let qi = &q[r * d..][..d];
+        let sc: Vec<f64> = (lo..hi)
+            .map(|j| {
+                let kj = &k[(k0 + j) * d..][..d];
+                s.scale as f64 * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>()
+            })
+            .collect();
+        let mx = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let l = mx + sc.iter().map(|x| (x - mx).exp()).sum::<f64>().ln();
+        lse[r] = l;
+        for (j, x) in (lo..hi).zip(&sc) {
+            let p = (x - l).exp();
+            let vj = &v[(k0 + j) * dv..][..dv];
+            for (o, y) in out[r * dv..][..dv].iter_mut().zip(vj) {
+                *o += p * y;
             }
         }
     }
@@ -918,45 +900,36 @@ fn ref_bwd64(
     dout: &[f64],
 ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (d, dv) = (s.head_dim, s.v_dim);
-    let m = Mask::new(s);
     let (_, lse) = ref_fwd64(s, q, k, v);
     let mut dq = vec![0f64; q.len()];
     let mut dk = vec![0f64; k.len()];
     let mut dvv = vec![0f64; v.len()];
-    let grp = s.q_heads / s.kv_heads.max(1);
     let sc = s.scale as f64;
-    for b in 0..s.batch {
-        for h in 0..s.q_heads {
-            let g = h / grp;
-            for i in 0..s.q_len {
-                let r = (b * s.q_heads + h) * s.q_len + i;
-                let (lo, hi) = m.range(i);
-                let qi = &q[r * d..][..d];
-                let doi = &dout[r * dv..][..dv];
-                let kr = |j: usize| (b * s.kv_heads + g) * s.kv_len + j;
-                let p: Vec<f64> = (lo..hi)
-                    .map(|j| {
-                        let kj = &k[kr(j) * d..][..d];
-                        (sc * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() - lse[r]).exp()
-                    })
-                    .collect();
-                let dp: Vec<f64> = (lo..hi)
-                    .map(|j| {
-                        let vj = &v[kr(j) * dv..][..dv];
-                        doi.iter().zip(vj).map(|(a, b)| a * b).sum::<f64>()
-                    })
-                    .collect();
-                let dd: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
-                for (t, j) in (lo..hi).enumerate() {
-                    let ds = p[t] * (dp[t] - dd);
-                    for c in 0..d {
-                        dq[r * d + c] += sc * ds * k[kr(j) * d + c];
-                        dk[kr(j) * d + c] += sc * ds * qi[c];
-                    }
-                    for c in 0..dv {
-                        dvv[kr(j) * dv + c] += p[t] * doi[c];
-                    }
-                }
+    for (r, k0, lo, hi) in ref_rows(s) {
+        let qi = &q[r * d..][..d];
+        let doi = &dout[r * dv..][..dv];
+        let kr = |j: usize| k0 + j;
+        let p: Vec<f64> = (lo..hi)
+            .map(|j| {
+                let kj = &k[kr(j) * d..][..d];
+                (sc * qi.iter().zip(kj).map(|(a, b)| a * b).sum::<f64>() - lse[r]).exp()
+            })
+            .collect();
+        let dp: Vec<f64> = (lo..hi)
+            .map(|j| {
+                let vj = &v[kr(j) * dv..][..dv];
+                doi.iter().zip(vj).map(|(a, b)| a * b).sum::<f64>()
+            })
+            .collect();
+        let dd: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+        for (t, j) in (lo..hi).enumerate() {
+            let ds = p[t] * (dp[t] - dd);
+            for c in 0..d {
+                dq[r * d + c] += sc * ds * k[kr(j) * d + c];
+                dk[kr(j) * d + c] += sc * ds * qi[c];
+            }
+            for c in 0..dv {
+                dvv[kr(j) * dv + c] += p[t] * doi[c];
             }
         }
     }
@@ -964,22 +937,18 @@ fn ref_bwd64(
 }
 
 /// The reference forward: plain softmax attention in f64, rounded once to `E`.
-pub fn flash_attn_ref<E: Elem>(
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &mut [E],
-    lse: &mut [f32],
-) -> Result<(), KernelError> {
-    const OP: &str = "flash_attn_ref";
-    let n = sizes(OP, s)?;
-    n.check_fwd(q, k, v, out, lse)?;
-    let (o, l) = ref_fwd64(s, &to64(q), &to64(k), &to64(v));
-    for (d, x) in out.iter_mut().zip(o) {
+///
+/// # Errors
+/// When the q heads are not a multiple of the kv heads, a size overflows,
+/// or a tensor's length is not the shape's.
+pub fn flash_attn_ref<E: Elem>(a: FlashFwd<'_, E>) -> Result<(), KernelError> {
+    a.check("flash_attn_ref")?;
+    let s = &a.shape;
+    let (o, l) = ref_fwd64(s, &to64(a.q), &to64(a.k), &to64(a.v));
+    for (d, x) in a.out.iter_mut().zip(o) {
         *d = E::from_f32(x as f32);
     }
-    for (d, x) in lse.iter_mut().zip(l) {
+    for (d, x) in a.lse.iter_mut().zip(l) {
         *d = x as f32;
     }
     Ok(())
@@ -987,24 +956,14 @@ pub fn flash_attn_ref<E: Elem>(
 
 /// The reference backward in f64, rounded once to `E`. It recomputes the
 /// softmax from `q`, `k`, `v`: `out` and `lse` are only length-checked.
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_bwd_ref<E: Elem>(
-    s: &FlashShape,
-    q: &[E],
-    k: &[E],
-    v: &[E],
-    out: &[E],
-    dout: &[E],
-    lse: &[f32],
-    dq: &mut [E],
-    dk: &mut [E],
-    dv: &mut [E],
-) -> Result<(), KernelError> {
-    const OP: &str = "flash_attn_bwd_ref";
-    let n = sizes(OP, s)?;
-    n.check_bwd(q, k, v, out, dout, lse, (dq, dk, dv))?;
-    let (gq, gk, gv) = ref_bwd64(s, &to64(q), &to64(k), &to64(v), &to64(dout));
-    for (dst, src) in [(dq, gq), (dk, gk), (dv, gv)] {
+///
+/// # Errors
+/// When the q heads are not a multiple of the kv heads, a size overflows,
+/// or a tensor's length is not the shape's.
+pub fn flash_attn_bwd_ref<E: Elem>(a: FlashBwd<'_, E>) -> Result<(), KernelError> {
+    a.check("flash_attn_bwd_ref")?;
+    let (gq, gk, gv) = ref_bwd64(&a.shape, &to64(a.q), &to64(a.k), &to64(a.v), &to64(a.dout));
+    for (dst, src) in [(a.dq, gq), (a.dk, gk), (a.dv, gv)] {
         for (d, x) in dst.iter_mut().zip(src) {
             *d = E::from_f32(x as f32);
         }
@@ -1016,6 +975,7 @@ pub fn flash_attn_bwd_ref<E: Elem>(
 mod tests {
     use super::*;
     use half::bf16;
+    use kvant_kernels::cpu;
     use rand::{Rng, SeedableRng};
 
     #[allow(clippy::too_many_arguments)]
@@ -1052,6 +1012,74 @@ mod tests {
 
     fn nan<E: Elem>(n: usize) -> Vec<E> {
         vec![E::from_f32(f32::NAN); n]
+    }
+
+    /// Random `q`, `k` (amplitude `amp`), `v`, `dout` (amplitude 1) for `s`.
+    struct Inputs<E> {
+        n: Sizes,
+        q: Vec<E>,
+        k: Vec<E>,
+        v: Vec<E>,
+        dout: Vec<E>,
+    }
+
+    impl<E: Elem> Inputs<E> {
+        fn new(s: &FlashShape, seed: u64, amp: f32) -> Self {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let n = sizes("t", s).unwrap();
+            let q = rand_vec(&mut rng, n.q, amp);
+            let k = rand_vec(&mut rng, n.k, amp);
+            let v = rand_vec(&mut rng, n.v, 1.0);
+            let dout = rand_vec(&mut rng, n.o, 1.0);
+            Inputs { n, q, k, v, dout }
+        }
+
+        /// The forward of these inputs into `out`, `lse`.
+        fn fwd<'a>(
+            &'a self,
+            s: &FlashShape,
+            out: &'a mut [E],
+            lse: &'a mut [f32],
+        ) -> FlashFwd<'a, E> {
+            let (q, k, v) = (&self.q[..], &self.k[..], &self.v[..]);
+            FlashFwd {
+                shape: *s,
+                q,
+                k,
+                v,
+                out,
+                lse,
+            }
+        }
+
+        /// The backward of these inputs and the forward's `out`, `lse`
+        /// into `d` (dq, dk, dv).
+        fn bwd<'a>(
+            &'a self,
+            s: &FlashShape,
+            (out, lse): (&'a [E], &'a [f32]),
+            d: &'a mut (Vec<E>, Vec<E>, Vec<E>),
+        ) -> FlashBwd<'a, E> {
+            let (q, k, v, dout) = (&self.q[..], &self.k[..], &self.v[..], &self.dout[..]);
+            let (dq, dk, dv) = (&mut d.0[..], &mut d.1[..], &mut d.2[..]);
+            FlashBwd {
+                shape: *s,
+                q,
+                k,
+                v,
+                out,
+                dout,
+                lse,
+                dq,
+                dk,
+                dv,
+            }
+        }
+
+        /// NaN-filled gradients.
+        fn grads(&self) -> (Vec<E>, Vec<E>, Vec<E>) {
+            (nan(self.n.q), nan(self.n.k), nan(self.n.v))
+        }
     }
 
     /// Largest |got - want| over max(1, max |want|) (inputs are O(1)): an error relative
@@ -1137,16 +1165,12 @@ mod tests {
     }
 
     fn check_shape<E: Elem>(s: &FlashShape, tier: SimdTier, seed: u64) {
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let n = sizes("t", s).unwrap();
-        let q: Vec<E> = rand_vec(&mut rng, n.q, 2.0);
-        let k: Vec<E> = rand_vec(&mut rng, n.k, 2.0);
-        let v: Vec<E> = rand_vec(&mut rng, n.v, 1.0);
-        let dout: Vec<E> = rand_vec(&mut rng, n.o, 1.0);
-        let (o64, l64) = ref_fwd64(s, &to64(&q), &to64(&k), &to64(&v));
+        let x = Inputs::<E>::new(s, seed, 2.0);
+        let (n, q, k, v, dout) = (&x.n, &x.q, &x.k, &x.v, &x.dout);
+        let (o64, l64) = ref_fwd64(s, &to64(q), &to64(k), &to64(v));
         let mut out = nan::<E>(n.o);
         let mut lse = vec![f32::NAN; n.lse];
-        flash_attn_fwd_with(tier, s, &q, &k, &v, &mut out, &mut lse).unwrap();
+        flash_attn_fwd(tier, x.fwd(s, &mut out, &mut lse)).unwrap();
         let e = rel_err(&out, &o64);
         assert!(e <= tol::<E>(false), "{s:?} {tier} out err {e}");
         for (r, (&g, &w)) in lse.iter().zip(&l64).enumerate() {
@@ -1159,13 +1183,11 @@ mod tests {
                 );
             }
         }
-        let (gq, gk, gv) = ref_bwd64(s, &to64(&q), &to64(&k), &to64(&v), &to64(&dout));
-        let (mut dq, mut dk, mut dv) = (nan::<E>(n.q), nan::<E>(n.k), nan::<E>(n.v));
-        flash_attn_bwd_with(
-            tier, s, &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv,
-        )
-        .unwrap();
-        for (name, got, want) in [("dq", &dq, &gq), ("dk", &dk, &gk), ("dv", &dv, &gv)] {
+        let (gq, gk, gv) = ref_bwd64(s, &to64(q), &to64(k), &to64(v), &to64(dout));
+        let mut d = x.grads();
+        flash_attn_bwd(tier, x.bwd(s, (&out, &lse), &mut d)).unwrap();
+        let (dq, dk, dv) = &d;
+        for (name, got, want) in [("dq", dq, &gq), ("dk", dk, &gk), ("dv", dv, &gv)] {
             let e = rel_err(got, want);
             assert!(e <= tol::<E>(true), "{s:?} {tier} {name} err {e}");
         }
@@ -1210,18 +1232,14 @@ mod tests {
             ..shape(1, 2, 1, 5, 5, 8, 8, true, None)
         };
         for s in [s, s0] {
-            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-            let n = sizes("t", &s).unwrap();
-            let q: Vec<f32> = rand_vec(&mut rng, n.q, 1.0);
-            let k: Vec<f32> = rand_vec(&mut rng, n.k, 1.0);
-            let v: Vec<f32> = rand_vec(&mut rng, n.v, 1.0);
-            let dout: Vec<f32> = rand_vec(&mut rng, n.o, 1.0);
+            let x = Inputs::<f32>::new(&s, 3, 1.0);
+            let n = &x.n;
             for tier in cpu::available_tiers() {
                 let (mut out, mut lse) = (nan::<f32>(n.o), vec![f32::NAN; n.lse]);
-                flash_attn_fwd_with(tier, &s, &q, &k, &v, &mut out, &mut lse).unwrap();
+                flash_attn_fwd(tier, x.fwd(&s, &mut out, &mut lse)).unwrap();
                 let mut rl = vec![0f32; n.lse];
                 let mut ro = vec![0f32; n.o];
-                flash_attn_ref(&s, &q, &k, &v, &mut ro, &mut rl).unwrap();
+                flash_attn_ref(x.fwd(&s, &mut ro, &mut rl)).unwrap();
                 for h in 0..2 {
                     for i in 0..s.q_len {
                         let r = h * s.q_len + i;
@@ -1233,14 +1251,12 @@ mod tests {
                         }
                     }
                 }
-                let (mut dq, mut dk, mut dv) = (nan::<f32>(n.q), nan::<f32>(n.k), nan::<f32>(n.v));
-                flash_attn_bwd_with(
-                    tier, &s, &q, &k, &v, &out, &dout, &lse, &mut dq, &mut dk, &mut dv,
-                )
-                .unwrap();
-                assert!(dq.iter().chain(&dk).chain(&dv).all(|x| x.is_finite()));
+                let mut d = x.grads();
+                flash_attn_bwd(tier, x.bwd(&s, (&out, &lse), &mut d)).unwrap();
+                let (dq, dk, dv) = &d;
+                assert!(dq.iter().chain(dk).chain(dv).all(|x| x.is_finite()));
                 if s.window == Some(0) {
-                    assert!(dq.iter().chain(&dk).chain(&dv).all(|&x| x == 0.0));
+                    assert!(dq.iter().chain(dk).chain(dv).all(|&x| x == 0.0));
                     assert!(out.iter().all(|&x| x == 0.0));
                 }
             }
@@ -1302,38 +1318,21 @@ mod tests {
         let one = ThreadPool::new(1).unwrap();
         let three = ThreadPool::new(3).unwrap();
         let s = shape(2, 4, 2, 150, 150, 32, 32, true, Some(70));
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-        let n = sizes("t", &s).unwrap();
-        let q: Vec<bf16> = rand_vec(&mut rng, n.q, 2.0);
-        let k: Vec<bf16> = rand_vec(&mut rng, n.k, 2.0);
-        let v: Vec<bf16> = rand_vec(&mut rng, n.v, 1.0);
-        let dout: Vec<bf16> = rand_vec(&mut rng, n.o, 1.0);
+        let x = Inputs::<bf16>::new(&s, 5, 2.0);
+        let n = &x.n;
         let run = |pool: &ThreadPool| {
             let (mut out, mut lse) = (nan::<bf16>(n.o), vec![f32::NAN; n.lse]);
-            fwd_in(pool, cpu::tier(), &s, &q, &k, &v, &mut out, &mut lse).unwrap();
-            let (mut dq, mut dk, mut dv) = (nan::<bf16>(n.q), nan::<bf16>(n.k), nan::<bf16>(n.v));
-            bwd_in(
-                pool,
-                cpu::tier(),
-                &s,
-                &q,
-                &k,
-                &v,
-                &out,
-                &dout,
-                &lse,
-                &mut dq,
-                &mut dk,
-                &mut dv,
-            )
-            .unwrap();
+            fwd_in(pool, cpu::tier(), x.fwd(&s, &mut out, &mut lse)).unwrap();
+            let mut d = x.grads();
+            bwd_in(pool, cpu::tier(), x.bwd(&s, (&out, &lse), &mut d)).unwrap();
+            let (dq, dk, dv) = &d;
             let bits = |x: &[bf16]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             (
                 bits(&out),
                 lse.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                bits(&dq),
-                bits(&dk),
-                bits(&dv),
+                bits(dq),
+                bits(dk),
+                bits(dv),
             )
         };
         assert_eq!(run(&one), run(&three));
@@ -1341,54 +1340,76 @@ mod tests {
 
     #[test]
     fn bad_arguments_are_errors() {
+        fn fwd(
+            shape: FlashShape,
+            (q, k, v): (&[f32], &[f32], &[f32]),
+            out: &mut [f32],
+            lse: &mut [f32],
+        ) -> Result<(), KernelError> {
+            flash_attn_fwd(
+                cpu::tier(),
+                FlashFwd {
+                    shape,
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                },
+            )
+        }
         let s = shape(1, 3, 2, 4, 4, 8, 8, true, None);
         let z = vec![0f32; 1000];
         let mut o = vec![0f32; 1000];
         let mut l = vec![0f32; 1000];
         assert!(matches!(
-            flash_attn_fwd(&s, &z[..96], &z[..64], &z[..64], &mut o[..96], &mut l[..12]),
+            fwd(
+                s,
+                (&z[..96], &z[..64], &z[..64]),
+                &mut o[..96],
+                &mut l[..12]
+            ),
             Err(KernelError::InvalidShape { .. })
         ));
         let s = shape(1, 4, 2, 4, 4, 8, 8, true, None);
         assert!(matches!(
-            flash_attn_fwd(
-                &s,
-                &z[..127],
-                &z[..64],
-                &z[..64],
+            fwd(
+                s,
+                (&z[..127], &z[..64], &z[..64]),
                 &mut o[..128],
                 &mut l[..16]
             ),
             Err(KernelError::LengthMismatch { .. })
         ));
         let (mut a, mut b, mut c) = (vec![0f32; 128], vec![0f32; 64], vec![0f32; 64]);
+        let bwd = FlashBwd {
+            shape: s,
+            q: &z[..128],
+            k: &z[..64],
+            v: &z[..64],
+            out: &z[..128],
+            dout: &z[..128],
+            lse: &l[..15],
+            dq: &mut a,
+            dk: &mut b,
+            dv: &mut c,
+        };
         assert!(matches!(
-            flash_attn_bwd(
-                &s,
-                &z[..128],
-                &z[..64],
-                &z[..64],
-                &z[..128],
-                &z[..128],
-                &l[..15],
-                &mut a,
-                &mut b,
-                &mut c
-            ),
+            flash_attn_bwd(cpu::tier(), bwd),
             Err(KernelError::LengthMismatch { .. })
         ));
         let s0 = FlashShape { kv_heads: 0, ..s };
-        assert!(flash_attn_fwd(&s0, &z[..128], &[], &[], &mut o[..128], &mut l[..16]).is_err());
+        assert!(fwd(s0, (&z[..128], &[], &[]), &mut o[..128], &mut l[..16]).is_err());
         let big = FlashShape {
             batch: usize::MAX / 2,
             ..s
         };
         assert!(matches!(
-            flash_attn_fwd(&big, &z, &z, &z, &mut o, &mut l),
+            fwd(big, (&z, &z, &z), &mut o, &mut l),
             Err(KernelError::SizeOverflow { .. })
         ));
         // Empty shapes are fine.
         let e = FlashShape { q_len: 0, ..s };
-        flash_attn_fwd(&e, &[], &z[..64], &z[..64], &mut [], &mut []).unwrap();
+        fwd(e, (&[], &z[..64], &z[..64]), &mut [], &mut []).unwrap();
     }
 }

@@ -139,61 +139,87 @@ impl<'a, E> MatRef<'a, E> {
     }
 }
 
-/// `C = beta·C + alpha·A·B` on the global pool and tier: `A` `[m×k]`,
-/// `B` `[k×n]`, `C` row-major f32 with leading dimension `ldc`. With
-/// `beta == 0`, `C` is not read (NaNs there do not propagate).
-///
-/// # Errors
-/// When `A`'s columns differ from `B`'s rows, `ldc < n`, or `C` is too short.
-pub fn gemm<A: Elem, B: Elem>(
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
-) -> Result<(), KernelError> {
-    gemm_in(pool::global(), cpu::tier(), a, b, c, ldc, alpha, beta)
+/// One product `C = beta·C + alpha·A·B`: `A` `[m×k]`, `B` `[k×n]`, `C`
+/// row-major f32 with leading dimension `ldc`. With `beta == 0`, `C` is
+/// not read (NaNs there do not propagate). The kernel and its reference
+/// take the same arguments and check them with [`GemmArgs::check`].
+pub struct GemmArgs<'a, A, B> {
+    pub a: MatRef<'a, A>,
+    pub b: MatRef<'a, B>,
+    pub c: &'a mut [f32],
+    pub ldc: usize,
+    pub alpha: f32,
+    pub beta: f32,
 }
 
-/// Checks the shapes; `(m, n, k)`.
-fn check<A, B>(
-    a: &MatRef<'_, A>,
-    b: &MatRef<'_, B>,
-    c: &[f32],
-    ldc: usize,
-) -> Result<(usize, usize, usize), KernelError> {
-    let (m, n, k) = (a.rows, b.cols, a.cols);
-    if b.rows != k {
-        return Err(KernelError::InvalidShape {
-            op: "gemm",
-            why: format!("A is {m}x{k} but B is {}x{n}", b.rows),
-        });
+impl<'a, A, B> GemmArgs<'a, A, B> {
+    /// `C = A·B` (`alpha` 1, `beta` 0).
+    pub fn new(a: MatRef<'a, A>, b: MatRef<'a, B>, c: &'a mut [f32], ldc: usize) -> Self {
+        GemmArgs {
+            a,
+            b,
+            c,
+            ldc,
+            alpha: 1.0,
+            beta: 0.0,
+        }
     }
-    if m > 0 && n > 0 {
-        if ldc < n {
+
+    /// With `alpha`.
+    pub fn alpha(self, alpha: f32) -> Self {
+        GemmArgs { alpha, ..self }
+    }
+
+    /// With `beta`.
+    pub fn beta(self, beta: f32) -> Self {
+        GemmArgs { beta, ..self }
+    }
+
+    /// Checks the shapes; `(m, n, k)`.
+    ///
+    /// # Errors
+    /// When `A`'s columns differ from `B`'s rows, `ldc < n`, or `C` is too short.
+    pub fn check(&self) -> Result<(usize, usize, usize), KernelError> {
+        let (m, n, k) = (self.a.rows, self.b.cols, self.a.cols);
+        let ldc = self.ldc;
+        if self.b.rows != k {
             return Err(KernelError::InvalidShape {
                 op: "gemm",
-                why: format!("ldc {ldc} < n {n}"),
+                why: format!("A is {m}x{k} but B is {}x{n}", self.b.rows),
             });
         }
-        let need =
-            checked_mul("gemm C", m - 1, ldc)?
-                .checked_add(n)
-                .ok_or(KernelError::SizeOverflow {
+        if m > 0 && n > 0 {
+            if ldc < n {
+                return Err(KernelError::InvalidShape {
+                    op: "gemm",
+                    why: format!("ldc {ldc} < n {n}"),
+                });
+            }
+            let need = checked_mul("gemm C", m - 1, ldc)?.checked_add(n).ok_or(
+                KernelError::SizeOverflow {
                     op: "gemm C",
                     a: m,
                     b: ldc,
-                })?;
-        if need > c.len() {
-            return Err(KernelError::IndexOutOfRange {
-                what: "gemm C element",
-                index: need - 1,
-                len: c.len(),
-            });
+                },
+            )?;
+            if need > self.c.len() {
+                return Err(KernelError::IndexOutOfRange {
+                    what: "gemm C element",
+                    index: need - 1,
+                    len: self.c.len(),
+                });
+            }
         }
+        Ok((m, n, k))
     }
-    Ok((m, n, k))
+}
+
+/// [`GemmArgs`] on the global pool and tier.
+///
+/// # Errors
+/// As [`GemmArgs::check`].
+pub fn gemm<A: Elem, B: Elem>(g: GemmArgs<'_, A, B>) -> Result<(), KernelError> {
+    gemm_in(pool::global(), cpu::tier(), g)
 }
 
 /// [`gemm`]'s reference: each element one f64 sum over `k` in order,
@@ -201,15 +227,9 @@ fn check<A, B>(
 ///
 /// # Errors
 /// As [`gemm`].
-pub fn gemm_ref<A: Elem, B: Elem>(
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
-) -> Result<(), KernelError> {
-    let (m, n, k) = check(&a, &b, c, ldc)?;
+pub fn gemm_ref<A: Elem, B: Elem>(g: GemmArgs<'_, A, B>) -> Result<(), KernelError> {
+    let (m, n, k) = g.check()?;
+    let (a, b, ldc) = (g.a, g.b, g.ldc);
     for i in 0..m {
         for j in 0..n {
             let mut s = 0f64;
@@ -218,13 +238,13 @@ pub fn gemm_ref<A: Elem, B: Elem>(
                 let (x, y) = unsafe { (a.at(i, q), b.at(q, j)) };
                 s += x.to_f32() as f64 * y.to_f32() as f64;
             }
-            let cv = &mut c[i * ldc + j];
-            let old = if beta == 0.0 {
+            let cv = &mut g.c[i * ldc + j];
+            let old = if g.beta == 0.0 {
                 0.0
             } else {
-                beta as f64 * *cv as f64
+                g.beta as f64 * *cv as f64
             };
-            *cv = (old + alpha as f64 * s) as f32;
+            *cv = (old + g.alpha as f64 * s) as f32;
         }
     }
     Ok(())
@@ -316,27 +336,129 @@ mod x86 {
     use super::{Epi, Micro};
     use std::arch::x86_64::*;
 
-    /// AVX2 6×16: 12 ymm accumulators, two `B` loads and six broadcasts
-    /// per step.
-    pub(super) struct Avx2K;
+    /// A tier's [`tile`], compiled with its features.
+    type TileFn = unsafe fn(usize, *const f32, *const f32, *mut f32, usize, Epi);
 
-    impl Micro for Avx2K {
-        const MR: usize = 6;
-        const NR: usize = 16;
+    /// A vector register of f32 sums: the accumulators of a SIMD tile.
+    pub(super) trait Sums: Copy {
+        const LANES: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn mul(self, b: Self) -> Self;
+        /// `self·b + c`, rounded once.
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(self, p: *mut f32);
+    }
+
+    /// `impl Sums` for one vector type, from its intrinsics.
+    macro_rules! sums {
+        ($v:ty, $lanes:literal, $zero:ident, $splat:ident, $mul:ident, $fmadd:ident, $load:ident, $store:ident) => {
+            // SAFETY (every method): the vector's features (AVX2+FMA for
+            // `__m256`, AVX-512F for `__m512`) are enabled in the caller, as
+            // every `Micro::tile` caller's contract says, and `p` addresses
+            // `LANES` floats.
+            impl Sums for $v {
+                const LANES: usize = $lanes;
+                #[inline(always)]
+                unsafe fn zero() -> Self {
+                    // SAFETY: see the impl.
+                    unsafe { $zero() }
+                }
+                #[inline(always)]
+                unsafe fn splat(x: f32) -> Self {
+                    // SAFETY: see the impl.
+                    unsafe { $splat(x) }
+                }
+                #[inline(always)]
+                unsafe fn mul(self, b: Self) -> Self {
+                    // SAFETY: see the impl.
+                    unsafe { $mul(self, b) }
+                }
+                #[inline(always)]
+                unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+                    // SAFETY: see the impl.
+                    unsafe { $fmadd(self, b, c) }
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const f32) -> Self {
+                    // SAFETY: see the impl.
+                    unsafe { $load(p) }
+                }
+                #[inline(always)]
+                unsafe fn store(self, p: *mut f32) {
+                    // SAFETY: see the impl.
+                    unsafe { $store(p, self) }
+                }
+            }
+        };
+    }
+
+    sums!(
+        __m256,
+        8,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_mul_ps,
+        _mm256_fmadd_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps
+    );
+    sums!(
+        __m512,
+        16,
+        _mm512_setzero_ps,
+        _mm512_set1_ps,
+        _mm512_mul_ps,
+        _mm512_fmadd_ps,
+        _mm512_loadu_ps,
+        _mm512_storeu_ps
+    );
+
+    /// A SIMD tier's register tile, [`tile`]: `MR` rows of two [`Sums`]
+    /// vectors; per step two `B` loads, `MR` broadcasts of `A` values and
+    /// `2·MR` multiply-adds.
+    pub(super) trait Wide {
+        type Sums: Sums;
+        /// One operand vector: f32 lanes, or bf16 pairs for `vdpbf16ps`.
+        type In: Copy;
+        const MR: usize;
+        const PAIRS: bool;
+        const TILE: TileFn;
+        /// `B` values at `p` (a panel's step).
+        unsafe fn load_b(p: *const f32) -> Self::In;
+        /// The `A` value at `p` in every lane.
+        unsafe fn splat_a(p: *const f32) -> Self::In;
+        /// `acc + a·b`, lane by lane.
+        unsafe fn madd(acc: Self::Sums, a: Self::In, b: Self::In) -> Self::Sums;
+    }
+
+    /// Every SIMD tier blocks alike; only the register tile differs.
+    impl<W: Wide> Micro for W {
+        const MR: usize = <W as Wide>::MR;
+        const NR: usize = 2 * W::Sums::LANES;
         const KC: usize = 256;
         const MC: usize = 264;
         const NC: usize = 512;
         const SIMD: bool = true;
+        const PAIRS: bool = <W as Wide>::PAIRS;
 
         #[inline(always)]
         unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
-            // SAFETY: the caller's contract (AVX2+FMA; panel and tile extents).
-            unsafe { tile_avx2(kc, a, b, c, ldc, e) }
+            // SAFETY: the caller's contract (the tier's features; panel and
+            // tile extents), which is `TILE`'s.
+            unsafe { (W::TILE)(kc, a, b, c, ldc, e) }
         }
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tile_avx2(
+    /// [`Micro::tile`] of every SIMD tier: `C[0..MR, 0..NR]` (row stride
+    /// `ldc`) `← epi(A_panel · B_panel)` over `kc` steps, `NR = 2·LANES`.
+    ///
+    /// # Safety
+    /// `W`'s features are enabled; `a`, `b` read `kc` steps of `MR` and
+    /// `NR` values, and `c` addresses a full `MR×NR` tile.
+    #[inline(always)]
+    unsafe fn tile<W: Wide, const MR: usize>(
         kc: usize,
         mut a: *const f32,
         mut b: *const f32,
@@ -344,43 +466,77 @@ mod x86 {
         ldc: usize,
         e: Epi,
     ) {
-        // SAFETY: the caller's contract: `kc` steps of 6 and 16 values in
-        // the panels, a full 6×16 tile at `c`.
+        let n = W::Sums::LANES;
+        // SAFETY: the caller's contract.
         unsafe {
-            let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+            let mut acc = [[W::Sums::zero(); 2]; MR];
             for _ in 0..kc {
-                let b0 = _mm256_loadu_ps(b);
-                let b1 = _mm256_loadu_ps(b.add(8));
+                let b0 = W::load_b(b);
+                let b1 = W::load_b(b.add(n));
                 for (i, r) in acc.iter_mut().enumerate() {
-                    let av = _mm256_broadcast_ss(&*a.add(i));
-                    r[0] = _mm256_fmadd_ps(av, b0, r[0]);
-                    r[1] = _mm256_fmadd_ps(av, b1, r[1]);
+                    let av = W::splat_a(a.add(i));
+                    r[0] = W::madd(r[0], av, b0);
+                    r[1] = W::madd(r[1], av, b1);
                 }
-                a = a.add(6);
-                b = b.add(16);
+                a = a.add(MR);
+                b = b.add(2 * n);
             }
-            let al = _mm256_set1_ps(e.alpha);
-            let be = _mm256_set1_ps(e.beta);
+            let al = W::Sums::splat(e.alpha);
+            let be = W::Sums::splat(e.beta);
             for (i, r) in acc.iter().enumerate() {
                 for (h, &s) in r.iter().enumerate() {
-                    let p = c.add(i * ldc + h * 8);
-                    let mut v = _mm256_mul_ps(s, al);
+                    let p = c.add(i * ldc + h * n);
+                    let mut v = s.mul(al);
                     if e.load {
-                        v = _mm256_fmadd_ps(_mm256_loadu_ps(p), be, v);
+                        v = W::Sums::load(p).fmadd(be, v);
                     }
-                    _mm256_storeu_ps(p, v);
+                    v.store(p);
                 }
             }
         }
     }
 
-    /// `dst[q·ld + c] = src[c·stride + q]` for `c < 8`, `q < kc` (a
-    /// multiple of 8), widened: 8×8 blocks transposed in registers.
+    /// AVX2 6×16: 12 ymm accumulators.
+    pub(super) struct Avx2K;
+
+    impl Wide for Avx2K {
+        type Sums = __m256;
+        type In = __m256;
+        const MR: usize = 6;
+        const PAIRS: bool = false;
+        const TILE: TileFn = tile_avx2;
+        #[inline(always)]
+        unsafe fn load_b(p: *const f32) -> __m256 {
+            // SAFETY: AVX2 (the tile's contract); `p` reads 8 floats.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn splat_a(p: *const f32) -> __m256 {
+            // SAFETY: as `load_b`, one float.
+            unsafe { _mm256_broadcast_ss(&*p) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m256, a: __m256, b: __m256) -> __m256 {
+            // SAFETY: FMA (the tile's contract).
+            unsafe { _mm256_fmadd_ps(a, b, acc) }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn tile_avx2(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
+        // SAFETY: the caller's contract, with AVX2+FMA enabled here.
+        unsafe { tile::<Avx2K, 6>(kc, a, b, c, ldc, e) }
+    }
+
+    /// `dst[q·ld + c] = src[c·stride + q]` for `c < w` (8 or 4), `q < kc`
+    /// (a multiple of 8), widened: 8×8 or 4×8 blocks transposed in
+    /// registers.
     ///
     /// # Safety
     /// AVX2; the reads and writes lie inside their buffers.
     #[inline(always)]
     pub(super) unsafe fn transpose_panel<E: kvant_kernels::lanes::Lanes>(
+        w: usize,
         src: *const E,
         stride: usize,
         kc: usize,
@@ -391,71 +547,48 @@ mod x86 {
         unsafe {
             for q in (0..kc).step_by(8) {
                 let r = |c: usize| E::load8(src.add(c * stride + q));
-                let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
-                let (r4, r5, r6, r7) = (r(4), r(5), r(6), r(7));
-                let t0 = _mm256_unpacklo_ps(r0, r1);
-                let t1 = _mm256_unpackhi_ps(r0, r1);
-                let t2 = _mm256_unpacklo_ps(r2, r3);
-                let t3 = _mm256_unpackhi_ps(r2, r3);
-                let t4 = _mm256_unpacklo_ps(r4, r5);
-                let t5 = _mm256_unpackhi_ps(r4, r5);
-                let t6 = _mm256_unpacklo_ps(r6, r7);
-                let t7 = _mm256_unpackhi_ps(r6, r7);
-                let s0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-                let s1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-                let s2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-                let s3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-                let s4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-                let s5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-                let s6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-                let s7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
                 let d = dst.add(q * ld);
-                _mm256_storeu_ps(d, _mm256_permute2f128_ps::<0x20>(s0, s4));
-                _mm256_storeu_ps(d.add(ld), _mm256_permute2f128_ps::<0x20>(s1, s5));
-                _mm256_storeu_ps(d.add(2 * ld), _mm256_permute2f128_ps::<0x20>(s2, s6));
-                _mm256_storeu_ps(d.add(3 * ld), _mm256_permute2f128_ps::<0x20>(s3, s7));
-                _mm256_storeu_ps(d.add(4 * ld), _mm256_permute2f128_ps::<0x31>(s0, s4));
-                _mm256_storeu_ps(d.add(5 * ld), _mm256_permute2f128_ps::<0x31>(s1, s5));
-                _mm256_storeu_ps(d.add(6 * ld), _mm256_permute2f128_ps::<0x31>(s2, s6));
-                _mm256_storeu_ps(d.add(7 * ld), _mm256_permute2f128_ps::<0x31>(s3, s7));
+                let s = quad(r(0), r(1), r(2), r(3));
+                if w == 8 {
+                    let u = quad(r(4), r(5), r(6), r(7));
+                    for h in 0..4 {
+                        let v = _mm256_permute2f128_ps::<0x20>(s[h], u[h]);
+                        _mm256_storeu_ps(d.add(h * ld), v);
+                    }
+                    for h in 0..4 {
+                        let v = _mm256_permute2f128_ps::<0x31>(s[h], u[h]);
+                        _mm256_storeu_ps(d.add((h + 4) * ld), v);
+                    }
+                } else {
+                    for (h, &v) in s.iter().enumerate() {
+                        _mm_storeu_ps(d.add(h * ld), _mm256_castps256_ps128(v));
+                        _mm_storeu_ps(d.add((h + 4) * ld), _mm256_extractf128_ps::<1>(v));
+                    }
+                }
             }
         }
     }
 
-    /// `dst[q·ld + r] = src[r·stride + q]` for `r < 4`, `q < kc` (a
-    /// multiple of 8), widened: 4×8 blocks transposed in registers.
+    /// Four rows of 8 transposed within 128-bit halves: `s[h]` holds
+    /// column `h` of the rows in its low half and column `h + 4` in its
+    /// high half.
     ///
     /// # Safety
-    /// AVX2; the reads and writes lie inside their buffers.
+    /// AVX2.
     #[inline(always)]
-    pub(super) unsafe fn transpose_panel4<E: kvant_kernels::lanes::Lanes>(
-        src: *const E,
-        stride: usize,
-        kc: usize,
-        dst: *mut f32,
-        ld: usize,
-    ) {
+    unsafe fn quad(r0: __m256, r1: __m256, r2: __m256, r3: __m256) -> [__m256; 4] {
         // SAFETY: the caller's contract.
         unsafe {
-            for q in (0..kc).step_by(8) {
-                let r = |c: usize| E::load8(src.add(c * stride + q));
-                let (r0, r1, r2, r3) = (r(0), r(1), r(2), r(3));
-                let t0 = _mm256_unpacklo_ps(r0, r1);
-                let t1 = _mm256_unpackhi_ps(r0, r1);
-                let t2 = _mm256_unpacklo_ps(r2, r3);
-                let t3 = _mm256_unpackhi_ps(r2, r3);
-                let s = [
-                    _mm256_shuffle_ps::<0x44>(t0, t2),
-                    _mm256_shuffle_ps::<0xEE>(t0, t2),
-                    _mm256_shuffle_ps::<0x44>(t1, t3),
-                    _mm256_shuffle_ps::<0xEE>(t1, t3),
-                ];
-                let d = dst.add(q * ld);
-                for (h, &v) in s.iter().enumerate() {
-                    _mm_storeu_ps(d.add(h * ld), _mm256_castps256_ps128(v));
-                    _mm_storeu_ps(d.add((h + 4) * ld), _mm256_extractf128_ps::<1>(v));
-                }
-            }
+            let t0 = _mm256_unpacklo_ps(r0, r1);
+            let t1 = _mm256_unpackhi_ps(r0, r1);
+            let t2 = _mm256_unpacklo_ps(r2, r3);
+            let t3 = _mm256_unpackhi_ps(r2, r3);
+            [
+                _mm256_shuffle_ps::<0x44>(t0, t2),
+                _mm256_shuffle_ps::<0xEE>(t0, t2),
+                _mm256_shuffle_ps::<0x44>(t1, t3),
+                _mm256_shuffle_ps::<0xEE>(t1, t3),
+            ]
         }
     }
 
@@ -463,116 +596,74 @@ mod x86 {
     /// products per lane and step, twice the f32 FMA's rate.
     pub(super) struct Bf16K;
 
-    impl Micro for Bf16K {
+    impl Wide for Bf16K {
+        type Sums = __m512;
+        type In = __m512bh;
         const MR: usize = 12;
-        const NR: usize = 32;
-        const KC: usize = 256;
-        const MC: usize = 264;
-        const NC: usize = 512;
-        const SIMD: bool = true;
         const PAIRS: bool = true;
-
+        const TILE: TileFn = tile_bf16;
         #[inline(always)]
-        unsafe fn tile(ks: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
-            // SAFETY: the caller's contract (AVX-512 BF16; panel and tile extents).
-            unsafe { tile_bf16(ks, a as *const i32, b as *const i32, c, ldc, e) }
+        unsafe fn load_b(p: *const f32) -> __m512bh {
+            // SAFETY: AVX-512F (the tile's contract); `p` reads 16 words of
+            // bf16 pairs, which any bits are.
+            unsafe { std::mem::transmute(_mm512_loadu_si512(p as *const _)) }
+        }
+        #[inline(always)]
+        unsafe fn splat_a(p: *const f32) -> __m512bh {
+            // SAFETY: as `load_b`, one word.
+            unsafe { std::mem::transmute(_mm512_set1_epi32(*(p as *const i32))) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m512, a: __m512bh, b: __m512bh) -> __m512 {
+            // SAFETY: AVX-512 BF16 (the tile's contract).
+            unsafe { _mm512_dpbf16_ps(acc, a, b) }
         }
     }
 
     #[target_feature(enable = "avx512f,avx512bf16,avx2,fma")]
-    unsafe fn tile_bf16(
-        ks: usize,
-        mut a: *const i32,
-        mut b: *const i32,
-        c: *mut f32,
-        ldc: usize,
-        e: Epi,
-    ) {
-        // SAFETY: the caller's contract: `ks` steps of 12 and 32 words in
-        // the panels, a full 12×32 tile at `c`.
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); 2]; 12];
-            for _ in 0..ks {
-                let b0: __m512bh = std::mem::transmute(_mm512_loadu_si512(b as *const _));
-                let b1: __m512bh = std::mem::transmute(_mm512_loadu_si512(b.add(16) as *const _));
-                for (i, r) in acc.iter_mut().enumerate() {
-                    let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(*a.add(i)));
-                    r[0] = _mm512_dpbf16_ps(r[0], av, b0);
-                    r[1] = _mm512_dpbf16_ps(r[1], av, b1);
-                }
-                a = a.add(12);
-                b = b.add(32);
-            }
-            let al = _mm512_set1_ps(e.alpha);
-            let be = _mm512_set1_ps(e.beta);
-            for (i, r) in acc.iter().enumerate() {
-                for (h, &s) in r.iter().enumerate() {
-                    let p = c.add(i * ldc + h * 16);
-                    let mut v = _mm512_mul_ps(s, al);
-                    if e.load {
-                        v = _mm512_fmadd_ps(_mm512_loadu_ps(p), be, v);
-                    }
-                    _mm512_storeu_ps(p, v);
-                }
-            }
-        }
+    unsafe fn tile_bf16(ks: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
+        // SAFETY: the caller's contract (`ks` steps of 12 and 32 words), with
+        // AVX-512 BF16 enabled here.
+        unsafe { tile::<Bf16K, 12>(ks, a, b, c, ldc, e) }
     }
 
-    /// AVX-512 `MR`×32: `2·MR` zmm accumulators.
+    /// AVX-512 12×32: 24 zmm accumulators.
     pub(super) struct Avx512K;
 
-    impl Micro for Avx512K {
+    impl Wide for Avx512K {
+        type Sums = __m512;
+        type In = __m512;
         const MR: usize = 12;
-        const NR: usize = 32;
-        const KC: usize = 256;
-        const MC: usize = 264;
-        const NC: usize = 512;
-        const SIMD: bool = true;
-
+        const PAIRS: bool = false;
+        const TILE: TileFn = tile_avx512;
         #[inline(always)]
-        unsafe fn tile(kc: usize, a: *const f32, b: *const f32, c: *mut f32, ldc: usize, e: Epi) {
-            // SAFETY: the caller's contract (AVX-512F; panel and tile extents).
-            unsafe { tile_avx512::<12>(kc, a, b, c, ldc, e) }
+        unsafe fn load_b(p: *const f32) -> __m512 {
+            // SAFETY: AVX-512F (the tile's contract); `p` reads 16 floats.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn splat_a(p: *const f32) -> __m512 {
+            // SAFETY: as `load_b`, one float.
+            unsafe { _mm512_set1_ps(*p) }
+        }
+        #[inline(always)]
+        unsafe fn madd(acc: __m512, a: __m512, b: __m512) -> __m512 {
+            // SAFETY: AVX-512F (the tile's contract).
+            unsafe { _mm512_fmadd_ps(a, b, acc) }
         }
     }
 
     #[target_feature(enable = "avx512f,avx2,fma")]
-    unsafe fn tile_avx512<const MR: usize>(
+    unsafe fn tile_avx512(
         kc: usize,
-        mut a: *const f32,
-        mut b: *const f32,
+        a: *const f32,
+        b: *const f32,
         c: *mut f32,
         ldc: usize,
         e: Epi,
     ) {
-        // SAFETY: the caller's contract: `kc` steps of MR and 32 values in
-        // the panels, a full MR×32 tile at `c`.
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); 2]; MR];
-            for _ in 0..kc {
-                let b0 = _mm512_loadu_ps(b);
-                let b1 = _mm512_loadu_ps(b.add(16));
-                for (i, r) in acc.iter_mut().enumerate() {
-                    let av = _mm512_set1_ps(*a.add(i));
-                    r[0] = _mm512_fmadd_ps(av, b0, r[0]);
-                    r[1] = _mm512_fmadd_ps(av, b1, r[1]);
-                }
-                a = a.add(MR);
-                b = b.add(32);
-            }
-            let al = _mm512_set1_ps(e.alpha);
-            let be = _mm512_set1_ps(e.beta);
-            for (i, r) in acc.iter().enumerate() {
-                for (h, &s) in r.iter().enumerate() {
-                    let p = c.add(i * ldc + h * 16);
-                    let mut v = _mm512_mul_ps(s, al);
-                    if e.load {
-                        v = _mm512_fmadd_ps(_mm512_loadu_ps(p), be, v);
-                    }
-                    _mm512_storeu_ps(p, v);
-                }
-            }
-        }
+        // SAFETY: the caller's contract, with AVX-512F enabled here.
+        unsafe { tile::<Avx512K, 12>(kc, a, b, c, ldc, e) }
     }
 }
 
@@ -614,8 +705,35 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
     unsafe { p.add(p.align_offset(64).min(15)) }
 }
 
-/// Packs rows `i0..i0+rows`, `k` `k0..k0+kc` of `a` into `mr`-row panels
-/// (`MR` for `A`; `B` is packed as its transpose, in panels of `NR`):
+/// The part of a matrix one packing moves: rows `i0..i0+rows`, `k`
+/// `k0..k0+kc`, in panels of `mr` rows (`MR` for `A`; `B` is packed as its
+/// transpose, in panels of `NR`).
+#[derive(Clone, Copy)]
+struct Block {
+    i0: usize,
+    rows: usize,
+    k0: usize,
+    kc: usize,
+    mr: usize,
+}
+
+/// Packs `blk` of `a` for `K`: [`pack_pairs`] or [`pack_f32`].
+///
+/// # Safety
+/// As those.
+#[inline(always)]
+unsafe fn pack<E: Lanes, K: Micro>(a: &MatRef<'_, E>, blk: Block, dst: *mut f32) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        if K::PAIRS {
+            pack_pairs::<E, K>(a, blk, dst)
+        } else {
+            pack_f32::<E, K>(a, blk, dst)
+        }
+    }
+}
+
+/// Packs `blk` of `a` into `mr`-row panels of f32:
 /// panel `p` at `dst + p·mr·kc`, step `q`'s values at `+ q·mr`; rows past
 /// the end are zeros. Contiguous runs are read in memory order (row by
 /// row, or column by column across every panel) so the prefetchers
@@ -626,14 +744,8 @@ fn aligned(v: &mut Vec<f32>, len: usize) -> *mut f32 {
 /// # Safety
 /// The ranges lie inside `a`; `dst` holds `ceil(rows/mr)·mr·kc` floats.
 #[inline(always)]
-unsafe fn pack<E: Lanes, K: Micro>(
-    a: &MatRef<'_, E>,
-    (i0, rows): (usize, usize),
-    k0: usize,
-    kc: usize,
-    mr: usize,
-    dst: *mut f32,
-) {
+unsafe fn pack_f32<E: Lanes, K: Micro>(a: &MatRef<'_, E>, blk: Block, dst: *mut f32) {
+    let (i0, rows, k0, kc, mr) = (blk.i0, blk.rows, blk.k0, blk.kc, blk.mr);
     let panels = rows.div_ceil(mr);
     // SAFETY: inside `dst` by the caller's contract.
     let d = unsafe { std::slice::from_raw_parts_mut(dst, panels * mr * kc) };
@@ -666,11 +778,7 @@ unsafe fn pack<E: Lanes, K: Micro>(
                     unsafe {
                         let src = a.data.as_ptr().add(base);
                         let dp = dp.as_mut_ptr().add(r);
-                        if w == 8 {
-                            x86::transpose_panel(src, a.rs, q8, dp, mr);
-                        } else {
-                            x86::transpose_panel4(src, a.rs, q8, dp, mr);
-                        }
+                        x86::transpose_panel(w, src, a.rs, q8, dp, mr);
                     }
                     for rr in r..r + w {
                         for q in q8..kc {
@@ -743,8 +851,7 @@ fn word_runs<E, K: Micro>(stride: usize) -> bool {
         && stride.is_multiple_of(2)
 }
 
-/// [`pack`] for [`Micro::PAIRS`], in panels of `mr`
-/// rows of `a` (`B` is packed as its transpose, in panels of `NR`): word
+/// Packs `blk` of `a` for [`Micro::PAIRS`], in panels of `mr` rows: word
 /// `(q2, r)` of panel `p` at `dst + p·mr·ks + q2·mr + r` (`ks =
 /// ceil(kc/2)`) holds `k = 2·q2` low and `2·q2 + 1` high (0 past `kc`). A
 /// row-major `A`'s pairs are adjacent words, moved by the 8×8/4×8
@@ -752,16 +859,10 @@ fn word_runs<E, K: Micro>(stride: usize) -> bool {
 /// moves the same bits.
 ///
 /// # Safety
-/// As [`pack`], with `dst` holding `ceil(rows/mr)·mr·ks` words.
+/// As [`pack_f32`], with `dst` holding `ceil(rows/mr)·mr·ks` words.
 #[inline(always)]
-unsafe fn pack_pairs<E: Lanes, K: Micro>(
-    a: &MatRef<'_, E>,
-    (i0, rows): (usize, usize),
-    k0: usize,
-    kc: usize,
-    mr: usize,
-    dst: *mut f32,
-) {
+unsafe fn pack_pairs<E: Lanes, K: Micro>(a: &MatRef<'_, E>, blk: Block, dst: *mut f32) {
+    let (i0, rows, k0, kc, mr) = (blk.i0, blk.rows, blk.k0, blk.kc, blk.mr);
     let ks = kc.div_ceil(2);
     let panels = rows.div_ceil(mr);
     // SAFETY: inside `dst` by the caller's contract; f32 and u32 share
@@ -827,11 +928,7 @@ unsafe fn pack_pairs<E: Lanes, K: Micro>(
             unsafe {
                 let src = a.data.as_ptr().add((i0 + r0 + r) * a.rs + k0) as *const f32;
                 let dp = dp.as_mut_ptr().add(r) as *mut f32;
-                if w == 8 {
-                    x86::transpose_panel(src, a.rs / 2, w8, dp, mr);
-                } else {
-                    x86::transpose_panel4(src, a.rs / 2, w8, dp, mr);
-                }
+                x86::transpose_panel(w, src, a.rs / 2, w8, dp, mr);
             }
             for rr in r..r + w {
                 for q2 in w8..ks {
@@ -866,16 +963,24 @@ unsafe fn task<A: Lanes, B: Lanes, K: Micro>(job: &Job<'_, A, B>, t: usize) {
     let pb = aligned(&mut vb, np * K::NR * K::KC);
     for k0 in (0..k).step_by(K::KC) {
         let kc = K::KC.min(k - k0);
+        let ab = Block {
+            i0,
+            rows,
+            k0,
+            kc,
+            mr: K::MR,
+        };
+        let bb = Block {
+            i0: j0,
+            rows: cols,
+            mr: K::NR,
+            ..ab
+        };
         // SAFETY: the tile and the `k` block lie inside `a` and `b`
         // (checked shapes); the buffers hold whole panels of `KC`.
         unsafe {
-            if K::PAIRS {
-                pack_pairs::<B, K>(&job.b.t(), (j0, cols), k0, kc, K::NR, pb);
-                pack_pairs::<A, K>(&job.a, (i0, rows), k0, kc, K::MR, pa);
-            } else {
-                pack::<B, K>(&job.b.t(), (j0, cols), k0, kc, K::NR, pb);
-                pack::<A, K>(&job.a, (i0, rows), k0, kc, K::MR, pa);
-            }
+            pack::<B, K>(&job.b.t(), bb, pb);
+            pack::<A, K>(&job.a, ab, pa);
         }
         // Steps per panel: pairs of `k`, or `k`.
         let ks = if K::PAIRS { kc.div_ceil(2) } else { kc };
@@ -1004,18 +1109,12 @@ unsafe fn task_avx512<A: Lanes, B: Lanes>(job: &Job<'_, A, B>, t: usize) {
 ///
 /// # Errors
 /// As [`gemm`].
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_in<A: Elem, B: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
+    g: GemmArgs<'_, A, B>,
 ) -> Result<(), KernelError> {
-    gemm_on(Some(pool), tier, a, b, c, ldc, alpha, beta)
+    gemm_on(Some(pool), tier, g)
 }
 
 /// [`gemm_in`] on the calling thread alone: for the tile products of a
@@ -1024,48 +1123,37 @@ pub fn gemm_in<A: Elem, B: Elem>(
 ///
 /// # Errors
 /// As [`gemm`].
-#[allow(clippy::too_many_arguments)]
 pub fn gemm_serial<A: Elem, B: Elem>(
     tier: SimdTier,
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
+    g: GemmArgs<'_, A, B>,
 ) -> Result<(), KernelError> {
-    gemm_on(None, tier, a, b, c, ldc, alpha, beta)
+    gemm_on(None, tier, g)
 }
 
-#[allow(clippy::too_many_arguments)]
 fn gemm_on<A: Elem, B: Elem>(
     pool: Option<&ThreadPool>,
     tier: SimdTier,
-    a: MatRef<'_, A>,
-    b: MatRef<'_, B>,
-    c: &mut [f32],
-    ldc: usize,
-    alpha: f32,
-    beta: f32,
+    g: GemmArgs<'_, A, B>,
 ) -> Result<(), KernelError> {
-    let (m, n, k) = check(&a, &b, c, ldc)?;
+    let (m, n, k) = g.check()?;
     if m == 0 || n == 0 {
         return Ok(());
     }
+    let (ldc, beta) = (g.ldc, g.beta);
     if k == 0 {
         for i in 0..m {
-            for v in &mut c[i * ldc..i * ldc + n] {
+            for v in &mut g.c[i * ldc..i * ldc + n] {
                 *v = if beta == 0.0 { 0.0 } else { *v * beta };
             }
         }
         return Ok(());
     }
     let mut job = Job {
-        a,
-        b,
-        c: CPtr(c.as_mut_ptr()),
+        a: g.a,
+        b: g.b,
+        c: CPtr(g.c.as_mut_ptr()),
         ldc,
-        alpha,
+        alpha: g.alpha,
         beta,
         mc: 0,
         nc: 0,
@@ -1127,18 +1215,21 @@ mod tests {
     /// Rounding-error bound of an f32 FMA chain (Higham, γ_{k+2}):
     /// `|err| ≤ (k+2)·u·(|α|·Σ|a||b| + |β·c|)`, u = 2⁻²⁴, plus the
     /// final rounding; an indexing mistake gives errors of order 1.
-    #[allow(clippy::too_many_arguments)]
+    /// `want` holds the reference's `C`; `c0` is `C` before the product.
     fn check_close<A: Elem, B: Elem>(
-        a: MatRef<'_, A>,
-        b: MatRef<'_, B>,
+        want: &GemmArgs<'_, A, B>,
         got: &[f32],
-        want: &[f32],
         c0: &[f32],
-        ldc: usize,
-        alpha: f32,
-        beta: f32,
         what: &str,
     ) {
+        let GemmArgs {
+            a,
+            b,
+            ldc,
+            alpha,
+            beta,
+            ..
+        } = *want;
         let (m, n, k) = (a.rows, b.cols, a.cols);
         let u = f32::EPSILON as f64 / 2.0;
         for i in 0..m {
@@ -1153,7 +1244,7 @@ mod tests {
                     (beta * c0[i * ldc + j]).abs() as f64
                 };
                 let tol = (k as f64 + 3.0) * u * (alpha.abs() as f64 * s + cb) + 1e-30;
-                let (g, w) = (got[i * ldc + j], want[i * ldc + j]);
+                let (g, w) = (got[i * ldc + j], want.c[i * ldc + j]);
                 assert!(
                     (g as f64 - w as f64).abs() <= tol,
                     "{what}: ({i},{j}) got {g} want {w} tol {tol}"
@@ -1183,7 +1274,15 @@ mod tests {
             let c0: Vec<f32> = (0..m * ldc).map(|_| rng.random_range(-1.0..1.0)).collect();
             for (alpha, beta) in [(1.0, 0.0), (0.5, -1.5), (-2.0, 1.0)] {
                 let mut want = c0.clone();
-                gemm_ref(am, bm, &mut want, ldc, alpha, beta).unwrap();
+                gemm_ref(
+                    GemmArgs::new(am, bm, &mut want, ldc)
+                        .alpha(alpha)
+                        .beta(beta),
+                )
+                .unwrap();
+                let want = GemmArgs::new(am, bm, &mut want, ldc)
+                    .alpha(alpha)
+                    .beta(beta);
                 for tier in cpu::available_tiers() {
                     let mut got = c0.clone();
                     if beta == 0.0 {
@@ -1192,7 +1291,15 @@ mod tests {
                         }
                     }
                     let pool = ThreadPool::new(2).unwrap();
-                    gemm_in(&pool, tier, am, bm, &mut got, ldc, alpha, beta).unwrap();
+                    gemm_in(
+                        &pool,
+                        tier,
+                        GemmArgs {
+                            c: &mut got,
+                            ..want
+                        },
+                    )
+                    .unwrap();
                     let what = format!(
                         "{tier} {}x{}x{} layouts {la}/{lb} a={alpha} b={beta} {}/{}",
                         m,
@@ -1201,7 +1308,7 @@ mod tests {
                         std::any::type_name::<A>(),
                         std::any::type_name::<B>()
                     );
-                    check_close(am, bm, &got, &want, &c0, ldc, alpha, beta, &what);
+                    check_close(&want, &got, &c0, &what);
                     // The padding between rows is never written.
                     for i in 0..m {
                         assert_eq!(
@@ -1260,9 +1367,9 @@ mod tests {
                 let am = MatRef::row_major(&a, m, k).unwrap();
                 let bm = MatRef::row_major(&b, n, k).unwrap();
                 let mut c = c0.clone();
-                gemm_on(pool, tier, am, bm.t(), &mut c, n, 1.0, 0.5).unwrap();
+                gemm_on(pool, tier, GemmArgs::new(am, bm.t(), &mut c, n).beta(0.5)).unwrap();
                 let mut d = vec![0f32; k * k];
-                gemm_on(pool, tier, am.t(), am, &mut d, k, 1.0, 0.0).unwrap();
+                gemm_on(pool, tier, GemmArgs::new(am.t(), am, &mut d, k)).unwrap();
                 (c, d)
             };
             let one = run(Some(&ThreadPool::new(1).unwrap()));
@@ -1274,7 +1381,7 @@ mod tests {
             let run = |pool: Option<&ThreadPool>| {
                 let am = MatRef::row_major(&bb, 333, 601).unwrap();
                 let mut c = vec![f32::NAN; 333 * 333];
-                gemm_on(pool, tier, am, am.t(), &mut c, 333, 1.0, 0.0).unwrap();
+                gemm_on(pool, tier, GemmArgs::new(am, am.t(), &mut c, 333)).unwrap();
                 c
             };
             let one = run(Some(&ThreadPool::new(1).unwrap()));
@@ -1289,10 +1396,10 @@ mod tests {
         let am = MatRef::row_major(&a, 2, 0).unwrap();
         let bm = MatRef::row_major(&b, 0, 3).unwrap();
         let mut c = [1f32; 6];
-        gemm(am, bm, &mut c, 3, 1.0, 2.0).unwrap();
+        gemm(GemmArgs::new(am, bm, &mut c, 3).beta(2.0)).unwrap();
         assert_eq!(c, [2.0; 6]);
         c.fill(f32::NAN);
-        gemm(am, bm, &mut c, 3, 1.0, 0.0).unwrap();
+        gemm(GemmArgs::new(am, bm, &mut c, 3)).unwrap();
         assert_eq!(c, [0.0; 6]);
     }
 
@@ -1307,14 +1414,17 @@ mod tests {
         let a = MatRef::row_major(&d, 3, 4).unwrap();
         let b = MatRef::row_major(&d, 4, 3).unwrap();
         let mut c = [0f32; 9];
-        assert!(gemm(a, b, &mut c, 3, 1.0, 0.0).is_ok());
-        assert!(gemm(a, a, &mut c, 3, 1.0, 0.0).is_err(), "inner dims");
-        assert!(gemm(a, b, &mut c[..8], 3, 1.0, 0.0).is_err(), "C short");
-        assert!(gemm(a, b, &mut c, 2, 1.0, 0.0).is_err(), "ldc < n");
+        assert!(gemm(GemmArgs::new(a, b, &mut c, 3)).is_ok());
+        assert!(gemm(GemmArgs::new(a, a, &mut c, 3)).is_err(), "inner dims");
         assert!(
-            gemm(a, b, &mut c, usize::MAX, 1.0, 0.0).is_err(),
+            gemm(GemmArgs::new(a, b, &mut c[..8], 3)).is_err(),
+            "C short"
+        );
+        assert!(gemm(GemmArgs::new(a, b, &mut c, 2)).is_err(), "ldc < n");
+        assert!(
+            gemm(GemmArgs::new(a, b, &mut c, usize::MAX)).is_err(),
             "overflow"
         );
-        assert!(gemm_ref(a, a, &mut c, 3, 1.0, 0.0).is_err());
+        assert!(gemm_ref(GemmArgs::new(a, a, &mut c, 3)).is_err());
     }
 }

@@ -32,7 +32,7 @@ use kvant_kernels::KernelError;
 
 use super::cross_entropy::{ce_rows, grad_scale, totals, CeArgs, CeRows, CeTotals, RowsIo};
 use super::distill::{jsd_rows_in, JsdArgs, JsdIo};
-use super::gemm::{gemm_in, MatRef};
+use super::gemm::{gemm_in, GemmArgs, MatRef};
 use super::Elem;
 
 /// What [`linear_cross_entropy`] reads: the LM head, the cross-entropy's
@@ -175,7 +175,7 @@ pub fn linear_cross_entropy<E: Elem>(
             }
             None => 0.0,
         };
-        gemm_in(pool, tier, xc, wm.t(), lg, v, 1.0, beta)?;
+        gemm_in(pool, tier, GemmArgs::new(xc, wm.t(), lg, v).beta(beta))?;
         let (lc, zc) = (&mut losses[c0..c1], &mut zs[c0..c1]);
         ce_rows(pool, tier, RowsIo::InPlace(lg), &job.rows(c0..c1), lc, zc);
         if let Some(g) = grads.as_mut() {
@@ -214,8 +214,8 @@ fn grad_products<G: Elem, E: Elem>(
     dw: &mut [f32],
 ) -> Result<(), KernelError> {
     let h = wm.cols();
-    gemm_in(pool, tier, gm, wm, dx, h, 1.0, 0.0)?;
-    gemm_in(pool, tier, gm.t(), xc, dw, h, 1.0, 1.0)
+    gemm_in(pool, tier, GemmArgs::new(gm, wm, dx, h))?;
+    gemm_in(pool, tier, GemmArgs::new(gm.t(), xc, dw, h).beta(1.0))
 }
 
 /// `dst[i] = E::from_f32(src[i])`, in parallel.
@@ -425,8 +425,8 @@ pub fn linear_jsd<E: Elem>(
         );
         let xs = MatRef::row_major(&x_s[c0 * hs..c1 * hs], cr, hs)?;
         let xt = MatRef::row_major(&x_t[c0 * ht..c1 * ht], cr, ht)?;
-        gemm_in(pool, tier, xs, ws.t(), sb, v, 1.0, 0.0)?;
-        gemm_in(pool, tier, xt, wt.t(), tb, v, 1.0, 0.0)?;
+        gemm_in(pool, tier, GemmArgs::new(xs, ws.t(), sb, v))?;
+        gemm_in(pool, tier, GemmArgs::new(xt, wt.t(), tb, v))?;
         par_rows(pool, sb, &[], v, &lsm);
         par_rows(pool, tb, &[], v, &lsm);
         let io = JsdIo {
@@ -441,13 +441,13 @@ pub fn linear_jsd<E: Elem>(
             let gm = MatRef::row_major(&*gb, cr, v)?;
             if let Some(d) = dx_s.as_deref_mut() {
                 let dx = &mut dxc[..cr * hs];
-                gemm_in(pool, tier, gm, ws, dx, hs, 1.0, 0.0)?;
+                gemm_in(pool, tier, GemmArgs::new(gm, ws, dx, hs))?;
                 for (o, s) in d[c0 * hs..c1 * hs].iter_mut().zip(dx.iter()) {
                     *o = E::from_f32(*s);
                 }
             }
             if let Some(d) = dw_s.as_deref_mut() {
-                gemm_in(pool, tier, gm.t(), xs, d, hs, 1.0, 1.0)?;
+                gemm_in(pool, tier, GemmArgs::new(gm.t(), xs, d, hs).beta(1.0))?;
             }
         }
     }
@@ -770,9 +770,9 @@ mod tests {
             let mut c = vec![0f32; 37 * 41];
             let am = MatRef::row_major(&a[..], 37, 29).unwrap();
             let bm = MatRef::row_major(&b[..], 41, 29).unwrap();
-            gemm_in(pool, cpu::tier(), am, bm.t(), &mut c, 41, 1.0, 0.0).unwrap();
+            gemm_in(pool, cpu::tier(), GemmArgs::new(am, bm.t(), &mut c, 41)).unwrap();
             let mut d = vec![0f32; 29 * 29];
-            gemm_in(pool, cpu::tier(), am.t(), am, &mut d, 29, 1.0, 0.0).unwrap();
+            gemm_in(pool, cpu::tier(), GemmArgs::new(am.t(), am, &mut d, 29)).unwrap();
             (c, d)
         });
     }
