@@ -336,7 +336,7 @@ pub fn glu_fwd(py: Python<'_>, kind: &str, a: &Any<'_>, b: &Any<'_>, c: &Any<'_>
     let f = t.checked_float(&[&a, &b, &c], &[])?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
-        unsafe { glu::glu_fwd::<E>(cpu::tier(), kind, glu::GluFwd { a: a.slice(), b: b.slice(), c: c.slice_mut() }) }
+        unsafe { glu::glu_fwd::<E>(cpu::tier(), kind, glu::GluFwd::new(a.slice(), b.slice(), c.slice_mut())) }
     })
 }
 
@@ -349,7 +349,7 @@ pub fn glu_bwd(py: Python<'_>, kind: &str, dc: &Any<'_>, a: &Any<'_>, b: &Any<'_
     let f = t.checked_float(&[&a, &b, &dc], &[])?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
-        unsafe { glu::glu_bwd::<E>(cpu::tier(), kind, glu::GluBwd { dc: dc.slice(), a: a.slice_mut(), b: b.slice_mut() }) }
+        unsafe { glu::glu_bwd::<E>(cpu::tier(), kind, glu::GluBwd::new(dc.slice(), a.slice_mut(), b.slice_mut())) }
     })
 }
 

@@ -273,14 +273,7 @@ fn glu<E: Elem>(r: &mut dyn Runner, name: &str) {
             &group,
             &format!("{kind:?} fwd"),
             3 * n as u64 * sz,
-            &mut || {
-                let t = GluFwd {
-                    a: &a,
-                    b: &bv,
-                    c: &mut out,
-                };
-                glu_fwd(cpu::tier(), kind, t).unwrap()
-            },
+            &mut || glu_fwd(cpu::tier(), kind, GluFwd::new(&a, &bv, &mut out)).unwrap(),
         );
         // Reads dc, a, b; writes da, db over a, b. The inputs are restored
         // (untimed) before every run: gradients written over them would
@@ -296,16 +289,7 @@ fn glu<E: Elem>(r: &mut dyn Runner, name: &str) {
             },
             &mut || {
                 let (x, y) = &mut *xy.borrow_mut();
-                glu_bwd(
-                    cpu::tier(),
-                    kind,
-                    GluBwd {
-                        dc: &dc,
-                        a: x,
-                        b: y,
-                    },
-                )
-                .unwrap()
+                glu_bwd(cpu::tier(), kind, GluBwd::new(&dc, x, y)).unwrap()
             },
         );
     }

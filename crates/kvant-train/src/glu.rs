@@ -150,6 +150,13 @@ pub struct GluFwd<'a, E> {
     pub c: &'a mut [E],
 }
 
+impl<'a, E> GluFwd<'a, E> {
+    /// `c = act(a)·b`.
+    pub fn new(a: &'a [E], b: &'a [E], c: &'a mut [E]) -> Self {
+        GluFwd { a, b, c }
+    }
+}
+
 impl<E> GluFwd<'_, E> {
     /// The checks shared by [`glu_fwd`] and its reference.
     fn check(&self) -> Result<(), KernelError> {
@@ -164,6 +171,13 @@ pub struct GluBwd<'a, E> {
     pub dc: &'a [E],
     pub a: &'a mut [E],
     pub b: &'a mut [E],
+}
+
+impl<'a, E> GluBwd<'a, E> {
+    /// `a` and `b` overwritten with their gradients.
+    pub fn new(dc: &'a [E], a: &'a mut [E], b: &'a mut [E]) -> Self {
+        GluBwd { dc, a, b }
+    }
 }
 
 impl<E> GluBwd<'_, E> {
@@ -285,50 +299,16 @@ mod tests {
         let dc: Vec<E> = rand_vec(rng, n, -2.0, 2.0);
         for kind in [Glu::Swi, Glu::GeTanh] {
             let mut c0 = nans::<E>(n);
-            glu_fwd_ref(
-                kind,
-                GluFwd {
-                    a: &a,
-                    b: &b,
-                    c: &mut c0,
-                },
-            )
-            .unwrap();
+            glu_fwd_ref(kind, GluFwd::new(&a, &b, &mut c0)).unwrap();
             let (mut da0, mut db0) = (a.clone(), b.clone());
-            glu_bwd_ref(
-                kind,
-                GluBwd {
-                    dc: &dc,
-                    a: &mut da0,
-                    b: &mut db0,
-                },
-            )
-            .unwrap();
+            glu_bwd_ref(kind, GluBwd::new(&dc, &mut da0, &mut db0)).unwrap();
             for tier in cpu::available_tiers() {
                 let what = format!("{kind:?} n={n} {tier} {}", std::any::type_name::<E>());
                 let mut c = nans::<E>(n);
-                glu_fwd(
-                    tier,
-                    kind,
-                    GluFwd {
-                        a: &a,
-                        b: &b,
-                        c: &mut c,
-                    },
-                )
-                .unwrap();
+                glu_fwd(tier, kind, GluFwd::new(&a, &b, &mut c)).unwrap();
                 assert_close(&format!("c {what}"), &f32s(&c), &f32s(&c0), tol::<E>());
                 let (mut da, mut db) = (a.clone(), b.clone());
-                glu_bwd(
-                    tier,
-                    kind,
-                    GluBwd {
-                        dc: &dc,
-                        a: &mut da,
-                        b: &mut db,
-                    },
-                )
-                .unwrap();
+                glu_bwd(tier, kind, GluBwd::new(&dc, &mut da, &mut db)).unwrap();
                 assert_close(&format!("da {what}"), &f32s(&da), &f32s(&da0), tol::<E>());
                 assert_close(&format!("db {what}"), &f32s(&db), &f32s(&db0), tol::<E>());
             }
@@ -376,18 +356,10 @@ mod tests {
             // step large enough for f32 (1e-2: error ~|act''|·1e-4).
             let (a, b, dc) = (vec![0.37f32, -1.3], vec![0.8f32, -0.6], vec![1.1f32, 0.7]);
             let (mut da, mut db) = (a.clone(), b.clone());
-            glu_bwd_ref(
-                kind,
-                GluBwd {
-                    dc: &dc,
-                    a: &mut da,
-                    b: &mut db,
-                },
-            )
-            .unwrap();
+            glu_bwd_ref(kind, GluBwd::new(&dc, &mut da, &mut db)).unwrap();
             let loss = |a: &[f32], b: &[f32]| -> f64 {
                 let mut c = vec![0f32; 2];
-                glu_fwd_ref(kind, GluFwd { a, b, c: &mut c }).unwrap();
+                glu_fwd_ref(kind, GluFwd::new(a, b, &mut c)).unwrap();
                 c.iter().zip(&dc).map(|(c, d)| *c as f64 * *d as f64).sum()
             };
             // The central difference of `loss` in `v[k]`.
@@ -420,74 +392,13 @@ mod tests {
         let tier = cpu::tier();
         let (a, b) = (vec![0f32; 5], vec![0f32; 4]);
         let mut c = vec![0f32; 5];
-        assert!(glu_fwd(
-            tier,
-            Glu::Swi,
-            GluFwd {
-                a: &a,
-                b: &b,
-                c: &mut c
-            }
-        )
-        .is_err());
-        assert!(glu_fwd(
-            tier,
-            Glu::Swi,
-            GluFwd {
-                a: &a,
-                b: &a,
-                c: &mut c[..4]
-            }
-        )
-        .is_err());
-        assert!(glu_fwd_ref(
-            Glu::Swi,
-            GluFwd {
-                a: &a,
-                b: &b,
-                c: &mut c
-            }
-        )
-        .is_err());
+        assert!(glu_fwd(tier, Glu::Swi, GluFwd::new(&a, &b, &mut c)).is_err());
+        assert!(glu_fwd(tier, Glu::Swi, GluFwd::new(&a, &a, &mut c[..4])).is_err());
+        assert!(glu_fwd_ref(Glu::Swi, GluFwd::new(&a, &b, &mut c)).is_err());
         let (mut x, mut y) = (vec![0f32; 5], vec![0f32; 4]);
-        assert!(glu_bwd(
-            tier,
-            Glu::GeTanh,
-            GluBwd {
-                dc: &a,
-                a: &mut x,
-                b: &mut y
-            }
-        )
-        .is_err());
-        assert!(glu_bwd(
-            tier,
-            Glu::GeTanh,
-            GluBwd {
-                dc: &b,
-                a: &mut x,
-                b: &mut y
-            }
-        )
-        .is_err());
-        assert!(glu_bwd_ref(
-            Glu::GeTanh,
-            GluBwd {
-                dc: &a,
-                a: &mut x,
-                b: &mut y
-            }
-        )
-        .is_err());
-        assert!(glu_fwd::<f32>(
-            tier,
-            Glu::Swi,
-            GluFwd {
-                a: &[],
-                b: &[],
-                c: &mut []
-            }
-        )
-        .is_ok());
+        assert!(glu_bwd(tier, Glu::GeTanh, GluBwd::new(&a, &mut x, &mut y)).is_err());
+        assert!(glu_bwd(tier, Glu::GeTanh, GluBwd::new(&b, &mut x, &mut y)).is_err());
+        assert!(glu_bwd_ref(Glu::GeTanh, GluBwd::new(&a, &mut x, &mut y)).is_err());
+        assert!(glu_fwd::<f32>(tier, Glu::Swi, GluFwd::new(&[], &[], &mut [])).is_ok());
     }
 }
