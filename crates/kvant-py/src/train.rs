@@ -92,7 +92,7 @@ pub fn rms_norm_fwd(
         // SAFETY: the views were checked (dtype E, CPU, dense, no
         // written view overlapping another) and the tensors are held
         // by the caller for this call.
-        unsafe { norm::rms_norm_fwd::<E>(x.slice(), w.slice(), a, y.slice_mut(), rstd.slice_mut()) }
+        unsafe { norm::rms_norm_fwd::<E>(cpu::tier(), a, norm::RmsFwd::new(x.slice(), w.slice(), y.slice_mut(), rstd.slice_mut())) }
     })
 }
 
@@ -123,7 +123,7 @@ pub fn rms_norm_bwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            norm::rms_norm_bwd::<E>(dy.slice(), x.slice(), w.slice(), rstd.slice(), a, dx.slice_mut(), dw.slice_mut())
+            norm::rms_norm_bwd::<E>(cpu::tier(), a, norm::RmsBwd::new(dy.slice(), x.slice(), w.slice(), rstd.slice(), dx.slice_mut(), dw.slice_mut()))
         }
     })
 }
@@ -154,7 +154,8 @@ pub fn add_rms_norm_fwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            norm::add_rms_norm_fwd::<E>(x.slice(), r.slice(), w.slice(), a, y.slice_mut(), s.slice_mut(), rstd.slice_mut())
+            let t = norm::RmsFwd { residual: Some(r.slice()), sum: Some(s.slice_mut()), ..norm::RmsFwd::new(x.slice(), w.slice(), y.slice_mut(), rstd.slice_mut()) };
+            norm::rms_norm_fwd::<E>(cpu::tier(), a, t)
         }
     })
 }
@@ -188,9 +189,8 @@ pub fn add_rms_norm_bwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            norm::add_rms_norm_bwd::<E>(
-                dy.slice(), dsum.slice(), s.slice(), w.slice(), rstd.slice(), a, ds.slice_mut(), dw.slice_mut(),
-            )
+            let t = norm::RmsBwd { dsum: Some(dsum.slice()), ..norm::RmsBwd::new(dy.slice(), s.slice(), w.slice(), rstd.slice(), ds.slice_mut(), dw.slice_mut()) };
+            norm::rms_norm_bwd::<E>(cpu::tier(), a, t)
         }
     })
 }
@@ -215,7 +215,8 @@ pub fn layer_norm_fwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            norm::layer_norm_fwd::<E>(x.slice(), w.slice(), b.slice(), cols, eps, y.slice_mut(), mean.slice_mut(), rstd.slice_mut())
+            let t = norm::LnFwd { x: x.slice(), w: w.slice(), b: b.slice(), y: y.slice_mut(), mean: mean.slice_mut(), rstd: rstd.slice_mut() };
+            norm::layer_norm_fwd::<E>(cpu::tier(), cols, eps, t)
         }
     })
 }
@@ -251,10 +252,11 @@ pub fn layer_norm_bwd(
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            norm::layer_norm_bwd::<E>(
-                dy.slice(), x.slice(), w.slice(), mean.slice(), rstd.slice(), cols,
-                dx.slice_mut(), dw.slice_mut(), db.slice_mut(),
-            )
+            let t = norm::LnBwd {
+                dy: dy.slice(), x: x.slice(), w: w.slice(), mean: mean.slice(), rstd: rstd.slice(),
+                dx: dx.slice_mut(), dw: dw.slice_mut(), db: db.slice_mut(),
+            };
+            norm::layer_norm_bwd::<E>(cpu::tier(), cols, t)
         }
     })
 }
@@ -317,10 +319,11 @@ pub fn rope_apply(
         // strides) span covers every strided element and the kernel
         // checks its rows do not overlap.
         unsafe {
-            match &out {
-                Some(o) => rope::rope_apply_into::<E>(x.slice(), o.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
-                None => rope::rope_apply::<E>(x.slice_mut(), cos.slice(), sin.slice(), &s, inverse),
-            }
+            let t = match &out {
+                Some(o) => rope::RopeIo { x: o.slice_mut(), src: Some(x.slice()), cos: cos.slice(), sin: sin.slice() },
+                None => rope::RopeIo { x: x.slice_mut(), src: None, cos: cos.slice(), sin: sin.slice() },
+            };
+            rope::rope_apply::<E>(cpu::tier(), t, &s, inverse)
         }
     })
 }
@@ -333,7 +336,7 @@ pub fn glu_fwd(py: Python<'_>, kind: &str, a: &Any<'_>, b: &Any<'_>, c: &Any<'_>
     let f = t.checked_float(&[&a, &b, &c], &[])?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
-        unsafe { glu::glu_fwd::<E>(kind, a.slice(), b.slice(), c.slice_mut()) }
+        unsafe { glu::glu_fwd::<E>(cpu::tier(), kind, glu::GluFwd::new(a.slice(), b.slice(), c.slice_mut())) }
     })
 }
 
@@ -346,7 +349,7 @@ pub fn glu_bwd(py: Python<'_>, kind: &str, dc: &Any<'_>, a: &Any<'_>, b: &Any<'_
     let f = t.checked_float(&[&a, &b, &dc], &[])?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
-        unsafe { glu::glu_bwd::<E>(kind, dc.slice(), a.slice_mut(), b.slice_mut()) }
+        unsafe { glu::glu_bwd::<E>(cpu::tier(), kind, glu::GluBwd::new(dc.slice(), a.slice_mut(), b.slice_mut())) }
     })
 }
 

@@ -15,10 +15,10 @@
 
 use criterion::{BatchSize, Criterion, Throughput};
 use half::bf16;
-use kvant_kernels::pool;
-use kvant_train::glu::{glu_bwd, glu_fwd, Glu};
+use kvant_kernels::{cpu, pool};
+use kvant_train::glu::{glu_bwd, glu_fwd, Glu, GluBwd, GluFwd};
 use kvant_train::norm::*;
-use kvant_train::rope::{rope_apply, RopeLayout, RopeShape};
+use kvant_train::rope::{rope_apply, RopeIo, RopeLayout, RopeShape};
 use kvant_train::Elem;
 use std::time::{Duration, Instant};
 
@@ -139,29 +139,62 @@ fn norms<E: Elem>(r: &mut dyn Runner, name: &str, rows: usize) {
         ..a
     };
     let bytes = |tensors: u64| tensors * n as u64 * sz;
+    let tier = cpu::tier();
     r.case(&group, "rms fwd", bytes(2), &mut || {
-        rms_norm_fwd(&x, &w, a, &mut y, &mut rstd).unwrap()
+        rms_norm_fwd(tier, a, RmsFwd::new(&x, &w, &mut y, &mut rstd)).unwrap()
     });
     r.case(&group, "rms fwd gemma", bytes(2), &mut || {
-        rms_norm_fwd(&x, &w, gemma, &mut y, &mut rstd).unwrap()
+        rms_norm_fwd(tier, gemma, RmsFwd::new(&x, &w, &mut y, &mut rstd)).unwrap()
     });
     r.case(&group, "rms bwd", bytes(3), &mut || {
-        rms_norm_bwd(&dy, &x, &w, &rstd, a, &mut dx, &mut dw).unwrap()
+        rms_norm_bwd(tier, a, RmsBwd::new(&dy, &x, &w, &rstd, &mut dx, &mut dw)).unwrap()
     });
     r.case(&group, "rms bwd gemma", bytes(3), &mut || {
-        rms_norm_bwd(&dy, &x, &w, &rstd, gemma, &mut dx, &mut dw).unwrap()
+        rms_norm_bwd(
+            tier,
+            gemma,
+            RmsBwd::new(&dy, &x, &w, &rstd, &mut dx, &mut dw),
+        )
+        .unwrap()
     });
     r.case(&group, "add+rms fwd", bytes(4), &mut || {
-        add_rms_norm_fwd(&x, &res, &w, a, &mut y, &mut s, &mut rstd).unwrap()
+        let t = RmsFwd {
+            residual: Some(&res),
+            sum: Some(&mut s),
+            ..RmsFwd::new(&x, &w, &mut y, &mut rstd)
+        };
+        rms_norm_fwd(tier, a, t).unwrap()
     });
     r.case(&group, "add+rms bwd", bytes(4), &mut || {
-        add_rms_norm_bwd(&dy, &res, &x, &w, &rstd, a, &mut dx, &mut dw).unwrap()
+        let t = RmsBwd {
+            dsum: Some(&res),
+            ..RmsBwd::new(&dy, &x, &w, &rstd, &mut dx, &mut dw)
+        };
+        rms_norm_bwd(tier, a, t).unwrap()
     });
     r.case(&group, "layernorm fwd", bytes(2), &mut || {
-        layer_norm_fwd(&x, &w, &w, cols, 1e-5, &mut y, &mut mean, &mut rstd).unwrap()
+        let t = LnFwd {
+            x: &x,
+            w: &w,
+            b: &w,
+            y: &mut y,
+            mean: &mut mean,
+            rstd: &mut rstd,
+        };
+        layer_norm_fwd(tier, cols, 1e-5, t).unwrap()
     });
     r.case(&group, "layernorm bwd", bytes(3), &mut || {
-        layer_norm_bwd(&dy, &x, &w, &mean, &rstd, cols, &mut dx, &mut dw, &mut db).unwrap()
+        let t = LnBwd {
+            dy: &dy,
+            x: &x,
+            w: &w,
+            mean: &mean,
+            rstd: &rstd,
+            dx: &mut dx,
+            dw: &mut dw,
+            db: &mut db,
+        };
+        layer_norm_bwd(tier, cols, t).unwrap()
     });
 }
 
@@ -208,7 +241,15 @@ fn rope<E: Elem>(r: &mut dyn Runner, name: &str) {
                 &group,
                 &format!("{label} {dir}"),
                 2 * n as u64 * sz,
-                &mut || rope_apply(&mut x, &cos, &sin, &sh, inverse).unwrap(),
+                &mut || {
+                    let t = RopeIo {
+                        x: &mut x,
+                        src: None,
+                        cos: &cos,
+                        sin: &sin,
+                    };
+                    rope_apply(cpu::tier(), t, &sh, inverse).unwrap()
+                },
             );
         }
     }
@@ -229,7 +270,7 @@ fn glu<E: Elem>(r: &mut dyn Runner, name: &str) {
             &group,
             &format!("{kind:?} fwd"),
             3 * n as u64 * sz,
-            &mut || glu_fwd(kind, &a, &bv, &mut out).unwrap(),
+            &mut || glu_fwd(cpu::tier(), kind, GluFwd::new(&a, &bv, &mut out)).unwrap(),
         );
         // Reads dc, a, b; writes da, db over a, b. The inputs are restored
         // (untimed) before every run: gradients written over them would
@@ -245,7 +286,7 @@ fn glu<E: Elem>(r: &mut dyn Runner, name: &str) {
             },
             &mut || {
                 let (x, y) = &mut *xy.borrow_mut();
-                glu_bwd(kind, &dc, x, y).unwrap()
+                glu_bwd(cpu::tier(), kind, GluBwd::new(&dc, x, y)).unwrap()
             },
         );
     }

@@ -21,7 +21,7 @@
 //! bound by the exponential (~1.7 G values/s per thread).
 
 use crate::Elem;
-use kvant_kernels::cpu::{self, SimdTier};
+use kvant_kernels::cpu::SimdTier;
 use kvant_kernels::error::check_len;
 use kvant_kernels::pool::{self, DisjointSlice};
 use kvant_kernels::vecops::{exp, Fma, Plain};
@@ -142,55 +142,78 @@ kvant_kernels::per_tier! {
     }
 }
 
-/// `c = act(a)·b` elementwise.
-pub fn glu_fwd<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) -> Result<(), KernelError> {
-    glu_fwd_with(cpu::tier(), kind, a, b, c)
+/// The tensors of a GLU forward, all of one length.
+pub struct GluFwd<'a, E> {
+    pub a: &'a [E],
+    pub b: &'a [E],
+    /// `act(a)·b`.
+    pub c: &'a mut [E],
 }
 
-/// [`glu_fwd`] on a given tier (lowered to one the CPU supports).
-pub fn glu_fwd_with<E: Elem>(
-    tier: SimdTier,
-    kind: Glu,
-    a: &[E],
-    b: &[E],
-    c: &mut [E],
-) -> Result<(), KernelError> {
-    check_len("glu b", a.len(), b.len())?;
-    check_len("glu c", a.len(), c.len())?;
-    let n = a.len();
-    let cs = DisjointSlice::new(c);
-    pool::global().run(n.div_ceil(CHUNK), &|t| {
-        let r = t * CHUNK..((t + 1) * CHUNK).min(n);
-        // SAFETY: task `t` owns elements `r`.
+impl<'a, E> GluFwd<'a, E> {
+    /// `c = act(a)·b`.
+    pub fn new(a: &'a [E], b: &'a [E], c: &'a mut [E]) -> Self {
+        GluFwd { a, b, c }
+    }
+}
+
+impl<E> GluFwd<'_, E> {
+    /// The checks shared by [`glu_fwd`] and its reference.
+    fn check(&self) -> Result<(), KernelError> {
+        check_len("glu b", self.a.len(), self.b.len())?;
+        check_len("glu c", self.a.len(), self.c.len())
+    }
+}
+
+/// The tensors of a GLU backward, all of one length: on return `a` holds
+/// da and `b` holds db (Liger's in-place trick: nothing saved but a, b).
+pub struct GluBwd<'a, E> {
+    pub dc: &'a [E],
+    pub a: &'a mut [E],
+    pub b: &'a mut [E],
+}
+
+impl<'a, E> GluBwd<'a, E> {
+    /// `a` and `b` overwritten with their gradients.
+    pub fn new(dc: &'a [E], a: &'a mut [E], b: &'a mut [E]) -> Self {
+        GluBwd { dc, a, b }
+    }
+}
+
+impl<E> GluBwd<'_, E> {
+    /// The checks shared by [`glu_bwd`] and its reference.
+    fn check(&self) -> Result<(), KernelError> {
+        check_len("glu a", self.dc.len(), self.a.len())?;
+        check_len("glu b", self.dc.len(), self.b.len())
+    }
+}
+
+/// `c = act(a)·b` elementwise, on `tier` (lowered to one the CPU
+/// supports; [`kvant_kernels::cpu::tier`] is the process's own).
+pub fn glu_fwd<E: Elem>(tier: SimdTier, kind: Glu, t: GluFwd<'_, E>) -> Result<(), KernelError> {
+    t.check()?;
+    let n = t.a.len();
+    let cs = DisjointSlice::new(t.c);
+    pool::global().run(n.div_ceil(CHUNK), &|i| {
+        let r = i * CHUNK..((i + 1) * CHUNK).min(n);
+        // SAFETY: task `i` owns elements `r`.
         let c = unsafe { cs.range(r.clone()) };
-        let (a, b) = (&a[r.clone()], &b[r]);
+        let (a, b) = (&t.a[r.clone()], &t.b[r]);
         fwd_on(tier, kind, a, b, c);
     });
     Ok(())
 }
 
-/// Backward recomputing the activation; on return `a` holds da and `b` holds db (Liger's in-place trick: nothing saved but a, b).
-pub fn glu_bwd<E: Elem>(kind: Glu, dc: &[E], a: &mut [E], b: &mut [E]) -> Result<(), KernelError> {
-    glu_bwd_with(cpu::tier(), kind, dc, a, b)
-}
-
-/// [`glu_bwd`] on a given tier.
-pub fn glu_bwd_with<E: Elem>(
-    tier: SimdTier,
-    kind: Glu,
-    dc: &[E],
-    a: &mut [E],
-    b: &mut [E],
-) -> Result<(), KernelError> {
-    check_len("glu a", dc.len(), a.len())?;
-    check_len("glu b", dc.len(), b.len())?;
-    let n = dc.len();
-    let (as_, bs) = (DisjointSlice::new(a), DisjointSlice::new(b));
-    pool::global().run(n.div_ceil(CHUNK), &|t| {
-        let r = t * CHUNK..((t + 1) * CHUNK).min(n);
-        // SAFETY: task `t` owns elements `r` of both.
+/// The backward recomputing the activation (see [`GluBwd`]), on `tier`.
+pub fn glu_bwd<E: Elem>(tier: SimdTier, kind: Glu, t: GluBwd<'_, E>) -> Result<(), KernelError> {
+    t.check()?;
+    let n = t.dc.len();
+    let (as_, bs) = (DisjointSlice::new(t.a), DisjointSlice::new(t.b));
+    pool::global().run(n.div_ceil(CHUNK), &|i| {
+        let r = i * CHUNK..((i + 1) * CHUNK).min(n);
+        // SAFETY: task `i` owns elements `r` of both.
         let (a, b) = unsafe { (as_.range(r.clone()), bs.range(r.clone())) };
-        let dc = &dc[r];
+        let dc = &t.dc[r];
         bwd_on(tier, kind, dc, a, b);
     });
     Ok(())
@@ -216,10 +239,9 @@ pub(crate) fn act_grad_f64(kind: Glu, a: f64) -> (f64, f64) {
 }
 
 /// f64 reference of [`glu_fwd`].
-pub fn glu_fwd_ref<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) -> Result<(), KernelError> {
-    check_len("glu b", a.len(), b.len())?;
-    check_len("glu c", a.len(), c.len())?;
-    for ((o, x), y) in c.iter_mut().zip(a).zip(b) {
+pub fn glu_fwd_ref<E: Elem>(kind: Glu, t: GluFwd<'_, E>) -> Result<(), KernelError> {
+    t.check()?;
+    for ((o, x), y) in t.c.iter_mut().zip(t.a).zip(t.b) {
         let f = act_grad_f64(kind, x.to_f32() as f64).0;
         *o = E::from_f32((f * y.to_f32() as f64) as f32);
     }
@@ -227,15 +249,9 @@ pub fn glu_fwd_ref<E: Elem>(kind: Glu, a: &[E], b: &[E], c: &mut [E]) -> Result<
 }
 
 /// f64 reference of [`glu_bwd`].
-pub fn glu_bwd_ref<E: Elem>(
-    kind: Glu,
-    dc: &[E],
-    a: &mut [E],
-    b: &mut [E],
-) -> Result<(), KernelError> {
-    check_len("glu a", dc.len(), a.len())?;
-    check_len("glu b", dc.len(), b.len())?;
-    for ((d, x), y) in dc.iter().zip(a.iter_mut()).zip(b.iter_mut()) {
+pub fn glu_bwd_ref<E: Elem>(kind: Glu, t: GluBwd<'_, E>) -> Result<(), KernelError> {
+    t.check()?;
+    for ((d, x), y) in t.dc.iter().zip(t.a.iter_mut()).zip(t.b.iter_mut()) {
         let (d, xa, yb) = (d.to_f32() as f64, x.to_f32() as f64, y.to_f32() as f64);
         let (f, g) = act_grad_f64(kind, xa);
         *x = E::from_f32((d * yb * g) as f32);
@@ -249,6 +265,7 @@ mod tests {
     use super::*;
     use crate::norm::tests::{assert_close, f32s, nans, rand_vec};
     use half::bf16;
+    use kvant_kernels::cpu;
     use rand::{Rng, SeedableRng};
     use rand_chacha::ChaCha8Rng;
 
@@ -282,16 +299,16 @@ mod tests {
         let dc: Vec<E> = rand_vec(rng, n, -2.0, 2.0);
         for kind in [Glu::Swi, Glu::GeTanh] {
             let mut c0 = nans::<E>(n);
-            glu_fwd_ref(kind, &a, &b, &mut c0).unwrap();
+            glu_fwd_ref(kind, GluFwd::new(&a, &b, &mut c0)).unwrap();
             let (mut da0, mut db0) = (a.clone(), b.clone());
-            glu_bwd_ref(kind, &dc, &mut da0, &mut db0).unwrap();
+            glu_bwd_ref(kind, GluBwd::new(&dc, &mut da0, &mut db0)).unwrap();
             for tier in cpu::available_tiers() {
                 let what = format!("{kind:?} n={n} {tier} {}", std::any::type_name::<E>());
                 let mut c = nans::<E>(n);
-                glu_fwd_with(tier, kind, &a, &b, &mut c).unwrap();
+                glu_fwd(tier, kind, GluFwd::new(&a, &b, &mut c)).unwrap();
                 assert_close(&format!("c {what}"), &f32s(&c), &f32s(&c0), tol::<E>());
                 let (mut da, mut db) = (a.clone(), b.clone());
-                glu_bwd_with(tier, kind, &dc, &mut da, &mut db).unwrap();
+                glu_bwd(tier, kind, GluBwd::new(&dc, &mut da, &mut db)).unwrap();
                 assert_close(&format!("da {what}"), &f32s(&da), &f32s(&da0), tol::<E>());
                 assert_close(&format!("db {what}"), &f32s(&db), &f32s(&db0), tol::<E>());
             }
@@ -339,27 +356,28 @@ mod tests {
             // step large enough for f32 (1e-2: error ~|act''|·1e-4).
             let (a, b, dc) = (vec![0.37f32, -1.3], vec![0.8f32, -0.6], vec![1.1f32, 0.7]);
             let (mut da, mut db) = (a.clone(), b.clone());
-            glu_bwd_ref(kind, &dc, &mut da, &mut db).unwrap();
+            glu_bwd_ref(kind, GluBwd::new(&dc, &mut da, &mut db)).unwrap();
             let loss = |a: &[f32], b: &[f32]| -> f64 {
                 let mut c = vec![0f32; 2];
-                glu_fwd_ref(kind, a, b, &mut c).unwrap();
+                glu_fwd_ref(kind, GluFwd::new(a, b, &mut c)).unwrap();
                 c.iter().zip(&dc).map(|(c, d)| *c as f64 * *d as f64).sum()
             };
+            // The central difference of `loss` in `v[k]`.
+            let hs = 1e-2f32;
+            let diff = |v: &[f32], k: usize, loss: &dyn Fn(&[f32]) -> f64| {
+                let (mut p, mut m) = (v.to_vec(), v.to_vec());
+                p[k] += hs;
+                m[k] -= hs;
+                (loss(&p) - loss(&m)) / (2.0 * hs as f64)
+            };
             for k in 0..2 {
-                let hs = 1e-2f32;
-                let (mut ap, mut am) = (a.clone(), a.clone());
-                ap[k] += hs;
-                am[k] -= hs;
-                let fd = (loss(&ap, &b) - loss(&am, &b)) / (2.0 * hs as f64);
+                let fd = diff(&a, k, &|a| loss(a, &b));
                 assert!(
                     (fd - da[k] as f64).abs() < 1e-3,
                     "{kind:?} da[{k}]: {fd} vs {}",
                     da[k]
                 );
-                let (mut bp, mut bm) = (b.clone(), b.clone());
-                bp[k] += hs;
-                bm[k] -= hs;
-                let fd = (loss(&a, &bp) - loss(&a, &bm)) / (2.0 * hs as f64);
+                let fd = diff(&b, k, &|b| loss(&a, b));
                 assert!(
                     (fd - db[k] as f64).abs() < 1e-5,
                     "{kind:?} db[{k}]: {fd} vs {}",
@@ -371,15 +389,16 @@ mod tests {
 
     #[test]
     fn bad_lengths_are_errors() {
+        let tier = cpu::tier();
         let (a, b) = (vec![0f32; 5], vec![0f32; 4]);
         let mut c = vec![0f32; 5];
-        assert!(glu_fwd(Glu::Swi, &a, &b, &mut c).is_err());
-        assert!(glu_fwd(Glu::Swi, &a, &a, &mut c[..4]).is_err());
-        assert!(glu_fwd_ref(Glu::Swi, &a, &b, &mut c).is_err());
+        assert!(glu_fwd(tier, Glu::Swi, GluFwd::new(&a, &b, &mut c)).is_err());
+        assert!(glu_fwd(tier, Glu::Swi, GluFwd::new(&a, &a, &mut c[..4])).is_err());
+        assert!(glu_fwd_ref(Glu::Swi, GluFwd::new(&a, &b, &mut c)).is_err());
         let (mut x, mut y) = (vec![0f32; 5], vec![0f32; 4]);
-        assert!(glu_bwd(Glu::GeTanh, &a, &mut x, &mut y).is_err());
-        assert!(glu_bwd(Glu::GeTanh, &b, &mut x, &mut y).is_err());
-        assert!(glu_bwd_ref(Glu::GeTanh, &a, &mut x, &mut y).is_err());
-        assert!(glu_fwd::<f32>(Glu::Swi, &[], &[], &mut []).is_ok());
+        assert!(glu_bwd(tier, Glu::GeTanh, GluBwd::new(&a, &mut x, &mut y)).is_err());
+        assert!(glu_bwd(tier, Glu::GeTanh, GluBwd::new(&b, &mut x, &mut y)).is_err());
+        assert!(glu_bwd_ref(Glu::GeTanh, GluBwd::new(&a, &mut x, &mut y)).is_err());
+        assert!(glu_fwd::<f32>(tier, Glu::Swi, GluFwd::new(&[], &[], &mut [])).is_ok());
     }
 }

@@ -42,6 +42,7 @@ use kvant_kernels::error::{check_len, checked_mul};
 use kvant_kernels::pool::{self, DisjointSlice, ThreadPool};
 use kvant_kernels::vecops::{Fma, Plain};
 use kvant_kernels::KernelError;
+use std::ops::Range;
 
 /// Where RMSNorm rounds to the input type (no effect on f32).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,16 +109,14 @@ pub(crate) trait Kern {
     /// # Safety
     /// As [`Kern::dot`].
     unsafe fn sq_dev<E: Elem>(a: &[E], m: f32) -> f32;
-    /// RMSNorm backward's first pass: `g = dy·(off + w)` (rounded to `E`
-    /// when `ROUND`) written to `g`; returns `Σ g·x`.
+    /// RMSNorm backward's first pass over `rows = (dy, w, x)`: `g = dy·(off + w)`
+    /// (rounded to `E` when `ROUND`) written to `g`; returns `Σ g·x`.
     ///
     /// # Safety
     /// As [`Kern::dot`].
     unsafe fn g_dot<E: Elem, const ROUND: bool>(
-        dy: &[E],
-        w: &[E],
+        rows: (&[E], &[E], &[E]),
         off: f32,
-        x: &[E],
         g: &mut [f32],
     ) -> f32;
 }
@@ -192,10 +191,8 @@ impl Kern for Scalar {
     }
 
     unsafe fn g_dot<E: Elem, const ROUND: bool>(
-        dy: &[E],
-        w: &[E],
+        (dy, w, x): (&[E], &[E], &[E]),
         off: f32,
-        x: &[E],
         g: &mut [f32],
     ) -> f32 {
         for ((gv, d), wv) in g.iter_mut().zip(dy).zip(w) {
@@ -361,10 +358,8 @@ impl Kern for Avx {
 
     #[inline(always)]
     unsafe fn g_dot<E: Elem, const ROUND: bool>(
-        dy: &[E],
-        w: &[E],
+        (dy, w, x): (&[E], &[E], &[E]),
         off: f32,
-        x: &[E],
         g: &mut [f32],
     ) -> f32 {
         use std::arch::x86_64::*;
@@ -411,21 +406,128 @@ fn round<E: Elem>(v: f32) -> f32 {
 
 // ---------------------------------------------------------------- RMSNorm
 
-/// Forward of a chunk of rows: `rstd.len()` rows. With `res`, `sum` is
-/// written first (`x + res` rounded) and normalized.
+/// The tensors of an RMSNorm forward over rows of [`RmsNormArgs::cols`]:
+/// plain, or fused with the residual add when `residual` and `sum` are
+/// given. Chunks of rows are views of the same type.
+pub struct RmsFwd<'a, E> {
+    pub x: &'a [E],
+    /// Added to `x` before the norm (the fused add); given exactly when `sum` is.
+    pub residual: Option<&'a [E]>,
+    /// The weight, `cols` values.
+    pub w: &'a [E],
+    pub y: &'a mut [E],
+    /// `x + residual` rounded to `E`: what is normalized, for the backward.
+    pub sum: Option<&'a mut [E]>,
+    /// `1/sqrt(mean(x²) + eps)` per row (f32), for the backward.
+    pub rstd: &'a mut [f32],
+}
+
+impl<'a, E> RmsFwd<'a, E> {
+    /// A plain RMSNorm forward (no residual add).
+    pub fn new(x: &'a [E], w: &'a [E], y: &'a mut [E], rstd: &'a mut [f32]) -> Self {
+        RmsFwd {
+            x,
+            residual: None,
+            w,
+            y,
+            sum: None,
+            rstd,
+        }
+    }
+}
+
+impl<E> RmsFwd<'_, E> {
+    /// The checks shared by [`rms_norm_fwd`] and its reference; returns the row count.
+    fn check(&self, op: &'static str, a: &RmsNormArgs) -> Result<usize, KernelError> {
+        let n = self.x.len();
+        let rows = check_rows(op, n, a.cols, a.eps)?;
+        check_offset(op, a)?;
+        check_len("rms_norm weight", a.cols, self.w.len())?;
+        check_len("rms_norm y", n, self.y.len())?;
+        check_len("rms_norm rstd", rows, self.rstd.len())?;
+        match (self.residual, self.sum.as_deref()) {
+            (Some(r), Some(s)) => {
+                check_len("add_rms_norm residual", n, r.len())?;
+                check_len("add_rms_norm sum", n, s.len())?;
+            }
+            (None, None) => {}
+            _ => {
+                return Err(KernelError::InvalidShape {
+                    op,
+                    why: "residual and sum are given together (the fused add) or not at all".into(),
+                })
+            }
+        }
+        Ok(rows)
+    }
+}
+
+/// The tensors of an RMSNorm backward; with `dsum`, the fused add's.
+pub struct RmsBwd<'a, E> {
+    pub dy: &'a [E],
+    /// The gradient flowing into the fused add's `sum` from elsewhere,
+    /// added to `dx`, which is then the gradient of both `x` and `residual`.
+    pub dsum: Option<&'a [E]>,
+    /// What the forward normalized: `x`, or the fused add's `sum`.
+    pub x: &'a [E],
+    pub w: &'a [E],
+    /// As the forward saved it.
+    pub rstd: &'a [f32],
+    pub dx: &'a mut [E],
+    /// `cols` values (f32), overwritten with the sum over rows; in a
+    /// chunk's view, the chunk's own partial sum, added to.
+    pub dw: &'a mut [f32],
+}
+
+impl<'a, E> RmsBwd<'a, E> {
+    /// A plain RMSNorm backward (no fused add).
+    pub fn new(
+        dy: &'a [E],
+        x: &'a [E],
+        w: &'a [E],
+        rstd: &'a [f32],
+        dx: &'a mut [E],
+        dw: &'a mut [f32],
+    ) -> Self {
+        RmsBwd {
+            dy,
+            dsum: None,
+            x,
+            w,
+            rstd,
+            dx,
+            dw,
+        }
+    }
+}
+
+impl<E> RmsBwd<'_, E> {
+    /// The checks shared by [`rms_norm_bwd`] and its reference; returns the row count.
+    fn check(&self, op: &'static str, a: &RmsNormArgs) -> Result<usize, KernelError> {
+        let n = self.x.len();
+        let rows = check_rows(op, n, a.cols, a.eps)?;
+        check_offset(op, a)?;
+        check_len("rms_norm dy", n, self.dy.len())?;
+        check_len("rms_norm weight", a.cols, self.w.len())?;
+        check_len("rms_norm rstd", rows, self.rstd.len())?;
+        check_len("rms_norm dx", n, self.dx.len())?;
+        check_len("rms_norm dw", a.cols, self.dw.len())?;
+        if let Some(d) = self.dsum {
+            check_len("add_rms_norm dsum", n, d.len())?;
+        }
+        Ok(rows)
+    }
+}
+
+/// Forward of a chunk of rows: `rstd.len()` rows. With a residual, `sum`
+/// is written first (`x + residual` rounded) and normalized.
 #[inline(always)]
-fn rms_fwd_rows<E: Elem, K: Kern>(
-    a: &RmsNormArgs,
-    (x, res): (&[E], Option<&[E]>),
-    w: &[E],
-    (y, mut sum): (&mut [E], Option<&mut [E]>),
-    rstd: &mut [f32],
-) {
+fn rms_fwd_rows<E: Elem, K: Kern>(a: &RmsNormArgs, mut t: RmsFwd<'_, E>) {
     let n = a.cols;
-    for (i, r_out) in rstd.iter_mut().enumerate() {
-        let xr = &x[i * n..][..n];
-        let yr = &mut y[i * n..][..n];
-        let src: &[E] = match (res, sum.as_deref_mut()) {
+    for (i, r_out) in t.rstd.iter_mut().enumerate() {
+        let xr = &t.x[i * n..][..n];
+        let yr = &mut t.y[i * n..][..n];
+        let src: &[E] = match (t.residual, t.sum.as_deref_mut()) {
             (Some(res), Some(sum)) => {
                 let sr = &mut sum[i * n..][..n];
                 for ((s, u), v) in sr.iter_mut().zip(xr).zip(&res[i * n..][..n]) {
@@ -442,13 +544,13 @@ fn rms_fwd_rows<E: Elem, K: Kern>(
         let off = a.offset;
         match a.casting {
             RmsCasting::Llama => {
-                for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
+                for ((o, v), wv) in yr.iter_mut().zip(src).zip(t.w) {
                     let h = round::<E>(v.to_f32() * r);
                     *o = E::from_f32(h * (off + wv.to_f32()));
                 }
             }
             RmsCasting::Gemma => {
-                for ((o, v), wv) in yr.iter_mut().zip(src).zip(w) {
+                for ((o, v), wv) in yr.iter_mut().zip(src).zip(t.w) {
                     *o = E::from_f32(v.to_f32() * r * (off + wv.to_f32()));
                 }
             }
@@ -456,41 +558,31 @@ fn rms_fwd_rows<E: Elem, K: Kern>(
     }
 }
 
-/// Backward of a chunk of rows; `dw` (cols) accumulates this chunk's
-/// weight gradient, `g` is scratch of `cols`.
+/// Backward of a chunk of rows (`t.dw` accumulates this chunk's weight
+/// gradient); `g` is scratch of `cols`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn rms_bwd_rows<E: Elem, K: Kern>(
-    a: &RmsNormArgs,
-    (dy, dsum): (&[E], Option<&[E]>),
-    x: &[E],
-    w: &[E],
-    rstd: &[f32],
-    dx: &mut [E],
-    dw: &mut [f32],
-    g: &mut [f32],
-) {
+fn rms_bwd_rows<E: Elem, K: Kern>(a: &RmsNormArgs, t: RmsBwd<'_, E>, g: &mut [f32]) {
     let n = a.cols;
     let llama = a.casting == RmsCasting::Llama;
-    for (i, &r) in rstd.iter().enumerate() {
-        let dyr = &dy[i * n..][..n];
-        let xr = &x[i * n..][..n];
-        let dxr = &mut dx[i * n..][..n];
+    for (i, &r) in t.rstd.iter().enumerate() {
+        let dyr = &t.dy[i * n..][..n];
+        let xr = &t.x[i * n..][..n];
+        let dxr = &mut t.dx[i * n..][..n];
         // g = dy·(offset + w), torch's bf16 product under Llama casting.
         // SAFETY: as in `rms_fwd_rows`.
         let sgx = unsafe {
             match llama {
-                true => K::g_dot::<E, true>(dyr, w, a.offset, xr, g),
-                false => K::g_dot::<E, false>(dyr, w, a.offset, xr, g),
+                true => K::g_dot::<E, true>((dyr, t.w, xr), a.offset, g),
+                false => K::g_dot::<E, false>((dyr, t.w, xr), a.offset, g),
             }
         };
         let c = r * r * r * sgx / n as f32;
-        let ahead = Ahead::after([dy, x, dsum.unwrap_or(&[])], i, n);
-        let dsr = dsum.map(|d| &d[i * n..][..n]);
+        let ahead = Ahead::after([t.dy, t.x, t.dsum.unwrap_or(&[])], i, n);
+        let dsr = t.dsum.map(|d| &d[i * n..][..n]);
         for b in blocks::<E>(n) {
             ahead.fetch(b.clone());
             let rows = (&dyr[b.clone()], &xr[b.clone()], &g[b.clone()]);
-            let (dxr, dw) = (&mut dxr[b.clone()], &mut dw[b.clone()]);
+            let (dxr, dw) = (&mut dxr[b.clone()], &mut t.dw[b.clone()]);
             match (llama, dsr) {
                 (true, Some(d)) => rms_dx_dw::<E, K, true, true>(rows, &d[b], (r, c), dxr, dw),
                 (true, None) => rms_dx_dw::<E, K, true, false>(rows, rows.0, (r, c), dxr, dw),
@@ -528,48 +620,91 @@ fn rms_dx_dw<E: Elem, K: Kern, const LLAMA: bool, const DSUM: bool>(
 
 // ---------------------------------------------------------------- LayerNorm
 
+/// The tensors of a LayerNorm forward over rows of `cols`; chunks of rows
+/// are views of the same type.
+pub struct LnFwd<'a, E> {
+    pub x: &'a [E],
+    /// The weight and the bias, `cols` values each.
+    pub w: &'a [E],
+    pub b: &'a [E],
+    pub y: &'a mut [E],
+    /// Per row (f32), for the backward.
+    pub mean: &'a mut [f32],
+    pub rstd: &'a mut [f32],
+}
+
+impl<E> LnFwd<'_, E> {
+    /// The checks shared by [`layer_norm_fwd`] and its reference; returns the row count.
+    fn check(&self, op: &'static str, cols: usize, eps: f32) -> Result<usize, KernelError> {
+        let rows = check_rows(op, self.x.len(), cols, eps)?;
+        check_len("layer_norm weight", cols, self.w.len())?;
+        check_len("layer_norm bias", cols, self.b.len())?;
+        check_len("layer_norm y", self.x.len(), self.y.len())?;
+        check_len("layer_norm mean", rows, self.mean.len())?;
+        check_len("layer_norm rstd", rows, self.rstd.len())?;
+        Ok(rows)
+    }
+}
+
+/// The tensors of a LayerNorm backward.
+pub struct LnBwd<'a, E> {
+    pub dy: &'a [E],
+    pub x: &'a [E],
+    pub w: &'a [E],
+    /// As the forward saved them.
+    pub mean: &'a [f32],
+    pub rstd: &'a [f32],
+    pub dx: &'a mut [E],
+    /// `cols` values each (f32), overwritten with the sums over rows; in a
+    /// chunk's view, the chunk's own partial sums, added to.
+    pub dw: &'a mut [f32],
+    pub db: &'a mut [f32],
+}
+
+impl<E> LnBwd<'_, E> {
+    /// The checks shared by [`layer_norm_bwd`] and its reference; returns the row count.
+    fn check(&self, op: &'static str, cols: usize) -> Result<usize, KernelError> {
+        let rows = check_rows(op, self.x.len(), cols, 0.0)?;
+        check_len("layer_norm dy", self.x.len(), self.dy.len())?;
+        check_len("layer_norm weight", cols, self.w.len())?;
+        check_len("layer_norm mean", rows, self.mean.len())?;
+        check_len("layer_norm rstd", rows, self.rstd.len())?;
+        check_len("layer_norm dx", self.x.len(), self.dx.len())?;
+        check_len("layer_norm dw", cols, self.dw.len())?;
+        check_len("layer_norm db", cols, self.db.len())?;
+        Ok(rows)
+    }
+}
+
+/// Forward of a chunk of rows (`t.mean.len()`) of `n`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn ln_fwd_rows<E: Elem, K: Kern>(
-    x: &[E],
-    w: &[E],
-    b: &[E],
-    n: usize,
-    eps: f32,
-    y: &mut [E],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) {
-    for (i, (m_out, r_out)) in mean.iter_mut().zip(rstd.iter_mut()).enumerate() {
-        let xr = &x[i * n..][..n];
+fn ln_fwd_rows<E: Elem, K: Kern>(n: usize, eps: f32, t: LnFwd<'_, E>) {
+    for (i, (m_out, r_out)) in t.mean.iter_mut().zip(t.rstd.iter_mut()).enumerate() {
+        let xr = &t.x[i * n..][..n];
         // SAFETY: as in `rms_fwd_rows`. Two passes (mean, then squared
         // deviations from it) as torch: the row is in L1 for the second.
         let m = unsafe { K::sum(xr) } / n as f32;
         let r = 1.0 / (unsafe { K::sq_dev(xr, m) } / n as f32 + eps).sqrt();
         (*m_out, *r_out) = (m, r);
-        for ((o, v), (wv, bv)) in y[i * n..][..n].iter_mut().zip(xr).zip(w.iter().zip(b)) {
+        for ((o, v), (wv, bv)) in t.y[i * n..][..n]
+            .iter_mut()
+            .zip(xr)
+            .zip(t.w.iter().zip(t.b))
+        {
             *o = E::from_f32(K::F::fma((v.to_f32() - m) * r, wv.to_f32(), bv.to_f32()));
         }
     }
 }
 
+/// Backward of a chunk of rows (`t.dw`, `t.db` accumulate this chunk's
+/// weight and bias gradients); `g` is scratch of `n`.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn ln_bwd_rows<E: Elem, K: Kern>(
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    (mean, rstd): (&[f32], &[f32]),
-    n: usize,
-    dx: &mut [E],
-    (dw, db): (&mut [f32], &mut [f32]),
-    g: &mut [f32],
-) {
-    for (i, (&m, &r)) in mean.iter().zip(rstd).enumerate() {
-        let dyr = &dy[i * n..][..n];
-        let xr = &x[i * n..][..n];
+fn ln_bwd_rows<E: Elem, K: Kern>(n: usize, t: LnBwd<'_, E>, g: &mut [f32]) {
+    for (i, (&m, &r)) in t.mean.iter().zip(t.rstd).enumerate() {
+        let dyr = &t.dy[i * n..][..n];
+        let xr = &t.x[i * n..][..n];
         // g = dy·w (kept), then Σ g and Σ g·x̂ = r·Σ g·(x − μ).
-        for ((gv, d), wv) in g.iter_mut().zip(dyr).zip(w) {
+        for ((gv, d), wv) in g.iter_mut().zip(dyr).zip(t.w) {
             *gv = d.to_f32() * wv.to_f32();
         }
         // SAFETY: as in `rms_fwd_rows`.
@@ -577,12 +712,12 @@ fn ln_bwd_rows<E: Elem, K: Kern>(
         let (mg, mgx) = (tg / n as f32, tgx / n as f32);
         // dx, dw and db in one loop (two loops: LayerNorm backward ran at
         // 52% of the bandwidth in f32), the next row's dy and x prefetched.
-        let (dxr, gr) = (&mut dx[i * n..][..n], &g[..n]);
-        let ahead = Ahead::after([dy, x], i, n);
+        let (dxr, gr) = (&mut t.dx[i * n..][..n], &g[..n]);
+        let ahead = Ahead::after([t.dy, t.x], i, n);
         for c in blocks::<E>(n) {
             ahead.fetch(c.clone());
             let (dyr, xr, gr) = (&dyr[c.clone()], &xr[c.clone()], &gr[c.clone()]);
-            let (dxr, dw, db) = (&mut dxr[c.clone()], &mut dw[c.clone()], &mut db[c]);
+            let (dxr, dw, db) = (&mut dxr[c.clone()], &mut t.dw[c.clone()], &mut t.db[c]);
             for j in 0..dxr.len() {
                 let xh = (xr[j].to_f32() - m) * r;
                 dxr[j] = E::from_f32(r * (gr[j] - mg - xh * mgx));
@@ -654,60 +789,27 @@ fn prefetch_l2<E>(s: &[E]) {
 // 16 (AVX-512) lanes wide.
 kvant_kernels::per_tier! {
     /// [`rms_fwd_rows`] on `tier`.
-    fn rms_fwd_on<E: Elem>(
-        tier: SimdTier,
-        a: &RmsNormArgs,
-        x: (&[E], Option<&[E]>),
-        w: &[E],
-        y: (&mut [E], Option<&mut [E]>),
-        rstd: &mut [f32],
-    ) [K = Scalar, Avx] {
-        rms_fwd_rows::<E, K>(a, x, w, y, rstd)
+    fn rms_fwd_on<E: Elem>(tier: SimdTier, a: &RmsNormArgs, t: RmsFwd<'_, E>) [K = Scalar, Avx] {
+        rms_fwd_rows::<E, K>(a, t)
     }
 
     /// [`rms_bwd_rows`] on `tier`.
-    fn rms_bwd_on<E: Elem>(
-        tier: SimdTier,
-        a: &RmsNormArgs,
-        dy: (&[E], Option<&[E]>),
-        x: &[E],
-        w: &[E],
-        rstd: &[f32],
-        dx: &mut [E],
-        dw: &mut [f32],
-        g: &mut [f32],
-    ) [K = Scalar, Avx] {
-        rms_bwd_rows::<E, K>(a, dy, x, w, rstd, dx, dw, g)
+    fn rms_bwd_on<E: Elem>(tier: SimdTier, a: &RmsNormArgs, t: RmsBwd<'_, E>, g: &mut [f32])
+        [K = Scalar, Avx]
+    {
+        rms_bwd_rows::<E, K>(a, t, g)
     }
 
     /// [`ln_fwd_rows`] on `tier`.
-    fn ln_fwd_on<E: Elem>(
-        tier: SimdTier,
-        x: &[E],
-        w: &[E],
-        b: &[E],
-        n: usize,
-        eps: f32,
-        y: &mut [E],
-        mean: &mut [f32],
-        rstd: &mut [f32],
-    ) [K = Scalar, Avx] {
-        ln_fwd_rows::<E, K>(x, w, b, n, eps, y, mean, rstd)
+    fn ln_fwd_on<E: Elem>(tier: SimdTier, n: usize, eps: f32, t: LnFwd<'_, E>) [K = Scalar, Avx] {
+        ln_fwd_rows::<E, K>(n, eps, t)
     }
 
     /// [`ln_bwd_rows`] on `tier`.
-    fn ln_bwd_on<E: Elem>(
-        tier: SimdTier,
-        dy: &[E],
-        x: &[E],
-        w: &[E],
-        ms: (&[f32], &[f32]),
-        n: usize,
-        dx: &mut [E],
-        dwb: (&mut [f32], &mut [f32]),
-        g: &mut [f32],
-    ) [K = Scalar, Avx] {
-        ln_bwd_rows::<E, K>(dy, x, w, ms, n, dx, dwb, g)
+    fn ln_bwd_on<E: Elem>(tier: SimdTier, n: usize, t: LnBwd<'_, E>, g: &mut [f32])
+        [K = Scalar, Avx]
+    {
+        ln_bwd_rows::<E, K>(n, t, g)
     }
 
     /// [`add_partials_body`] on `tier`.
@@ -785,452 +887,209 @@ fn check_offset(op: &'static str, a: &RmsNormArgs) -> Result<(), KernelError> {
     }
 }
 
-/// The checks shared by [`rms_fwd_in`] and its reference; returns the row count.
-fn check_rms_fwd<E>(
+// ------------------------------------------------------------- chunks
+
+/// Runs `f(c, rows, elements)` on the pool for each chunk `c` of
+/// [`row_chunk`] rows of `rows × n` values.
+fn for_row_chunks(
+    pool: &ThreadPool,
+    rows: usize,
+    n: usize,
+    f: impl Fn(usize, Range<usize>, Range<usize>) + Sync,
+) {
+    let cr = row_chunk(rows, n);
+    pool.run(rows.div_ceil(cr), &|c| {
+        let rr = c * cr..((c + 1) * cr).min(rows);
+        let er = rr.start * n..rr.end * n;
+        f(c, rr, er)
+    });
+}
+
+/// [`for_row_chunks`] for a backward whose `K` parameter gradients (`n`
+/// values each) are sums over rows: `f(rows, elements, partials)` adds a
+/// chunk's rows into `K` zeroed partial rows of the chunk's own, which are
+/// then added in chunk order into `grads`, so the sums do not depend on
+/// the thread count. No rows: `grads` are zeroed.
+fn weight_grad_chunks<const K: usize>(
+    (pool, tier): (&ThreadPool, SimdTier),
     op: &'static str,
-    (x, w): (&[E], &[E]),
-    a: &RmsNormArgs,
-    y: &[E],
-    sum: Option<&[E]>,
-    rstd: &[f32],
-) -> Result<usize, KernelError> {
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, a)?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm y", x.len(), y.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    if let Some(s) = sum {
-        check_len("add_rms_norm sum", x.len(), s.len())?;
+    (rows, n): (usize, usize),
+    mut grads: [&mut [f32]; K],
+    f: impl Fn(Range<usize>, Range<usize>, [&mut [f32]; K]) + Sync,
+) -> Result<(), KernelError> {
+    let chunks = rows.div_ceil(row_chunk(rows, n));
+    if chunks == 0 {
+        grads.iter_mut().for_each(|g| g.fill(0.0));
+        return Ok(());
     }
-    Ok(rows)
-}
-
-/// The checks shared by [`rms_bwd_in`] and its reference; returns the row count.
-fn check_rms_bwd<E>(
-    op: &'static str,
-    (dy, x, w): (&[E], &[E], &[E]),
-    rstd: &[f32],
-    a: &RmsNormArgs,
-    dx: &[E],
-    dw: &[f32],
-) -> Result<usize, KernelError> {
-    let rows = check_rows(op, x.len(), a.cols, a.eps)?;
-    check_offset(op, a)?;
-    check_len("rms_norm dy", x.len(), dy.len())?;
-    check_len("rms_norm weight", a.cols, w.len())?;
-    check_len("rms_norm rstd", rows, rstd.len())?;
-    check_len("rms_norm dx", x.len(), dx.len())?;
-    check_len("rms_norm dw", a.cols, dw.len())?;
-    Ok(rows)
-}
-
-/// The checks shared by [`layer_norm_fwd_with`] and its reference; returns the row count.
-fn check_ln_fwd<E>(
-    op: &'static str,
-    (x, w, b): (&[E], &[E], &[E]),
-    (cols, eps): (usize, f32),
-    y: &[E],
-    (mean, rstd): (&[f32], &[f32]),
-) -> Result<usize, KernelError> {
-    let rows = check_rows(op, x.len(), cols, eps)?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm bias", cols, b.len())?;
-    check_len("layer_norm y", x.len(), y.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
-    Ok(rows)
-}
-
-/// The checks shared by [`ln_bwd_in`] and its reference; returns the row count.
-fn check_ln_bwd<E>(
-    op: &'static str,
-    (dy, x, w): (&[E], &[E], &[E]),
-    (mean, rstd): (&[f32], &[f32]),
-    cols: usize,
-    dx: &[E],
-    (dw, db): (&[f32], &[f32]),
-) -> Result<usize, KernelError> {
-    let rows = check_rows(op, x.len(), cols, 0.0)?;
-    check_len("layer_norm dy", x.len(), dy.len())?;
-    check_len("layer_norm weight", cols, w.len())?;
-    check_len("layer_norm mean", rows, mean.len())?;
-    check_len("layer_norm rstd", rows, rstd.len())?;
-    check_len("layer_norm dx", x.len(), dx.len())?;
-    check_len("layer_norm dw", cols, dw.len())?;
-    check_len("layer_norm db", cols, db.len())?;
-    Ok(rows)
+    // Partial row k of chunk c at K·c + k.
+    let mut parts = vec![0f32; checked_mul(op, K * chunks, n)?];
+    let p_s = DisjointSlice::new(&mut parts);
+    for_row_chunks(pool, rows, n, |c, rr, er| {
+        let partials = std::array::from_fn(|k| {
+            let at = (K * c + k) * n;
+            // SAFETY: chunk `c` owns partial rows K·c to K·c + K − 1.
+            let p = unsafe { p_s.range(at..at + n) };
+            zero_first(p);
+            p
+        });
+        f(rr, er, partials)
+    });
+    if let [g] = &mut grads[..] {
+        add_partials(pool, tier, &parts, n, g);
+    } else {
+        // Viewed with stride K·n, column k·n + j is gradient k's column j.
+        let mut all = vec![0f32; K * n];
+        add_partials(pool, tier, &parts, K * n, &mut all);
+        for (g, s) in grads.iter_mut().zip(all.chunks_exact(n)) {
+            g.copy_from_slice(s);
+        }
+    }
+    Ok(())
 }
 
 // ------------------------------------------------------------- public API
 
-/// y = x·rstd·(offset + w) per row of `cols`; rstd[row] = 1/sqrt(mean(x²) + eps) saved for backward.
+/// RMSNorm forward, plain or fused with the residual add (see
+/// [`RmsFwd`]), on `tier` (lowered to one the CPU supports;
+/// [`cpu::tier`] is the process's own).
 pub fn rms_norm_fwd<E: Elem>(
-    x: &[E],
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    rms_fwd_in(pool::global(), cpu::tier(), x, None, w, a, y, None, rstd)
-}
-
-/// [`rms_norm_fwd`] on a given tier (lowered to one the CPU supports).
-pub fn rms_norm_fwd_with<E: Elem>(
     tier: SimdTier,
-    x: &[E],
-    w: &[E],
     a: RmsNormArgs,
-    y: &mut [E],
-    rstd: &mut [f32],
+    t: RmsFwd<'_, E>,
 ) -> Result<(), KernelError> {
-    rms_fwd_in(pool::global(), tier, x, None, w, a, y, None, rstd)
-}
-
-/// Fused residual add + RMSNorm: s = x + residual (rounded to E, returned as `sum`), y = rmsnorm(s).
-pub fn add_rms_norm_fwd<E: Elem>(
-    x: &[E],
-    residual: &[E],
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    sum: &mut [E],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    add_rms_norm_fwd_with(cpu::tier(), x, residual, w, a, y, sum, rstd)
-}
-
-/// [`add_rms_norm_fwd`] on a given tier.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_fwd_with<E: Elem>(
-    tier: SimdTier,
-    x: &[E],
-    residual: &[E],
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    sum: &mut [E],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    check_len("add_rms_norm residual", x.len(), residual.len())?;
-    rms_fwd_in(
-        pool::global(),
-        tier,
-        x,
-        Some(residual),
-        w,
-        a,
-        y,
-        Some(sum),
-        rstd,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn rms_fwd_in<E: Elem>(
-    pool: &ThreadPool,
-    tier: SimdTier,
-    x: &[E],
-    res: Option<&[E]>,
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    sum: Option<&mut [E]>,
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    let rows = check_rms_fwd("rms_norm_fwd", (x, w), &a, y, sum.as_deref(), rstd)?;
+    let rows = t.check("rms_norm_fwd", &a)?;
     let tier = cpu::clamp(tier);
-    let n = a.cols;
-    let cr = row_chunk(rows, n);
-    let y_s = DisjointSlice::new(y);
-    let r_s = DisjointSlice::new(rstd);
-    let s_s = sum.map(DisjointSlice::new);
-    pool.run(rows.div_ceil(cr), &|c| {
-        let rr = c * cr..((c + 1) * cr).min(rows);
-        let er = rr.start * n..rr.end * n;
-        let xs = (&x[er.clone()], res.map(|r| &r[er.clone()]));
+    let (y, sum, rstd) = (
+        DisjointSlice::new(t.y),
+        t.sum.map(DisjointSlice::new),
+        DisjointSlice::new(t.rstd),
+    );
+    for_row_chunks(pool::global(), rows, a.cols, |_, rr, er| {
         // SAFETY: chunk `c` owns rows `rr` (elements `er`) of every output.
-        let (yc, rc, sc) = unsafe {
-            (
-                y_s.range(er.clone()),
-                r_s.range(rr.clone()),
-                s_s.as_ref().map(|s| s.range(er.clone())),
-            )
+        let part = unsafe {
+            RmsFwd {
+                x: &t.x[er.clone()],
+                residual: t.residual.map(|r| &r[er.clone()]),
+                w: t.w,
+                y: y.range(er.clone()),
+                sum: sum.as_ref().map(|s| s.range(er)),
+                rstd: rstd.range(rr),
+            }
         };
-        rms_fwd_on(tier, &a, xs, w, (yc, sc), rc)
+        rms_fwd_on(tier, &a, part)
     });
     Ok(())
 }
 
-/// dx (rows×cols) and dw (cols, f32, overwritten with the sum over rows).
+/// RMSNorm backward, plain or of the fused add (see [`RmsBwd`]), on `tier`.
 pub fn rms_norm_bwd<E: Elem>(
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    rstd: &[f32],
-    a: RmsNormArgs,
-    dx: &mut [E],
-    dw: &mut [f32],
-) -> Result<(), KernelError> {
-    rms_bwd_in(pool::global(), cpu::tier(), dy, None, x, w, rstd, a, dx, dw)
-}
-
-/// [`rms_norm_bwd`] on a given tier.
-#[allow(clippy::too_many_arguments)]
-pub fn rms_norm_bwd_with<E: Elem>(
     tier: SimdTier,
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    rstd: &[f32],
     a: RmsNormArgs,
-    dx: &mut [E],
-    dw: &mut [f32],
+    t: RmsBwd<'_, E>,
 ) -> Result<(), KernelError> {
-    rms_bwd_in(pool::global(), tier, dy, None, x, w, rstd, a, dx, dw)
+    rms_bwd_in(pool::global(), tier, a, t)
 }
 
-/// Backward given dy and dsum (the gradient flowing into `sum` from elsewhere): ds = dsum + d(rmsnorm)/ds; ds is the gradient of both x and residual (written once into `ds`).
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_bwd<E: Elem>(
-    dy: &[E],
-    dsum: &[E],
-    sum: &[E],
-    w: &[E],
-    rstd: &[f32],
-    a: RmsNormArgs,
-    ds: &mut [E],
-    dw: &mut [f32],
-) -> Result<(), KernelError> {
-    add_rms_norm_bwd_with(cpu::tier(), dy, dsum, sum, w, rstd, a, ds, dw)
-}
-
-/// [`add_rms_norm_bwd`] on a given tier.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_bwd_with<E: Elem>(
-    tier: SimdTier,
-    dy: &[E],
-    dsum: &[E],
-    sum: &[E],
-    w: &[E],
-    rstd: &[f32],
-    a: RmsNormArgs,
-    ds: &mut [E],
-    dw: &mut [f32],
-) -> Result<(), KernelError> {
-    check_len("add_rms_norm dsum", sum.len(), dsum.len())?;
-    rms_bwd_in(
-        pool::global(),
-        tier,
-        dy,
-        Some(dsum),
-        sum,
-        w,
-        rstd,
-        a,
-        ds,
-        dw,
-    )
-}
-
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn rms_bwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
-    dy: &[E],
-    dsum: Option<&[E]>,
-    x: &[E],
-    w: &[E],
-    rstd: &[f32],
     a: RmsNormArgs,
-    dx: &mut [E],
-    dw: &mut [f32],
+    t: RmsBwd<'_, E>,
 ) -> Result<(), KernelError> {
     let op = "rms_norm_bwd";
-    let rows = check_rms_bwd(op, (dy, x, w), rstd, &a, dx, dw)?;
+    let rows = t.check(op, &a)?;
     let tier = cpu::clamp(tier);
     let n = a.cols;
-    let cr = row_chunk(rows, n);
-    let chunks = rows.div_ceil(cr);
-    if chunks == 0 {
-        dw.fill(0.0);
-        return Ok(());
-    }
-    let mut parts = vec![0f32; checked_mul(op, chunks, n)?];
-    let p_s = DisjointSlice::new(&mut parts);
-    let dx_s = DisjointSlice::new(dx);
-    pool.run(chunks, &|c| {
-        let rr = c * cr..((c + 1) * cr).min(rows);
-        let er = rr.start * n..rr.end * n;
-        let dys = (&dy[er.clone()], dsum.map(|d| &d[er.clone()]));
+    let dx_s = DisjointSlice::new(t.dx);
+    weight_grad_chunks((pool, tier), op, (rows, n), [t.dw], |rr, er, [dw]| {
         let mut g = vec![0f32; n];
-        // SAFETY: chunk `c` owns rows `rr` of dx and partial row `c`.
-        let (dxc, pc) = unsafe { (dx_s.range(er.clone()), p_s.range(c * n..(c + 1) * n)) };
-        zero_first(pc);
-        let (xc, rc) = (&x[er], &rstd[rr]);
-        rms_bwd_on(tier, &a, dys, xc, w, rc, dxc, pc, &mut g)
-    });
-    add_partials(pool, tier, &parts, n, dw);
-    Ok(())
-}
-
-/// LayerNorm with weight and bias; mean and rstd saved per row.
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_fwd<E: Elem>(
-    x: &[E],
-    w: &[E],
-    b: &[E],
-    cols: usize,
-    eps: f32,
-    y: &mut [E],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    layer_norm_fwd_with(cpu::tier(), x, w, b, cols, eps, y, mean, rstd)
-}
-
-/// [`layer_norm_fwd`] on a given tier.
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_fwd_with<E: Elem>(
-    tier: SimdTier,
-    x: &[E],
-    w: &[E],
-    b: &[E],
-    cols: usize,
-    eps: f32,
-    y: &mut [E],
-    mean: &mut [f32],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    let rows = check_ln_fwd("layer_norm_fwd", (x, w, b), (cols, eps), y, (mean, rstd))?;
-    let tier = cpu::clamp(tier);
-    let cr = row_chunk(rows, cols);
-    let y_s = DisjointSlice::new(y);
-    let m_s = DisjointSlice::new(mean);
-    let r_s = DisjointSlice::new(rstd);
-    pool::global().run(rows.div_ceil(cr), &|c| {
-        let rr = c * cr..((c + 1) * cr).min(rows);
-        let er = rr.start * cols..rr.end * cols;
-        // SAFETY: chunk `c` owns rows `rr` of every output.
-        let (yc, mc, rc) = unsafe {
-            (
-                y_s.range(er.clone()),
-                m_s.range(rr.clone()),
-                r_s.range(rr.clone()),
-            )
+        let part = RmsBwd {
+            dy: &t.dy[er.clone()],
+            dsum: t.dsum.map(|d| &d[er.clone()]),
+            x: &t.x[er.clone()],
+            w: t.w,
+            rstd: &t.rstd[rr],
+            // SAFETY: chunk `c` owns rows `rr` (elements `er`) of dx.
+            dx: unsafe { dx_s.range(er) },
+            dw,
         };
-        let xc = &x[er];
-        ln_fwd_on(tier, xc, w, b, cols, eps, yc, mc, rc)
+        rms_bwd_on(tier, &a, part, &mut g)
+    })
+}
+
+/// LayerNorm forward with weight and bias over rows of `cols`, on `tier`.
+pub fn layer_norm_fwd<E: Elem>(
+    tier: SimdTier,
+    cols: usize,
+    eps: f32,
+    t: LnFwd<'_, E>,
+) -> Result<(), KernelError> {
+    let rows = t.check("layer_norm_fwd", cols, eps)?;
+    let tier = cpu::clamp(tier);
+    let (y, mean, rstd) = (
+        DisjointSlice::new(t.y),
+        DisjointSlice::new(t.mean),
+        DisjointSlice::new(t.rstd),
+    );
+    for_row_chunks(pool::global(), rows, cols, |_, rr, er| {
+        // SAFETY: chunk `c` owns rows `rr` (elements `er`) of every output.
+        let part = unsafe {
+            LnFwd {
+                x: &t.x[er.clone()],
+                w: t.w,
+                b: t.b,
+                y: y.range(er),
+                mean: mean.range(rr.clone()),
+                rstd: rstd.range(rr),
+            }
+        };
+        ln_fwd_on(tier, cols, eps, part)
     });
     Ok(())
 }
 
-/// dx (rows×cols), dw and db (cols, f32, overwritten with the sums over rows).
-#[allow(clippy::too_many_arguments)]
+/// LayerNorm backward over rows of `cols`, on `tier`.
 pub fn layer_norm_bwd<E: Elem>(
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    mean: &[f32],
-    rstd: &[f32],
-    cols: usize,
-    dx: &mut [E],
-    dw: &mut [f32],
-    db: &mut [f32],
-) -> Result<(), KernelError> {
-    ln_bwd_in(
-        pool::global(),
-        cpu::tier(),
-        dy,
-        x,
-        w,
-        (mean, rstd),
-        cols,
-        dx,
-        dw,
-        db,
-    )
-}
-
-/// [`layer_norm_bwd`] on a given tier.
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_bwd_with<E: Elem>(
     tier: SimdTier,
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    mean: &[f32],
-    rstd: &[f32],
     cols: usize,
-    dx: &mut [E],
-    dw: &mut [f32],
-    db: &mut [f32],
+    t: LnBwd<'_, E>,
 ) -> Result<(), KernelError> {
-    ln_bwd_in(
-        pool::global(),
-        tier,
-        dy,
-        x,
-        w,
-        (mean, rstd),
-        cols,
-        dx,
-        dw,
-        db,
-    )
+    ln_bwd_in(pool::global(), tier, cols, t)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn ln_bwd_in<E: Elem>(
     pool: &ThreadPool,
     tier: SimdTier,
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    (mean, rstd): (&[f32], &[f32]),
     cols: usize,
-    dx: &mut [E],
-    dw: &mut [f32],
-    db: &mut [f32],
+    t: LnBwd<'_, E>,
 ) -> Result<(), KernelError> {
     let op = "layer_norm_bwd";
-    let rows = check_ln_bwd(op, (dy, x, w), (mean, rstd), cols, dx, (dw, db))?;
+    let rows = t.check(op, cols)?;
     let tier = cpu::clamp(tier);
     let n = cols;
-    let cr = row_chunk(rows, n);
-    let chunks = rows.div_ceil(cr);
-    if chunks == 0 {
-        dw.fill(0.0);
-        db.fill(0.0);
-        return Ok(());
-    }
-    // Partial rows: dw for chunk c at 2c, db at 2c + 1.
-    let mut parts = vec![0f32; checked_mul(op, 2 * chunks, n)?];
-    let p_s = DisjointSlice::new(&mut parts);
-    let dx_s = DisjointSlice::new(dx);
-    pool.run(chunks, &|c| {
-        let rr = c * cr..((c + 1) * cr).min(rows);
-        let er = rr.start * n..rr.end * n;
-        let mut g = vec![0f32; n];
-        // SAFETY: chunk `c` owns rows `rr` of dx and partial rows 2c, 2c+1.
-        let (dxc, pw, pb) = unsafe {
-            (
-                dx_s.range(er.clone()),
-                p_s.range(2 * c * n..(2 * c + 1) * n),
-                p_s.range((2 * c + 1) * n..(2 * c + 2) * n),
-            )
-        };
-        zero_first(pw);
-        zero_first(pb);
-        let (dyc, xc, ms) = (&dy[er.clone()], &x[er], (&mean[rr.clone()], &rstd[rr]));
-        ln_bwd_on(tier, dyc, xc, w, ms, n, dxc, (pw, pb), &mut g)
-    });
-    // Sum the dw rows (even) and db rows (odd) in chunk order: viewed with
-    // stride 2n, column j < n is dw and n + j is db.
-    let mut both = vec![0f32; 2 * n];
-    add_partials(pool, tier, &parts, 2 * n, &mut both);
-    dw.copy_from_slice(&both[..n]);
-    db.copy_from_slice(&both[n..]);
-    Ok(())
+    let dx_s = DisjointSlice::new(t.dx);
+    weight_grad_chunks(
+        (pool, tier),
+        op,
+        (rows, n),
+        [t.dw, t.db],
+        |rr, er, [dw, db]| {
+            let mut g = vec![0f32; n];
+            let part = LnBwd {
+                dy: &t.dy[er.clone()],
+                x: &t.x[er.clone()],
+                w: t.w,
+                mean: &t.mean[rr.clone()],
+                rstd: &t.rstd[rr],
+                // SAFETY: chunk `c` owns rows `rr` (elements `er`) of dx.
+                dx: unsafe { dx_s.range(er) },
+                dw,
+                db,
+            };
+            ln_bwd_on(tier, n, part, &mut g)
+        },
+    )
 }
 
 // ------------------------------------------------------------ references
@@ -1297,48 +1156,15 @@ pub(crate) fn rms_row_bwd_f64(
 }
 
 /// f64 reference of [`rms_norm_fwd`].
-pub fn rms_norm_fwd_ref<E: Elem>(
-    x: &[E],
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    rms_fwd_ref_impl(x, None, w, a, y, None, rstd)
-}
-
-/// f64 reference of [`add_rms_norm_fwd`].
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_fwd_ref<E: Elem>(
-    x: &[E],
-    residual: &[E],
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    sum: &mut [E],
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    check_len("add_rms_norm residual", x.len(), residual.len())?;
-    rms_fwd_ref_impl(x, Some(residual), w, a, y, Some(sum), rstd)
-}
-
-fn rms_fwd_ref_impl<E: Elem>(
-    x: &[E],
-    res: Option<&[E]>,
-    w: &[E],
-    a: RmsNormArgs,
-    y: &mut [E],
-    mut sum: Option<&mut [E]>,
-    rstd: &mut [f32],
-) -> Result<(), KernelError> {
-    check_rms_fwd("rms_norm_fwd_ref", (x, w), &a, y, sum.as_deref(), rstd)?;
+pub fn rms_norm_fwd_ref<E: Elem>(a: RmsNormArgs, mut t: RmsFwd<'_, E>) -> Result<(), KernelError> {
+    t.check("rms_norm_fwd_ref", &a)?;
     let n = a.cols;
-    let wf = widen(w);
+    let wf = widen(t.w);
     let mut yr = vec![0f64; n];
-    for (i, r_out) in rstd.iter_mut().enumerate() {
+    for (i, r_out) in t.rstd.iter_mut().enumerate() {
         let e = i * n..(i + 1) * n;
-        let mut xr = widen(&x[e.clone()]);
-        if let (Some(res), Some(s)) = (res, sum.as_deref_mut()) {
+        let mut xr = widen(&t.x[e.clone()]);
+        if let (Some(res), Some(s)) = (t.residual, t.sum.as_deref_mut()) {
             for (j, v) in xr.iter_mut().enumerate() {
                 let t = E::from_f32((*v + res[e.start + j].to_f32() as f64) as f32);
                 s[e.start + j] = t;
@@ -1346,7 +1172,7 @@ fn rms_fwd_ref_impl<E: Elem>(
             }
         }
         *r_out = rms_row_f64(&xr, &wf, &a, &round_ref::<E>, &mut yr) as f32;
-        for (o, v) in y[e].iter_mut().zip(&yr) {
+        for (o, v) in t.y[e].iter_mut().zip(&yr) {
             *o = E::from_f32(*v as f32);
         }
     }
@@ -1354,66 +1180,27 @@ fn rms_fwd_ref_impl<E: Elem>(
 }
 
 /// f64 reference of [`rms_norm_bwd`] (with the saved f32 rstd).
-pub fn rms_norm_bwd_ref<E: Elem>(
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    rstd: &[f32],
-    a: RmsNormArgs,
-    dx: &mut [E],
-    dw: &mut [f32],
-) -> Result<(), KernelError> {
-    rms_bwd_ref_impl(dy, None, x, w, rstd, a, dx, dw)
-}
-
-/// f64 reference of [`add_rms_norm_bwd`].
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_bwd_ref<E: Elem>(
-    dy: &[E],
-    dsum: &[E],
-    sum: &[E],
-    w: &[E],
-    rstd: &[f32],
-    a: RmsNormArgs,
-    ds: &mut [E],
-    dw: &mut [f32],
-) -> Result<(), KernelError> {
-    check_len("add_rms_norm dsum", sum.len(), dsum.len())?;
-    rms_bwd_ref_impl(dy, Some(dsum), sum, w, rstd, a, ds, dw)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn rms_bwd_ref_impl<E: Elem>(
-    dy: &[E],
-    dsum: Option<&[E]>,
-    x: &[E],
-    w: &[E],
-    rstd: &[f32],
-    a: RmsNormArgs,
-    dx: &mut [E],
-    dw: &mut [f32],
-) -> Result<(), KernelError> {
-    check_rms_bwd("rms_norm_bwd_ref", (dy, x, w), rstd, &a, dx, dw)?;
+pub fn rms_norm_bwd_ref<E: Elem>(a: RmsNormArgs, t: RmsBwd<'_, E>) -> Result<(), KernelError> {
+    t.check("rms_norm_bwd_ref", &a)?;
     let n = a.cols;
-    let wf = widen(w);
+    let wf = widen(t.w);
     let mut dwf = vec![0f64; n];
     let mut dxr = vec![0f64; n];
-    for (i, &r) in rstd.iter().enumerate() {
+    for (i, &r) in t.rstd.iter().enumerate() {
         let e = i * n..(i + 1) * n;
-        let (dyr, xr) = (widen(&dy[e.clone()]), widen(&x[e.clone()]));
+        let (dyr, xr) = (widen(&t.dy[e.clone()]), widen(&t.x[e.clone()]));
         let r = r as f64;
         rms_row_bwd_f64((&dyr, &xr, &wf), r, &a, &round_ref::<E>, &mut dxr, &mut dwf);
-        for (j, o) in dx[e.clone()].iter_mut().enumerate() {
-            let extra = dsum.map_or(0.0, |d| d[e.start + j].to_f32() as f64);
+        for (j, o) in t.dx[e.clone()].iter_mut().enumerate() {
+            let extra = t.dsum.map_or(0.0, |d| d[e.start + j].to_f32() as f64);
             *o = E::from_f32((dxr[j] + extra) as f32);
         }
     }
-    for (o, v) in dw.iter_mut().zip(&dwf) {
+    for (o, v) in t.dw.iter_mut().zip(&dwf) {
         *o = *v as f32;
     }
     Ok(())
 }
-
 /// One LayerNorm row in f64; returns (mean, rstd).
 pub(crate) fn ln_row_f64(x: &[f64], w: &[f64], b: &[f64], eps: f64, y: &mut [f64]) -> (f64, f64) {
     let n = x.len() as f64;
@@ -1447,31 +1234,19 @@ pub(crate) fn ln_row_bwd_f64(
 }
 
 /// f64 reference of [`layer_norm_fwd`].
-#[allow(clippy::too_many_arguments)]
 pub fn layer_norm_fwd_ref<E: Elem>(
-    x: &[E],
-    w: &[E],
-    b: &[E],
     cols: usize,
     eps: f32,
-    y: &mut [E],
-    mean: &mut [f32],
-    rstd: &mut [f32],
+    t: LnFwd<'_, E>,
 ) -> Result<(), KernelError> {
-    let rows = check_ln_fwd(
-        "layer_norm_fwd_ref",
-        (x, w, b),
-        (cols, eps),
-        y,
-        (mean, rstd),
-    )?;
-    let (wf, bf) = (widen(w), widen(b));
+    let rows = t.check("layer_norm_fwd_ref", cols, eps)?;
+    let (wf, bf) = (widen(t.w), widen(t.b));
     let mut yr = vec![0f64; cols];
     for i in 0..rows {
         let e = i * cols..(i + 1) * cols;
-        let (m, r) = ln_row_f64(&widen(&x[e.clone()]), &wf, &bf, eps as f64, &mut yr);
-        (mean[i], rstd[i]) = (m as f32, r as f32);
-        for (o, v) in y[e].iter_mut().zip(&yr) {
+        let (m, r) = ln_row_f64(&widen(&t.x[e.clone()]), &wf, &bf, eps as f64, &mut yr);
+        (t.mean[i], t.rstd[i]) = (m as f32, r as f32);
+        for (o, v) in t.y[e].iter_mut().zip(&yr) {
             *o = E::from_f32(*v as f32);
         }
     }
@@ -1479,35 +1254,23 @@ pub fn layer_norm_fwd_ref<E: Elem>(
 }
 
 /// f64 reference of [`layer_norm_bwd`] (with the saved f32 mean and rstd).
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_bwd_ref<E: Elem>(
-    dy: &[E],
-    x: &[E],
-    w: &[E],
-    mean: &[f32],
-    rstd: &[f32],
-    cols: usize,
-    dx: &mut [E],
-    dw: &mut [f32],
-    db: &mut [f32],
-) -> Result<(), KernelError> {
-    let op = "layer_norm_bwd_ref";
-    let rows = check_ln_bwd(op, (dy, x, w), (mean, rstd), cols, dx, (dw, db))?;
-    let wf = widen(w);
+pub fn layer_norm_bwd_ref<E: Elem>(cols: usize, t: LnBwd<'_, E>) -> Result<(), KernelError> {
+    let rows = t.check("layer_norm_bwd_ref", cols)?;
+    let wf = widen(t.w);
     let (mut dwf, mut dbf, mut dxr) = (vec![0f64; cols], vec![0f64; cols], vec![0f64; cols]);
     for i in 0..rows {
         let e = i * cols..(i + 1) * cols;
-        let (dyr, xr) = (widen(&dy[e.clone()]), widen(&x[e.clone()]));
-        let mr = (mean[i] as f64, rstd[i] as f64);
+        let (dyr, xr) = (widen(&t.dy[e.clone()]), widen(&t.x[e.clone()]));
+        let mr = (t.mean[i] as f64, t.rstd[i] as f64);
         ln_row_bwd_f64((&dyr, &xr, &wf), mr, &mut dxr, &mut dwf, &mut dbf);
-        for (o, v) in dx[e].iter_mut().zip(&dxr) {
+        for (o, v) in t.dx[e].iter_mut().zip(&dxr) {
             *o = E::from_f32(*v as f32);
         }
     }
-    for (o, v) in dw.iter_mut().zip(&dwf) {
+    for (o, v) in t.dw.iter_mut().zip(&dwf) {
         *o = *v as f32;
     }
-    for (o, v) in db.iter_mut().zip(&dbf) {
+    for (o, v) in t.db.iter_mut().zip(&dbf) {
         *o = *v as f32;
     }
     Ok(())
@@ -1587,6 +1350,55 @@ pub(crate) mod tests {
         (64, 4096),
     ];
 
+    /// `fast` on `tier`, or `reference` where there is none; either must succeed.
+    fn fast_or_ref<T>(
+        tier: Option<SimdTier>,
+        t: T,
+        fast: impl FnOnce(SimdTier, T) -> Result<(), KernelError>,
+        reference: impl FnOnce(T) -> Result<(), KernelError>,
+    ) {
+        let done = match tier {
+            Some(tier) => fast(tier, t),
+            None => reference(t),
+        };
+        done.unwrap();
+    }
+
+    /// A LayerNorm forward's tensors.
+    fn ln_t<'a, E>(
+        (x, w, b): (&'a [E], &'a [E], &'a [E]),
+        y: &'a mut [E],
+        (mean, rstd): (&'a mut [f32], &'a mut [f32]),
+    ) -> LnFwd<'a, E> {
+        LnFwd {
+            x,
+            w,
+            b,
+            y,
+            mean,
+            rstd,
+        }
+    }
+
+    /// A LayerNorm backward's tensors.
+    fn ln_b<'a, E>(
+        (dy, x, w): (&'a [E], &'a [E], &'a [E]),
+        (mean, rstd): (&'a [f32], &'a [f32]),
+        dx: &'a mut [E],
+        (dw, db): (&'a mut [f32], &'a mut [f32]),
+    ) -> LnBwd<'a, E> {
+        LnBwd {
+            dy,
+            x,
+            w,
+            mean,
+            rstd,
+            dx,
+            dw,
+            db,
+        }
+    }
+
     fn rms_case<E: Elem>(
         rng: &mut ChaCha8Rng,
         rows: usize,
@@ -1600,19 +1412,40 @@ pub(crate) mod tests {
         let w: Vec<E> = rand_vec(rng, cols, -1.5, 1.5);
         let dy: Vec<E> = rand_vec(rng, n, -1.0, 1.0);
         let dsum: Vec<E> = rand_vec(rng, n, -1.0, 1.0);
-        let (mut y0, mut s0, mut r0) = (nans::<E>(n), nans::<E>(n), vec![f32::NAN; rows]);
-        if add {
-            add_rms_norm_fwd_ref(&x, &res, &w, a, &mut y0, &mut s0, &mut r0).unwrap();
-        } else {
-            rms_norm_fwd_ref(&x, &w, a, &mut y0, &mut r0).unwrap();
-        }
-        let (mut dx0, mut dw0) = (nans::<E>(n), vec![f32::NAN; cols]);
+        // Forward and backward on a tier, or (None) the reference's; the
+        // backwards all start from the reference's sum and rstd.
+        let fwd = |tier: Option<SimdTier>| {
+            let (mut y, mut s, mut r) = (nans::<E>(n), nans::<E>(n), vec![f32::NAN; rows]);
+            let t = RmsFwd {
+                residual: add.then_some(&res[..]),
+                sum: add.then_some(&mut s[..]),
+                ..RmsFwd::new(&x, &w, &mut y, &mut r)
+            };
+            fast_or_ref(
+                tier,
+                t,
+                |tier, t| rms_norm_fwd(tier, a, t),
+                |t| rms_norm_fwd_ref(a, t),
+            );
+            (y, s, r)
+        };
+        let (y0, s0, r0) = fwd(None);
         let src = if add { &s0 } else { &x };
-        if add {
-            add_rms_norm_bwd_ref(&dy, &dsum, src, &w, &r0, a, &mut dx0, &mut dw0).unwrap();
-        } else {
-            rms_norm_bwd_ref(&dy, src, &w, &r0, a, &mut dx0, &mut dw0).unwrap();
-        }
+        let bwd = |tier: Option<SimdTier>| {
+            let (mut dx, mut dw) = (nans::<E>(n), vec![f32::NAN; cols]);
+            let t = RmsBwd {
+                dsum: add.then_some(&dsum[..]),
+                ..RmsBwd::new(&dy, src, &w, &r0, &mut dx, &mut dw)
+            };
+            fast_or_ref(
+                tier,
+                t,
+                |tier, t| rms_norm_bwd(tier, a, t),
+                |t| rms_norm_bwd_ref(a, t),
+            );
+            (dx, dw)
+        };
+        let (dx0, dw0) = bwd(None);
         let t = tol::<E>();
         let sw: Vec<f32> = w.iter().map(|v| a.offset + v.to_f32()).collect();
         let dx_scale = max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&sw) + max_abs(&f32s(&dsum));
@@ -1621,21 +1454,13 @@ pub(crate) mod tests {
             std::any::type_name::<E>()
         );
         for tier in cpu::available_tiers() {
-            let (mut y, mut s, mut r) = (nans::<E>(n), nans::<E>(n), vec![f32::NAN; rows]);
+            let (y, s, r) = fwd(Some(tier));
             if add {
-                add_rms_norm_fwd_with(tier, &x, &res, &w, a, &mut y, &mut s, &mut r).unwrap();
                 assert_close(&format!("sum {what} {tier}"), &f32s(&s), &f32s(&s0), t);
-            } else {
-                rms_norm_fwd_with(tier, &x, &w, a, &mut y, &mut r).unwrap();
             }
             assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
             assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-5, 0.0));
-            let (mut dx, mut dw) = (nans::<E>(n), vec![f32::NAN; cols]);
-            if add {
-                add_rms_norm_bwd_with(tier, &dy, &dsum, src, &w, &r0, a, &mut dx, &mut dw).unwrap();
-            } else {
-                rms_norm_bwd_with(tier, &dy, src, &w, &r0, a, &mut dx, &mut dw).unwrap();
-            }
+            let (dx, dw) = bwd(Some(tier));
             assert_close_scaled(
                 &format!("dx {what} {tier}"),
                 &f32s(&dx),
@@ -1698,7 +1523,7 @@ pub(crate) mod tests {
             casting: RmsCasting::Llama,
         };
         let (mut y, mut r) = (nans::<bf16>(x.len()), vec![0f32; 3]);
-        rms_norm_fwd(&x, &w, a, &mut y, &mut r).unwrap();
+        rms_norm_fwd(cpu::tier(), a, RmsFwd::new(&x, &w, &mut y, &mut r)).unwrap();
         for (i, row) in x.chunks(cols).enumerate() {
             for (j, v) in row.iter().enumerate() {
                 let h = bf16::from_f32(v.to_f32() * r[i]);
@@ -1726,25 +1551,43 @@ pub(crate) mod tests {
         let w: Vec<E> = rand_vec(rng, cols, -1.5, 1.5);
         let b: Vec<E> = rand_vec(rng, cols, -1.0, 1.0);
         let dy: Vec<E> = rand_vec(rng, n, -1.0, 1.0);
-        let (mut y0, mut m0, mut r0) = (nans::<E>(n), vec![f32::NAN; rows], vec![f32::NAN; rows]);
-        layer_norm_fwd_ref(&x, &w, &b, cols, eps, &mut y0, &mut m0, &mut r0).unwrap();
-        let (mut dx0, mut dw0, mut db0) =
-            (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
-        layer_norm_bwd_ref(&dy, &x, &w, &m0, &r0, cols, &mut dx0, &mut dw0, &mut db0).unwrap();
+        // Forward and backward on a tier, or (None) the reference's; the
+        // backwards all start from the reference's mean and rstd.
+        let fwd = |tier: Option<SimdTier>| {
+            let (mut y, mut m, mut r) = (nans::<E>(n), vec![f32::NAN; rows], vec![f32::NAN; rows]);
+            let t = ln_t((&x, &w, &b), &mut y, (&mut m, &mut r));
+            fast_or_ref(
+                tier,
+                t,
+                |tier, t| layer_norm_fwd(tier, cols, eps, t),
+                |t| layer_norm_fwd_ref(cols, eps, t),
+            );
+            (y, m, r)
+        };
+        let (y0, m0, r0) = fwd(None);
+        let bwd = |tier: Option<SimdTier>| {
+            let (mut dx, mut dw, mut db) =
+                (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
+            let t = ln_b((&dy, &x, &w), (&m0, &r0), &mut dx, (&mut dw, &mut db));
+            fast_or_ref(
+                tier,
+                t,
+                |tier, t| layer_norm_bwd(tier, cols, t),
+                |t| layer_norm_bwd_ref(cols, t),
+            );
+            (dx, dw, db)
+        };
+        let (dx0, dw0, db0) = bwd(None);
         let t = tol::<E>();
         let dx_scale = 3.0 * max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&f32s(&w));
         let what = format!("{rows}x{cols} eps {eps} {}", std::any::type_name::<E>());
         for tier in cpu::available_tiers() {
-            let (mut y, mut m, mut r) = (nans::<E>(n), vec![f32::NAN; rows], vec![f32::NAN; rows]);
-            layer_norm_fwd_with(tier, &x, &w, &b, cols, eps, &mut y, &mut m, &mut r).unwrap();
+            let (y, m, r) = fwd(Some(tier));
             assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
             assert_close(&format!("mean {what} {tier}"), &m, &m0, (1e-5, 0.0));
             // rstd of a constant row (cols 1) is 1/sqrt(eps): exact enough.
             assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-4, 0.0));
-            let (mut dx, mut dw, mut db) =
-                (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
-            layer_norm_bwd_with(tier, &dy, &x, &w, &m0, &r0, cols, &mut dx, &mut dw, &mut db)
-                .unwrap();
+            let (dx, dw, db) = bwd(Some(tier));
             assert_close_scaled(
                 &format!("dx {what} {tier}"),
                 &f32s(&dx),
@@ -1756,8 +1599,6 @@ pub(crate) mod tests {
             assert_close(&format!("db {what} {tier}"), &db, &db0, t);
         }
     }
-
-    /// Central differences of `Σ gy·y` (f64, step 1e-6: truncation ~1e-12,
     /// cancellation ~1e-10 relative) against the reference gradients.
     #[test]
     fn reference_gradients_match_finite_differences() {
@@ -1773,6 +1614,13 @@ pub(crate) mod tests {
                 (fd - an).abs() <= 1e-6 * (1.0 + an.abs()),
                 "{what}: fd {fd} vs {an}"
             );
+        };
+        // The central difference of `loss` in `v[k]`.
+        let diff = |v: &[f64], k: usize, loss: &dyn Fn(&[f64]) -> f64| {
+            let (mut p, mut m) = (v.to_vec(), v.to_vec());
+            p[k] += h;
+            m[k] -= h;
+            (loss(&p) - loss(&m)) / (2.0 * h)
         };
         for (casting, offset) in [(RmsCasting::Llama, 0.0), (RmsCasting::Gemma, 1.0)] {
             let a = RmsNormArgs {
@@ -1822,25 +1670,13 @@ pub(crate) mod tests {
                     dx[k] += gs[k];
                 }
             }
-            for k in 0..rows * cols {
-                let (mut xp, mut xm) = (x.clone(), x.clone());
-                xp[k] += h;
-                xm[k] -= h;
-                check(
-                    &format!("rms {casting:?} dx[{k}]"),
-                    (loss(&xp, &w) - loss(&xm, &w)) / (2.0 * h),
-                    dx[k],
-                );
+            for (k, &an) in dx.iter().enumerate() {
+                let fd = diff(&x, k, &|x| loss(x, &w));
+                check(&format!("rms {casting:?} dx[{k}]"), fd, an);
             }
-            for j in 0..cols {
-                let (mut wp, mut wm) = (w.clone(), w.clone());
-                wp[j] += h;
-                wm[j] -= h;
-                check(
-                    &format!("rms {casting:?} dw[{j}]"),
-                    (loss(&x, &wp) - loss(&x, &wm)) / (2.0 * h),
-                    dw[j],
-                );
+            for (j, &an) in dw.iter().enumerate() {
+                let fd = diff(&w, j, &|w| loss(&x, w));
+                check(&format!("rms {casting:?} dw[{j}]"), fd, an);
             }
         }
         // LayerNorm.
@@ -1872,32 +1708,15 @@ pub(crate) mod tests {
                 &mut db,
             );
         }
-        for k in 0..rows * cols {
-            let (mut xp, mut xm) = (x.clone(), x.clone());
-            xp[k] += h;
-            xm[k] -= h;
-            check(
-                &format!("ln dx[{k}]"),
-                (loss(&xp, &w, &b) - loss(&xm, &w, &b)) / (2.0 * h),
-                dx[k],
-            );
+        for (k, &an) in dx.iter().enumerate() {
+            let fd = diff(&x, k, &|x| loss(x, &w, &b));
+            check(&format!("ln dx[{k}]"), fd, an);
         }
         for j in 0..cols {
-            let (mut wp, mut wm, mut bp, mut bm) = (w.clone(), w.clone(), b.clone(), b.clone());
-            wp[j] += h;
-            wm[j] -= h;
-            bp[j] += h;
-            bm[j] -= h;
-            check(
-                &format!("ln dw[{j}]"),
-                (loss(&x, &wp, &b) - loss(&x, &wm, &b)) / (2.0 * h),
-                dw[j],
-            );
-            check(
-                &format!("ln db[{j}]"),
-                (loss(&x, &w, &bp) - loss(&x, &w, &bm)) / (2.0 * h),
-                db[j],
-            );
+            let fd = diff(&w, j, &|w| loss(&x, w, &b));
+            check(&format!("ln dw[{j}]"), fd, dw[j]);
+            let fd = diff(&b, j, &|b| loss(&x, &w, b));
+            check(&format!("ln db[{j}]"), fd, db[j]);
         }
     }
 
@@ -1923,37 +1742,20 @@ pub(crate) mod tests {
         for threads in [1, 2, 3] {
             let pool = ThreadPool::new(threads).unwrap();
             let (mut dx, mut dw) = (nans::<bf16>(rows * cols), vec![f32::NAN; cols]);
-            rms_bwd_in(
-                &pool,
-                cpu::tier(),
-                &dy,
-                None,
-                &x,
-                &w,
-                &rstd,
-                a,
-                &mut dx,
-                &mut dw,
-            )
-            .unwrap();
+            let t = RmsBwd::new(&dy, &x, &w, &rstd, &mut dx, &mut dw);
+            rms_bwd_in(&pool, cpu::tier(), a, t).unwrap();
             let (mut dx2, mut dw2, mut db2) = (
                 nans::<bf16>(rows * cols),
                 vec![f32::NAN; cols],
                 vec![f32::NAN; cols],
             );
-            ln_bwd_in(
-                &pool,
-                cpu::tier(),
-                &dy,
-                &x,
-                &w,
+            let t = ln_b(
+                (&dy, &x, &w),
                 (&mean, &rstd),
-                cols,
                 &mut dx2,
-                &mut dw2,
-                &mut db2,
-            )
-            .unwrap();
+                (&mut dw2, &mut db2),
+            );
+            ln_bwd_in(&pool, cpu::tier(), cols, t).unwrap();
             outs.push((dx, dw, dx2, dw2, db2));
         }
         for o in &outs[1..] {
@@ -1993,6 +1795,7 @@ pub(crate) mod tests {
 
     #[test]
     fn bad_arguments_are_errors() {
+        let tier = cpu::tier();
         let x = vec![1f32; 12];
         let w = vec![1f32; 4];
         let a = RmsNormArgs {
@@ -2002,29 +1805,54 @@ pub(crate) mod tests {
             casting: RmsCasting::Llama,
         };
         let (mut y, mut r) = (vec![0f32; 12], vec![0f32; 3]);
-        assert!(rms_norm_fwd(&x, &w, a, &mut y, &mut r).is_ok());
-        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { cols: 0, ..a }, &mut y, &mut r).is_err());
-        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { cols: 5, ..a }, &mut y, &mut r).is_err());
-        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { eps: f32::NAN, ..a }, &mut y, &mut r).is_err());
-        assert!(rms_norm_fwd(&x, &w, RmsNormArgs { eps: -1.0, ..a }, &mut y, &mut r).is_err());
-        assert!(rms_norm_fwd(&x, &w[..3], a, &mut y, &mut r).is_err());
-        assert!(rms_norm_fwd(&x, &w, a, &mut y[..11], &mut r).is_err());
-        assert!(rms_norm_fwd(&x, &w, a, &mut y, &mut r[..2]).is_err());
-        assert!(rms_norm_fwd_ref(&x, &w, a, &mut y, &mut r[..2]).is_err());
+        let fwd = |a, w: &[f32], y: &mut [f32], r: &mut [f32]| {
+            rms_norm_fwd(tier, a, RmsFwd::new(&x, w, y, r)).is_err()
+        };
+        assert!(!fwd(a, &w, &mut y, &mut r));
+        assert!(fwd(RmsNormArgs { cols: 0, ..a }, &w, &mut y, &mut r));
+        assert!(fwd(RmsNormArgs { cols: 5, ..a }, &w, &mut y, &mut r));
+        assert!(fwd(RmsNormArgs { eps: f32::NAN, ..a }, &w, &mut y, &mut r));
+        assert!(fwd(RmsNormArgs { eps: -1.0, ..a }, &w, &mut y, &mut r));
+        assert!(fwd(a, &w[..3], &mut y, &mut r));
+        assert!(fwd(a, &w, &mut y[..11], &mut r));
+        assert!(fwd(a, &w, &mut y, &mut r[..2]));
+        assert!(rms_norm_fwd_ref(a, RmsFwd::new(&x, &w, &mut y, &mut r[..2])).is_err());
         let (mut s, mut dx, mut dw) = (vec![0f32; 12], vec![0f32; 12], vec![0f32; 4]);
-        assert!(add_rms_norm_fwd(&x, &x[..8], &w, a, &mut y, &mut s, &mut r).is_err());
-        assert!(add_rms_norm_fwd(&x, &x, &w, a, &mut y, &mut s[..8], &mut r).is_err());
-        assert!(rms_norm_bwd(&x, &x, &w, &r, a, &mut dx, &mut dw[..3]).is_err());
-        assert!(rms_norm_bwd(&x[..8], &x, &w, &r, a, &mut dx, &mut dw).is_err());
-        assert!(add_rms_norm_bwd(&x, &x[..4], &x, &w, &r, a, &mut dx, &mut dw).is_err());
+        let mut add = |res: &[f32], s: &mut [f32]| {
+            let t = RmsFwd {
+                residual: Some(res),
+                sum: Some(s),
+                ..RmsFwd::new(&x, &w, &mut y, &mut r)
+            };
+            rms_norm_fwd(tier, a, t).is_err()
+        };
+        assert!(add(&x[..8], &mut s));
+        assert!(add(&x, &mut s[..8]));
+        // A residual without a sum to write.
+        let t = RmsFwd {
+            residual: Some(&x),
+            ..RmsFwd::new(&x, &w, &mut y, &mut r)
+        };
+        assert!(rms_norm_fwd(tier, a, t).is_err());
+        assert!(rms_norm_bwd(tier, a, RmsBwd::new(&x, &x, &w, &r, &mut dx, &mut dw[..3])).is_err());
+        assert!(rms_norm_bwd(tier, a, RmsBwd::new(&x[..8], &x, &w, &r, &mut dx, &mut dw)).is_err());
+        let t = RmsBwd {
+            dsum: Some(&x[..4]),
+            ..RmsBwd::new(&x, &x, &w, &r, &mut dx, &mut dw)
+        };
+        assert!(rms_norm_bwd(tier, a, t).is_err());
         let (mut m, mut db) = (vec![0f32; 3], vec![0f32; 4]);
-        assert!(layer_norm_fwd(&x, &w, &w[..2], 4, 1e-5, &mut y, &mut m, &mut r).is_err());
-        assert!(layer_norm_fwd(&x, &w, &w, 4, 1e-5, &mut y, &mut m[..1], &mut r).is_err());
-        assert!(layer_norm_bwd(&x, &x, &w, &m, &r, 4, &mut dx, &mut dw, &mut db[..1]).is_err());
-        assert!(layer_norm_bwd(&x, &x, &w, &m, &r, 0, &mut dx, &mut dw, &mut db).is_err());
+        let t = ln_t((&x, &w, &w[..2]), &mut y, (&mut m, &mut r));
+        assert!(layer_norm_fwd(tier, 4, 1e-5, t).is_err());
+        let t = ln_t((&x, &w, &w), &mut y, (&mut m[..1], &mut r));
+        assert!(layer_norm_fwd(tier, 4, 1e-5, t).is_err());
+        let t = ln_b((&x, &x, &w), (&m, &r), &mut dx, (&mut dw, &mut db[..1]));
+        assert!(layer_norm_bwd(tier, 4, t).is_err());
+        let t = ln_b((&x, &x, &w), (&m, &r), &mut dx, (&mut dw, &mut db));
+        assert!(layer_norm_bwd(tier, 0, t).is_err());
         // Zero rows is fine and zeroes the weight gradient.
         let mut dw = vec![f32::NAN; 4];
-        rms_norm_bwd::<f32>(&[], &[], &w, &[], a, &mut [], &mut dw).unwrap();
+        rms_norm_bwd::<f32>(tier, a, RmsBwd::new(&[], &[], &w, &[], &mut [], &mut dw)).unwrap();
         assert_eq!(dw, vec![0.0; 4]);
     }
 }

@@ -31,6 +31,7 @@ use kvant_kernels::error::{check_len, checked_mul};
 use kvant_kernels::pool::{self, DisjointSlice};
 use kvant_kernels::vecops::{Fma, Plain};
 use kvant_kernels::KernelError;
+use std::ops::Range;
 
 /// How the rotated dimensions of a row are paired.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -162,33 +163,57 @@ fn rotate_row<E: Elem, F: Fma>(row: &mut [E], cos: &[E], sin: &[E], layout: Rope
     }
 }
 
-#[inline(always)]
-#[allow(clippy::too_many_arguments)]
-fn rotate_rows<E: Elem, F: Fma>(
-    (src, x): (Option<&[E]>, &DisjointSlice<'_, E>),
-    (cos, sin): (&[E], &[E]),
-    s: &RopeShape,
-    p: &Plan,
-    rows: std::ops::Range<usize>,
+/// The tensors of a RoPE call: `x` rotated in place, or every row of
+/// `src` (rotated part and the rest) rotated into the same place of `x`.
+pub struct RopeIo<'a, E> {
+    pub x: &'a mut [E],
+    /// Out of place: only read, with `x`'s strides and length (what an
+    /// autograd op needs: no copy first).
+    pub src: Option<&'a [E]>,
+    /// `[batch or 1, seq, rot_dim/2]` (see [`RopeShape::per_batch_tables`]).
+    pub cos: &'a [E],
+    pub sin: &'a [E],
+}
+
+impl<E> RopeIo<'_, E> {
+    /// The checks shared by [`rope_apply`] and its reference.
+    fn plan(&self, s: &RopeShape) -> Result<Plan, KernelError> {
+        if let Some(src) = self.src {
+            check_len("rope out", src.len(), self.x.len())?;
+        }
+        plan(s, self.x.len(), self.cos.len(), self.sin.len())
+    }
+}
+
+/// What the tasks of one call share: [`RopeIo`] with `x` split between
+/// them, and the sign of sin (−1 for the backward).
+struct Shared<'a, E> {
+    x: DisjointSlice<'a, E>,
+    src: Option<&'a [E]>,
+    cos: &'a [E],
+    sin: &'a [E],
     sg: f32,
-) {
-    for t in rows {
-        let (off, tab) = p.row(s, t);
-        let (c, sn) = (&cos[tab..tab + p.half], &sin[tab..tab + p.half]);
-        match src {
+}
+
+#[inline(always)]
+fn rotate_rows<E: Elem, F: Fma>(t: &Shared<'_, E>, s: &RopeShape, p: &Plan, rows: Range<usize>) {
+    for r in rows {
+        let (off, tab) = p.row(s, r);
+        let (c, sn) = (&t.cos[tab..tab + p.half], &t.sin[tab..tab + p.half]);
+        match t.src {
             Some(src) => {
                 // SAFETY: as below, whole rows (`plan` checked head_dim values).
-                let row = unsafe { x.range(off..off + s.head_dim) };
+                let row = unsafe { t.x.range(off..off + s.head_dim) };
                 // The copy is from memory, the rotation then in L1: one
                 // read of `src` and one write of `x`, as in place.
                 row.copy_from_slice(&src[off..off + s.head_dim]);
-                rotate_row::<E, F>(&mut row[..s.rot_dim], c, sn, s.layout, sg);
+                rotate_row::<E, F>(&mut row[..s.rot_dim], c, sn, s.layout, t.sg);
             }
             None => {
                 // SAFETY: `plan` checked that rows do not overlap and lie
                 // inside `x`; each row index is handled by one task.
-                let row = unsafe { x.range(off..off + s.rot_dim) };
-                rotate_row::<E, F>(row, c, sn, s.layout, sg);
+                let row = unsafe { t.x.range(off..off + s.rot_dim) };
+                rotate_row::<E, F>(row, c, sn, s.layout, t.sg);
             }
         }
     }
@@ -196,92 +221,41 @@ fn rotate_rows<E: Elem, F: Fma>(
 
 kvant_kernels::per_tier! {
     /// [`rotate_rows`] on `tier`.
-    fn rotate_rows_on<E: Elem>(
-        tier: SimdTier,
-        x: (Option<&[E]>, &DisjointSlice<'_, E>),
-        t: (&[E], &[E]),
-        s: &RopeShape,
-        p: &Plan,
-        rows: std::ops::Range<usize>,
-        sg: f32,
-    ) [F = Plain, kvant_kernels::vecops::Fused] {
-        rotate_rows::<E, F>(x, t, s, p, rows, sg)
+    fn rotate_rows_on<E: Elem>(tier: SimdTier, t: &Shared<'_, E>, s: &RopeShape, p: &Plan, rows: Range<usize>)
+        [F = Plain, kvant_kernels::vecops::Fused]
+    {
+        rotate_rows::<E, F>(t, s, p, rows)
     }
 }
 
-/// In place: pair (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin) with cos/sin of index i = pair index;
-/// backward = the same with sin negated (`inverse = true`). Errors if the strided extent leaves `x`
-/// or if two (batch, head, seq) rows overlap (check the strides describe non-overlapping rows, any order).
+/// Rotates each pair (x1, x2) → (x1·cos − x2·sin, x2·cos + x1·sin), with
+/// cos/sin of index i = pair index, on `tier` (lowered to one the CPU
+/// supports; [`cpu::tier`] is the process's own); the backward is the same
+/// with sin negated (`inverse = true`). Errors if the strided extent
+/// leaves `x` or if two (batch, head, seq) rows overlap (the strides must
+/// describe non-overlapping rows, in any order).
 pub fn rope_apply<E: Elem>(
-    x: &mut [E],
-    cos: &[E],
-    sin: &[E],
-    s: &RopeShape,
-    inverse: bool,
-) -> Result<(), KernelError> {
-    rope_apply_with(cpu::tier(), x, cos, sin, s, inverse)
-}
-
-/// [`rope_apply`] on a given tier (lowered to one the CPU supports).
-pub fn rope_apply_with<E: Elem>(
     tier: SimdTier,
-    x: &mut [E],
-    cos: &[E],
-    sin: &[E],
+    t: RopeIo<'_, E>,
     s: &RopeShape,
     inverse: bool,
 ) -> Result<(), KernelError> {
-    run(tier, None, x, (cos, sin), s, inverse)
-}
-
-/// [`rope_apply`] out of place: every row of `x` (rotated part and the
-/// rest) rotated into the same place of `out`, which has `x`'s strides and
-/// length; `x` is only read. What an autograd op needs: no copy first.
-pub fn rope_apply_into<E: Elem>(
-    x: &[E],
-    out: &mut [E],
-    cos: &[E],
-    sin: &[E],
-    s: &RopeShape,
-    inverse: bool,
-) -> Result<(), KernelError> {
-    rope_apply_into_with(cpu::tier(), x, out, cos, sin, s, inverse)
-}
-
-/// [`rope_apply_into`] on a given tier (lowered to one the CPU supports).
-pub fn rope_apply_into_with<E: Elem>(
-    tier: SimdTier,
-    x: &[E],
-    out: &mut [E],
-    cos: &[E],
-    sin: &[E],
-    s: &RopeShape,
-    inverse: bool,
-) -> Result<(), KernelError> {
-    check_len("rope out", x.len(), out.len())?;
-    run(tier, Some(x), out, (cos, sin), s, inverse)
-}
-
-fn run<E: Elem>(
-    tier: SimdTier,
-    src: Option<&[E]>,
-    x: &mut [E],
-    (cos, sin): (&[E], &[E]),
-    s: &RopeShape,
-    inverse: bool,
-) -> Result<(), KernelError> {
-    let p = plan(s, x.len(), cos.len(), sin.len())?;
-    if p.half == 0 && src.is_none() {
+    let p = t.plan(s)?;
+    if p.half == 0 && t.src.is_none() {
         return Ok(());
     }
     let tier = cpu::clamp(tier);
-    let sg = if inverse { -1.0 } else { 1.0 };
     let cr = row_chunk(p.rows, s.head_dim.max(1));
-    let xs = DisjointSlice::new(x);
-    let io = (src, &xs);
+    let shared = Shared {
+        x: DisjointSlice::new(t.x),
+        src: t.src,
+        cos: t.cos,
+        sin: t.sin,
+        sg: if inverse { -1.0 } else { 1.0 },
+    };
     pool::global().run(p.rows.div_ceil(cr), &|c| {
         let rows = c * cr..((c + 1) * cr).min(p.rows);
-        rotate_rows_on(tier, io, (cos, sin), s, &p, rows, sg)
+        rotate_rows_on(tier, &shared, s, &p, rows)
     });
     Ok(())
 }
@@ -289,18 +263,20 @@ fn run<E: Elem>(
 /// f64 reference of [`rope_apply`]: rows in (batch, head, seq) order,
 /// each pair rotated in f64 and rounded once.
 pub fn rope_apply_ref<E: Elem>(
-    x: &mut [E],
-    cos: &[E],
-    sin: &[E],
+    t: RopeIo<'_, E>,
     s: &RopeShape,
     inverse: bool,
 ) -> Result<(), KernelError> {
-    let p = plan(s, x.len(), cos.len(), sin.len())?;
+    let p = t.plan(s)?;
     let sg = if inverse { -1.0 } else { 1.0 };
+    let x = t.x;
     for b in 0..s.batch {
         for h in 0..s.heads {
             for q in 0..s.seq {
                 let off = b * s.strides[0] + h * s.strides[1] + q * s.strides[2];
+                if let Some(src) = t.src {
+                    x[off..off + s.head_dim].copy_from_slice(&src[off..off + s.head_dim]);
+                }
                 let tb = if s.per_batch_tables { b } else { 0 };
                 let tab = (tb * s.seq + q) * p.half;
                 for i in 0..p.half {
@@ -309,8 +285,8 @@ pub fn rope_apply_ref<E: Elem>(
                         RopeLayout::Interleaved => (2 * i, 2 * i + 1),
                     };
                     let (u, v) = (x[off + i1].to_f32() as f64, x[off + i2].to_f32() as f64);
-                    let c = cos[tab + i].to_f32() as f64;
-                    let sn = sg * sin[tab + i].to_f32() as f64;
+                    let c = t.cos[tab + i].to_f32() as f64;
+                    let sn = sg * t.sin[tab + i].to_f32() as f64;
                     x[off + i1] = E::from_f32((u * c - v * sn) as f32);
                     x[off + i2] = E::from_f32((v * c + u * sn) as f32);
                 }
@@ -327,6 +303,16 @@ mod tests {
     use half::bf16;
     use rand::SeedableRng;
     use rand_chacha::ChaCha8Rng;
+
+    /// `x` rotated in place.
+    fn in_place<'a, E>(x: &'a mut [E], cos: &'a [E], sin: &'a [E]) -> RopeIo<'a, E> {
+        RopeIo {
+            x,
+            src: None,
+            cos,
+            sin,
+        }
+    }
 
     /// Real tables: angle = pos·θ^(−2i/rot) (positions offset per batch).
     fn tables<E: Elem>(s: &RopeShape) -> (Vec<E>, Vec<E>) {
@@ -409,10 +395,10 @@ mod tests {
         let (c, sn) = tables::<E>(s);
         for inverse in [false, true] {
             let mut want = x.clone();
-            rope_apply_ref(&mut want, &c, &sn, s, inverse).unwrap();
+            rope_apply_ref(in_place(&mut want, &c, &sn), s, inverse).unwrap();
             for tier in cpu::available_tiers() {
                 let mut got = x.clone();
-                rope_apply_with(tier, &mut got, &c, &sn, s, inverse).unwrap();
+                rope_apply(tier, in_place(&mut got, &c, &sn), s, inverse).unwrap();
                 let what = format!(
                     "{s:?} inverse {inverse} {tier} {}",
                     std::any::type_name::<E>()
@@ -433,7 +419,16 @@ mod tests {
                 // Out of place: each row (all head_dim values) as in place,
                 // nothing else of `out` written.
                 let mut into = vec![E::from_f32(f32::NAN); x.len()];
-                rope_apply_into_with(tier, &x, &mut into, &c, &sn, s, inverse).unwrap();
+                rope_apply(
+                    tier,
+                    RopeIo {
+                        src: Some(&x),
+                        ..in_place(&mut into, &c, &sn)
+                    },
+                    s,
+                    inverse,
+                )
+                .unwrap();
                 let row = covered(s, x.len(), s.head_dim);
                 for (k, &r) in row.iter().enumerate() {
                     let v = into[k].to_f32();
@@ -462,16 +457,17 @@ mod tests {
     /// the reference above wherever its angle is not 0).
     #[test]
     fn inverse_undoes_forward() {
+        let tier = cpu::tier();
         let mut rng = ChaCha8Rng::seed_from_u64(22);
         for s in shapes() {
             let x: Vec<f32> = rand_vec(&mut rng, extent(&s), -2.0, 2.0);
             let (c, sn) = tables::<f32>(&s);
             let mut y = x.clone();
-            rope_apply(&mut y, &c, &sn, &s, false).unwrap();
+            rope_apply(tier, in_place(&mut y, &c, &sn), &s, false).unwrap();
             if s.seq > 1 {
                 assert_ne!(x, y, "{s:?}: nothing rotated");
             }
-            rope_apply(&mut y, &c, &sn, &s, true).unwrap();
+            rope_apply(tier, in_place(&mut y, &c, &sn), &s, true).unwrap();
             assert_close(&format!("{s:?}"), &y, &x, (0.0, 2e-6));
         }
     }
@@ -499,11 +495,11 @@ mod tests {
             let (c, sn) = tables::<f32>(&s);
             let loss = |x: &[f32]| -> f64 {
                 let mut y = x.to_vec();
-                rope_apply_ref(&mut y, &c, &sn, &s, false).unwrap();
+                rope_apply_ref(in_place(&mut y, &c, &sn), &s, false).unwrap();
                 y.iter().zip(&g).map(|(a, b)| *a as f64 * *b as f64).sum()
             };
             let mut dx = g.clone();
-            rope_apply_ref(&mut dx, &c, &sn, &s, true).unwrap();
+            rope_apply_ref(in_place(&mut dx, &c, &sn), &s, true).unwrap();
             for k in 0..n {
                 let (mut xp, mut xm) = (x.clone(), x.clone());
                 xp[k] += 0.5;
@@ -520,6 +516,7 @@ mod tests {
 
     #[test]
     fn bad_shapes_are_errors() {
+        let tier = cpu::tier();
         let s = RopeShape {
             batch: 2,
             heads: 3,
@@ -532,37 +529,75 @@ mod tests {
         };
         let mut x = vec![0f32; 192];
         let t = vec![0f32; 16];
-        assert!(rope_apply(&mut x, &t, &t, &s, false).is_ok());
-        assert!(rope_apply(&mut x[..191], &t, &t, &s, false).is_err());
-        assert!(rope_apply(&mut x, &t[..15], &t, &s, false).is_err());
-        assert!(rope_apply(&mut x, &t, &t[..15], &s, false).is_err());
+        assert!(rope_apply(tier, in_place(&mut x, &t, &t), &s, false).is_ok());
+        assert!(rope_apply(tier, in_place(&mut x[..191], &t, &t), &s, false).is_err());
+        assert!(rope_apply(tier, in_place(&mut x, &t[..15], &t), &s, false).is_err());
+        assert!(rope_apply(tier, in_place(&mut x, &t, &t[..15]), &s, false).is_err());
         let mut out = vec![0f32; 192];
-        assert!(rope_apply_into(&x, &mut out, &t, &t, &s, false).is_ok());
-        assert!(rope_apply_into(&x, &mut out[..191], &t, &t, &s, false).is_err());
-        assert!(rope_apply_into(&x[..191], &mut out[..191], &t, &t, &s, false).is_err());
+        assert!(rope_apply(
+            tier,
+            RopeIo {
+                src: Some(&x),
+                ..in_place(&mut out, &t, &t)
+            },
+            &s,
+            false
+        )
+        .is_ok());
+        assert!(rope_apply(
+            tier,
+            RopeIo {
+                src: Some(&x),
+                ..in_place(&mut out[..191], &t, &t)
+            },
+            &s,
+            false
+        )
+        .is_err());
+        assert!(rope_apply(
+            tier,
+            RopeIo {
+                src: Some(&x[..191]),
+                ..in_place(&mut out[..191], &t, &t)
+            },
+            &s,
+            false
+        )
+        .is_err());
         let pb = RopeShape {
             per_batch_tables: true,
             ..s
         };
-        assert!(rope_apply(&mut x, &t, &t, &pb, false).is_err());
+        assert!(rope_apply(tier, in_place(&mut x, &t, &t), &pb, false).is_err());
         let t2 = vec![0f32; 32];
-        assert!(rope_apply(&mut x, &t2, &t2, &pb, false).is_ok());
+        assert!(rope_apply(tier, in_place(&mut x, &t2, &t2), &pb, false).is_ok());
         for rot_dim in [7, 10] {
-            assert!(rope_apply(&mut x, &t, &t, &RopeShape { rot_dim, ..s }, false).is_err());
+            assert!(rope_apply(
+                tier,
+                in_place(&mut x, &t, &t),
+                &RopeShape { rot_dim, ..s },
+                false
+            )
+            .is_err());
         }
         // Overlapping rows: seq stride below head_dim, equal strides, a
         // zero batch stride, heads interleaved into seq.
         for strides in [[96, 32, 7], [96, 8, 8], [0, 32, 8], [96, 16, 8]] {
-            let r = rope_apply_ref(&mut x, &t, &t, &RopeShape { strides, ..s }, false);
+            let r = rope_apply_ref(in_place(&mut x, &t, &t), &RopeShape { strides, ..s }, false);
             assert!(r.is_err(), "{strides:?}");
-            assert!(rope_apply(&mut x, &t, &t, &RopeShape { strides, ..s }, false).is_err());
+            assert!(rope_apply(
+                tier,
+                in_place(&mut x, &t, &t),
+                &RopeShape { strides, ..s },
+                false
+            )
+            .is_err());
         }
         // Any order of non-overlapping strides is fine; a dim of one
         // entry may have any stride.
         assert!(rope_apply(
-            &mut x,
-            &t,
-            &t,
+            tier,
+            in_place(&mut x, &t, &t),
             &RopeShape {
                 strides: [8, 16, 48],
                 ..s
@@ -575,19 +610,19 @@ mod tests {
             strides: [0, 32, 8],
             ..s
         };
-        assert!(rope_apply(&mut x, &t, &t, &one, false).is_ok());
+        assert!(rope_apply(tier, in_place(&mut x, &t, &t), &one, false).is_ok());
         // Overflowing sizes are errors, not panics.
         let huge = RopeShape {
             batch: usize::MAX,
             strides: [usize::MAX, 32, 8],
             ..s
         };
-        assert!(rope_apply(&mut x, &t, &t, &huge, false).is_err());
+        assert!(rope_apply(tier, in_place(&mut x, &t, &t), &huge, false).is_err());
         let huge2 = RopeShape {
             batch: 3,
             strides: [usize::MAX / 2, 32, 8],
             ..s
         };
-        assert!(rope_apply(&mut x, &t, &t, &huge2, false).is_err());
+        assert!(rope_apply(tier, in_place(&mut x, &t, &t), &huge2, false).is_err());
     }
 }
