@@ -303,8 +303,21 @@ impl Tensors {
     /// ([`same_float`]) with every one of `f32s` float32: the checks every
     /// training binding makes before its kernel runs.
     pub fn checked_float(&self, floats: &[&View], f32s: &[&View]) -> PyResult<Float> {
+        self.checked_typed(floats, &[], f32s)
+    }
+
+    /// [`checked_float`](Self::checked_float) for a call that also takes
+    /// indices: every one of `i64s` int64, checked between the floats and
+    /// the float32s.
+    pub fn checked_typed(
+        &self,
+        floats: &[&View],
+        i64s: &[&View],
+        f32s: &[&View],
+    ) -> PyResult<Float> {
         self.checked()?;
         let f = same_float(floats)?;
+        i64s.iter().try_for_each(|v| v.expect(Dt::I64).map(drop))?;
         f32s.iter().try_for_each(|v| v.expect(Dt::F32).map(drop))?;
         Ok(f)
     }

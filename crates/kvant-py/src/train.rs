@@ -7,7 +7,7 @@
 //! the argument); `python/kvant/ops.py` wraps these as torch custom ops
 //! with autograd.
 
-use crate::tensor::{detach_float, same_float, with_float, Dt, Tensors, View};
+use crate::tensor::{detach_float, same_float, with_float, Tensors, View};
 use kvant_kernels::{cpu, pool, KernelError};
 use kvant_train::{cross_entropy, distill, flash, glu, linear_ce, norm, rope, Reduction};
 use pyo3::exceptions::PyValueError;
@@ -15,63 +15,68 @@ use pyo3::prelude::*;
 
 type Any<'py> = Bound<'py, PyAny>;
 
-fn f32s(views: &[&View]) -> PyResult<()> {
-    views.iter().try_for_each(|v| v.expect(Dt::F32).map(drop))
-}
-
-fn casting(s: &str) -> PyResult<norm::RmsCasting> {
-    match s {
-        "llama" => Ok(norm::RmsCasting::Llama),
-        "gemma" => Ok(norm::RmsCasting::Gemma),
-        _ => Err(PyValueError::new_err(format!(
-            "casting must be 'llama' or 'gemma', got {s:?}"
-        ))),
+/// The value `s` names among `choices`, or a `ValueError` listing them
+/// ("`what` must be 'a', 'b' or 'c', got ...").
+fn choice<T: Copy>(what: &str, s: &str, choices: &[(&str, T)]) -> PyResult<T> {
+    if let Some(&(_, v)) = choices.iter().find(|(name, _)| *name == s) {
+        return Ok(v);
     }
+    let names: Vec<String> = choices.iter().map(|(n, _)| format!("'{n}'")).collect();
+    let listed = match names.split_last() {
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+        None => String::new(),
+    };
+    Err(PyValueError::new_err(format!(
+        "{what} must be {listed}, got {s:?}"
+    )))
 }
 
 fn rms_args(cols: usize, eps: f32, offset: f32, cast: &str) -> PyResult<norm::RmsNormArgs> {
+    let castings = [
+        ("llama", norm::RmsCasting::Llama),
+        ("gemma", norm::RmsCasting::Gemma),
+    ];
     Ok(norm::RmsNormArgs {
         cols,
         eps,
         offset,
-        casting: casting(cast)?,
+        casting: choice("casting", cast, &castings)?,
     })
 }
 
 fn reduction(s: &str) -> PyResult<Reduction> {
-    match s {
-        "none" => Ok(Reduction::None),
-        "sum" => Ok(Reduction::Sum),
-        "mean" => Ok(Reduction::Mean),
-        _ => Err(PyValueError::new_err(format!(
-            "reduction must be 'none', 'sum' or 'mean', got {s:?}"
-        ))),
-    }
+    let reductions = [
+        ("none", Reduction::None),
+        ("sum", Reduction::Sum),
+        ("mean", Reduction::Mean),
+    ];
+    choice("reduction", s, &reductions)
 }
 
 fn kl_reduction(s: &str) -> PyResult<distill::KlReduction> {
-    match s {
-        "none" => Ok(distill::KlReduction::None),
-        "sum" => Ok(distill::KlReduction::Sum),
-        "mean" => Ok(distill::KlReduction::Mean),
-        "batchmean" => Ok(distill::KlReduction::BatchMean),
-        _ => Err(PyValueError::new_err(format!(
-            "reduction must be 'none', 'sum', 'mean' or 'batchmean', got {s:?}"
-        ))),
-    }
+    use distill::KlReduction as K;
+    let reductions = [
+        ("none", K::None),
+        ("sum", K::Sum),
+        ("mean", K::Mean),
+        ("batchmean", K::BatchMean),
+    ];
+    choice("reduction", s, &reductions)
 }
 
 fn glu_kind(s: &str) -> PyResult<glu::Glu> {
-    match s {
-        "swiglu" => Ok(glu::Glu::Swi),
-        "geglu" => Ok(glu::Glu::GeTanh),
-        _ => Err(PyValueError::new_err(format!(
-            "kind must be 'swiglu' or 'geglu', got {s:?}"
-        ))),
-    }
+    choice(
+        "kind",
+        s,
+        &[("swiglu", glu::Glu::Swi), ("geglu", glu::Glu::GeTanh)],
+    )
 }
 
+/// RMSNorm forward; with `residual` and `sum` given, the fused residual
+/// add first (`sum = x + residual`, normalised).
 #[pyfunction]
+#[pyo3(signature = (x, w, y, rstd, eps, offset, casting, residual = None, sum = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_fwd(
     py: Python<'_>,
@@ -82,21 +87,41 @@ pub fn rms_norm_fwd(
     eps: f32,
     offset: f32,
     casting: &str,
+    residual: Option<&Any<'_>>,
+    sum: Option<&Any<'_>>,
 ) -> PyResult<()> {
     let mut t = Tensors::new();
-    let (x, w) = (t.input(x, "x")?, t.input(w, "weight")?);
-    let (y, rstd) = (t.out(y, "y")?, t.out(rstd, "rstd")?);
-    let f = t.checked_float(&[&x, &w, &y], &[&rstd])?;
+    let (x, r, w) = (
+        t.input(x, "x")?,
+        t.input_opt(residual, "residual")?,
+        t.input(w, "weight")?,
+    );
+    let (y, s, rstd) = (t.out(y, "y")?, t.out_opt(sum, "sum")?, t.out(rstd, "rstd")?);
+    let floats: Vec<&View> = [Some(&x), r.as_ref(), Some(&w), Some(&y), s.as_ref()]
+        .into_iter()
+        .flatten()
+        .collect();
+    let f = t.checked_float(&floats, &[&rstd])?;
     let a = rms_args(x.last(), eps, offset, casting)?;
     detach_float!(py, t, f, E => {
         // SAFETY: the views were checked (dtype E, CPU, dense, no
         // written view overlapping another) and the tensors are held
         // by the caller for this call.
-        unsafe { norm::rms_norm_fwd::<E>(cpu::tier(), a, norm::RmsFwd::new(x.slice(), w.slice(), y.slice_mut(), rstd.slice_mut())) }
+        unsafe {
+            let t = norm::RmsFwd {
+                residual: r.as_ref().map(|r| r.slice()),
+                sum: s.as_ref().map(|s| s.slice_mut()),
+                ..norm::RmsFwd::new(x.slice(), w.slice(), y.slice_mut(), rstd.slice_mut())
+            };
+            norm::rms_norm_fwd::<E>(cpu::tier(), a, t)
+        }
     })
 }
 
+/// RMSNorm backward; with `dsum` given, the fused residual add's (`x` is
+/// then the saved sum and `dx` the gradient of both addends).
 #[pyfunction]
+#[pyo3(signature = (dy, x, w, rstd, dx, dw, eps, offset, casting, dsum = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn rms_norm_bwd(
     py: Python<'_>,
@@ -109,87 +134,30 @@ pub fn rms_norm_bwd(
     eps: f32,
     offset: f32,
     casting: &str,
+    dsum: Option<&Any<'_>>,
 ) -> PyResult<()> {
     let mut t = Tensors::new();
-    let (dy, x, w, rstd) = (
+    let (dy, dsum, x, w, rstd) = (
         t.input(dy, "grad_output")?,
+        t.input_opt(dsum, "grad_sum")?,
         t.input(x, "x")?,
         t.input(w, "weight")?,
         t.input(rstd, "rstd")?,
     );
     let (dx, dw) = (t.out(dx, "grad_x")?, t.out(dw, "grad_weight")?);
-    let f = t.checked_float(&[&x, &dy, &w, &dx], &[&rstd, &dw])?;
+    let floats: Vec<&View> = [Some(&x), Some(&dy), dsum.as_ref(), Some(&w), Some(&dx)]
+        .into_iter()
+        .flatten()
+        .collect();
+    let f = t.checked_float(&floats, &[&rstd, &dw])?;
     let a = rms_args(x.last(), eps, offset, casting)?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            norm::rms_norm_bwd::<E>(cpu::tier(), a, norm::RmsBwd::new(dy.slice(), x.slice(), w.slice(), rstd.slice(), dx.slice_mut(), dw.slice_mut()))
-        }
-    })
-}
-
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_fwd(
-    py: Python<'_>,
-    x: &Any<'_>,
-    residual: &Any<'_>,
-    w: &Any<'_>,
-    y: &Any<'_>,
-    sum: &Any<'_>,
-    rstd: &Any<'_>,
-    eps: f32,
-    offset: f32,
-    casting: &str,
-) -> PyResult<()> {
-    let mut t = Tensors::new();
-    let (x, r, w) = (
-        t.input(x, "x")?,
-        t.input(residual, "residual")?,
-        t.input(w, "weight")?,
-    );
-    let (y, s, rstd) = (t.out(y, "y")?, t.out(sum, "sum")?, t.out(rstd, "rstd")?);
-    let f = t.checked_float(&[&x, &r, &w, &y, &s], &[&rstd])?;
-    let a = rms_args(x.last(), eps, offset, casting)?;
-    detach_float!(py, t, f, E => {
-        // SAFETY: as in `rms_norm_fwd`.
-        unsafe {
-            let t = norm::RmsFwd { residual: Some(r.slice()), sum: Some(s.slice_mut()), ..norm::RmsFwd::new(x.slice(), w.slice(), y.slice_mut(), rstd.slice_mut()) };
-            norm::rms_norm_fwd::<E>(cpu::tier(), a, t)
-        }
-    })
-}
-
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_bwd(
-    py: Python<'_>,
-    dy: &Any<'_>,
-    dsum: &Any<'_>,
-    sum: &Any<'_>,
-    w: &Any<'_>,
-    rstd: &Any<'_>,
-    ds: &Any<'_>,
-    dw: &Any<'_>,
-    eps: f32,
-    offset: f32,
-    casting: &str,
-) -> PyResult<()> {
-    let mut t = Tensors::new();
-    let (dy, dsum, s, w, rstd) = (
-        t.input(dy, "grad_output")?,
-        t.input(dsum, "grad_sum")?,
-        t.input(sum, "sum")?,
-        t.input(w, "weight")?,
-        t.input(rstd, "rstd")?,
-    );
-    let (ds, dw) = (t.out(ds, "grad_x")?, t.out(dw, "grad_weight")?);
-    let f = t.checked_float(&[&s, &dy, &dsum, &w, &ds], &[&rstd, &dw])?;
-    let a = rms_args(s.last(), eps, offset, casting)?;
-    detach_float!(py, t, f, E => {
-        // SAFETY: as in `rms_norm_fwd`.
-        unsafe {
-            let t = norm::RmsBwd { dsum: Some(dsum.slice()), ..norm::RmsBwd::new(dy.slice(), s.slice(), w.slice(), rstd.slice(), ds.slice_mut(), dw.slice_mut()) };
+            let t = norm::RmsBwd {
+                dsum: dsum.as_ref().map(|d| d.slice()),
+                ..norm::RmsBwd::new(dy.slice(), x.slice(), w.slice(), rstd.slice(), dx.slice_mut(), dw.slice_mut())
+            };
             norm::rms_norm_bwd::<E>(cpu::tier(), a, t)
         }
     })
@@ -353,13 +321,13 @@ pub fn glu_bwd(py: Python<'_>, kind: &str, dc: &Any<'_>, a: &Any<'_>, b: &Any<'_
     })
 }
 
+/// The cross-entropy family's options as the wrappers pass them:
+/// `(ignore_index, label_smoothing, z_loss, softcap, reduction)`.
+type CeOpts = (i64, f32, f32, Option<f32>, String);
+
 /// Options of the cross-entropy family.
 fn ce_options(
-    ignore_index: i64,
-    label_smoothing: f32,
-    z_loss: f32,
-    softcap: Option<f32>,
-    red: &str,
+    (ignore_index, label_smoothing, z_loss, softcap, red): CeOpts,
 ) -> PyResult<cross_entropy::CeOptions> {
     if !(0.0..=1.0).contains(&label_smoothing) {
         return Err(PyValueError::new_err(format!(
@@ -377,7 +345,7 @@ fn ce_options(
         label_smoothing,
         z_loss,
         softcap,
-        reduction: reduction(red)?,
+        reduction: reduction(&red)?,
     })
 }
 
@@ -398,44 +366,33 @@ pub fn cross_entropy_fwd(
     softcap: Option<f32>,
     reduction: &str,
 ) -> PyResult<(f32, f32, usize)> {
-    let o = ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)?;
+    let red = reduction.to_string();
+    let o = ce_options((ignore_index, label_smoothing, z_loss, softcap, red))?;
     let mut t = Tensors::new();
     let logits = t.input(logits, "logits")?;
     let targets = t.input(targets, "target")?;
     let losses = t.out(losses, "losses")?;
     let grad = t.out_opt(grad, "grad")?;
-    t.checked()?;
     let mut floats = vec![&logits];
     floats.extend(grad.as_ref());
-    let f = same_float(&floats)?;
-    targets.expect(Dt::I64)?;
-    f32s(&[&losses])?;
+    let f = t.checked_typed(&floats, &[&targets], &[&losses])?;
     let vocab = logits.last();
-    let r = py
-        .detach(|| {
-            with_float!(f, E => {
-                // SAFETY: as in `rms_norm_fwd`.
-                unsafe {
-                    let a = cross_entropy::CeArgs { targets: targets.slice(), vocab, options: o };
-                    cross_entropy::cross_entropy_fwd_into::<E>(
-                        pool::global(),
-                        cpu::tier(),
-                        &a,
-                        logits.slice(),
-                        losses.slice_mut(),
-                        grad.as_ref().map(|g| g.slice_mut()),
-                    )
-                }
-            })
-        })
-        .map_err(|e| t.error(e))?;
+    let r = detach_float!(py, t, f, E => {
+        // SAFETY: as in `rms_norm_fwd`.
+        unsafe {
+            let a = cross_entropy::CeArgs { targets: targets.slice(), vocab, options: o };
+            let grad = grad.as_ref().map(|g| g.slice_mut());
+            cross_entropy::cross_entropy_fwd_into::<E>(pool::global(), cpu::tier(), &a, logits.slice(), losses.slice_mut(), grad)
+        }
+    })?;
     Ok((r.loss, r.z_loss, r.counted))
 }
 
-/// Fused linear cross-entropy. Returns (loss, z_loss, counted); gradients
-/// are written when `grad_x` and `grad_weight` are given.
+/// Fused linear cross-entropy (`options` as [`CeOpts`]). Returns (loss,
+/// z_loss, counted); gradients are written when `grad_x` and `grad_weight`
+/// are given.
 #[pyfunction]
-#[pyo3(signature = (x, weight, bias, targets, losses, grad_x, grad_weight, grad_bias, row_scale, ignore_index, label_smoothing, z_loss, softcap, reduction))]
+#[pyo3(signature = (x, weight, bias, targets, losses, grad_x, grad_weight, grad_bias, row_scale, options))]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_cross_entropy(
     py: Python<'_>,
@@ -448,13 +405,9 @@ pub fn linear_cross_entropy(
     grad_weight: Option<&Any<'_>>,
     grad_bias: Option<&Any<'_>>,
     row_scale: Option<&Any<'_>>,
-    ignore_index: i64,
-    label_smoothing: f32,
-    z_loss: f32,
-    softcap: Option<f32>,
-    reduction: &str,
+    options: CeOpts,
 ) -> PyResult<(f32, f32, usize)> {
-    let o = ce_options(ignore_index, label_smoothing, z_loss, softcap, reduction)?;
+    let o = ce_options(options)?;
     let mut t = Tensors::new();
     let (x, w) = (t.input(x, "x")?, t.input(weight, "weight")?);
     let bias = t.input_opt(bias, "bias")?;
@@ -464,16 +417,12 @@ pub fn linear_cross_entropy(
     let dx = t.out_opt(grad_x, "grad_x")?;
     let dw = t.out_opt(grad_weight, "grad_weight")?;
     let db = t.out_opt(grad_bias, "grad_bias")?;
-    t.checked()?;
     let mut floats = vec![&x, &w];
     floats.extend(bias.as_ref());
     floats.extend(dx.as_ref());
-    let f = same_float(&floats)?;
-    targets.expect(Dt::I64)?;
-    f32s(&[&losses])?;
-    for v in [&dw, &db, &row_scale].into_iter().flatten() {
-        v.expect(Dt::F32)?;
-    }
+    let mut f32s = vec![&losses];
+    f32s.extend([&dw, &db, &row_scale].into_iter().flatten());
+    let f = t.checked_typed(&floats, &[&targets], &f32s)?;
     let (hidden, vocab) = (x.last(), w.shape.first().copied().unwrap_or(0));
     let r = py
         .detach(|| {
@@ -523,10 +472,7 @@ pub fn jsd_fwd(
     let (q, p) = (t.input(log_q, "input")?, t.input(log_p, "target")?);
     let labels = t.input_opt(labels, "shift_labels")?;
     let dq = t.out(grad_log_q, "grad_input")?;
-    let f = t.checked_float(&[&q, &p, &dq], &[])?;
-    if let Some(l) = &labels {
-        l.expect(Dt::I64)?;
-    }
+    let f = t.checked_typed(&[&q, &p, &dq], &labels.iter().collect::<Vec<_>>(), &[])?;
     let vocab = q.last();
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
@@ -639,13 +585,8 @@ pub fn linear_jsd(
     let dw = t.out_opt(grad_weight, "grad_weight")?;
     let mut floats = vec![&xs, &ws, &xt, &wt];
     floats.extend(dx.as_ref());
-    let f = t.checked_float(&floats, &[])?;
-    if let Some(d) = &dw {
-        d.expect(Dt::F32)?;
-    }
-    if let Some(l) = &labels {
-        l.expect(Dt::I64)?;
-    }
+    let (labels_, dw_): (Vec<_>, Vec<_>) = (labels.iter().collect(), dw.iter().collect());
+    let f = t.checked_typed(&floats, &labels_, &dw_)?;
     let (hs, ht, vocab) = (xs.last(), xt.last(), ws.shape.first().copied().unwrap_or(0));
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
@@ -660,13 +601,24 @@ pub fn linear_jsd(
     })
 }
 
+/// Query, key and value, as the wrappers pass them (one tuple).
+type Qkv<'py> = (Any<'py>, Any<'py>, Any<'py>);
+/// FlashAttention's options: softmax scale, causal mask, sliding window.
+type FlashOpts = (f32, bool, Option<usize>);
+
+/// Registers q, k and v (read) with `t`.
+fn flash_inputs(t: &mut Tensors, (q, k, v): &Qkv<'_>) -> PyResult<[View; 3]> {
+    Ok([
+        t.input(q, "query")?,
+        t.input(k, "key")?,
+        t.input(v, "value")?,
+    ])
+}
+
+/// The call's shape, from q, k and v's views and the options.
 fn flash_shape(
-    q: &View,
-    k: &View,
-    v: &View,
-    scale: f32,
-    causal: bool,
-    window: Option<usize>,
+    [q, k, v]: &[View; 3],
+    (scale, causal, window): FlashOpts,
 ) -> PyResult<flash::FlashShape> {
     let bad = || {
         PyValueError::new_err(format!(
@@ -700,81 +652,61 @@ fn flash_shape(
 }
 
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, lse, scale, causal, window))]
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_fwd(
-    py: Python<'_>,
-    q: &Any<'_>,
-    k: &Any<'_>,
-    v: &Any<'_>,
-    out: &Any<'_>,
-    lse: &Any<'_>,
-    scale: f32,
-    causal: bool,
-    window: Option<usize>,
+pub fn flash_attn_fwd<'py>(
+    py: Python<'py>,
+    qkv: Qkv<'py>,
+    out: &Any<'py>,
+    lse: &Any<'py>,
+    opts: FlashOpts,
 ) -> PyResult<()> {
     let mut t = Tensors::new();
-    let (q, k, v) = (
-        t.input(q, "query")?,
-        t.input(k, "key")?,
-        t.input(v, "value")?,
-    );
+    let qkv = flash_inputs(&mut t, &qkv)?;
     let (o, lse) = (t.out(out, "out")?, t.out(lse, "lse")?);
-    let f = t.checked_float(&[&q, &k, &v, &o], &[&lse])?;
-    let s = flash_shape(&q, &k, &v, scale, causal, window)?;
+    let [q, k, v] = &qkv;
+    let f = t.checked_float(&[q, k, v, &o], &[&lse])?;
+    let s = flash_shape(&qkv, opts)?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            flash::flash_attn_fwd::<E>(kvant_kernels::cpu::tier(), flash::FlashFwd {
-                shape: s, q: q.slice(), k: k.slice(), v: v.slice(), out: o.slice_mut(), lse: lse.slice_mut(),
-            })
+            let a = flash::FlashFwd { shape: s, q: q.slice(), k: k.slice(), v: v.slice(), out: o.slice_mut(), lse: lse.slice_mut() };
+            flash::flash_attn_fwd::<E>(cpu::tier(), a)
         }
     })
 }
 
+/// `saved` is the forward's `out`, the gradient reaching it and the
+/// forward's `lse`; writes the gradients of q, k and v into `grads`.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, out, dout, lse, dq, dk, dv, scale, causal, window))]
-#[allow(clippy::too_many_arguments)]
-pub fn flash_attn_bwd(
-    py: Python<'_>,
-    q: &Any<'_>,
-    k: &Any<'_>,
-    v: &Any<'_>,
-    out: &Any<'_>,
-    dout: &Any<'_>,
-    lse: &Any<'_>,
-    dq: &Any<'_>,
-    dk: &Any<'_>,
-    dv: &Any<'_>,
-    scale: f32,
-    causal: bool,
-    window: Option<usize>,
+pub fn flash_attn_bwd<'py>(
+    py: Python<'py>,
+    qkv: Qkv<'py>,
+    saved: Qkv<'py>,
+    grads: Qkv<'py>,
+    opts: FlashOpts,
 ) -> PyResult<()> {
     let mut t = Tensors::new();
-    let (q, k, v) = (
-        t.input(q, "query")?,
-        t.input(k, "key")?,
-        t.input(v, "value")?,
-    );
+    let qkv = flash_inputs(&mut t, &qkv)?;
     let (o, d_o, lse) = (
-        t.input(out, "out")?,
-        t.input(dout, "grad_out")?,
-        t.input(lse, "lse")?,
+        t.input(&saved.0, "out")?,
+        t.input(&saved.1, "grad_out")?,
+        t.input(&saved.2, "lse")?,
     );
     let (dq, dk, dv) = (
-        t.out(dq, "grad_query")?,
-        t.out(dk, "grad_key")?,
-        t.out(dv, "grad_value")?,
+        t.out(&grads.0, "grad_query")?,
+        t.out(&grads.1, "grad_key")?,
+        t.out(&grads.2, "grad_value")?,
     );
-    let f = t.checked_float(&[&q, &k, &v, &o, &d_o, &dq, &dk, &dv], &[&lse])?;
-    let s = flash_shape(&q, &k, &v, scale, causal, window)?;
+    let [q, k, v] = &qkv;
+    let f = t.checked_float(&[q, k, v, &o, &d_o, &dq, &dk, &dv], &[&lse])?;
+    let s = flash_shape(&qkv, opts)?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
-            flash::flash_attn_bwd::<E>(kvant_kernels::cpu::tier(), flash::FlashBwd {
-                shape: s, q: q.slice(), k: k.slice(), v: v.slice(), out: o.slice(), dout: d_o.slice(),
-                lse: lse.slice(), dq: dq.slice_mut(), dk: dk.slice_mut(), dv: dv.slice_mut(),
-            })
+            let a = flash::FlashBwd {
+                shape: s, q: q.slice(), k: k.slice(), v: v.slice(), out: o.slice(), dout: d_o.slice(), lse: lse.slice(),
+                dq: dq.slice_mut(), dk: dk.slice_mut(), dv: dv.slice_mut(),
+            };
+            flash::flash_attn_bwd::<E>(cpu::tier(), a)
         }
     })
 }
@@ -782,8 +714,6 @@ pub fn flash_attn_bwd(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bwd, m)?)?;
-    m.add_function(wrap_pyfunction!(add_rms_norm_fwd, m)?)?;
-    m.add_function(wrap_pyfunction!(add_rms_norm_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(layer_norm_fwd, m)?)?;
     m.add_function(wrap_pyfunction!(layer_norm_bwd, m)?)?;
     m.add_function(wrap_pyfunction!(rope_apply, m)?)?;

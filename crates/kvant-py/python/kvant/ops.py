@@ -136,7 +136,7 @@ def _add_rms_norm(
     x, residual = x.contiguous(), residual.contiguous()
     y, s = torch.empty_like(x), torch.empty_like(x)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32)
-    _k.add_rms_norm_fwd(x, residual, weight.contiguous(), y, s, rstd, eps, offset, casting)
+    _k.rms_norm_fwd(x, weight.contiguous(), y, rstd, eps, offset, casting, residual, s)
     return y, s, rstd
 
 
@@ -151,7 +151,7 @@ def _add_rms_norm_backward(
 ) -> Tuple[Tensor, Tensor]:
     ds = torch.empty_like(s)
     dw = torch.empty(weight.shape, dtype=torch.float32)
-    _k.add_rms_norm_bwd(dy.contiguous(), dsum.contiguous(), s, weight.contiguous(), rstd, ds, dw, eps, offset, casting)
+    _k.rms_norm_bwd(dy.contiguous(), s, weight.contiguous(), rstd, ds, dw, eps, offset, casting, dsum.contiguous())
     return ds, dw.to(weight.dtype)
 
 
@@ -425,7 +425,7 @@ def _linear_cross_entropy(
     dw = torch.empty(w.shape, dtype=torch.float32) if grads else None
     db = torch.empty(w.shape[0], dtype=torch.float32) if grads and b is not None else None
     loss, _z, _n = _k.linear_cross_entropy(
-        x2, w, b, t, losses, dx, dw, db, None, ignore_index, label_smoothing, z_loss, softcap, reduction
+        x2, w, b, t, losses, dx, dw, db, None, (ignore_index, label_smoothing, z_loss, softcap, reduction)
     )
     out = losses.view(target.shape) if reduction == "none" else torch.tensor(loss, dtype=torch.float32)
     return (
@@ -482,11 +482,7 @@ def _linear_cross_entropy_backward(
         dw,
         db,
         row_scale.contiguous().view(-1).float(),
-        ignore_index,
-        label_smoothing,
-        z_loss,
-        softcap,
-        "none",
+        (ignore_index, label_smoothing, z_loss, softcap, "none"),
     )
     return dx.view(x.shape), dw, db if db is not None else x.new_empty(0, dtype=torch.float32)
 
@@ -674,7 +670,7 @@ def _flash_attn(
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     lse = torch.empty(q.shape[:-1], dtype=torch.float32)
-    _k.flash_attn_fwd(q, k, v, out, lse, scale, causal, window)
+    _k.flash_attn_fwd((q, k, v), out, lse, (scale, causal, window))
     return out, lse
 
 
@@ -696,7 +692,7 @@ def _flash_attn_backward(
     window: Optional[int],
 ) -> Tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    _k.flash_attn_bwd(q, k, v, out, dout.contiguous(), lse, dq, dk, dv, scale, causal, window)
+    _k.flash_attn_bwd((q, k, v), (out, dout.contiguous(), lse), (dq, dk, dv), (scale, causal, window))
     return dq, dk, dv
 
 
