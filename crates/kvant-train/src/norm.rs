@@ -1401,6 +1401,29 @@ pub(crate) mod tests {
         done.unwrap();
     }
 
+    /// The reference's outputs (`run(None)`), then each tier's
+    /// (`run(Some(tier))`) handed to `check` with them; returns the reference's.
+    fn vs_reference<O>(run: impl Fn(Option<SimdTier>) -> O, check: impl Fn(SimdTier, O, &O)) -> O {
+        let want = run(None);
+        for tier in cpu::available_tiers() {
+            check(tier, run(Some(tier)), &want);
+        }
+        want
+    }
+
+    /// The checks of a backward's `dx` (which cancels: `atol·dx_scale`)
+    /// and `dw` on a tier against the reference's.
+    fn assert_dx_dw<E: Elem>(
+        what: &str,
+        (dx, dw): (&[E], &[f32]),
+        (dx0, dw0): (&[E], &[f32]),
+        dx_scale: f32,
+    ) {
+        let t = tol::<E>();
+        assert_close_scaled(&format!("dx {what}"), &f32s(dx), &f32s(dx0), t, dx_scale);
+        assert_close(&format!("dw {what}"), dw, dw0, t);
+    }
+
     /// A LayerNorm forward's tensors.
     fn ln_t<'a, E>(
         (x, w, b): (&'a [E], &'a [E], &'a [E]),
@@ -1466,7 +1489,18 @@ pub(crate) mod tests {
             );
             (y, s, r)
         };
-        let (y0, s0, r0) = fwd(None);
+        let t = tol::<E>();
+        let what = format!(
+            "{rows}x{cols} {a:?} add={add} {}",
+            std::any::type_name::<E>()
+        );
+        let (_, s0, r0) = vs_reference(fwd, |tier, (y, s, r), (y0, s0, r0)| {
+            if add {
+                assert_close(&format!("sum {what} {tier}"), &f32s(&s), &f32s(s0), t);
+            }
+            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(y0), t);
+            assert_close(&format!("rstd {what} {tier}"), &r, r0, (1e-5, 0.0));
+        });
         let src = if add { &s0 } else { &x };
         let bwd = |tier: Option<SimdTier>| {
             let (mut dx, mut dw) = (nans::<E>(n), vec![f32::NAN; cols]);
@@ -1482,31 +1516,12 @@ pub(crate) mod tests {
             );
             (dx, dw)
         };
-        let (dx0, dw0) = bwd(None);
-        let t = tol::<E>();
         let sw: Vec<f32> = w.iter().map(|v| a.offset + v.to_f32()).collect();
         let dx_scale = max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&sw) + max_abs(&f32s(&dsum));
-        let what = format!(
-            "{rows}x{cols} {a:?} add={add} {}",
-            std::any::type_name::<E>()
-        );
-        for tier in cpu::available_tiers() {
-            let (y, s, r) = fwd(Some(tier));
-            if add {
-                assert_close(&format!("sum {what} {tier}"), &f32s(&s), &f32s(&s0), t);
-            }
-            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
-            assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-5, 0.0));
-            let (dx, dw) = bwd(Some(tier));
-            assert_close_scaled(
-                &format!("dx {what} {tier}"),
-                &f32s(&dx),
-                &f32s(&dx0),
-                t,
-                dx_scale,
-            );
-            assert_close(&format!("dw {what} {tier}"), &dw, &dw0, t);
-        }
+        vs_reference(bwd, |tier, (dx, dw), (dx0, dw0)| {
+            let what = format!("{what} {tier}");
+            assert_dx_dw(&what, (&dx, &dw), (dx0, dw0), dx_scale);
+        });
     }
 
     fn args(cols: usize, casting: RmsCasting) -> Vec<RmsNormArgs> {
@@ -1601,7 +1616,14 @@ pub(crate) mod tests {
             );
             (y, m, r)
         };
-        let (y0, m0, r0) = fwd(None);
+        let t = tol::<E>();
+        let what = format!("{rows}x{cols} eps {eps} {}", std::any::type_name::<E>());
+        let (_, m0, r0) = vs_reference(fwd, |tier, (y, m, r), (y0, m0, r0)| {
+            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(y0), t);
+            assert_close(&format!("mean {what} {tier}"), &m, m0, (1e-5, 0.0));
+            // rstd of a constant row (cols 1) is 1/sqrt(eps): exact enough.
+            assert_close(&format!("rstd {what} {tier}"), &r, r0, (1e-4, 0.0));
+        });
         let bwd = |tier: Option<SimdTier>| {
             let (mut dx, mut dw, mut db) =
                 (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
@@ -1614,27 +1636,12 @@ pub(crate) mod tests {
             );
             (dx, dw, db)
         };
-        let (dx0, dw0, db0) = bwd(None);
-        let t = tol::<E>();
         let dx_scale = 3.0 * max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&f32s(&w));
-        let what = format!("{rows}x{cols} eps {eps} {}", std::any::type_name::<E>());
-        for tier in cpu::available_tiers() {
-            let (y, m, r) = fwd(Some(tier));
-            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
-            assert_close(&format!("mean {what} {tier}"), &m, &m0, (1e-5, 0.0));
-            // rstd of a constant row (cols 1) is 1/sqrt(eps): exact enough.
-            assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-4, 0.0));
-            let (dx, dw, db) = bwd(Some(tier));
-            assert_close_scaled(
-                &format!("dx {what} {tier}"),
-                &f32s(&dx),
-                &f32s(&dx0),
-                t,
-                dx_scale,
-            );
-            assert_close(&format!("dw {what} {tier}"), &dw, &dw0, t);
-            assert_close(&format!("db {what} {tier}"), &db, &db0, t);
-        }
+        vs_reference(bwd, |tier, (dx, dw, db), (dx0, dw0, db0)| {
+            let what = format!("{what} {tier}");
+            assert_dx_dw(&what, (&dx, &dw), (dx0, dw0), dx_scale);
+            assert_close(&format!("db {what}"), &db, db0, t);
+        });
     }
     /// cancellation ~1e-10 relative) against the reference gradients.
     #[test]
