@@ -501,8 +501,14 @@ impl<'a, E> RmsBwd<'a, E> {
     }
 }
 
-impl<E> RmsBwd<'_, E> {
-    /// The checks shared by [`rms_norm_bwd`] and its reference; returns the row count.
+impl<'a, E: Elem> NormBwd<'a, E, 1> for RmsBwd<'a, E> {
+    type Args = RmsNormArgs;
+    const OP: &'static str = "rms_norm_bwd";
+
+    fn cols(a: &RmsNormArgs) -> usize {
+        a.cols
+    }
+
     fn check(&self, op: &'static str, a: &RmsNormArgs) -> Result<usize, KernelError> {
         let n = self.x.len();
         let rows = check_rows(op, n, a.cols, a.eps)?;
@@ -516,6 +522,24 @@ impl<E> RmsBwd<'_, E> {
             check_len("add_rms_norm dsum", n, d.len())?;
         }
         Ok(rows)
+    }
+
+    fn take_outputs(&mut self) -> (&'a mut [E], [&'a mut [f32]; 1]) {
+        (std::mem::take(&mut self.dx), [std::mem::take(&mut self.dw)])
+    }
+
+    fn rows_on(&self, tier: SimdTier, a: &RmsNormArgs, c: ChunkOut<'_, E, 1>, g: &mut [f32]) {
+        let (rr, er, dx, [dw]) = c;
+        let part = RmsBwd {
+            dy: &self.dy[er.clone()],
+            dsum: self.dsum.map(|d| &d[er.clone()]),
+            x: &self.x[er],
+            w: self.w,
+            rstd: &self.rstd[rr],
+            dx,
+            dw,
+        };
+        rms_bwd_on(tier, a, part, g)
     }
 }
 
@@ -661,9 +685,16 @@ pub struct LnBwd<'a, E> {
     pub db: &'a mut [f32],
 }
 
-impl<E> LnBwd<'_, E> {
-    /// The checks shared by [`layer_norm_bwd`] and its reference; returns the row count.
-    fn check(&self, op: &'static str, cols: usize) -> Result<usize, KernelError> {
+impl<'a, E: Elem> NormBwd<'a, E, 2> for LnBwd<'a, E> {
+    /// The row width.
+    type Args = usize;
+    const OP: &'static str = "layer_norm_bwd";
+
+    fn cols(&cols: &usize) -> usize {
+        cols
+    }
+
+    fn check(&self, op: &'static str, &cols: &usize) -> Result<usize, KernelError> {
         let rows = check_rows(op, self.x.len(), cols, 0.0)?;
         check_len("layer_norm dy", self.x.len(), self.dy.len())?;
         check_len("layer_norm weight", cols, self.w.len())?;
@@ -673,6 +704,26 @@ impl<E> LnBwd<'_, E> {
         check_len("layer_norm dw", cols, self.dw.len())?;
         check_len("layer_norm db", cols, self.db.len())?;
         Ok(rows)
+    }
+
+    fn take_outputs(&mut self) -> (&'a mut [E], [&'a mut [f32]; 2]) {
+        let grads = [std::mem::take(&mut self.dw), std::mem::take(&mut self.db)];
+        (std::mem::take(&mut self.dx), grads)
+    }
+
+    fn rows_on(&self, tier: SimdTier, &n: &usize, c: ChunkOut<'_, E, 2>, g: &mut [f32]) {
+        let (rr, er, dx, [dw, db]) = c;
+        let part = LnBwd {
+            dy: &self.dy[er.clone()],
+            x: &self.x[er],
+            w: self.w,
+            mean: &self.mean[rr.clone()],
+            rstd: &self.rstd[rr],
+            dx,
+            dw,
+            db,
+        };
+        ln_bwd_on(tier, n, part, g)
     }
 }
 
@@ -948,6 +999,53 @@ fn weight_grad_chunks<const K: usize>(
     Ok(())
 }
 
+// ------------------------------------------------------- backward driver
+
+/// A chunk's share of a backward's outputs: its rows, its elements, its
+/// rows of `dx` and its own partial rows of the `K` parameter gradients.
+type ChunkOut<'b, E, const K: usize> =
+    (Range<usize>, Range<usize>, &'b mut [E], [&'b mut [f32]; K]);
+
+/// A backward's tensors as [`norm_bwd_in`] drives them, `K` the number of
+/// parameter gradients summed over rows (RMSNorm's `dw`; LayerNorm's `dw`
+/// and `db`).
+pub(crate) trait NormBwd<'a, E, const K: usize>: Sync {
+    /// The arguments besides the tensors.
+    type Args: Sync;
+    /// The kernel's name in errors.
+    const OP: &'static str;
+    fn cols(a: &Self::Args) -> usize;
+    /// The checks shared by the kernel and its reference; returns the row count.
+    fn check(&self, op: &'static str, a: &Self::Args) -> Result<usize, KernelError>;
+    /// `dx` and the parameter gradients, moved out (left empty) to be split.
+    fn take_outputs(&mut self) -> (&'a mut [E], [&'a mut [f32]; K]);
+    /// The row kernel on `tier` over the chunk `c` of the inputs; `g` is
+    /// scratch of `cols`.
+    fn rows_on(&self, tier: SimdTier, a: &Self::Args, c: ChunkOut<'_, E, K>, g: &mut [f32]);
+}
+
+/// A backward on `pool` (the public kernels use the global one; the
+/// thread-count test passes its own): checks, then the rows in chunks
+/// (see [`weight_grad_chunks`]) on `tier`.
+pub(crate) fn norm_bwd_in<'a, E: Elem, T: NormBwd<'a, E, K>, const K: usize>(
+    pool: &ThreadPool,
+    tier: SimdTier,
+    a: &T::Args,
+    mut t: T,
+) -> Result<(), KernelError> {
+    let rows = t.check(T::OP, a)?;
+    let tier = cpu::clamp(tier);
+    let n = T::cols(a);
+    let (dx, grads) = t.take_outputs();
+    let dx_s = DisjointSlice::new(dx);
+    weight_grad_chunks((pool, tier), T::OP, (rows, n), grads, |rr, er, grads| {
+        let mut g = vec![0f32; n];
+        // SAFETY: chunk `c` owns rows `rr` (elements `er`) of dx.
+        let dx = unsafe { dx_s.range(er.clone()) };
+        t.rows_on(tier, a, (rr, er, dx, grads), &mut g)
+    })
+}
+
 // ------------------------------------------------------------- public API
 
 /// RMSNorm forward, plain or fused with the residual add (see
@@ -988,34 +1086,7 @@ pub fn rms_norm_bwd<E: Elem>(
     a: RmsNormArgs,
     t: RmsBwd<'_, E>,
 ) -> Result<(), KernelError> {
-    rms_bwd_in(pool::global(), tier, a, t)
-}
-
-pub(crate) fn rms_bwd_in<E: Elem>(
-    pool: &ThreadPool,
-    tier: SimdTier,
-    a: RmsNormArgs,
-    t: RmsBwd<'_, E>,
-) -> Result<(), KernelError> {
-    let op = "rms_norm_bwd";
-    let rows = t.check(op, &a)?;
-    let tier = cpu::clamp(tier);
-    let n = a.cols;
-    let dx_s = DisjointSlice::new(t.dx);
-    weight_grad_chunks((pool, tier), op, (rows, n), [t.dw], |rr, er, [dw]| {
-        let mut g = vec![0f32; n];
-        let part = RmsBwd {
-            dy: &t.dy[er.clone()],
-            dsum: t.dsum.map(|d| &d[er.clone()]),
-            x: &t.x[er.clone()],
-            w: t.w,
-            rstd: &t.rstd[rr],
-            // SAFETY: chunk `c` owns rows `rr` (elements `er`) of dx.
-            dx: unsafe { dx_s.range(er) },
-            dw,
-        };
-        rms_bwd_on(tier, &a, part, &mut g)
-    })
+    norm_bwd_in(pool::global(), tier, &a, t)
 }
 
 /// LayerNorm forward with weight and bias over rows of `cols`, on `tier`.
@@ -1055,41 +1126,7 @@ pub fn layer_norm_bwd<E: Elem>(
     cols: usize,
     t: LnBwd<'_, E>,
 ) -> Result<(), KernelError> {
-    ln_bwd_in(pool::global(), tier, cols, t)
-}
-
-pub(crate) fn ln_bwd_in<E: Elem>(
-    pool: &ThreadPool,
-    tier: SimdTier,
-    cols: usize,
-    t: LnBwd<'_, E>,
-) -> Result<(), KernelError> {
-    let op = "layer_norm_bwd";
-    let rows = t.check(op, cols)?;
-    let tier = cpu::clamp(tier);
-    let n = cols;
-    let dx_s = DisjointSlice::new(t.dx);
-    weight_grad_chunks(
-        (pool, tier),
-        op,
-        (rows, n),
-        [t.dw, t.db],
-        |rr, er, [dw, db]| {
-            let mut g = vec![0f32; n];
-            let part = LnBwd {
-                dy: &t.dy[er.clone()],
-                x: &t.x[er.clone()],
-                w: t.w,
-                mean: &t.mean[rr.clone()],
-                rstd: &t.rstd[rr],
-                // SAFETY: chunk `c` owns rows `rr` (elements `er`) of dx.
-                dx: unsafe { dx_s.range(er) },
-                dw,
-                db,
-            };
-            ln_bwd_on(tier, n, part, &mut g)
-        },
-    )
+    norm_bwd_in(pool::global(), tier, &cols, t)
 }
 
 // ------------------------------------------------------------ references
@@ -1201,6 +1238,7 @@ pub fn rms_norm_bwd_ref<E: Elem>(a: RmsNormArgs, t: RmsBwd<'_, E>) -> Result<(),
     }
     Ok(())
 }
+
 /// One LayerNorm row in f64; returns (mean, rstd).
 pub(crate) fn ln_row_f64(x: &[f64], w: &[f64], b: &[f64], eps: f64, y: &mut [f64]) -> (f64, f64) {
     let n = x.len() as f64;
@@ -1255,7 +1293,7 @@ pub fn layer_norm_fwd_ref<E: Elem>(
 
 /// f64 reference of [`layer_norm_bwd`] (with the saved f32 mean and rstd).
 pub fn layer_norm_bwd_ref<E: Elem>(cols: usize, t: LnBwd<'_, E>) -> Result<(), KernelError> {
-    let rows = t.check("layer_norm_bwd_ref", cols)?;
+    let rows = t.check("layer_norm_bwd_ref", &cols)?;
     let wf = widen(t.w);
     let (mut dwf, mut dbf, mut dxr) = (vec![0f64; cols], vec![0f64; cols], vec![0f64; cols]);
     for i in 0..rows {
@@ -1364,6 +1402,29 @@ pub(crate) mod tests {
         done.unwrap();
     }
 
+    /// The reference's outputs (`run(None)`), then each tier's
+    /// (`run(Some(tier))`) handed to `check` with them; returns the reference's.
+    fn vs_reference<O>(run: impl Fn(Option<SimdTier>) -> O, check: impl Fn(SimdTier, O, &O)) -> O {
+        let want = run(None);
+        for tier in cpu::available_tiers() {
+            check(tier, run(Some(tier)), &want);
+        }
+        want
+    }
+
+    /// The checks of a backward's `dx` (which cancels: `atol·dx_scale`)
+    /// and `dw` on a tier against the reference's.
+    fn assert_dx_dw<E: Elem>(
+        what: &str,
+        (dx, dw): (&[E], &[f32]),
+        (dx0, dw0): (&[E], &[f32]),
+        dx_scale: f32,
+    ) {
+        let t = tol::<E>();
+        assert_close_scaled(&format!("dx {what}"), &f32s(dx), &f32s(dx0), t, dx_scale);
+        assert_close(&format!("dw {what}"), dw, dw0, t);
+    }
+
     /// A LayerNorm forward's tensors.
     fn ln_t<'a, E>(
         (x, w, b): (&'a [E], &'a [E], &'a [E]),
@@ -1429,7 +1490,18 @@ pub(crate) mod tests {
             );
             (y, s, r)
         };
-        let (y0, s0, r0) = fwd(None);
+        let t = tol::<E>();
+        let what = format!(
+            "{rows}x{cols} {a:?} add={add} {}",
+            std::any::type_name::<E>()
+        );
+        let (_, s0, r0) = vs_reference(fwd, |tier, (y, s, r), (y0, s0, r0)| {
+            if add {
+                assert_close(&format!("sum {what} {tier}"), &f32s(&s), &f32s(s0), t);
+            }
+            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(y0), t);
+            assert_close(&format!("rstd {what} {tier}"), &r, r0, (1e-5, 0.0));
+        });
         let src = if add { &s0 } else { &x };
         let bwd = |tier: Option<SimdTier>| {
             let (mut dx, mut dw) = (nans::<E>(n), vec![f32::NAN; cols]);
@@ -1445,31 +1517,12 @@ pub(crate) mod tests {
             );
             (dx, dw)
         };
-        let (dx0, dw0) = bwd(None);
-        let t = tol::<E>();
         let sw: Vec<f32> = w.iter().map(|v| a.offset + v.to_f32()).collect();
         let dx_scale = max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&sw) + max_abs(&f32s(&dsum));
-        let what = format!(
-            "{rows}x{cols} {a:?} add={add} {}",
-            std::any::type_name::<E>()
-        );
-        for tier in cpu::available_tiers() {
-            let (y, s, r) = fwd(Some(tier));
-            if add {
-                assert_close(&format!("sum {what} {tier}"), &f32s(&s), &f32s(&s0), t);
-            }
-            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
-            assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-5, 0.0));
-            let (dx, dw) = bwd(Some(tier));
-            assert_close_scaled(
-                &format!("dx {what} {tier}"),
-                &f32s(&dx),
-                &f32s(&dx0),
-                t,
-                dx_scale,
-            );
-            assert_close(&format!("dw {what} {tier}"), &dw, &dw0, t);
-        }
+        vs_reference(bwd, |tier, (dx, dw), (dx0, dw0)| {
+            let what = format!("{what} {tier}");
+            assert_dx_dw(&what, (&dx, &dw), (dx0, dw0), dx_scale);
+        });
     }
 
     fn args(cols: usize, casting: RmsCasting) -> Vec<RmsNormArgs> {
@@ -1564,7 +1617,14 @@ pub(crate) mod tests {
             );
             (y, m, r)
         };
-        let (y0, m0, r0) = fwd(None);
+        let t = tol::<E>();
+        let what = format!("{rows}x{cols} eps {eps} {}", std::any::type_name::<E>());
+        let (_, m0, r0) = vs_reference(fwd, |tier, (y, m, r), (y0, m0, r0)| {
+            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(y0), t);
+            assert_close(&format!("mean {what} {tier}"), &m, m0, (1e-5, 0.0));
+            // rstd of a constant row (cols 1) is 1/sqrt(eps): exact enough.
+            assert_close(&format!("rstd {what} {tier}"), &r, r0, (1e-4, 0.0));
+        });
         let bwd = |tier: Option<SimdTier>| {
             let (mut dx, mut dw, mut db) =
                 (nans::<E>(n), vec![f32::NAN; cols], vec![f32::NAN; cols]);
@@ -1577,28 +1637,15 @@ pub(crate) mod tests {
             );
             (dx, dw, db)
         };
-        let (dx0, dw0, db0) = bwd(None);
-        let t = tol::<E>();
         let dx_scale = 3.0 * max_abs(&r0) * max_abs(&f32s(&dy)) * max_abs(&f32s(&w));
-        let what = format!("{rows}x{cols} eps {eps} {}", std::any::type_name::<E>());
-        for tier in cpu::available_tiers() {
-            let (y, m, r) = fwd(Some(tier));
-            assert_close(&format!("y {what} {tier}"), &f32s(&y), &f32s(&y0), t);
-            assert_close(&format!("mean {what} {tier}"), &m, &m0, (1e-5, 0.0));
-            // rstd of a constant row (cols 1) is 1/sqrt(eps): exact enough.
-            assert_close(&format!("rstd {what} {tier}"), &r, &r0, (1e-4, 0.0));
-            let (dx, dw, db) = bwd(Some(tier));
-            assert_close_scaled(
-                &format!("dx {what} {tier}"),
-                &f32s(&dx),
-                &f32s(&dx0),
-                t,
-                dx_scale,
-            );
-            assert_close(&format!("dw {what} {tier}"), &dw, &dw0, t);
-            assert_close(&format!("db {what} {tier}"), &db, &db0, t);
-        }
+        vs_reference(bwd, |tier, (dx, dw, db), (dx0, dw0, db0)| {
+            let what = format!("{what} {tier}");
+            assert_dx_dw(&what, (&dx, &dw), (dx0, dw0), dx_scale);
+            assert_close(&format!("db {what}"), &db, db0, t);
+        });
     }
+
+    /// Central differences of `Σ gy·y` (f64, step 1e-6: truncation ~1e-12,
     /// cancellation ~1e-10 relative) against the reference gradients.
     #[test]
     fn reference_gradients_match_finite_differences() {
@@ -1743,7 +1790,7 @@ pub(crate) mod tests {
             let pool = ThreadPool::new(threads).unwrap();
             let (mut dx, mut dw) = (nans::<bf16>(rows * cols), vec![f32::NAN; cols]);
             let t = RmsBwd::new(&dy, &x, &w, &rstd, &mut dx, &mut dw);
-            rms_bwd_in(&pool, cpu::tier(), a, t).unwrap();
+            norm_bwd_in(&pool, cpu::tier(), &a, t).unwrap();
             let (mut dx2, mut dw2, mut db2) = (
                 nans::<bf16>(rows * cols),
                 vec![f32::NAN; cols],
@@ -1755,7 +1802,7 @@ pub(crate) mod tests {
                 &mut dx2,
                 (&mut dw2, &mut db2),
             );
-            ln_bwd_in(&pool, cpu::tier(), cols, t).unwrap();
+            norm_bwd_in(&pool, cpu::tier(), &cols, t).unwrap();
             outs.push((dx, dw, dx2, dw2, db2));
         }
         for o in &outs[1..] {
