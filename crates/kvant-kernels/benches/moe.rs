@@ -16,9 +16,10 @@
 use kvant_core::{DType, Storage, Tensor};
 use kvant_kernels::activation::{gated, Activation};
 use kvant_kernels::bandwidth::measure_read_bandwidth;
+use kvant_kernels::cpu;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
-use kvant_kernels::moe::{moe_ffn, route, Experts, MoeScratch, RouterParams};
+use kvant_kernels::moe::{moe_ffn, route, Experts, MoeScratch, RouterInput, RouterParams, Routing};
 use kvant_kernels::pool;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -104,7 +105,8 @@ fn routed(rng: &mut ChaCha8Rng) -> ([u32; TOP_K], [f32; TOP_K]) {
         .collect();
     let (mut ids, mut w) = ([0u32; TOP_K], [0f32; TOP_K]);
     let p = RouterParams::softmax(N_EXPERTS, TOP_K, true);
-    route(&p, &logits, None, &mut ids, &mut w).unwrap();
+    let r = RouterInput::new(&p, &logits, None);
+    route(&r, &mut ids, &mut w).unwrap();
     (ids, w)
 }
 
@@ -137,7 +139,13 @@ fn measure(layers: &[Layer], calls: &[Call], fused: bool) -> (f64, f64) {
             let l = &layers[i % layers.len()];
             if fused {
                 let (e, silu) = (&l.experts, Activation::Silu);
-                moe_ffn(e, silu, x, 1, ids, w, TOP_K, &mut scratch, &mut out).unwrap();
+                let r = Routing {
+                    ids,
+                    weights: w,
+                    n_tokens: 1,
+                    top_k: TOP_K,
+                };
+                moe_ffn(cpu::tier(), e, silu, x, &r, &mut scratch, &mut out).unwrap();
             } else {
                 unfused.call(l, x, ids, w, &mut out);
             }

@@ -23,8 +23,8 @@ use kvant_kernels::int8::{
 use kvant_kernels::linear::LinearWeight;
 use kvant_kernels::matmul::matmul_with;
 use kvant_kernels::moe::{
-    activation_f64, moe_ffn, moe_ffn_quantized, moe_ffn_ref, moe_ffn_with, route, route_ref,
-    Experts, GroupScore, MoeScratch, RouterParams, Scoring,
+    activation_f64, moe_ffn, moe_ffn_quantized, moe_ffn_ref, route, route_ref, Experts, GroupScore,
+    MoeScratch, RouterInput, RouterParams, Routing, Scoring,
 };
 use kvant_kernels::quant::dequantize_row_ref;
 use kvant_kernels::{pool, KernelError};
@@ -165,14 +165,9 @@ fn routed(rng: &mut ChaCha8Rng, n: usize, n_experts: usize, top_k: usize) -> (Ve
     let logits = random_vec(rng, n * n_experts, 3.0);
     let mut ids = vec![u32::MAX; n * top_k];
     let mut w = vec![f32::NAN; n * top_k];
-    route(
-        &RouterParams::softmax(n_experts, top_k, true),
-        &logits,
-        None,
-        &mut ids,
-        &mut w,
-    )
-    .unwrap();
+    let params = RouterParams::softmax(n_experts, top_k, true);
+    let r = RouterInput::new(&params, &logits, None);
+    route(&r, &mut ids, &mut w).unwrap();
     (ids, w)
 }
 
@@ -191,11 +186,26 @@ impl Batch {
         Batch { n, x, ids, w }
     }
 
+    fn routing(&self, c: &Case) -> Routing<'_> {
+        Routing {
+            ids: &self.ids,
+            weights: &self.w,
+            n_tokens: self.n,
+            top_k: c.top_k,
+        }
+    }
+
     /// The fused layer's output for these tokens on `tier`.
     fn fused(&self, tier: SimdTier, l: &Layer, c: &Case, s: &mut MoeScratch) -> Vec<f32> {
         let mut out = vec![f32::NAN; self.n * c.hidden];
-        moe_ffn_with(
-            tier, &l.experts, c.act, &self.x, self.n, &self.ids, &self.w, c.top_k, s, &mut out,
+        moe_ffn(
+            tier,
+            &l.experts,
+            c.act,
+            &self.x,
+            &self.routing(c),
+            s,
+            &mut out,
         )
         .unwrap();
         out
@@ -330,7 +340,7 @@ fn experts_match_the_reference_on_every_tier() {
                 x.clone()
             };
             let want =
-                moe_ffn_ref(&l.gate, &l.up, &l.down, c.act, &x_seen, n, ids, w, c.top_k).unwrap();
+                moe_ffn_ref(&l.gate, &l.up, &l.down, c.act, &x_seen, &b.routing(&c)).unwrap();
             let bounds: Vec<(Vec<f64>, Vec<f64>)> = (0..n)
                 .map(|t| {
                     let ts = t * c.top_k..(t + 1) * c.top_k;
@@ -420,7 +430,13 @@ fn alone_single_threaded(l: &Layer, c: &Case, x: &[f32], ids: &[u32], w: &[f32])
         if task == 0 {
             let mut s = MoeScratch::default();
             let mut out = vec![f32::NAN; c.hidden];
-            moe_ffn(&l.experts, c.act, x, 1, ids, w, c.top_k, &mut s, &mut out).unwrap();
+            let r = Routing {
+                ids,
+                weights: w,
+                n_tokens: 1,
+                top_k: c.top_k,
+            };
+            moe_ffn(cpu::tier(), &l.experts, c.act, x, &r, &mut s, &mut out).unwrap();
             *result.lock().unwrap() = out;
         }
     });
@@ -484,8 +500,15 @@ fn quantized_input_gives_the_bits_of_its_f32_rows() {
         let mut xq = Q8Activations::default();
         xq.quantize(cpu::tier(), &b.x, n, h).unwrap();
         let mut got = vec![f32::NAN; n * h];
+        let tier = cpu::tier();
         let r = moe_ffn_quantized(
-            &l.experts, c.act, &xq, &b.ids, &b.w, c.top_k, &mut s, &mut got,
+            tier,
+            &l.experts,
+            c.act,
+            &xq,
+            &b.routing(&c),
+            &mut s,
+            &mut got,
         );
         assert_eq!(l.experts.takes_quantized(), l.q8_in, "{c:?}");
         match l.q8_in {
@@ -567,14 +590,20 @@ fn experts_check_their_arguments() {
     let x = random_vec(&mut rng, 2 * 96, 1.0);
     let mut out = vec![f32::NAN; 2 * 96];
     let silu = Activation::Silu;
+    fn routing<'a>(ids: &'a [u32], weights: &'a [f32], top_k: usize) -> Routing<'a> {
+        Routing {
+            ids,
+            weights,
+            n_tokens: 2,
+            top_k,
+        }
+    }
     let err = moe_ffn(
+        cpu::tier(),
         &experts,
         silu,
         &x,
-        2,
-        &[0, 3],
-        &[1.0; 2],
-        1,
+        &routing(&[0, 3], &[1.0; 2], 1),
         &mut s,
         &mut out,
     );
@@ -596,13 +625,11 @@ fn experts_check_their_arguments() {
     ] {
         let mut out = vec![f32::NAN; ol];
         let r = moe_ffn(
+            cpu::tier(),
             &experts,
             silu,
             &x[..xl.min(192)],
-            2,
-            &vec![0; ids],
-            &vec![1.0; w],
-            k,
+            &routing(&vec![0; ids], &vec![1.0; w], k),
             &mut s,
             &mut out,
         );
@@ -612,7 +639,8 @@ fn experts_check_their_arguments() {
         );
     }
     // No slots: nothing routed, the output is zero.
-    moe_ffn(&experts, silu, &x, 2, &[], &[], 0, &mut s, &mut out).unwrap();
+    let none = routing(&[], &[], 0);
+    moe_ffn(cpu::tier(), &experts, silu, &x, &none, &mut s, &mut out).unwrap();
     assert!(out.iter().all(|&v| v == 0.0));
 }
 
@@ -767,10 +795,11 @@ fn check_against_ref(
     let n = logits.len() / p.n_experts;
     let mut ids = vec![u32::MAX; n * p.top_k];
     let mut w = vec![f32::NAN; n * p.top_k];
-    route(p, logits, bias, &mut ids, &mut w).unwrap();
+    let r = RouterInput::new(p, logits, bias);
+    route(&r, &mut ids, &mut w).unwrap();
     let mut ids_ref = vec![u32::MAX; n * p.top_k];
     let mut w_ref = vec![f32::NAN; n * p.top_k];
-    route_ref(p, logits, bias, &mut ids_ref, &mut w_ref).unwrap();
+    route_ref(&r, &mut ids_ref, &mut w_ref).unwrap();
     assert_eq!(ids, ids_ref, "{p:?}");
     for (a, b) in w.iter().zip(&w_ref) {
         assert!((a - b).abs() <= WEIGHT_TOL, "{p:?}: {a} vs {b}");
@@ -956,8 +985,9 @@ fn bad_router_arguments_are_errors() {
     let attempt = |p: RouterParams, logits: &[f32], bias: Option<&[f32]>, slots: usize| {
         let mut ids = vec![0u32; slots];
         let mut w = vec![0f32; slots];
-        let r = route(&p, logits, bias, &mut ids, &mut w);
-        let r_ref = route_ref(&p, logits, bias, &mut ids, &mut w);
+        let input = RouterInput::new(&p, logits, bias);
+        let r = route(&input, &mut ids, &mut w);
+        let r_ref = route_ref(&input, &mut ids, &mut w);
         assert_eq!(r.is_err(), r_ref.is_err());
         r
     };

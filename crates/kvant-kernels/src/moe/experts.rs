@@ -22,8 +22,9 @@
 //! touched.
 
 use super::plan::MoePlan;
+use super::routing::Routing;
 use crate::activation::{gated_with, Activation};
-use crate::cpu::{self, SimdTier};
+use crate::cpu::SimdTier;
 use crate::error::{check_len, checked_mul, KernelError};
 use crate::group::MatrixGroup;
 use crate::int8::{self, PackedMatrix, Q8Activations, Segment};
@@ -152,71 +153,26 @@ impl MoeScratch {
 const MIN_PARALLEL_COMBINE: usize = 64 << 10;
 
 /// `out[t] = Σ_slot weights[t, slot] · down_e(act(gate_e(x_t)) ⊙ up_e(x_t))`,
-/// `e = ids[t, slot]`, on the start-up tier. `x` and `out` are
-/// `[n_tokens, hidden]` (`out` is overwritten), `ids` and `weights`
-/// `[n_tokens, top_k]` (see [`super::route`]).
+/// `e = ids[t, slot]`, on `tier` (lowered to one the CPU supports; the
+/// layers pass [`crate::cpu::tier`]). `x` and `out` are `[n_tokens, hidden]`
+/// (`out` is overwritten), `ids` and `weights` `[n_tokens, top_k]` (see
+/// [`Routing`] and [`super::route`]).
 ///
 /// # Errors
 /// [`KernelError::LengthMismatch`] if a slice disagrees with the shapes,
 /// [`KernelError::IndexOutOfRange`] for an id of no expert; `out` is then
 /// untouched.
-#[allow(clippy::too_many_arguments)] // the layer's inputs, named as in the model
 pub fn moe_ffn(
-    experts: &Experts,
-    act: Activation,
-    x: &[f32],
-    n_tokens: usize,
-    ids: &[u32],
-    weights: &[f32],
-    top_k: usize,
-    scratch: &mut MoeScratch,
-    out: &mut [f32],
-) -> Result<(), KernelError> {
-    moe_ffn_with(
-        cpu::tier(),
-        experts,
-        act,
-        x,
-        n_tokens,
-        ids,
-        weights,
-        top_k,
-        scratch,
-        out,
-    )
-}
-
-/// [`moe_ffn`] on a given tier (lowered to one the CPU supports).
-#[allow(clippy::too_many_arguments)]
-pub fn moe_ffn_with(
     tier: SimdTier,
     experts: &Experts,
     act: Activation,
     x: &[f32],
-    n_tokens: usize,
-    ids: &[u32],
-    weights: &[f32],
-    top_k: usize,
+    r: &Routing<'_>,
     scratch: &mut MoeScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    let h = experts.hidden;
-    check_len(
-        "moe input [n_tokens, hidden]",
-        checked_mul("moe", n_tokens, h)?,
-        x.len(),
-    )?;
-    let io = (ids, weights, top_k);
-    run(
-        tier,
-        experts,
-        act,
-        Input::F32(x),
-        n_tokens,
-        io,
-        scratch,
-        out,
-    )
+    r.check_rows("moe input [n_tokens, hidden]", experts.hidden, x.len())?;
+    run(tier, experts, act, Input::F32(x), r, scratch, out)
 }
 
 impl Experts {
@@ -236,18 +192,17 @@ impl Experts {
 /// As [`moe_ffn`]; [`KernelError::LengthMismatch`] when `x` is not
 /// `[n_tokens, hidden]` or the experts' gate and up are not int8 (see
 /// [`Experts::takes_quantized`]).
-#[allow(clippy::too_many_arguments)]
 pub fn moe_ffn_quantized(
+    tier: SimdTier,
     experts: &Experts,
     act: Activation,
     x: &Q8Activations,
-    ids: &[u32],
-    weights: &[f32],
-    top_k: usize,
+    r: &Routing<'_>,
     scratch: &mut MoeScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     check_len("quantized moe input columns", experts.hidden, x.k())?;
+    check_len("quantized moe input rows", r.n_tokens, x.n_tokens())?;
     if !experts.takes_quantized() {
         return Err(KernelError::LengthMismatch {
             what: "int8 gate and up weights for quantized moe input",
@@ -256,17 +211,7 @@ pub fn moe_ffn_quantized(
                 + usize::from(experts.up.int8().is_some()),
         });
     }
-    let io = (ids, weights, top_k);
-    run(
-        cpu::tier(),
-        experts,
-        act,
-        Input::Q8(x),
-        x.n_tokens(),
-        io,
-        scratch,
-        out,
-    )
+    run(tier, experts, act, Input::Q8(x), r, scratch, out)
 }
 
 /// The tokens a MoE call runs.
@@ -276,28 +221,21 @@ enum Input<'a> {
     Q8(&'a Q8Activations),
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run(
     tier: SimdTier,
     experts: &Experts,
     act: Activation,
     x: Input<'_>,
-    n_tokens: usize,
-    (ids, weights, top_k): (&[u32], &[f32], usize),
+    r: &Routing<'_>,
     scratch: &mut MoeScratch,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let (h, ff) = (experts.hidden, experts.ff);
-    check_len(
-        "moe output [n_tokens, hidden]",
-        checked_mul("moe", n_tokens, h)?,
-        out.len(),
-    )?;
-    let n_assign = checked_mul("moe", n_tokens, top_k)?;
-    check_len("moe ids [n_tokens, top_k]", n_assign, ids.len())?;
-    check_len("moe weights [n_tokens, top_k]", n_assign, weights.len())?;
+    let n_tokens = r.n_tokens;
+    r.check_rows("moe output [n_tokens, hidden]", h, out.len())?;
+    let n_assign = r.check()?;
     let s = scratch;
-    s.plan.build(ids, top_k, experts.n_experts)?;
+    s.plan.build(r.ids, r.top_k, experts.n_experts)?;
     let inter_len = checked_mul("moe", n_assign, ff)?;
     let out_len = checked_mul("moe", n_assign, h)?;
     if n_assign == 0 {
@@ -366,7 +304,7 @@ fn run(
     experts
         .down
         .forward_runs(tier, s.plan.active(), &s.gate, &mut s.inter_q8, &mut s.down)?;
-    combine(&s.down, s.plan.positions(), weights, top_k, h, out)
+    combine(&s.down, s.plan.positions(), r.weights, r.top_k, h, out)
 }
 
 /// `out[t] = Σ_slot w[t, slot] · y[positions[t, slot]]` over rows of

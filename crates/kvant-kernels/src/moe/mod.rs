@@ -3,15 +3,18 @@
 //! these).
 //!
 //! A layer runs [`route`] on its router logits (computed by the caller,
-//! `x · W_gateᵀ` in f32), then [`moe_ffn`] with the ids and weights; shared
-//! experts are ordinary dense blocks, outside this module.
+//! `x · W_gateᵀ` in f32), then [`moe_ffn`] with the ids and weights (a
+//! [`Routing`]); shared experts are ordinary dense blocks, outside this
+//! module.
 
 mod experts;
 mod plan;
 mod reference;
 mod route;
+mod routing;
 
-pub use experts::{combine, moe_ffn, moe_ffn_quantized, moe_ffn_with, Experts, MoeScratch};
+pub use experts::{combine, moe_ffn, moe_ffn_quantized, Experts, MoeScratch};
 pub use plan::MoePlan;
 pub use reference::{activation_f64, moe_ffn_ref, route_ref};
-pub use route::{route, GroupScore, RouterParams, Scoring};
+pub use route::{route, GroupScore, RouterInput, RouterParams, Scoring};
+pub use routing::Routing;

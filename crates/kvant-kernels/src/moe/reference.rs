@@ -2,7 +2,8 @@
 //! the experts as a per-token loop over slots with the weights dequantized
 //! exactly and every sum in f64. Obviously correct, allocating freely.
 
-use super::route::{check_route_args, GroupScore, RouterParams, Scoring};
+use super::route::{GroupScore, RouterInput, Scoring};
+use super::routing::Routing;
 use crate::activation::Activation;
 use crate::error::{check_len, KernelError};
 use crate::quant::dequantize_row_ref;
@@ -16,13 +17,16 @@ use std::cmp::Ordering;
 /// # Errors
 /// As [`super::route`].
 pub fn route_ref(
-    p: &RouterParams,
-    logits: &[f32],
-    bias: Option<&[f32]>,
+    r: &RouterInput<'_>,
     ids: &mut [u32],
     weights: &mut [f32],
 ) -> Result<(), KernelError> {
-    check_route_args(p, logits, bias, ids, weights)?;
+    r.check(ids, weights)?;
+    let RouterInput {
+        params: p,
+        logits,
+        bias,
+    } = *r;
     let n = p.n_experts;
     let outs = ids
         .chunks_exact_mut(p.top_k)
@@ -113,18 +117,20 @@ fn product(w: &[f32], x: &[f64]) -> Vec<f64> {
 /// # Errors
 /// [`KernelError::LengthMismatch`] or a shape error if the arguments
 /// disagree, [`KernelError::IndexOutOfRange`] for an id of no expert.
-#[allow(clippy::too_many_arguments)]
 pub fn moe_ffn_ref(
     gate: &[Tensor],
     up: &[Tensor],
     down: &[Tensor],
     act: Activation,
     x: &[f32],
-    n_tokens: usize,
-    ids: &[u32],
-    weights: &[f32],
-    top_k: usize,
+    r: &Routing<'_>,
 ) -> Result<Vec<f64>, KernelError> {
+    let Routing {
+        ids,
+        weights,
+        n_tokens,
+        top_k,
+    } = *r;
     let n_experts = gate.len();
     check_len(
         "reference experts (at least one)",
@@ -139,9 +145,8 @@ pub fn moe_ffn_ref(
             shape: gate[0].shape().to_vec(),
         });
     };
-    check_len("reference x", n_tokens * h, x.len())?;
-    check_len("reference ids", n_tokens * top_k, ids.len())?;
-    check_len("reference weights", n_tokens * top_k, weights.len())?;
+    r.check_rows("reference x", h, x.len())?;
+    r.check()?;
     let mut w = Vec::new();
     for e in 0..n_experts {
         w.push([

@@ -134,64 +134,79 @@ thread_local! {
     static SCRATCH: Cell<Scratch> = Cell::new(Scratch::default());
 }
 
-/// Routes `logits` (`[n_tokens, n_experts]` router outputs in f32): writes
-/// `ids` and `weights` (`[n_tokens, top_k]` each), each token's slots in
-/// descending order of selection value, ties to the lower expert id.
-/// `bias` (`[n_experts]`, DeepSeek-V3's `e_score_correction_bias`) is added
-/// to the scores for the selection only.
+/// One call's router input: its parameters, the `logits`
+/// (`[n_tokens, n_experts]` router outputs in f32) and `bias`
+/// (`[n_experts]`, DeepSeek-V3's `e_score_correction_bias`, added to the
+/// scores for the selection only). [`route`] and its reference take it
+/// and check it with [`RouterInput::check`].
+#[derive(Clone, Copy, Debug)]
+pub struct RouterInput<'a> {
+    pub params: &'a RouterParams,
+    pub logits: &'a [f32],
+    pub bias: Option<&'a [f32]>,
+}
+
+impl<'a> RouterInput<'a> {
+    /// The input in one line (tests, benches and the layers build it per call).
+    pub fn new(params: &'a RouterParams, logits: &'a [f32], bias: Option<&'a [f32]>) -> Self {
+        RouterInput {
+            params,
+            logits,
+            bias,
+        }
+    }
+
+    /// Validates the input and the outputs `ids` and `weights` of a
+    /// routing; returns the token count.
+    ///
+    /// # Errors
+    /// As [`route`].
+    pub fn check(&self, ids: &[u32], weights: &[f32]) -> Result<usize, KernelError> {
+        let p = self.params;
+        p.validate()?;
+        let n_tokens = self.logits.len() / p.n_experts;
+        check_len(
+            "router logits [n_tokens, n_experts]",
+            n_tokens * p.n_experts,
+            self.logits.len(),
+        )?;
+        let slots = checked_mul("route", n_tokens, p.top_k)?;
+        check_len("router ids [n_tokens, top_k]", slots, ids.len())?;
+        check_len("router weights [n_tokens, top_k]", slots, weights.len())?;
+        if let Some(b) = self.bias {
+            check_len("router bias [n_experts]", p.n_experts, b.len())?;
+        }
+        Ok(n_tokens)
+    }
+}
+
+/// Routes `r.logits`: writes `ids` and `weights` (`[n_tokens, top_k]`
+/// each), each token's slots in descending order of selection value, ties
+/// to the lower expert id.
 ///
 /// # Errors
 /// [`KernelError::RouterParams`] for parameters [`RouterParams::validate`]
 /// rejects; [`KernelError::LengthMismatch`] unless `logits` is whole rows,
 /// `ids` and `weights` hold `top_k` values per row and `bias` (if any)
 /// `n_experts`.
-pub fn route(
-    p: &RouterParams,
-    logits: &[f32],
-    bias: Option<&[f32]>,
-    ids: &mut [u32],
-    weights: &mut [f32],
-) -> Result<(), KernelError> {
-    let n_tokens = check_route_args(p, logits, bias, ids, weights)?;
+pub fn route(r: &RouterInput<'_>, ids: &mut [u32], weights: &mut [f32]) -> Result<(), KernelError> {
+    let n_tokens = r.check(ids, weights)?;
+    let p = r.params;
     let mut s = SCRATCH.take();
     s.score.resize(p.n_experts, 0.0);
     s.key.resize(p.n_experts, 0.0);
     s.group_key.resize(p.n_group, 0.0);
     s.kept_ids.resize(p.topk_group.min(p.n_group), 0);
     s.kept_keys.resize(p.topk_group.min(p.n_group), 0.0);
-    let rows = logits.chunks_exact(p.n_experts).take(n_tokens);
+    let rows = r.logits.chunks_exact(p.n_experts).take(n_tokens);
     let outs = ids
         .chunks_exact_mut(p.top_k)
         .zip(weights.chunks_exact_mut(p.top_k));
     for (row, (ids, weights)) in rows.zip(outs) {
-        route_token(p, row, bias, &mut s, ids, weights);
+        route_token(p, row, r.bias, &mut s, ids, weights);
     }
     SCRATCH.set(s);
     Ok(())
-}
-
-/// Validates `route`'s arguments; returns the token count.
-pub(crate) fn check_route_args(
-    p: &RouterParams,
-    logits: &[f32],
-    bias: Option<&[f32]>,
-    ids: &[u32],
-    weights: &[f32],
-) -> Result<usize, KernelError> {
-    p.validate()?;
-    let n_tokens = logits.len() / p.n_experts;
-    check_len(
-        "router logits [n_tokens, n_experts]",
-        n_tokens * p.n_experts,
-        logits.len(),
-    )?;
-    let slots = checked_mul("route", n_tokens, p.top_k)?;
-    check_len("router ids [n_tokens, top_k]", slots, ids.len())?;
-    check_len("router weights [n_tokens, top_k]", slots, weights.len())?;
-    if let Some(b) = bias {
-        check_len("router bias [n_experts]", p.n_experts, b.len())?;
-    }
-    Ok(n_tokens)
 }
 
 /// A selection value with NaN ranked lowest.

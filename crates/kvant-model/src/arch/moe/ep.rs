@@ -40,8 +40,9 @@ use crate::ModelError;
 use kvant_dist::layout::{token_share, Placement};
 use kvant_dist::{Buffer, Collective, Comm, DistError};
 use kvant_kernels::activation::Activation;
+use kvant_kernels::cpu;
 use kvant_kernels::int8::Q8Activations;
-use kvant_kernels::moe::{combine, moe_ffn, moe_ffn_quantized, Experts, MoeScratch};
+use kvant_kernels::moe::{combine, moe_ffn, moe_ffn_quantized, Experts, MoeScratch, Routing};
 use std::future::Future;
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -363,7 +364,7 @@ impl Pass<'_> {
             false => h,
         };
         if self.quantized && m > 0 {
-            e.xq.quantize(kvant_kernels::cpu::tier(), xs, m, h)?;
+            e.xq.quantize(cpu::tier(), xs, m, h)?;
         }
         let mut rows_f32 = Vec::new();
         let mut rows_q8 = Vec::new();
@@ -661,9 +662,15 @@ fn run_experts(
     }
     ones.clear();
     ones.resize(n, 1.0);
+    let r = Routing {
+        ids,
+        weights: ones,
+        n_tokens: n,
+        top_k: 1,
+    };
     match x {
-        Rows::Q8(x) => moe_ffn_quantized(experts, act, x, ids, ones, 1, kernel, y)?,
-        Rows::F32(x) => moe_ffn(experts, act, x, n, ids, ones, 1, kernel, y)?,
+        Rows::Q8(x) => moe_ffn_quantized(cpu::tier(), experts, act, x, &r, kernel, y)?,
+        Rows::F32(x) => moe_ffn(cpu::tier(), experts, act, x, &r, kernel, y)?,
     }
     Ok(())
 }

@@ -17,7 +17,8 @@ use crate::ModelError;
 use kvant_core::Tensor;
 use kvant_dist::layout::Placement;
 use kvant_kernels::activation::Activation;
-use kvant_kernels::moe::{moe_ffn, Experts};
+use kvant_kernels::cpu;
+use kvant_kernels::moe::{moe_ffn, Experts, Routing};
 
 pub(crate) struct MoeFfn {
     router: Router,
@@ -168,18 +169,14 @@ impl MoeFfn {
         if n > 0 {
             self.router.route(xn, n, q8, &mut s.routes)?;
             let k = self.router.params.top_k;
+            let r = Routing {
+                ids: &s.routes.ids[..n * k],
+                weights: &s.routes.weights[..n * k],
+                n_tokens: n,
+                top_k: k,
+            };
             match experts {
-                Some(x) => moe_ffn(
-                    x,
-                    act,
-                    xn,
-                    n,
-                    &s.routes.ids[..n * k],
-                    &s.routes.weights[..n * k],
-                    k,
-                    &mut s.kernel,
-                    out,
-                )?,
+                Some(x) => moe_ffn(cpu::tier(), x, act, xn, &r, &mut s.kernel, out)?,
                 None => out.fill(0.0),
             }
             if let Some(sh) = &self.shared {

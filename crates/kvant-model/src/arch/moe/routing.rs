@@ -4,7 +4,7 @@
 use crate::ModelError;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
-use kvant_kernels::moe::{route, RouterParams};
+use kvant_kernels::moe::{route, RouterInput, RouterParams};
 
 pub(crate) struct Router {
     pub params: RouterParams,
@@ -47,7 +47,8 @@ impl Router {
         self.weight
             .forward(&LinearInput::new(xn, n, q8, &[&self.weight])?, logits)?;
         let (ids, weights) = (&mut r.ids[..n * k], &mut r.weights[..n * k]);
-        route(&self.params, logits, self.bias.as_deref(), ids, weights)?;
+        let input = RouterInput::new(&self.params, logits, self.bias.as_deref());
+        route(&input, ids, weights)?;
         Ok(())
     }
 }
