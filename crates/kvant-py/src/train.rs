@@ -118,24 +118,20 @@ pub fn rms_norm_fwd(
     })
 }
 
-/// RMSNorm backward; with `dsum` given, the fused residual add's (`x` is
-/// then the saved sum and `dx` the gradient of both addends).
+/// RMSNorm backward: `saved` is (grad_output, x, weight, rstd), `grads`
+/// (grad_x, grad_weight), `options` (eps, offset, casting); with `dsum`
+/// given, the fused residual add's (`x` is then the saved sum and
+/// `grad_x` the gradient of both addends).
 #[pyfunction]
-#[pyo3(signature = (dy, x, w, rstd, dx, dw, eps, offset, casting, dsum = None))]
-#[allow(clippy::too_many_arguments)]
-pub fn rms_norm_bwd(
-    py: Python<'_>,
-    dy: &Any<'_>,
-    x: &Any<'_>,
-    w: &Any<'_>,
-    rstd: &Any<'_>,
-    dx: &Any<'_>,
-    dw: &Any<'_>,
-    eps: f32,
-    offset: f32,
-    casting: &str,
-    dsum: Option<&Any<'_>>,
+#[pyo3(signature = (saved, grads, options, dsum = None))]
+pub fn rms_norm_bwd<'py>(
+    py: Python<'py>,
+    saved: [Any<'py>; 4],
+    grads: [Any<'py>; 2],
+    (eps, offset, casting): (f32, f32, String),
+    dsum: Option<&Any<'py>>,
 ) -> PyResult<()> {
+    let [dy, x, w, rstd] = &saved;
     let mut t = Tensors::new();
     let (dy, dsum, x, w, rstd) = (
         t.input(dy, "grad_output")?,
@@ -144,13 +140,16 @@ pub fn rms_norm_bwd(
         t.input(w, "weight")?,
         t.input(rstd, "rstd")?,
     );
-    let (dx, dw) = (t.out(dx, "grad_x")?, t.out(dw, "grad_weight")?);
+    let (dx, dw) = (
+        t.out(&grads[0], "grad_x")?,
+        t.out(&grads[1], "grad_weight")?,
+    );
     let floats: Vec<&View> = [Some(&x), Some(&dy), dsum.as_ref(), Some(&w), Some(&dx)]
         .into_iter()
         .flatten()
         .collect();
     let f = t.checked_float(&floats, &[&rstd, &dw])?;
-    let a = rms_args(x.last(), eps, offset, casting)?;
+    let a = rms_args(x.last(), eps, offset, &casting)?;
     detach_float!(py, t, f, E => {
         // SAFETY: as in `rms_norm_fwd`.
         unsafe {
@@ -547,23 +546,19 @@ pub fn kl_div_bwd(
     })
 }
 
-/// Fused linear JSD (distillation). Returns (loss, counted); student
-/// gradients are written when given.
+/// Fused linear JSD (distillation): `student` and `teacher` are each
+/// (input, weight), `options` (beta, ignore_index, temperature). Returns
+/// (loss, counted); the student's gradients are written into `grads`
+/// (input, weight) when given.
 #[pyfunction]
-#[pyo3(signature = (x_s, w_s, x_t, w_t, labels, beta, ignore_index, temperature, grad_x, grad_weight))]
-#[allow(clippy::too_many_arguments)]
-pub fn linear_jsd(
-    py: Python<'_>,
-    x_s: &Any<'_>,
-    w_s: &Any<'_>,
-    x_t: &Any<'_>,
-    w_t: &Any<'_>,
-    labels: Option<&Any<'_>>,
-    beta: f32,
-    ignore_index: i64,
-    temperature: f32,
-    grad_x: Option<&Any<'_>>,
-    grad_weight: Option<&Any<'_>>,
+#[pyo3(signature = (student, teacher, labels, options, grads))]
+pub fn linear_jsd<'py>(
+    py: Python<'py>,
+    student: (Any<'py>, Any<'py>),
+    teacher: (Any<'py>, Any<'py>),
+    labels: Option<&Any<'py>>,
+    (beta, ignore_index, temperature): (f32, i64, f32),
+    (grad_x, grad_weight): (Option<Any<'py>>, Option<Any<'py>>),
 ) -> PyResult<(f32, usize)> {
     check_beta(beta)?;
     if !(temperature > 0.0 && temperature.is_finite()) {
@@ -573,16 +568,16 @@ pub fn linear_jsd(
     }
     let mut t = Tensors::new();
     let (xs, ws) = (
-        t.input(x_s, "student_input")?,
-        t.input(w_s, "student_weight")?,
+        t.input(&student.0, "student_input")?,
+        t.input(&student.1, "student_weight")?,
     );
     let (xt, wt) = (
-        t.input(x_t, "teacher_input")?,
-        t.input(w_t, "teacher_weight")?,
+        t.input(&teacher.0, "teacher_input")?,
+        t.input(&teacher.1, "teacher_weight")?,
     );
     let labels = t.input_opt(labels, "shift_labels")?;
-    let dx = t.out_opt(grad_x, "grad_input")?;
-    let dw = t.out_opt(grad_weight, "grad_weight")?;
+    let dx = t.out_opt(grad_x.as_ref(), "grad_input")?;
+    let dw = t.out_opt(grad_weight.as_ref(), "grad_weight")?;
     let mut floats = vec![&xs, &ws, &xt, &wt];
     floats.extend(dx.as_ref());
     let (labels_, dw_): (Vec<_>, Vec<_>) = (labels.iter().collect(), dw.iter().collect());

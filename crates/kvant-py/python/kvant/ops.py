@@ -99,7 +99,7 @@ def _rms_norm_backward(
 ) -> Tuple[Tensor, Tensor]:
     dx = torch.empty_like(x)
     dw = torch.empty(weight.shape, dtype=torch.float32)
-    _k.rms_norm_bwd(dy.contiguous(), x, weight.contiguous(), rstd, dx, dw, eps, offset, casting)
+    _k.rms_norm_bwd((dy.contiguous(), x, weight.contiguous(), rstd), (dx, dw), (eps, offset, casting))
     return dx, dw.to(weight.dtype)
 
 
@@ -151,7 +151,7 @@ def _add_rms_norm_backward(
 ) -> Tuple[Tensor, Tensor]:
     ds = torch.empty_like(s)
     dw = torch.empty(weight.shape, dtype=torch.float32)
-    _k.rms_norm_bwd(dy.contiguous(), s, weight.contiguous(), rstd, ds, dw, eps, offset, casting, dsum.contiguous())
+    _k.rms_norm_bwd((dy.contiguous(), s, weight.contiguous(), rstd), (ds, dw), (eps, offset, casting), dsum.contiguous())
     return ds, dw.to(weight.dtype)
 
 
@@ -624,7 +624,11 @@ def _linear_jsd(
     dx = torch.empty_like(xs) if want_grad else None
     dw = torch.empty(student_weight.shape, dtype=torch.float32) if want_grad else None
     loss, _n = _k.linear_jsd(
-        xs, student_weight.contiguous(), xt, teacher_weight.contiguous(), labels, beta, ignore_index, temperature, dx, dw
+        (xs, student_weight.contiguous()),
+        (xt, teacher_weight.contiguous()),
+        labels,
+        (beta, ignore_index, temperature),
+        (dx, dw),
     )
     return (
         torch.tensor(loss, dtype=torch.float32).to(student_input.dtype),
