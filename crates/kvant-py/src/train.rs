@@ -128,9 +128,10 @@ pub fn rms_norm_bwd<'py>(
     py: Python<'py>,
     saved: [Any<'py>; 4],
     grads: [Any<'py>; 2],
-    (eps, offset, casting): (f32, f32, String),
+    options: (f32, f32, String),
     dsum: Option<&Any<'py>>,
 ) -> PyResult<()> {
+    let (eps, offset, casting) = options;
     let [dy, x, w, rstd] = &saved;
     let mut t = Tensors::new();
     let (dy, dsum, x, w, rstd) = (
@@ -162,18 +163,16 @@ pub fn rms_norm_bwd<'py>(
     })
 }
 
+/// LayerNorm forward: `inputs` (x, weight, bias) in, `outputs` (y,
+/// mean, rstd) out.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_fwd(
-    py: Python<'_>,
-    x: &Any<'_>,
-    w: &Any<'_>,
-    b: &Any<'_>,
-    y: &Any<'_>,
-    mean: &Any<'_>,
-    rstd: &Any<'_>,
+pub fn layer_norm_fwd<'py>(
+    py: Python<'py>,
+    inputs: [Any<'py>; 3],
+    outputs: [Any<'py>; 3],
     eps: f32,
 ) -> PyResult<()> {
+    let ([x, w, b], [y, mean, rstd]) = (&inputs, &outputs);
     let mut t = Tensors::new();
     let (x, w, b) = (t.input(x, "x")?, t.input(w, "weight")?, t.input(b, "bias")?);
     let (y, mean, rstd) = (t.out(y, "y")?, t.out(mean, "mean")?, t.out(rstd, "rstd")?);
@@ -188,19 +187,15 @@ pub fn layer_norm_fwd(
     })
 }
 
+/// LayerNorm backward: `saved` (grad_output, x, weight, mean, rstd) in,
+/// `grads` (grad_x, grad_weight, grad_bias) out.
 #[pyfunction]
-#[allow(clippy::too_many_arguments)]
-pub fn layer_norm_bwd(
-    py: Python<'_>,
-    dy: &Any<'_>,
-    x: &Any<'_>,
-    w: &Any<'_>,
-    mean: &Any<'_>,
-    rstd: &Any<'_>,
-    dx: &Any<'_>,
-    dw: &Any<'_>,
-    db: &Any<'_>,
+pub fn layer_norm_bwd<'py>(
+    py: Python<'py>,
+    saved: [Any<'py>; 5],
+    grads: [Any<'py>; 3],
 ) -> PyResult<()> {
+    let ([dy, x, w, mean, rstd], [dx, dw, db]) = (&saved, &grads);
     let mut t = Tensors::new();
     let (dy, x, w, mean, rstd) = (
         t.input(dy, "grad_output")?,
@@ -557,9 +552,10 @@ pub fn linear_jsd<'py>(
     student: (Any<'py>, Any<'py>),
     teacher: (Any<'py>, Any<'py>),
     labels: Option<&Any<'py>>,
-    (beta, ignore_index, temperature): (f32, i64, f32),
-    (grad_x, grad_weight): (Option<Any<'py>>, Option<Any<'py>>),
+    options: (f32, i64, f32),
+    grads: (Option<Any<'py>>, Option<Any<'py>>),
 ) -> PyResult<(f32, usize)> {
+    let ((beta, ignore_index, temperature), (grad_x, grad_weight)) = (options, grads);
     check_beta(beta)?;
     if !(temperature > 0.0 && temperature.is_finite()) {
         return Err(PyValueError::new_err(

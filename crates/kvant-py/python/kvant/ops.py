@@ -188,7 +188,7 @@ def _layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tuple[Te
     y = torch.empty_like(x)
     mean = torch.empty(x.shape[:-1], dtype=torch.float32)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32)
-    _k.layer_norm_fwd(x, weight.contiguous(), bias.contiguous(), y, mean, rstd, eps)
+    _k.layer_norm_fwd((x, weight.contiguous(), bias.contiguous()), (y, mean, rstd), eps)
     return y, mean, rstd
 
 
@@ -205,7 +205,7 @@ def _layer_norm_backward(
     dx = torch.empty_like(x)
     dw = torch.empty(weight.shape, dtype=torch.float32)
     db = torch.empty(weight.shape, dtype=torch.float32)
-    _k.layer_norm_bwd(dy.contiguous(), x, weight.contiguous(), mean, rstd, dx, dw, db)
+    _k.layer_norm_bwd((dy.contiguous(), x, weight.contiguous(), mean, rstd), (dx, dw, db))
     return dx, dw.to(weight.dtype), db.to(weight.dtype)
 
 
