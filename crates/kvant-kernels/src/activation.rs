@@ -16,16 +16,55 @@ pub enum Activation {
     Silu,
     /// GELU with the tanh approximation (`gelu_pytorch_tanh`): Gemma.
     GeluTanh,
+    /// SiLU with the gate clamped to at most the limit and the up
+    /// projection to ±limit before the product (DeepSeek-V4's
+    /// `swiglu_limit`, transformers' `gate.clamp(max=l)`,
+    /// `up.clamp(-l, l)`).
+    SiluClamped(Limit),
+}
+
+/// A clamp limit, compared by its bits so that [`Activation`] stays `Eq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limit(u32);
+
+impl Limit {
+    pub fn new(limit: f32) -> Self {
+        Limit(limit.to_bits())
+    }
+
+    pub fn get(self) -> f32 {
+        f32::from_bits(self.0)
+    }
 }
 
 impl Activation {
+    /// The nonlinearity on a gate value (clamped first where the variant
+    /// clamps); see [`Activation::up`] for what multiplies it.
     pub fn apply(self, x: f32) -> f32 {
         match self {
             Activation::Silu => x / (1.0 + (-x).exp()),
+            Activation::SiluClamped(l) => {
+                let x = x.min(l.get());
+                x / (1.0 + (-x).exp())
+            }
             Activation::GeluTanh => {
                 0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
             }
         }
+    }
+
+    /// The up projection's value as the product sees it (clamped to
+    /// ±limit by [`Activation::SiluClamped`], as is otherwise).
+    pub fn up(self, u: f32) -> f32 {
+        match self {
+            Activation::SiluClamped(l) => u.clamp(-l.get(), l.get()),
+            _ => u,
+        }
+    }
+
+    /// The gated unit's scalar reference: `apply(g) · up(u)`.
+    pub fn glu(self, g: f32, u: f32) -> f32 {
+        self.apply(g) * self.up(u)
     }
 }
 
@@ -37,6 +76,13 @@ fn gated_body<F: Fma>(act: Activation, gate: &mut [f32], up: &[f32]) {
         Activation::Silu => {
             for (g, &u) in gate.iter_mut().zip(up) {
                 *g = *g / (1.0 + exp::<F>(-*g)) * u;
+            }
+        }
+        Activation::SiluClamped(l) => {
+            let l = l.get();
+            for (g, &u) in gate.iter_mut().zip(up) {
+                let x = g.min(l);
+                *g = x / (1.0 + exp::<F>(-x)) * u.clamp(-l, l);
             }
         }
         Activation::GeluTanh => {
@@ -106,7 +152,8 @@ mod tests {
         let mut x: Vec<f32> = (0..20_001).map(|_| rng.random_range(-30.0..30.0)).collect();
         x.extend([0.0, -0.0, 1e-6, -1e-6, 100.0, -100.0, 5.0, -5.0]);
         let up: Vec<f32> = (0..x.len()).map(|_| rng.random_range(-2.0..2.0)).collect();
-        for act in [Activation::Silu, Activation::GeluTanh] {
+        let clamped = Activation::SiluClamped(Limit::new(7.0));
+        for act in [Activation::Silu, Activation::GeluTanh, clamped] {
             for tier in cpu::available_tiers() {
                 let mut g = x.clone();
                 gated_with(tier, act, &mut g, &up);
@@ -115,7 +162,7 @@ mod tests {
                 gated_on(cpu::clamp(tier), act, &mut whole, &up);
                 assert_eq!(g, whole, "{act:?} {tier}");
                 for ((&xi, &u), &got) in x.iter().zip(&up).zip(&g) {
-                    let want = act.apply(xi) * u;
+                    let want = act.glu(xi, u);
                     assert!(
                         (got - want).abs() <= TOL * want.abs().max(1.0),
                         "{act:?} {tier} x={xi}: {got} vs {want}"

@@ -40,6 +40,17 @@ impl Checkpoint {
         })
     }
 
+    /// Tensor `name`'s integer values and shape (an index table, such as
+    /// DeepSeek-V4's `tid2eid`).
+    pub fn integers(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>), ModelError> {
+        match self {
+            Checkpoint::Hf(h) => Ok(h.integers(name)?),
+            Checkpoint::Gguf(_) => Err(ModelError::Unsupported(format!(
+                "integer tensor {name} in a GGUF file"
+            ))),
+        }
+    }
+
     /// Drops this process's resident pages of the checkpoint's files once
     /// a model has copied out what it repacks (see
     /// [`kvant_core::Storage::release_all_resident_pages`]).
@@ -89,6 +100,28 @@ impl Checkpoint {
                     down: n("ffn_down.weight"),
                 }
             }
+            // DeepSeek-V4 keeps DeepSeek's own names (transformers saves
+            // them so), under `model.` or not.
+            Checkpoint::Hf(_) if arch == Arch::DeepseekV4 => {
+                let root = self.v4_root();
+                let n = |s: &str| format!("{root}layers.{layer}.{s}");
+                LayerNames {
+                    prefix: n(""),
+                    attn_norm: n("attn_norm.weight"),
+                    q: n("attn.wq_a"),
+                    k: n("attn.wkv"),
+                    v: n("attn.wkv"),
+                    o: n("attn.wo_b"),
+                    q_norm: n("attn.q_norm.weight"),
+                    k_norm: n("attn.norm.weight"),
+                    post_attn_norm: String::new(),
+                    ffn_norm: n("ffn_norm.weight"),
+                    post_ffn_norm: String::new(),
+                    gate: n("ffn.shared_experts.w1.weight"),
+                    up: n("ffn.shared_experts.w3.weight"),
+                    down: n("ffn.shared_experts.w2.weight"),
+                }
+            }
             Checkpoint::Hf(_) => {
                 let n = |s: &str| format!("model.layers.{layer}.{s}");
                 // transformers saves Kimi Linear's dense FFN where the
@@ -126,8 +159,25 @@ impl Checkpoint {
         }
     }
 
-    pub fn global_names(&self) -> GlobalNames {
+    pub fn global_names(&self, arch: Arch) -> GlobalNames {
         match self {
+            // transformers saves DeepSeek-V4's embedding and final norm
+            // under its own names and the head under DeepSeek's; the
+            // published checkpoints say `embed`, `norm` and `head`.
+            Checkpoint::Hf(_) if arch == Arch::DeepseekV4 => match self.v4_root() {
+                "model." => GlobalNames {
+                    embed: "model.embed_tokens.weight",
+                    final_norm: "model.norm.weight",
+                    output: "head.weight",
+                    rope_freqs: None,
+                },
+                _ => GlobalNames {
+                    embed: "embed.weight",
+                    final_norm: "norm.weight",
+                    output: "head.weight",
+                    rope_freqs: None,
+                },
+            },
             Checkpoint::Gguf(_) => GlobalNames {
                 embed: "token_embd.weight",
                 final_norm: "output_norm.weight",
@@ -162,6 +212,17 @@ pub struct LayerNames {
     pub gate: String,
     pub up: String,
     pub down: String,
+}
+
+impl Checkpoint {
+    /// What DeepSeek-V4's layer names start with: `model.` as
+    /// transformers saves them, nothing in the published checkpoints.
+    pub(crate) fn v4_root(&self) -> &'static str {
+        match self.has_tensor("model.layers.0.attn_norm.weight") {
+            true => "model.",
+            false => "",
+        }
+    }
 }
 
 pub struct GlobalNames {

@@ -59,6 +59,8 @@ pub enum ModelError {
         row: usize,
         block: usize,
     },
+    #[error("a KV block of {block_size} tokens cannot hold compressed entries of {compress} tokens (one must divide the other)")]
+    KvBlockSize { block_size: usize, compress: usize },
     #[error("the KV pool was made for another model shape")]
     KvShape,
     #[error("block table entry {block} is outside the pool of {n_blocks} blocks")]
@@ -72,6 +74,8 @@ pub enum ModelError {
         dtype: &'static str,
         block: usize,
     },
+    #[error("not supported yet: {0}")]
+    Unsupported(String),
     #[error("{0} is not supported with more than one rank yet")]
     NotParallel(&'static str),
     #[error("the model has no multi-token-prediction module loaded")]

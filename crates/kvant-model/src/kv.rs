@@ -99,6 +99,10 @@ pub struct KvShape {
     /// (DeepSeek-V3.2); 0 without an indexer.
     pub index_dim: usize,
     pub dtype: KvDType,
+    /// Tokens per cached row: 1, or for DeepSeek-V4 the smallest
+    /// compression rate of its layers, whose rows are compressed entries
+    /// (one per closed window, see [`KvPool::entry_pos`]).
+    pub compress: usize,
 }
 
 impl KvShape {
@@ -155,7 +159,13 @@ impl KvShape {
     pub fn bytes_per_token(&self) -> usize {
         let row = self.dtype.bytes_rounded_up(self.head_dim);
         let index = self.index_dtype().bytes_rounded_up(self.index_dim);
-        self.n_layers * (self.arrays() * self.n_kv_heads * row + index)
+        (self.n_layers * (self.arrays() * self.n_kv_heads * row + index))
+            .div_ceil(self.compress.max(1))
+    }
+
+    /// Rows a block of `block_size` tokens holds per layer.
+    fn block_rows(&self, block_size: usize) -> usize {
+        (block_size / self.compress.max(1)).max(1)
     }
 
     /// Bytes of one layer's indexer key per position (0 without one).
@@ -294,8 +304,19 @@ impl KvPool {
         {
             return Err(too_large);
         }
+        // Compressed entries sit in the block of their window's last
+        // token: a block holds a whole number of windows, or a window a
+        // whole number of blocks.
+        let c = shape.compress.max(1);
+        if !(block_size.is_multiple_of(c) || c.is_multiple_of(block_size)) {
+            return Err(ModelError::KvBlockSize {
+                block_size,
+                compress: c,
+            });
+        }
         let rows = (shape.n_layers, shape.n_kv_heads, shape.head_dim);
-        let array = || LayerRows::new(shape.dtype, rows, (block_size, n_blocks));
+        let block_rows = shape.block_rows(block_size);
+        let array = || LayerRows::new(shape.dtype, rows, (block_rows, n_blocks));
         Ok(KvPool {
             keys: array()?,
             values: match shape.latent {
@@ -307,7 +328,7 @@ impl KvPool {
                 _ => Some(LayerRows::new(
                     shape.index_dtype(),
                     (shape.n_layers, 1, shape.index_dim),
-                    (block_size, n_blocks),
+                    (block_rows, n_blocks),
                 )?),
             },
             states: match states.layers {
@@ -475,6 +496,54 @@ impl KvPool {
         sparse_attention_dyn(p, q, &kv, seqs, sel, out)
     }
 
+    /// Where compressed entry `w` of a layer compressing `rate` tokens
+    /// lives among a sequence's rows: in the block that holds its
+    /// window's last position, at its place among that block's closed
+    /// windows. A block's rows thus depend only on its own and earlier
+    /// positions, so a full block can be shared through the prefix cache.
+    pub(crate) fn entry_pos(&self, w: usize, rate: usize) -> usize {
+        let bs = self.block_size;
+        let last = (w + 1) * rate - 1;
+        (last / bs) * self.shape.block_rows(bs) + (last % bs) / rate
+    }
+
+    /// Stores compressed entry `w` (`row`, `[head_dim]`) of compressing
+    /// layer `layer`, and its indexer key (`[index_dim]`) if given, for
+    /// the sequence whose blocks are `table` (checked by the caller).
+    pub(crate) fn store_entry(
+        &mut self,
+        (layer, rate): (usize, usize),
+        table: &[u32],
+        w: usize,
+        (row, index): (&[f32], Option<&[f32]>),
+    ) {
+        let pos = self.entry_pos(w, rate);
+        let br = self.shape.block_rows(self.block_size);
+        let k = &mut self.keys;
+        k.layers[layer].store_rows(row, (br, 1, k.dim), table, pos);
+        if let (Some(ix), Some(index)) = (&mut self.index, index) {
+            ix.layers[layer].store_rows(index, (br, 1, ix.dim), table, pos);
+        }
+    }
+
+    /// Widens compressed entry `w` of layer `layer` into `out`
+    /// (`[head_dim]`), or its indexer key (`[index_dim]`) with `index`.
+    pub(crate) fn load_entry(
+        &self,
+        (layer, rate): (usize, usize),
+        table: &[u32],
+        (w, index): (usize, bool),
+        out: &mut [f32],
+    ) {
+        let pos = self.entry_pos(w, rate);
+        let br = self.shape.block_rows(self.block_size);
+        let rows = match (index, &self.index) {
+            (true, Some(ix)) => ix,
+            _ => &self.keys,
+        };
+        rows.layers[layer].load_rows(out, (br, 1, rows.dim), table, pos);
+    }
+
     /// One layer's keys and values, as attention reads them.
     fn layer(&self, layer: usize) -> KvLayer<'_> {
         KvLayer {
@@ -549,7 +618,13 @@ impl KvCache {
         capacity: usize,
     ) -> Result<Self, ModelError> {
         Ok(KvCache {
-            pool: KvPool::with_states(shape, states, 1, capacity.max(1), 1)?,
+            pool: KvPool::with_states(
+                shape,
+                states,
+                1,
+                capacity.max(1).next_multiple_of(shape.compress.max(1)),
+                1,
+            )?,
             len: 0,
             saved: None,
         })

@@ -110,6 +110,11 @@ fn logits_do_not_depend_on_the_batch() {
         fixtures().join("qwen3-5-moe"),
         // Kimi Delta Attention: a decay per key channel.
         fixtures().join("kimi-linear"),
+        // DeepSeek-V4: window rings and compressor tails in each slot,
+        // compressed entries in the blocks of their windows' last tokens
+        // (CSA every 4 tokens, HCA every 8: two blocks of 4), the
+        // indexer's top-3 of them.
+        fixtures().join("deepseek-v4"),
     ];
     paths.extend(
         [

@@ -22,6 +22,7 @@ mod kv;
 mod params;
 mod reference;
 mod rows;
+mod sinks;
 mod sparse;
 #[cfg(test)]
 mod testing;
@@ -32,6 +33,7 @@ pub use kv::{
 };
 pub use params::{AttnParams, SeqAttn};
 pub use reference::attention_ref;
+pub use sinks::{sink_attention, sink_attention_ref, SinkAttn};
 pub use sparse::{
     sparse_attention, sparse_attention_dyn, sparse_attention_dyn_with, sparse_attention_with,
 };

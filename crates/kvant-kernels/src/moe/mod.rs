@@ -15,6 +15,6 @@ mod routing;
 
 pub use experts::{combine, moe_ffn, moe_ffn_quantized, Experts, MoeScratch};
 pub use plan::MoePlan;
-pub use reference::{activation_f64, moe_ffn_ref, route_ref};
-pub use route::{route, GroupScore, RouterInput, RouterParams, Scoring};
+pub use reference::{activation_f64, moe_ffn_ref, route_ref, up_f64};
+pub use route::{route, route_by_table, GroupScore, RouterInput, RouterParams, Scoring};
 pub use routing::Routing;

@@ -40,6 +40,10 @@ pub fn route_ref(
                 e.iter().map(|&v| v * (1.0 / sum)).collect()
             }
             Scoring::Sigmoid => row.iter().map(|&l| 1.0 / (1.0 + (-l).exp())).collect(),
+            Scoring::SqrtSoftplus => row
+                .iter()
+                .map(|&l| super::route::sqrt_softplus(l))
+                .collect(),
         };
         let key: Vec<f32> = (0..n)
             .map(|e| score[e] + bias.map_or(0.0, |b| b[e]))
@@ -84,14 +88,27 @@ pub fn route_ref(
     Ok(())
 }
 
-/// The activation in f64.
+/// The activation of a gate value in f64 (clamped first by
+/// [`Activation::SiluClamped`]; [`up_f64`] clamps the up value).
 pub fn activation_f64(act: Activation, x: f64) -> f64 {
     match act {
         Activation::Silu => x / (1.0 + (-x).exp()),
+        Activation::SiluClamped(l) => {
+            let x = x.min(l.get() as f64);
+            x / (1.0 + (-x).exp())
+        }
         Activation::GeluTanh => {
             let c = (2.0 / std::f64::consts::PI).sqrt();
             0.5 * x * (1.0 + (c * (x + 0.044_715 * x * x * x)).tanh())
         }
+    }
+}
+
+/// The up projection's value as the product sees it, in f64.
+pub fn up_f64(act: Activation, u: f64) -> f64 {
+    match act {
+        Activation::SiluClamped(l) => u.clamp(-(l.get() as f64), l.get() as f64),
+        _ => u,
     }
 }
 
@@ -170,7 +187,7 @@ pub fn moe_ffn_ref(
             let a: Vec<f64> = g
                 .iter()
                 .zip(&u)
-                .map(|(&g, &u)| activation_f64(act, g) * u)
+                .map(|(&g, &u)| activation_f64(act, g) * up_f64(act, u))
                 .collect();
             let y = product(wd, &a);
             let wt = weights[t * top_k + slot] as f64;

@@ -34,6 +34,15 @@ pub enum Scoring {
     Softmax,
     /// An independent sigmoid per expert.
     Sigmoid,
+    /// `sqrt(softplus(l))` per expert (DeepSeek-V4), softplus as torch
+    /// computes it: `l` itself above 20, `ln(1 + e^l)` below.
+    SqrtSoftplus,
+}
+
+/// `sqrt(softplus(l))` with torch's softplus (threshold 20, `log1p`).
+pub(crate) fn sqrt_softplus(l: f32) -> f32 {
+    let sp = if l > 20.0 { l } else { l.exp().ln_1p() };
+    sp.sqrt()
 }
 
 /// How a group of experts is scored for grouped selection.
@@ -209,6 +218,59 @@ pub fn route(r: &RouterInput<'_>, ids: &mut [u32], weights: &mut [f32]) -> Resul
     Ok(())
 }
 
+/// Routes by a table (DeepSeek-V4's hash-routed layers): token `t` goes
+/// to the experts `table[t]` (`top_k` per token, a frozen token-id →
+/// expert map), weighted by its scores of those experts (the router's
+/// scoring of `r.logits`), renormalised and scaled as [`route`] does;
+/// the bias plays no part. `ids` keep the table's order.
+///
+/// # Errors
+/// As [`route`], and [`KernelError::IndexOutOfRange`] for a token
+/// outside the table or an expert id outside the router.
+pub fn route_by_table(
+    r: &RouterInput<'_>,
+    (table, tokens): (&[u32], &[u32]),
+    ids: &mut [u32],
+    weights: &mut [f32],
+) -> Result<(), KernelError> {
+    let n_tokens = r.check(ids, weights)?;
+    let p = r.params;
+    check_len("hash-routed tokens", n_tokens, tokens.len())?;
+    let rows = table.len() / p.top_k;
+    let mut s = SCRATCH.take();
+    s.score.resize(p.n_experts, 0.0);
+    let score = &mut s.score;
+    let outs = ids
+        .chunks_exact_mut(p.top_k)
+        .zip(weights.chunks_exact_mut(p.top_k));
+    for ((row, &t), (ids, weights)) in r.logits.chunks_exact(p.n_experts).zip(tokens).zip(outs) {
+        let t = t as usize;
+        if t >= rows {
+            return Err(KernelError::IndexOutOfRange {
+                what: "hash-routed token",
+                index: t,
+                len: rows,
+            });
+        }
+        scores(p.scoring, row, score);
+        for ((id, w), &e) in ids
+            .iter_mut()
+            .zip(weights.iter_mut())
+            .zip(&table[t * p.top_k..])
+        {
+            *w = *score.get(e as usize).ok_or(KernelError::IndexOutOfRange {
+                what: "hash-routed expert",
+                index: e as usize,
+                len: p.n_experts,
+            })?;
+            *id = e;
+        }
+        finish_weights(p, weights);
+    }
+    SCRATCH.set(s);
+    Ok(())
+}
+
 /// A selection value with NaN ranked lowest.
 fn rank_key(v: f32) -> f32 {
     if v.is_nan() {
@@ -258,6 +320,11 @@ fn scores(scoring: Scoring, logits: &[f32], score: &mut [f32]) {
         Scoring::Sigmoid => {
             for (s, &l) in score.iter_mut().zip(logits) {
                 *s = 1.0 / (1.0 + (-l).exp());
+            }
+        }
+        Scoring::SqrtSoftplus => {
+            for (s, &l) in score.iter_mut().zip(logits) {
+                *s = sqrt_softplus(l);
             }
         }
     }

@@ -45,9 +45,12 @@ pub(crate) struct Step<'a, S> {
 /// A [`LayerCtx`] whose pool is shared by the micro-batches of a pass
 /// (each borrows it for its attention only): `index` is the layer's place
 /// in the pass (the micro-batches' order), `cache` its index in the pool
-/// (see `Layer::cache`), `slots` each sequence's state slot.
+/// (see `Layer::cache`), `slots` each sequence's state slot, `tokens`
+/// the rows' token ids.
 pub(crate) struct Place<'a, 'p, 'b> {
     pub pool: &'a RefCell<&'p mut KvPool>,
+    /// The micro-batch's token ids, one per row (hash-routed experts).
+    pub tokens: &'a [u32],
     pub index: usize,
     pub cache: usize,
     pub seqs: &'a [SeqAttn<'b>],

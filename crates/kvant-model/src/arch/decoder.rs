@@ -10,11 +10,13 @@
 //! Gemma's embedding scale, sandwich norms and GELU, experts (Mixtral,
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
+use super::csa::CompressedAttention;
 use super::ctx::Place;
 use super::gdn::GatedDeltaNet;
 use super::layer::{Attention, Ffn, Layer, LayerScratch};
 use super::loader::{Loader, Part};
 use super::mha::MhaAttention;
+use super::mhc::{HyperConnection, HyperHead};
 use super::mla::MlaAttention;
 pub use super::mla_expand::MlaPrefill;
 use super::moe::ExpertLayout;
@@ -172,9 +174,11 @@ pub struct SeqStep<'a> {
 /// per KV head (`kv_heads` of them on this rank); latent attention one
 /// latent row.
 fn kv_rows(cfg: &ModelConfig, kv_heads: usize) -> (usize, usize, bool) {
-    match &cfg.mla {
-        Some(m) => (1, m.latent_dim(), true),
-        None => (kv_heads, cfg.head_dim, false),
+    match (&cfg.mla, &cfg.v4) {
+        (Some(m), _) => (1, m.latent_dim(), true),
+        // DeepSeek-V4's rows are its compressed entries, one K = V head.
+        (None, Some(_)) => (1, cfg.head_dim, true),
+        (None, None) => (kv_heads, cfg.head_dim, false),
     }
 }
 
@@ -195,6 +199,9 @@ pub struct DecoderModel {
     /// DeepSeek-V3's multi-token-prediction module, when loaded; its KV
     /// lives in the pool's layer after the main ones.
     mtp: Option<MtpModule>,
+    /// DeepSeek-V4's collapse of the residual streams before the final
+    /// norm.
+    hyper_head: Option<HyperHead>,
     /// Activation buffers, reused by every forward pass so that steady-state
     /// decoding does not allocate; forward passes of one model are serial.
     scratch: Mutex<Scratch>,
@@ -255,6 +262,7 @@ fn check_before_weights(cfg: &mut ModelConfig, opts: &LoadOptions) -> Result<(),
         latent,
         index_dim: cfg.indexer.map_or(0, |i| i.head_dim),
         dtype: opts.kv_dtype,
+        compress: 1,
     }
     .check()?;
     Ok(())
@@ -283,6 +291,9 @@ fn rank_shard(
             // step with rank 0's (rewinds included): not done yet.
             if cfg.linear.is_some() {
                 return Err(ModelError::NotParallel("linear attention (Gated DeltaNet)"));
+            }
+            if cfg.v4.is_some() {
+                return Err(ModelError::NotParallel("DeepSeek-V4 attention"));
             }
             Shard {
                 tp: p.layout.tp,
@@ -325,6 +336,15 @@ fn load_layer(
         false => Ok(None),
     };
     let attn = match (&cfg.mla, &cfg.linear) {
+        _ if cfg.v4.is_some() => {
+            let v4 = cfg.v4.as_ref().ok_or(ModelError::KvShape)?;
+            Attention::Compressed(Box::new(CompressedAttention::load(
+                ld,
+                cfg,
+                v4,
+                (i, &n.prefix),
+            )?))
+        }
         (_, Some(lc)) if lc.is_linear(i) => {
             Attention::Linear(Box::new(GatedDeltaNet::load(ld, cfg, lc, &n.prefix)?))
         }
@@ -337,6 +357,24 @@ fn load_layer(
         .count();
     let moe = cfg.experts.as_ref().filter(|e| e.is_moe(i));
     let ffn = Ffn::load(ld, cfg, &n, moe.map(|e| (e, experts)))?;
+    if let Some(v4) = &cfg.v4 {
+        // Hash-routed exactly where the config says so.
+        let hashed = matches!(&ffn, Ffn::Moe(m) if m.routes_by_table());
+        if hashed != v4.hash_layers.get(i).copied().unwrap_or(false) {
+            return Err(ModelError::BadTensor {
+                name: format!("{}ffn.gate.tid2eid", n.prefix),
+                why: format!(
+                    "{} in layer {i}, which mlp_layer_types says is {}",
+                    if hashed { "a table" } else { "no table" },
+                    if hashed {
+                        "routed by score"
+                    } else {
+                        "hash-routed"
+                    }
+                ),
+            });
+        }
+    }
     Ok(Layer {
         attn_norm: ld.vector(&n.attn_norm, h)?,
         attn,
@@ -351,6 +389,13 @@ fn load_layer(
             None
         },
         cache,
+        hyper: match &cfg.v4 {
+            Some(v4) => Some(Box::new([
+                HyperConnection::load(ld, &format!("{}hc_attn", n.prefix), v4.hc, h, cfg.rms_eps)?,
+                HyperConnection::load(ld, &format!("{}hc_ffn", n.prefix), v4.hc, h, cfg.rms_eps)?,
+            ])),
+            None => None,
+        },
     })
 }
 
@@ -388,7 +433,7 @@ impl DecoderModel {
     ) -> Result<Self, ModelError> {
         check_before_weights(&mut cfg, &opts)?;
         let shard = rank_shard(&cfg, &opts, par.as_deref())?;
-        let g = ckpt.global_names();
+        let g = ckpt.global_names(cfg.arch);
         let ld = Loader {
             ckpt,
             int8: opts.int8_activations,
@@ -443,6 +488,21 @@ impl DecoderModel {
             true => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,
             false => None,
         };
+        let hyper_head = match &cfg.v4 {
+            Some(v4) => {
+                let root = ckpt.v4_root();
+                let names = match root {
+                    "model." => [
+                        "model.hc_head.hc_fn",
+                        "model.hc_head.hc_base",
+                        "model.hc_head.hc_scale",
+                    ],
+                    _ => ["hc_head_fn", "hc_head_base", "hc_head_scale"],
+                };
+                Some(HyperHead::load(&ld, names, v4.hc, h, cfg.rms_eps)?)
+            }
+            None => None,
+        };
         let first_mha = layers.iter().find_map(|l| match &l.attn {
             Attention::Mha(a) => Some(a.kv_heads()),
             _ => None,
@@ -467,6 +527,7 @@ impl DecoderModel {
             par,
             layers,
             mtp,
+            hyper_head,
             cfg,
             scratch: Mutex::new(Scratch::default()),
             kv_dtype: opts.kv_dtype,
@@ -531,6 +592,21 @@ impl DecoderModel {
     /// The shape of this model's KV caches.
     pub fn kv_shape(&self) -> KvShape {
         let (n_kv_heads, head_dim, latent) = kv_rows(&self.cfg, self.kv_heads);
+        if let Some(v4) = &self.cfg.v4 {
+            // One row per compressed entry of each compressing layer
+            // (indexer keys beside them when any layer is CSA).
+            let compressing = (0..self.cfg.n_layers).filter(|&i| v4.rate(i) > 0).count();
+            let csa = v4.layers.contains(&crate::config::V4Attention::Csa);
+            return KvShape {
+                n_layers: compressing,
+                n_kv_heads,
+                head_dim,
+                latent,
+                index_dim: if csa { v4.indexer.head_dim } else { 0 },
+                dtype: self.kv_dtype,
+                compress: v4.min_rate().max(1),
+            };
+        }
         KvShape {
             n_layers: self.cfg.attention_layers() + usize::from(self.mtp.is_some()),
             n_kv_heads,
@@ -538,6 +614,7 @@ impl DecoderModel {
             latent,
             index_dim: self.cfg.indexer.map_or(0, |i| i.head_dim),
             dtype: self.kv_dtype,
+            compress: 1,
         }
     }
 
@@ -595,6 +672,24 @@ impl DecoderModel {
     /// What one sequence keeps per linear-attention layer (no layers for
     /// a model without them).
     pub fn state_shape(&self) -> StateShape {
+        if self.cfg.v4.is_some() {
+            // Every layer's window ring and compressor tails (the largest
+            // layer's size for all).
+            let delta = self
+                .layers
+                .iter()
+                .map(|l| match &l.attn {
+                    Attention::Compressed(a) => a.state_len(),
+                    _ => 0,
+                })
+                .max()
+                .unwrap_or(0);
+            return StateShape {
+                layers: self.cfg.n_layers,
+                conv: 0,
+                delta,
+            };
+        }
         let Some(lc) = &self.cfg.linear else {
             return StateShape::default();
         };
@@ -750,7 +845,7 @@ impl DecoderModel {
         self.check_slots(pool, &s.slots)?;
         let h = c.hidden;
         let n = attn_seqs.last().map_or(0, |a| a.rows.end);
-        let x = sized(&mut s.x, n * h);
+        let x = sized(&mut s.x, n * h * self.streams());
         s.tokens.clear();
         s.tokens
             .extend(seqs.iter().flat_map(|s| s.tokens.iter().copied()));
@@ -857,8 +952,12 @@ impl DecoderModel {
         mtp.eh_proj
             .forward(&LinearInput::new(eh, n, q8, &[&mtp.eh_proj])?, x)?;
         let pool = RefCell::new(pool);
+        s.tokens.clear();
+        s.tokens
+            .extend(steps.iter().flat_map(|s| s.tokens.iter().copied()));
         let at = Place {
             pool: &pool,
+            tokens: &s.tokens,
             index: c.n_layers,
             cache: c.attention_layers(),
             seqs: &attn_seqs,
@@ -923,7 +1022,7 @@ impl DecoderModel {
         if pool.state_shape() != self.state_shape() {
             return Err(ModelError::KvShape);
         }
-        if self.cfg.linear.is_none() {
+        if self.cfg.linear.is_none() && self.cfg.v4.is_none() {
             return Ok(());
         }
         // Pairwise: a batch holds at most a few hundred sequences, and a
@@ -987,7 +1086,7 @@ impl DecoderModel {
             Some(((sa, la), (sb, lb))) => ((&sa[..], &la[..]), (&sb[..], &lb[..])),
             None => ((seqs, slots), (&[][..], &[][..])),
         };
-        let (xa, xb) = x.split_at_mut(cut * h);
+        let (xa, xb) = x.split_at_mut(cut * h * self.streams());
         let pool = RefCell::new(pool);
         let order = Order::default();
         let net = |i: usize| Net {
@@ -1018,13 +1117,16 @@ impl DecoderModel {
         s: &mut LayerScratch,
         net: &Net<'_>,
     ) -> Result<(), ModelError> {
-        self.embed_rows(tokens.iter(), x)?;
+        let n = tokens.len();
+        self.embed_rows(tokens.iter(), &mut x[..n * self.cfg.hidden])?;
         if self.vocab.len() < self.cfg.vocab {
             net.tp_sum(x).await?;
         }
+        self.spread_streams(x, n);
         for (index, l) in self.layers.iter().enumerate() {
             let at = Place {
                 pool,
+                tokens,
                 index,
                 cache: l.cache,
                 seqs,
@@ -1033,7 +1135,31 @@ impl DecoderModel {
             };
             l.forward(&self.cfg, at, x, tokens.len(), s, net).await?;
         }
+        if let Some(head) = &self.hyper_head {
+            let (q8, hs) = s.hyper_parts();
+            head.collapse(x, n, q8, hs)?;
+        }
         Ok(())
+    }
+
+    /// Residual streams per token: DeepSeek-V4's `hc_mult`, else 1.
+    fn streams(&self) -> usize {
+        self.cfg.v4.as_ref().map_or(1, |v| v.hc.mult)
+    }
+
+    /// Copies each of the first `n` rows of `x` (`[n, hidden]`, the
+    /// embeddings) into every stream of its token (`[n, streams·hidden]`),
+    /// last row first so that no row is overwritten before it is read.
+    fn spread_streams(&self, x: &mut [f32], n: usize) {
+        let (h, m) = (self.cfg.hidden, self.streams());
+        if m == 1 {
+            return;
+        }
+        for t in (0..n).rev() {
+            for k in (0..m).rev() {
+                x.copy_within(t * h..(t + 1) * h, (t * m + k) * h);
+            }
+        }
     }
 
     /// `head(norm(rows))`: logits `[rows, vocab]` of hidden rows (the

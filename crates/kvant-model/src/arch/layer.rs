@@ -1,11 +1,13 @@
 //! One decoder layer: pre-norm attention and feed-forward blocks with
 //! residual adds (and Gemma's post-norms), whatever kind each block is.
 
+use super::csa::{CompressedAttention, CsaScratch};
 use super::ctx::{LayerCtx, Place, StateCtx, Step};
 use super::ffn::{DenseFfn, FfnScratch};
 use super::gdn::{GatedDeltaNet, GdnScratch};
 use super::loader::Loader;
 use super::mha::{MhaAttention, MhaScratch};
+use super::mhc::{HyperConnection, HyperScratch};
 use super::mla::{MlaAttention, MlaScratch};
 use super::moe::{ExpertLayout, ExpertParallel, MoeFfn, MoeLayerScratch};
 use super::parallel::Net;
@@ -22,6 +24,8 @@ pub(crate) enum Attention {
     /// Linear attention (Gated DeltaNet): a fixed-size state per
     /// sequence instead of cached rows per token.
     Linear(Box<GatedDeltaNet>),
+    /// DeepSeek-V4's sliding-window, CSA or HCA attention.
+    Compressed(Box<CompressedAttention>),
 }
 
 pub(crate) enum Ffn {
@@ -71,8 +75,12 @@ pub(crate) struct Layer {
     pub inv_freq: Vec<f32>,
     pub window: Option<usize>,
     /// The layer's index in what the pool holds for its kind: among the
-    /// layers with cached rows (attention) or with states (linear).
+    /// layers with cached rows (attention) or with states (linear; every
+    /// DeepSeek-V4 layer has a state).
     pub cache: usize,
+    /// DeepSeek-V4's hyper-connections before the attention and before
+    /// the feed-forward: the residual stream is `hc_mult` streams.
+    pub hyper: Option<Box<[HyperConnection; 2]>>,
 }
 
 /// Every layer's activations, reused across layers and passes.
@@ -83,9 +91,19 @@ pub(crate) struct LayerScratch {
     mha: MhaScratch,
     mla: MlaScratch,
     gdn: GdnScratch,
+    csa: CsaScratch,
+    hyper: HyperScratch,
+    collapsed: Vec<f32>,
     ffn: FfnScratch,
     moe: MoeLayerScratch,
     pub q8: Q8Activations,
+}
+
+impl LayerScratch {
+    /// The scratch the final hyper-connection collapse reuses.
+    pub fn hyper_parts(&mut self) -> (&mut Q8Activations, &mut HyperScratch) {
+        (&mut self.q8, &mut self.hyper)
+    }
 }
 
 impl Layer {
@@ -96,12 +114,19 @@ impl Layer {
             Attention::Mha(a) => a.weights().iter().map(|w| w.byte_len()).sum(),
             Attention::Mla(a) => a.byte_len(),
             Attention::Linear(a) => a.byte_len(),
+            Attention::Compressed(a) => a.byte_len(),
         };
+        let hyper: usize = self
+            .hyper
+            .iter()
+            .flat_map(|h| h.iter())
+            .map(HyperConnection::byte_len)
+            .sum();
         let (all, read) = match &self.ffn {
             Ffn::Dense(f) => (f.byte_len(), f.byte_len()),
             Ffn::Moe(m) => m.bytes(),
         };
-        (attn + all, attn + read)
+        (attn + hyper + all, attn + hyper + read)
     }
 
     /// Runs the layer on the residual stream `x` (`[n, hidden]`) in place.
@@ -117,6 +142,9 @@ impl Layer {
         s: &mut LayerScratch,
         net: &Net<'_>,
     ) -> Result<(), ModelError> {
+        if let Some(hyper) = &self.hyper {
+            return self.forward_hyper(c, at, (x, n), s, hyper, net).await;
+        }
         let h = c.hidden;
         let LayerScratch {
             xn,
@@ -127,6 +155,7 @@ impl Layer {
             ffn,
             moe,
             q8,
+            ..
         } = s;
         let xn = sized(xn, n * h);
         let proj = sized(proj, n * h);
@@ -179,6 +208,8 @@ impl Layer {
                     };
                     a.forward(c, ctx, step)?
                 }
+                // Loaded only with hyper-connections (forward_hyper).
+                Attention::Compressed(_) => return Err(ModelError::KvShape),
             }
         }
         net.after_attention(at.index);
@@ -207,10 +238,77 @@ impl Layer {
                     s: moe,
                     out: proj,
                 };
-                m.forward(c.activation, step, net).await?
+                m.forward(c.activation, at.tokens, step, net).await?
             }
         }
         add_rms_norm(x, proj, h, self.post_ffn_norm.as_deref(), None, c.rms_eps);
+        Ok(())
+    }
+
+    /// The layer under hyper-connections (DeepSeek-V4): `x` holds
+    /// `hc_mult` streams per row (`[n, hc_mult·hidden]`); each block reads
+    /// their collapse and its output is mixed back in (see `mhc`).
+    async fn forward_hyper(
+        &self,
+        c: &ModelConfig,
+        at: Place<'_, '_, '_>,
+        (x, n): (&mut [f32], usize),
+        s: &mut LayerScratch,
+        [before_attn, before_ffn]: &[HyperConnection; 2],
+        net: &Net<'_>,
+    ) -> Result<(), ModelError> {
+        let h = c.hidden;
+        let LayerScratch {
+            xn,
+            proj,
+            csa,
+            hyper,
+            collapsed,
+            moe,
+            q8,
+            ..
+        } = s;
+        let (xn, proj) = (sized(xn, n * h), sized(proj, n * h));
+        let collapsed = sized(collapsed, n * h);
+        let Attention::Compressed(a) = &self.attn else {
+            return Err(ModelError::KvShape);
+        };
+        if n > 0 {
+            before_attn.pre(x, n, q8, hyper, collapsed)?;
+            rms_norm(collapsed, &self.attn_norm, c.rms_eps, xn);
+            let mut pool = at.pool.borrow_mut();
+            let ctx = StateCtx {
+                pool: &mut pool,
+                index: at.cache,
+                seqs: at.seqs,
+                slots: at.slots,
+            };
+            let step = Step {
+                xn,
+                n,
+                q8,
+                s: csa,
+                out: proj,
+            };
+            a.forward(ctx, step)?;
+            before_attn.post(x, proj, n, hyper);
+            before_ffn.pre(x, n, q8, hyper, collapsed)?;
+            rms_norm(collapsed, &self.ffn_norm, c.rms_eps, xn);
+        }
+        let Ffn::Moe(m) = &self.ffn else {
+            return Err(ModelError::KvShape);
+        };
+        let step = Step {
+            xn,
+            n,
+            q8,
+            s: moe,
+            out: proj,
+        };
+        m.forward(c.activation, at.tokens, step, net).await?;
+        if n > 0 {
+            before_ffn.post(x, proj, n, hyper);
+        }
         Ok(())
     }
 }

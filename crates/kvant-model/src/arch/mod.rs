@@ -5,8 +5,12 @@
 //! Llama 2/3, SmolLM2, Mistral, Qwen2/3, Gemma 3, Mixtral, Qwen2/3-MoE and
 //! DeepSeek-V2/V3 (GigaChat3) are configurations of it, not copies;
 //! DeepSeek-V3.2 adds an [`indexer`] to latent attention, which makes it
-//! sparse.
+//! sparse. DeepSeek-V4 composes its own attention ([`csa`]: a sliding
+//! window beside compressed entries) with hyper-connected residual streams
+//! ([`mhc`]).
 
+mod compressor;
+mod csa;
 mod ctx;
 pub mod decoder;
 mod ffn;
@@ -16,6 +20,7 @@ mod indexer;
 mod layer;
 mod loader;
 mod mha;
+mod mhc;
 mod mla;
 mod mla_expand;
 mod moe;

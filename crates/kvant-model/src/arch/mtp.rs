@@ -84,6 +84,7 @@ impl MtpModule {
                 window: None,
                 // The pool's KV layer after the main model's.
                 cache: cfg.attention_layers(),
+                hyper: None,
             },
             head_norm: ld.vector(&own("shared_head.norm", "shared_head_norm"), h)?,
             head: match ld.has(&head) {

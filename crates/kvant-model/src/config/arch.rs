@@ -27,6 +27,10 @@ pub enum Arch {
     /// Kimi Delta Attention layers beside latent attention without
     /// positions (NoPE), DeepSeek-V3-style MoE (Kimi Linear).
     KimiLinear,
+    /// Sliding-window, compressed sparse (CSA) and heavily compressed
+    /// (HCA) attention over one wide K = V head, mHC residual streams,
+    /// hash-routed and sqrt-softplus MoE (DeepSeek-V4).
+    DeepseekV4,
 }
 
 /// An architecture's names: kvant's own, llama.cpp's
@@ -38,7 +42,7 @@ struct Names {
 }
 
 impl Arch {
-    const ALL: [Arch; 15] = [
+    const ALL: [Arch; 16] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -54,6 +58,7 @@ impl Arch {
         Arch::Qwen35,
         Arch::Qwen35Moe,
         Arch::KimiLinear,
+        Arch::DeepseekV4,
     ];
 
     fn names(self) -> Names {
@@ -78,6 +83,7 @@ impl Arch {
             Arch::Qwen35 => n("qwen35", Some("qwen35"), "qwen3_5_text"),
             Arch::Qwen35Moe => n("qwen35moe", Some("qwen35moe"), "qwen3_5_moe_text"),
             Arch::KimiLinear => n("kimi_linear", Some("kimi-linear"), "kimi_linear"),
+            Arch::DeepseekV4 => n("deepseek4", Some("deepseek4"), "deepseek_v4"),
         }
     }
 

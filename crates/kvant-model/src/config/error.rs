@@ -10,7 +10,7 @@ pub enum ConfigError {
     #[error(
         "unsupported architecture `{0}` (supported: llama, mistral, qwen2, qwen3, gemma3, \
          mixtral, qwen2moe, qwen3moe, deepseek2, deepseek3, deepseek32, qwen3next, qwen35, \
-         qwen35moe, kimi_linear)"
+         qwen35moe, kimi_linear, deepseek4)"
     )]
     UnsupportedArch(String),
     #[error(transparent)]

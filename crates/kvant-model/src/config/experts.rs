@@ -113,7 +113,7 @@ impl ExpertSettings {
                 // Sigmoid routers (DeepSeek-V3 and after) rank groups by
                 // their two best scores, softmax ones by the best.
                 group_score: match self.scoring {
-                    Scoring::Sigmoid => GroupScore::SumTop2,
+                    Scoring::Sigmoid | Scoring::SqrtSoftplus => GroupScore::SumTop2,
                     Scoring::Softmax => GroupScore::Max,
                 },
                 scale: self.scale,
@@ -163,6 +163,30 @@ impl ExpertSettings {
                 }
             }
             Arch::KimiLinear => Self::hf_kimi(cfg, n_layers)?,
+            Arch::DeepseekV4 => ExpertSettings {
+                n_experts: required(cfg, "n_routed_experts")?,
+                top_k: required(cfg, "num_experts_per_tok")?,
+                ff: required(cfg, "moe_intermediate_size")?,
+                scoring: match cfg.get("scoring_func").and_then(Value::as_str) {
+                    None | Some("sqrtsoftplus") => Scoring::SqrtSoftplus,
+                    Some("sigmoid") => Scoring::Sigmoid,
+                    Some("softmax") => Scoring::Softmax,
+                    Some(other) => {
+                        return Err(invalid(
+                            "scoring_func",
+                            format!("`{other}` is not supported"),
+                        ))
+                    }
+                },
+                norm_topk: flag(cfg, "norm_topk_prob").unwrap_or(true),
+                n_group: 1,
+                topk_group: 1,
+                scale: number(cfg, "routed_scaling_factor", 1.5),
+                shared: Shared::Copies(usize_at(cfg, "n_shared_experts")?.unwrap_or(1)),
+                // Every V4 layer has experts; `mlp_layer_types` says how
+                // each routes (V4Config::hash_layers).
+                layers: vec![true; n_layers],
+            },
             _ => return Ok(None),
         }))
     }

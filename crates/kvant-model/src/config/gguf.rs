@@ -103,6 +103,7 @@ impl ModelSettings {
             mla,
             indexer,
             linear,
+            v4: None,
         })
     }
 }

@@ -12,7 +12,8 @@ use super::mla::MlaConfig;
 use super::model::ModelConfig;
 use super::rope::RopeSettings;
 use super::settings::{layer_count, ModelSettings};
-use kvant_kernels::activation::Activation;
+use super::v4::V4Config;
+use kvant_kernels::activation::{Activation, Limit};
 use serde_json::Value;
 
 impl ModelConfig {
@@ -119,7 +120,25 @@ impl ModelSettings {
             Arch::DeepseekV2 | Arch::DeepseekV3 | Arch::DeepseekV32 | Arch::KimiLinear => false,
             _ => flag(cfg, "attention_bias").unwrap_or(arch == Arch::Qwen2),
         };
-        let activation = activation(cfg)?;
+        let v4 = match arch {
+            Arch::DeepseekV4 => {
+                let d = head_dim.ok_or_else(|| ConfigError::Missing("head_dim".into()))?;
+                Some(V4Config::from_hf(cfg, d, n_layers)?)
+            }
+            _ => None,
+        };
+        // DeepSeek-V4 clamps every SwiGLU (routed and shared experts,
+        // transformers' `swiglu_limit`).
+        let activation = match (arch, activation(cfg)?) {
+            (Arch::DeepseekV4, Activation::Silu) => {
+                let limit = f32_at(cfg, "swiglu_limit")?.unwrap_or(10.0);
+                if !(limit.is_finite() && limit > 0.0) {
+                    return Err(invalid("swiglu_limit", format!("{limit}")));
+                }
+                Activation::SiluClamped(Limit::new(limit))
+            }
+            (_, a) => a,
+        };
         let query_pre_attn_scalar = f32_at(cfg, "query_pre_attn_scalar")?;
         let experts = ExpertSettings::from_hf(cfg, arch, n_layers)?
             .map(ExpertSettings::build)
@@ -165,6 +184,7 @@ impl ModelSettings {
             mla,
             indexer,
             linear,
+            v4,
         })
     }
 }

@@ -19,6 +19,7 @@ mod mla;
 mod model;
 mod rope;
 mod settings;
+mod v4;
 
 pub use arch::Arch;
 pub use error::ConfigError;
@@ -28,3 +29,4 @@ pub use linear::{LinearConfig, LinearLayout};
 pub use mla::MlaConfig;
 pub use model::ModelConfig;
 pub use rope::{RopeConfig, RopeScaling};
+pub use v4::{HyperConfig, V4Attention, V4Config, V4Indexer, V4Rope};

@@ -8,6 +8,7 @@ use super::indexer::IndexerConfig;
 use super::linear::LinearConfig;
 use super::mla::MlaConfig;
 use super::rope::{apply_scaling, RopeConfig};
+use super::v4::V4Config;
 use kvant_kernels::activation::Activation;
 
 #[derive(Clone, Debug)]
@@ -56,6 +57,9 @@ pub struct ModelConfig {
     /// Every RMSNorm scales by `1 + w` (Gemma 3, Qwen3-Next, Qwen3.5):
     /// Hugging Face checkpoints store `w`, GGUF converters add the 1.
     pub zero_centered_norms: bool,
+    /// DeepSeek-V4: per-layer sliding / compressed attention, mHC
+    /// residual streams, hash-routed MoE layers.
+    pub v4: Option<V4Config>,
 }
 
 impl ModelConfig {

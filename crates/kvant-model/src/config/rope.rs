@@ -189,7 +189,7 @@ fn yarn_mscale(scale: f32, m: f32) -> f32 {
 
 /// Reads a transformers rope-scaling object (`rope_scaling`, or
 /// transformers 5's `rope_parameters`).
-fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
+pub(super) fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
     let Some(obj) = obj.filter(|v| v.is_object()) else {
         return Ok(RopeScaling::None);
     };

@@ -10,6 +10,7 @@ use super::linear::LinearConfig;
 use super::mla::MlaConfig;
 use super::model::ModelConfig;
 use super::rope::RopeSettings;
+use super::v4::V4Config;
 use kvant_kernels::activation::Activation;
 
 /// What a checkpoint states, each value as its format's reader extracted
@@ -46,6 +47,7 @@ pub(super) struct ModelSettings {
     pub mla: Option<MlaConfig>,
     pub indexer: Option<IndexerConfig>,
     pub linear: Option<LinearConfig>,
+    pub v4: Option<V4Config>,
 }
 
 impl ModelSettings {
@@ -110,6 +112,7 @@ impl ModelSettings {
             linear: self.linear,
             attn_output_gate: arch.qwen_hybrid(),
             zero_centered_norms: gemma || arch.qwen_hybrid(),
+            v4: self.v4,
         }
         .validate()
     }

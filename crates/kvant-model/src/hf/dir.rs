@@ -99,6 +99,19 @@ impl HfDir {
         shard.tensor(name)
     }
 
+    /// Tensor `name`'s integer values and shape (see
+    /// [`super::safetensors::SafetensorsFile::integers`]).
+    pub fn integers(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>)> {
+        let shard = self
+            .tensor_shard
+            .get(name)
+            .and_then(|&i| self.shards.get(i))
+            .ok_or_else(|| HfError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        shard.integers(name)
+    }
+
     pub fn tokenizer_json_path(&self) -> Option<&Path> {
         self.tokenizer_json.as_deref()
     }

@@ -103,6 +103,59 @@ impl SafetensorsFile {
     }
 }
 
+impl SafetensorsFile {
+    /// Tensor `name`'s values as integers (`I64`, `I32`, `U8`...: an
+    /// index table such as DeepSeek-V4's `tid2eid`), with its shape.
+    pub fn integers(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>)> {
+        let entry = self
+            .entries
+            .get(name)
+            .ok_or_else(|| HfError::MissingTensor {
+                name: name.to_string(),
+            })?;
+        let width = match entry.dtype.name() {
+            "I64" | "U64" => 8,
+            "I32" | "U32" => 4,
+            "I16" | "U16" => 2,
+            "I8" | "U8" => 1,
+            other => {
+                return Err(HfError::UnsupportedDtype {
+                    tensor: name.to_string(),
+                    dtype: other_name(other),
+                })
+            }
+        };
+        let count: usize = entry.shape.iter().product();
+        // The byte range was validated against the file when it opened.
+        let bytes = self
+            .storage
+            .slice(entry.start, count * width)
+            .map_err(|source| HfError::Tensor {
+                tensor: name.to_string(),
+                source,
+            })?;
+        let signed = entry.dtype.name().starts_with('I');
+        let values = bytes
+            .chunks_exact(width)
+            .map(|b| {
+                let mut le = [0u8; 8];
+                le[..width].copy_from_slice(b);
+                // Sign-extend the signed types from their top byte.
+                if signed && b[width - 1] & 0x80 != 0 {
+                    le[width..].fill(0xff);
+                }
+                i64::from_le_bytes(le)
+            })
+            .collect();
+        Ok((values, entry.shape.clone()))
+    }
+}
+
+/// The static name of a safetensors dtype (for errors).
+fn other_name(name: &str) -> &'static str {
+    StDtype::parse(name).map_or("unknown", StDtype::name)
+}
+
 /// The header's top-level object as (key, value) pairs in file order, so
 /// duplicate keys can be detected (a map would silently keep the last).
 struct Pairs(Vec<(String, serde_json::Value)>);

@@ -168,7 +168,7 @@ impl ExpertParallel {
         &self,
         router: &Router,
         shared: Option<&SharedExperts>,
-        act: Activation,
+        (act, tokens): (Activation, &[u32]),
         step: Step<'_, MoeLayerScratch>,
         net: &Net<'_>,
     ) -> Result<(), ModelError> {
@@ -182,7 +182,8 @@ impl ExpertParallel {
         let m = share.len();
         let xs = &xn[share.start * h..share.end * h];
         if m > 0 {
-            router.route(xs, m, q8, &mut s.routes)?;
+            let ts = tokens.get(share.clone()).unwrap_or_default();
+            router.route(xs, ts, m, q8, &mut s.routes)?;
         }
         let placed = self.placed();
         let p = Pass {

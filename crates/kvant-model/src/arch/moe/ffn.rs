@@ -111,16 +111,32 @@ impl MoeFfn {
                 Routed::Parallel(ExpertParallel::new(placement.clone(), rank, all, slots))
             }
         };
+        let table = match !names.table.is_empty() && ld.has(&names.table) {
+            true => Some(expert_table(
+                ld,
+                &names.table,
+                cfg.vocab,
+                e.router.top_k,
+                ne,
+            )?),
+            false => None,
+        };
         let router = Router {
             params: e.router,
             weight: ld.exact_weight(&names.router, ne, h)?,
             bias,
+            table,
         };
         Ok(MoeFfn {
             router,
             routed,
             shared,
         })
+    }
+
+    /// Whether the layer routes by token id (a hash-routed layer).
+    pub fn routes_by_table(&self) -> bool {
+        self.router.table.is_some()
     }
 
     /// The experts' placement, under expert parallelism.
@@ -155,19 +171,22 @@ impl MoeFfn {
     pub async fn forward(
         &self,
         act: Activation,
+        tokens: &[u32],
         step: Step<'_, MoeLayerScratch>,
         net: &Net<'_>,
     ) -> Result<(), ModelError> {
         let experts = match &self.routed {
             Routed::Parallel(ep) => {
                 let shared = self.shared.as_ref();
-                return ep.forward(&self.router, shared, act, step, net).await;
+                return ep
+                    .forward(&self.router, shared, (act, tokens), step, net)
+                    .await;
             }
             Routed::Local(experts) => experts,
         };
         let Step { xn, n, q8, s, out } = step;
         if n > 0 {
-            self.router.route(xn, n, q8, &mut s.routes)?;
+            self.router.route(xn, tokens, n, q8, &mut s.routes)?;
             let k = self.router.params.top_k;
             let r = Routing {
                 ids: &s.routes.ids[..n * k],
@@ -186,4 +205,32 @@ impl MoeFfn {
         }
         net.tp_sum(out).await
     }
+}
+
+/// A hash-routed layer's `[vocab, top_k]` table of expert ids, checked.
+fn expert_table(
+    ld: &Loader<'_>,
+    name: &str,
+    vocab: usize,
+    top_k: usize,
+    n_experts: usize,
+) -> Result<Vec<u32>, ModelError> {
+    let (values, shape) = ld.ckpt.integers(name)?;
+    if shape != [vocab, top_k] {
+        return Err(ModelError::TensorShape {
+            name: name.into(),
+            expected: vec![vocab, top_k],
+            actual: shape,
+        });
+    }
+    values
+        .into_iter()
+        .map(|e| match u32::try_from(e) {
+            Ok(e) if (e as usize) < n_experts => Ok(e),
+            _ => Err(ModelError::BadTensor {
+                name: name.into(),
+                why: format!("expert id {e} outside 0..{n_experts}"),
+            }),
+        })
+        .collect()
 }

@@ -15,6 +15,8 @@ pub(crate) struct Names {
     pub down: String,
     pub shared: [String; 3],
     pub shared_gate: String,
+    /// DeepSeek-V4's token-id → experts table of a hash-routed layer.
+    pub table: String,
 }
 
 impl Names {
@@ -33,6 +35,22 @@ impl Names {
                     n("ffn_down_shexp.weight"),
                 ],
                 shared_gate: n("ffn_gate_inp_shexp.weight"),
+                table: n("ffn_gate_tid2eid.weight"),
+            },
+            // DeepSeek's own names (see `Checkpoint::layer_names`).
+            Checkpoint::Hf(_) if cfg.arch == Arch::DeepseekV4 => Names {
+                router: n("ffn.gate.weight"),
+                bias: n("ffn.gate.bias"),
+                table: n("ffn.gate.tid2eid"),
+                gate: n("ffn.experts.{e}.w1.weight"),
+                up: n("ffn.experts.{e}.w3.weight"),
+                down: n("ffn.experts.{e}.w2.weight"),
+                shared: [
+                    n("ffn.shared_experts.w1.weight"),
+                    n("ffn.shared_experts.w3.weight"),
+                    n("ffn.shared_experts.w2.weight"),
+                ],
+                shared_gate: String::new(),
             },
             Checkpoint::Hf(_) if cfg.arch == Arch::KimiLinear => Names {
                 router: n("block_sparse_moe.gate.weight"),
@@ -46,6 +64,7 @@ impl Names {
                     n("block_sparse_moe.shared_experts.down_proj.weight"),
                 ],
                 shared_gate: String::new(),
+                table: String::new(),
             },
             Checkpoint::Hf(_) if cfg.arch == Arch::Mixtral => Names {
                 router: n("block_sparse_moe.gate.weight"),
@@ -55,6 +74,7 @@ impl Names {
                 down: n("block_sparse_moe.experts.{e}.w2.weight"),
                 shared: Default::default(),
                 shared_gate: String::new(),
+                table: String::new(),
             },
             Checkpoint::Hf(_) => {
                 // Qwen2-MoE names its one shared expert in the singular.
@@ -74,6 +94,7 @@ impl Names {
                         n(&format!("{sh}.down_proj.weight")),
                     ],
                     shared_gate: n("mlp.shared_expert_gate.weight"),
+                    table: String::new(),
                 }
             }
         }

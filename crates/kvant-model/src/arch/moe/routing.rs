@@ -4,7 +4,7 @@
 use crate::ModelError;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{LinearInput, LinearWeight};
-use kvant_kernels::moe::{route, RouterInput, RouterParams};
+use kvant_kernels::moe::{route, route_by_table, RouterInput, RouterParams};
 
 pub(crate) struct Router {
     pub params: RouterParams,
@@ -13,6 +13,9 @@ pub(crate) struct Router {
     pub weight: LinearWeight,
     /// DeepSeek-V3's selection bias (`e_score_correction_bias`).
     pub bias: Option<Vec<f32>>,
+    /// DeepSeek-V4's hash-routed layers: each token's `top_k` experts by
+    /// token id (`tid2eid`, `[vocab, top_k]`), in place of a selection.
+    pub table: Option<Vec<u32>>,
 }
 
 /// The router's outputs, reused across passes: the logits, and each
@@ -30,11 +33,12 @@ impl Router {
         self.weight.cols()
     }
 
-    /// The router's choices for `n` tokens: `r.ids` and `r.weights`
-    /// (`[n, top_k]`).
+    /// The router's choices for `n` tokens (`tokens`, their ids, for a
+    /// hash-routed layer): `r.ids` and `r.weights` (`[n, top_k]`).
     pub fn route(
         &self,
         xn: &[f32],
+        tokens: &[u32],
         n: usize,
         q8: &mut Q8Activations,
         r: &mut Routes,
@@ -48,7 +52,10 @@ impl Router {
             .forward(&LinearInput::new(xn, n, q8, &[&self.weight])?, logits)?;
         let (ids, weights) = (&mut r.ids[..n * k], &mut r.weights[..n * k]);
         let input = RouterInput::new(&self.params, logits, self.bias.as_deref());
-        route(&input, ids, weights)?;
+        match &self.table {
+            Some(table) => route_by_table(&input, (table, tokens), ids, weights)?,
+            None => route(&input, ids, weights)?,
+        }
         Ok(())
     }
 }

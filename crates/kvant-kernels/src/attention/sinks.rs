@@ -1,0 +1,196 @@
+//! Attention of one query token over a gathered set of shared K = V rows,
+//! with a learned sink logit per head (DeepSeek-V4, gpt-oss): every head
+//! reads the same rows (one KV head, keys and values the same vectors), and
+//! the softmax runs over the rows' scaled scores plus the head's sink,
+//! which takes probability mass but contributes no value:
+//!
+//! `p_j = exp(s_j − M) / (Σ_i exp(s_i − M) + exp(sink − M))`,
+//! `M = max(max_j s_j, sink)`, `out = Σ_j p_j · row_j`.
+//!
+//! The caller gathers the rows (a sliding window, compressed entries, an
+//! indexer's top-k of them), so the kernel is the same whatever selected
+//! them. [`sink_attention_ref`] is the f64 reference.
+
+use crate::cpu::SimdTier;
+use crate::dot::dot_f32_with;
+use crate::error::{check_len, KernelError};
+use crate::vecops::{axpy, exp_shifted, scale};
+
+/// One query's shapes: `heads` heads of `dim` values, `scale` on the
+/// scores (`1/√dim` in DeepSeek-V4), one sink per head.
+#[derive(Clone, Copy, Debug)]
+pub struct SinkAttn<'a> {
+    pub heads: usize,
+    pub dim: usize,
+    pub scale: f32,
+    pub sinks: &'a [f32],
+}
+
+impl SinkAttn<'_> {
+    /// Checks `q` (`[heads, dim]`), `rows` (`[n, dim]`) and `out`
+    /// (`[heads, dim]`); returns the row count.
+    ///
+    /// # Errors
+    /// [`KernelError::LengthMismatch`] naming the first bad length.
+    pub fn check(&self, q: &[f32], rows: &[f32], out: &[f32]) -> Result<usize, KernelError> {
+        let qd = self.heads * self.dim;
+        check_len("sink attention sinks [heads]", self.heads, self.sinks.len())?;
+        check_len("sink attention query [heads, dim]", qd, q.len())?;
+        check_len("sink attention output [heads, dim]", qd, out.len())?;
+        let n = rows.len().checked_div(self.dim).unwrap_or(0);
+        check_len("sink attention rows [n, dim]", n * self.dim, rows.len())?;
+        Ok(n)
+    }
+}
+
+/// Each head's output for one query over `rows` (see the module docs),
+/// `scores` a scratch of at least the row count. An empty row set gives
+/// zeros (all mass on the sink).
+///
+/// # Errors
+/// As [`SinkAttn::check`], and for a `scores` shorter than the rows.
+pub fn sink_attention(
+    tier: SimdTier,
+    a: &SinkAttn<'_>,
+    (q, rows): (&[f32], &[f32]),
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = a.check(q, rows, out)?;
+    if scores.len() < n {
+        return Err(KernelError::LengthMismatch {
+            what: "sink attention scores scratch",
+            expected: n,
+            actual: scores.len(),
+        });
+    }
+    let d = a.dim;
+    let scores = &mut scores[..n];
+    for (h, o) in out.chunks_exact_mut(d).enumerate() {
+        let qh = &q[h * d..(h + 1) * d];
+        for (s, row) in scores.iter_mut().zip(rows.chunks_exact(d)) {
+            *s = dot_f32_with(tier, qh, row) * a.scale;
+        }
+        let sink = a.sinks[h];
+        let max = scores.iter().copied().fold(sink, f32::max);
+        let sum = exp_shifted(tier, scores, max) + (sink - max).exp();
+        o.fill(0.0);
+        for (&p, row) in scores.iter().zip(rows.chunks_exact(d)) {
+            axpy(tier, p, row, o);
+        }
+        scale(tier, 1.0 / sum, o);
+    }
+    Ok(())
+}
+
+/// [`sink_attention`] in f64: scores, exponentials and sums, each
+/// output rounded once.
+///
+/// # Errors
+/// As [`SinkAttn::check`].
+pub fn sink_attention_ref(
+    a: &SinkAttn<'_>,
+    (q, rows): (&[f32], &[f32]),
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    a.check(q, rows, out)?;
+    let d = a.dim;
+    for (h, o) in out.chunks_exact_mut(d).enumerate() {
+        let qh = &q[h * d..(h + 1) * d];
+        let s: Vec<f64> = rows
+            .chunks_exact(d)
+            .map(|r| {
+                let dot: f64 = qh.iter().zip(r).map(|(&x, &y)| x as f64 * y as f64).sum();
+                dot * a.scale as f64
+            })
+            .collect();
+        let sink = a.sinks[h] as f64;
+        let max = s.iter().copied().fold(sink, f64::max);
+        let e: Vec<f64> = s.iter().map(|&v| (v - max).exp()).collect();
+        let sum: f64 = e.iter().sum::<f64>() + (sink - max).exp();
+        for (i, o) in o.iter_mut().enumerate() {
+            let v: f64 = e
+                .iter()
+                .zip(rows.chunks_exact(d))
+                .map(|(&p, r)| p * r[i] as f64)
+                .sum();
+            *o = (v / sum) as f32;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu;
+    use rand::{Rng, SeedableRng};
+
+    /// f32 scores over `dim` products and f32 sums over the rows: within
+    /// 2e-5 of the f64 reference relative to max(1, |value|) at these
+    /// sizes (values of order 1).
+    const TOL: f32 = 2e-5;
+
+    #[test]
+    fn every_tier_matches_the_reference_on_odd_sizes() {
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(39);
+        for (heads, dim, n) in [(1, 1, 1), (3, 17, 0), (4, 33, 5), (5, 64, 41), (2, 512, 9)] {
+            let r = |len: usize, rng: &mut rand_chacha::ChaCha8Rng| -> Vec<f32> {
+                (0..len).map(|_| rng.random_range(-1.0..1.0)).collect()
+            };
+            let q = r(heads * dim, &mut rng);
+            let rows = r(n * dim, &mut rng);
+            let sinks: Vec<f32> = (0..heads).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let a = SinkAttn {
+                heads,
+                dim,
+                scale: 1.0 / (dim as f32).sqrt(),
+                sinks: &sinks,
+            };
+            let mut want = vec![f32::NAN; heads * dim];
+            sink_attention_ref(&a, (&q, &rows), &mut want).expect("reference");
+            for tier in cpu::available_tiers() {
+                let mut got = vec![f32::NAN; heads * dim];
+                let mut scores = vec![0.0; n + 3];
+                sink_attention(tier, &a, (&q, &rows), &mut scores, &mut got).expect("kernel");
+                for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    assert!(
+                        (g - w).abs() <= TOL * w.abs().max(1.0),
+                        "{tier} heads {heads} dim {dim} n {n} [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_sink_takes_mass_and_bad_lengths_are_errors() {
+        // One row equal to the query direction, a sink far above: the
+        // output shrinks toward zero; far below: it is the row.
+        let (q, rows) = (vec![1.0, 0.0], vec![2.0, 0.0]);
+        let run = |sink: f32| {
+            let sinks = [sink];
+            let a = SinkAttn {
+                heads: 1,
+                dim: 2,
+                scale: 1.0,
+                sinks: &sinks,
+            };
+            let mut out = vec![0.0; 2];
+            sink_attention(cpu::tier(), &a, (&q, &rows), &mut [0.0], &mut out).expect("kernel");
+            out[0]
+        };
+        assert!(run(50.0) < 1e-6);
+        assert!((run(-50.0) - 2.0).abs() < 1e-6);
+        let sinks = [0.0];
+        let a = SinkAttn {
+            heads: 1,
+            dim: 2,
+            scale: 1.0,
+            sinks: &sinks,
+        };
+        let mut out = vec![0.0; 2];
+        assert!(sink_attention(cpu::tier(), &a, (&q, &[1.0; 3]), &mut [0.0; 2], &mut out).is_err());
+        assert!(sink_attention(cpu::tier(), &a, (&q, &rows), &mut [], &mut out).is_err());
+    }
+}

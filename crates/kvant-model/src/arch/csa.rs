@@ -1,0 +1,481 @@
+//! DeepSeek-V4's attention: an attention component beside multi-head,
+//! latent and linear attention. Per layer, one of three kinds
+//! ([`V4Attention`]): a sliding window alone, the window plus compressed
+//! sparse attention (CSA: entries of 4 tokens from overlapping windows,
+//! the lightning indexer's top-k of them per query), or the window plus
+//! heavily compressed attention (HCA: entries of 128 tokens, all visible).
+//!
+//! As transformers' `DeepseekV4Attention` computes it:
+//! - queries through a low-rank pair (`wq_a`, normed, `wq_b`), then a
+//!   weightless RMSNorm per head; one K = V row per token (`wkv`, normed);
+//!   both rotated on the last `rope_dim` values of each head (interleaved
+//!   pairs; the `main` rotation on sliding-only layers, `compress` on the
+//!   others);
+//! - each query attends over the window's rows (its own and the
+//!   `window − 1` before it) and the compressed entries it may see (entry
+//!   `w` once its window has closed, `w < (pos + 1) / rate`), with a
+//!   learned sink logit per head ([`sink_attention`]), scale `dim^-½`;
+//! - the output's rope part is rotated back by its position, then the
+//!   grouped low-rank projection: `o_groups` groups of heads, each through
+//!   its own block of `wo_a`, then `wo_b`.
+//!
+//! A sequence's state slot holds the window's rows (a ring indexed by
+//! position) and each compressor's tail ([`Compressor`]); the pool's
+//! paged rows hold the compressed entries and the indexer's keys, one per
+//! closed window, in the block of the window's last token.
+
+use super::compressor::{rotate_tail, Compressor};
+use super::ctx::{StateCtx, Step};
+use super::loader::{Loader, Part};
+use super::sized;
+use crate::config::{ModelConfig, V4Attention, V4Config};
+use crate::kv::KvPool;
+use crate::ModelError;
+use kvant_kernels::attention::{sink_attention, SeqAttn, SinkAttn};
+use kvant_kernels::cpu;
+use kvant_kernels::dot::dot_f32;
+use kvant_kernels::int8::Q8Activations;
+use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
+use kvant_kernels::norm::rms_norm_inplace;
+
+/// The lightning indexer of a CSA layer: its own compressor of keys, a
+/// query projection from the query latent and per-head weights.
+struct Lightning {
+    keys: Compressor,
+    q_b: LinearWeight,
+    weights: LinearWeight,
+    heads: usize,
+    dim: usize,
+    topk: usize,
+}
+
+pub(crate) struct CompressedAttention {
+    heads: usize,
+    dim: usize,
+    window: usize,
+    eps: f32,
+    q_a: LinearWeight,
+    q_norm: Vec<f32>,
+    q_b: LinearWeight,
+    kv: LinearWeight,
+    kv_norm: Vec<f32>,
+    /// `wo_a`'s block per group of heads, `[o_lora_rank, heads·dim/groups]`.
+    o_a: Vec<LinearWeight>,
+    o_b: LinearWeight,
+    sinks: Vec<f32>,
+    /// The weightless per-head query norm's weight.
+    ones: Vec<f32>,
+    /// This layer's rotation, and the compressed one (entries, indexer).
+    inv_freq: Vec<f32>,
+    compress_freq: Vec<f32>,
+    compressor: Option<Compressor>,
+    indexer: Option<Box<Lightning>>,
+    /// The layer's index among the compressing layers (its paged rows).
+    cache: usize,
+}
+
+/// Activations of one layer, reused across passes.
+#[derive(Default)]
+pub(crate) struct CsaScratch {
+    qa: Vec<f32>,
+    q: Vec<f32>,
+    kv: Vec<f32>,
+    ckv: Vec<f32>,
+    cgate: Vec<f32>,
+    ikv: Vec<f32>,
+    igate: Vec<f32>,
+    iq: Vec<f32>,
+    iw: Vec<f32>,
+    attn: Vec<f32>,
+    group_in: Vec<f32>,
+    group_out: Vec<f32>,
+    part: Vec<f32>,
+    /// One sequence's compressed entries and indexer keys, widened.
+    entries: Vec<f32>,
+    index_keys: Vec<f32>,
+    /// One query's rows (window, then chosen entries), scores, index
+    /// scores and choice.
+    rows: Vec<f32>,
+    scores: Vec<f32>,
+    index_scores: Vec<(f32, usize)>,
+    chosen: Vec<usize>,
+    /// One sequence's state of this layer, while it runs.
+    state: Vec<f32>,
+    pool_weights: Vec<f32>,
+    entry: Vec<f32>,
+}
+
+impl CompressedAttention {
+    /// Loads layer `layer` (tensors under `prefix`, DeepSeek's names).
+    pub fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        v4: &V4Config,
+        (layer, prefix): (usize, &str),
+    ) -> Result<Self, ModelError> {
+        let (h, heads, dim) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
+        let kind = v4.layers[layer];
+        let n = |s: &str| format!("{prefix}attn.{s}");
+        let (groups, rank) = (v4.o_groups, v4.o_lora_rank);
+        if !heads.is_multiple_of(groups) {
+            return Err(crate::config::ConfigError::Invalid {
+                key: "o_groups".into(),
+                why: format!("{groups} groups do not divide {heads} heads"),
+            }
+            .into());
+        }
+        let per_group = heads * dim / groups;
+        let o_a = (0..groups)
+            .map(|g| {
+                let rows = Part::Rows(g * rank..(g + 1) * rank);
+                ld.weight_part(&n("wo_a.weight"), [groups * rank, per_group], rows)
+            })
+            .collect::<Result<_, _>>()?;
+        let rate = v4.rate(layer);
+        let compressor = match kind {
+            V4Attention::Sliding => None,
+            _ => Some(Compressor::load(
+                ld,
+                &n("compressor."),
+                (rate, dim, kind == V4Attention::Csa),
+                h,
+            )?),
+        };
+        let indexer = match kind {
+            V4Attention::Csa => {
+                let ix = v4.indexer;
+                Some(Box::new(Lightning {
+                    keys: Compressor::load(
+                        ld,
+                        &n("indexer.compressor."),
+                        (rate, ix.head_dim, true),
+                        h,
+                    )?,
+                    q_b: ld.weight(
+                        &n("indexer.wq_b.weight"),
+                        ix.heads * ix.head_dim,
+                        v4.q_lora_rank,
+                    )?,
+                    weights: ld.exact_weight(&n("indexer.weights_proj.weight"), ix.heads, h)?,
+                    heads: ix.heads,
+                    dim: ix.head_dim,
+                    topk: ix.topk,
+                }))
+            }
+            _ => None,
+        };
+        let cache = (0..layer).filter(|&j| v4.rate(j) > 0).count();
+        Ok(CompressedAttention {
+            heads,
+            dim,
+            window: v4.window,
+            eps: cfg.rms_eps,
+            q_a: ld.weight(&n("wq_a.weight"), v4.q_lora_rank, h)?,
+            q_norm: ld.vector(&n("q_norm.weight"), v4.q_lora_rank)?,
+            q_b: ld.weight(&n("wq_b.weight"), heads * dim, v4.q_lora_rank)?,
+            kv: ld.weight(&n("wkv.weight"), dim, h)?,
+            kv_norm: ld.vector(&n("norm.weight"), dim)?,
+            o_a,
+            o_b: ld.weight(&n("wo_b.weight"), h, groups * rank)?,
+            sinks: ld.raw_vector(&n("attn_sink"), heads)?,
+            ones: vec![1.0; dim],
+            inv_freq: v4.inv_freq(layer),
+            compress_freq: v4.compress_inv_freq(),
+            compressor,
+            indexer,
+            cache,
+        })
+    }
+
+    pub fn byte_len(&self) -> usize {
+        let ws = [&self.q_a, &self.q_b, &self.kv, &self.o_b];
+        let own: usize = ws
+            .into_iter()
+            .chain(&self.o_a)
+            .map(LinearWeight::byte_len)
+            .sum();
+        let comp = self.compressor.as_ref().map_or(0, Compressor::byte_len);
+        let ix = self.indexer.as_ref().map_or(0, |i| {
+            i.keys.byte_len() + i.q_b.byte_len() + i.weights.byte_len()
+        });
+        own + comp + ix
+    }
+
+    /// Values of a sequence's state for this layer: the window's rows and
+    /// the compressors' tails.
+    pub fn state_len(&self) -> usize {
+        self.window * self.dim
+            + self.compressor.as_ref().map_or(0, Compressor::state_len)
+            + self.indexer.as_ref().map_or(0, |i| i.keys.state_len())
+    }
+
+    /// Runs the layer for the batch's tokens: `step.out` gets the
+    /// attention's output rows (`[n, hidden]`).
+    pub fn forward(
+        &self,
+        ctx: StateCtx<'_, '_>,
+        step: Step<'_, CsaScratch>,
+    ) -> Result<(), ModelError> {
+        let Step { xn, n, q8, s, out } = step;
+        self.project(xn, n, q8, s)?;
+        let StateCtx {
+            pool,
+            index,
+            seqs,
+            slots,
+        } = ctx;
+        let len = self.state_len();
+        // Keys (= values) rotated at their positions, as cached.
+        let d = self.dim;
+        for sq in seqs {
+            for (i, r) in sq.rows.clone().enumerate() {
+                rotate_tail(
+                    &mut s.kv[r * d..(r + 1) * d],
+                    &self.inv_freq,
+                    sq.pos0 + i,
+                    false,
+                );
+            }
+        }
+        for (sq, &slot) in seqs.iter().zip(slots) {
+            let (_, states) = pool.states_mut(index)?;
+            let state = states
+                .get_mut(slot * len..(slot + 1) * len)
+                .ok_or(ModelError::StateSlot { slot })?;
+            // A copy, while the pool takes the entries: one layer's
+            // state, in the scratch.
+            let mut own = std::mem::take(&mut s.state);
+            own.clear();
+            own.extend_from_slice(state);
+            self.compress(pool, sq, &mut own, s);
+            let attended = self.attend(pool, sq, &own, s);
+            self.keep_window(sq, &mut own, &s.kv);
+            let (_, states) = pool.states_mut(index)?;
+            states[slot * len..(slot + 1) * len].copy_from_slice(&own);
+            s.state = own;
+            attended?;
+        }
+        self.output(n, q8, s, out)
+    }
+
+    /// Queries, K = V rows and the compressors' and indexer's projections
+    /// of the batch.
+    fn project(
+        &self,
+        xn: &[f32],
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut CsaScratch,
+    ) -> Result<(), ModelError> {
+        let (heads, d) = (self.heads, self.dim);
+        let qa = sized(&mut s.qa, n * self.q_norm.len());
+        let kv = sized(&mut s.kv, n * d);
+        let input = LinearInput::new(xn, n, q8, &[&self.q_a, &self.kv])?;
+        forward_batch(&input, &mut [(&self.q_a, qa), (&self.kv, kv)])?;
+        rms_norm_inplace(qa, &self.q_norm, self.eps);
+        rms_norm_inplace(kv, &self.kv_norm, self.eps);
+        let q = sized(&mut s.q, n * heads * d);
+        let qa = &s.qa[..n * self.q_norm.len()];
+        self.q_b
+            .forward(&LinearInput::new(qa, n, q8, &[&self.q_b])?, q)?;
+        rms_norm_inplace(q, &self.ones, self.eps);
+        sized(&mut s.attn, n * heads * d);
+        if let Some(c) = &self.compressor {
+            let w = c.width();
+            let (ckv, cg) = (sized(&mut s.ckv, n * w), sized(&mut s.cgate, n * w));
+            c.project(xn, n, q8, (ckv, cg))?;
+        }
+        if let Some(ix) = &self.indexer {
+            let w = ix.keys.width();
+            let (ikv, ig) = (sized(&mut s.ikv, n * w), sized(&mut s.igate, n * w));
+            ix.keys.project(xn, n, q8, (ikv, ig))?;
+            let iq = sized(&mut s.iq, n * ix.heads * ix.dim);
+            ix.q_b
+                .forward(&LinearInput::new(qa, n, q8, &[&ix.q_b])?, iq)?;
+            let iw = sized(&mut s.iw, n * ix.heads);
+            ix.weights
+                .forward(&LinearInput::new(xn, n, q8, &[&ix.weights])?, iw)?;
+            let scale = (ix.heads as f32).powf(-0.5);
+            iw.iter_mut().for_each(|v| *v *= scale);
+        }
+        Ok(())
+    }
+
+    /// Feeds a sequence's tokens to the compressors (in position order),
+    /// storing every entry a window closes in the pool.
+    fn compress(&self, pool: &mut KvPool, sq: &SeqAttn<'_>, state: &mut [f32], s: &mut CsaScratch) {
+        let Some(c) = &self.compressor else {
+            return;
+        };
+        let ring = self.window * self.dim;
+        let (tail, rest) = state[ring..].split_at_mut(c.state_len());
+        let (w, d) = (c.width(), self.dim);
+        let entry = sized(&mut s.entry, d + self.indexer.as_ref().map_or(0, |i| i.dim));
+        let (entry, index_entry) = entry.split_at_mut(d);
+        for (i, r) in sq.rows.clone().enumerate() {
+            let pos = sq.pos0 + i;
+            let closed = c.push(
+                tail,
+                pos,
+                (&s.ckv[r * w..(r + 1) * w], &s.cgate[r * w..(r + 1) * w]),
+            );
+            let ix_closed = self.indexer.as_ref().and_then(|ix| {
+                let iw = ix.keys.width();
+                let rows = (&s.ikv[r * iw..(r + 1) * iw], &s.igate[r * iw..(r + 1) * iw]);
+                ix.keys.push(rest, pos, rows)
+            });
+            let Some(e) = closed else { continue };
+            let rope = (self.eps, &self.compress_freq[..]);
+            c.entry(tail, e, rope, &mut s.pool_weights, entry);
+            let index = match (&self.indexer, ix_closed) {
+                (Some(ix), Some(_)) => {
+                    ix.keys
+                        .entry(rest, e, rope, &mut s.pool_weights, index_entry);
+                    Some(&index_entry[..])
+                }
+                _ => None,
+            };
+            pool.store_entry((self.cache, c.rate()), sq.table, e, (entry, index));
+        }
+    }
+
+    /// Each of a sequence's queries over its window and compressed
+    /// entries, rotated back, into `s.attn` (`[n, heads·dim]`).
+    fn attend(
+        &self,
+        pool: &KvPool,
+        sq: &SeqAttn<'_>,
+        state: &[f32],
+        s: &mut CsaScratch,
+    ) -> Result<(), ModelError> {
+        let (heads, d, win) = (self.heads, self.dim, self.window);
+        let end = sq.pos0 + sq.rows.len();
+        let rate = self.compressor.as_ref().map_or(0, Compressor::rate);
+        // Entries visible to the chunk's last token, widened once.
+        let count = end.checked_div(rate).unwrap_or(0);
+        let entries = sized(&mut s.entries, count * d);
+        for (w, e) in entries.chunks_exact_mut(d).enumerate() {
+            pool.load_entry((self.cache, rate), sq.table, (w, false), e);
+        }
+        if let Some(ix) = &self.indexer {
+            let keys = sized(&mut s.index_keys, count * ix.dim);
+            for (w, e) in keys.chunks_exact_mut(ix.dim).enumerate() {
+                pool.load_entry((self.cache, rate), sq.table, (w, true), e);
+            }
+        }
+        let a = SinkAttn {
+            heads,
+            dim: d,
+            scale: 1.0 / (d as f32).sqrt(),
+            sinks: &self.sinks,
+        };
+        for (i, r) in sq.rows.clone().enumerate() {
+            let pos = sq.pos0 + i;
+            let first = (pos + 1).saturating_sub(win);
+            let rows = &mut s.rows;
+            rows.clear();
+            for p in first..=pos {
+                let row = match p >= sq.pos0 {
+                    true => &s.kv[(sq.rows.start + p - sq.pos0) * d..][..d],
+                    false => &state[(p % win) * d..][..d],
+                };
+                rows.extend_from_slice(row);
+            }
+            let visible = (pos + 1).checked_div(rate).unwrap_or(0);
+            match &self.indexer {
+                Some(ix) => {
+                    let iq = &mut s.iq[r * ix.heads * ix.dim..(r + 1) * ix.heads * ix.dim];
+                    for head in iq.chunks_exact_mut(ix.dim) {
+                        rotate_tail(head, &self.compress_freq, pos, false);
+                    }
+                    self.select(ix, r, visible, s);
+                    for &w in &s.chosen {
+                        s.rows.extend_from_slice(&s.entries[w * d..(w + 1) * d]);
+                    }
+                }
+                None => s.rows.extend_from_slice(&s.entries[..visible * d]),
+            }
+            let q = &mut s.q[r * heads * d..(r + 1) * heads * d];
+            for head in q.chunks_exact_mut(d) {
+                rotate_tail(head, &self.inv_freq, pos, false);
+            }
+            let nk = s.rows.len() / d;
+            let scores = sized(&mut s.scores, nk);
+            let o = &mut s.attn[r * heads * d..(r + 1) * heads * d];
+            sink_attention(cpu::tier(), &a, (q, &s.rows), scores, o)?;
+            for head in o.chunks_exact_mut(d) {
+                rotate_tail(head, &self.inv_freq, pos, true);
+            }
+        }
+        Ok(())
+    }
+
+    /// The indexer's choice for query row `r` (its query already
+    /// rotated) among the first `visible` entries, into `s.chosen`: the
+    /// top `topk` by `Σ_h w_h · relu(q_h · k) · dim^-½`, best first, ties
+    /// to the earlier entry.
+    fn select(&self, ix: &Lightning, r: usize, visible: usize, s: &mut CsaScratch) {
+        let (hi, di) = (ix.heads, ix.dim);
+        let qs = &s.iq[r * hi * di..(r + 1) * hi * di];
+        let weights = &s.iw[r * hi..(r + 1) * hi];
+        let scale = (di as f32).powf(-0.5);
+        let scored = &mut s.index_scores;
+        scored.clear();
+        for w in 0..visible {
+            let k = &s.index_keys[w * di..(w + 1) * di];
+            let score: f32 = qs
+                .chunks_exact(di)
+                .zip(weights)
+                .map(|(qh, &wh)| dot_f32(qh, k).max(0.0) * scale * wh)
+                .sum();
+            scored.push((score, w));
+        }
+        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        scored.truncate(ix.topk.min(visible));
+        s.chosen.clear();
+        s.chosen.extend(scored.iter().map(|&(_, w)| w));
+    }
+
+    /// Keeps the chunk's last `window` rows in the sequence's ring.
+    fn keep_window(&self, sq: &SeqAttn<'_>, state: &mut [f32], kv: &[f32]) {
+        let (d, win) = (self.dim, self.window);
+        let len = sq.rows.len();
+        for i in len.saturating_sub(win)..len {
+            let pos = sq.pos0 + i;
+            let r = sq.rows.start + i;
+            state[(pos % win) * d..(pos % win + 1) * d].copy_from_slice(&kv[r * d..(r + 1) * d]);
+        }
+    }
+
+    /// The grouped output projection of `s.attn` into `out`.
+    fn output(
+        &self,
+        n: usize,
+        q8: &mut Q8Activations,
+        s: &mut CsaScratch,
+        out: &mut [f32],
+    ) -> Result<(), ModelError> {
+        let groups = self.o_a.len();
+        let width = self.heads * self.dim;
+        let per = width / groups;
+        let rank = self.o_a.first().map_or(0, LinearWeight::rows);
+        let gin = sized(&mut s.group_in, n * per);
+        let gout = sized(&mut s.group_out, n * groups * rank);
+        let part = sized(&mut s.part, n * rank);
+        for (g, w) in self.o_a.iter().enumerate() {
+            for t in 0..n {
+                gin[t * per..(t + 1) * per]
+                    .copy_from_slice(&s.attn[t * width + g * per..t * width + (g + 1) * per]);
+            }
+            w.forward(&LinearInput::new(gin, n, q8, &[w])?, part)?;
+            for t in 0..n {
+                gout[t * groups * rank + g * rank..][..rank]
+                    .copy_from_slice(&part[t * rank..(t + 1) * rank]);
+            }
+        }
+        let gout = &s.group_out[..n * groups * rank];
+        self.o_b
+            .forward(&LinearInput::new(gout, n, q8, &[&self.o_b])?, out)?;
+        Ok(())
+    }
+}
