@@ -36,7 +36,9 @@ fn start_with(name: &str, cfg: EngineConfig) -> (EngineHandle, EngineThread) {
 /// `qwen3-5-moe` and `kimi-linear` (per-channel decay, latent attention in
 /// its fourth layer) carry a recurrent state per sequence in three of
 /// their four layers (state slots, snapshots at block boundaries for the
-/// prefix cache, restored after preemption).
+/// prefix cache, restored after preemption). `deepseek-v4` keeps window
+/// rings and compressor tails in its slots and compressed entries in the
+/// blocks.
 #[test]
 fn outputs_do_not_depend_on_load() {
     for name in [
@@ -47,6 +49,7 @@ fn outputs_do_not_depend_on_load() {
         "qwen3-next",
         "qwen3-5-moe",
         "kimi-linear",
+        "deepseek-v4",
     ] {
         outputs_do_not_depend_on_load_of(name);
     }
@@ -91,11 +94,11 @@ fn outputs_do_not_depend_on_load_of(name: &str) {
 /// A prompt sharing a prefix with earlier work reuses its blocks, and
 /// produces what it produces with caching off (for sparse attention too,
 /// whose cached blocks carry the indexer keys the suffix scores, and for
-/// linear attention, which restarts from the state snapshot kept at the
-/// last shared block's end).
+/// linear attention and DeepSeek-V4, which restart from the state
+/// snapshot kept at the last shared block's end).
 #[test]
 fn prefix_cache_hits_change_nothing_but_work() {
-    for name in [DENSE, "deepseek-v32", "qwen3-next"] {
+    for name in [DENSE, "deepseek-v32", "qwen3-next", "deepseek-v4"] {
         prefix_cache_hits_change_nothing_but_work_of(name);
     }
 }
