@@ -61,20 +61,208 @@ equal before position 15, different after), each compressed branch dropped
 (equal before its first entry, different after), plain rope instead of YaRN,
 routing and index margins, clamp counts and what the indexer's ReLU changes.
 
+With --converter PATH (or $LLAMA_CPP_CONVERTER), llama.cpp's convert_hf_to_gguf.py,
+the fixture is also converted to tests/fixtures/models/gguf/deepseek-v4.F32.gguf
+(architecture deepseek4) with llama.cpp's own DeepseekV4Model conversion, which
+reads only DeepSeek's published checkpoint layout. So the conversion runs on a
+copy in that layout (`published_copy`: names without transformers' `model.`
+prefix, `embed.weight`, `norm.weight`, `hc_head_{fn,base,scale}`, `attn.kv_norm`,
+and the config keys that converter reads: `compress_ratios`, `num_hash_layers`,
+top-level `rope_scaling`), through convert_with_llama_cpp.py (pre-tokenizer
+`smollm`), with one documented change for float experts (`_float_experts`). Every
+weight stays float32, so the GGUF's reference.json is this reference with the
+provenance changed; the script checks every GGUF tensor against model.safetensors
+bit for bit.
+
 Same determinism as make_model_fixtures.py. Run from the repository root:
-  .venv/bin/python tools/reference/make_v4_fixtures.py
+  .venv/bin/python tools/reference/make_v4_fixtures.py [--converter PATH]
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import os
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ------------------------------------------ llama.cpp's converter (child process)
+#
+# This part runs in a process of its own (`python make_v4_fixtures.py
+# --llama-cpp-child ...`, started by make_gguf) and before the imports below:
+# the converter must import the gguf-py next to it (deepseek4 is not in the
+# venv's gguf 0.19.0), and make_moe_fixtures imports the venv's `gguf` first.
+
+CHILD_FLAG = "--llama-cpp-child"
+CHECK_MARK = "V4-GGUF-CHECK "
+
+# transformers' names in model.safetensors -> the GGUF's (llama.cpp's names for
+# DeepSeek's own; no tensor is permuted or transposed).
+GGUF_ROOT = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "head.weight": "output.weight",
+    "model.hc_head.hc_fn": "output_hc_fn.weight",
+    "model.hc_head.hc_base": "output_hc_base.weight",
+    "model.hc_head.hc_scale": "output_hc_scale.weight",
+}
+GGUF_LAYER = {
+    "attn_norm.weight": "attn_norm.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    **{f"hc_{b}_{t}": f"hc_{b}_{t}.weight" for b in ("attn", "ffn") for t in ("fn", "base", "scale")},
+    "attn.attn_sink": "attn_sinks.weight",
+    "attn.wq_a.weight": "attn_q_a.weight",
+    "attn.q_norm.weight": "attn_q_a_norm.weight",
+    "attn.wq_b.weight": "attn_q_b.weight",
+    "attn.wkv.weight": "attn_kv.weight",
+    "attn.norm.weight": "attn_kv_a_norm.weight",  # DeepSeek's attn.kv_norm
+    "attn.wo_a.weight": "attn_output_a.weight",
+    "attn.wo_b.weight": "attn_output_b.weight",
+    **{f"attn.compressor.{a}": f"attn_compressor_{b}.weight" for a, b in
+       (("wkv.weight", "kv"), ("wgate.weight", "gate"), ("ape", "ape"), ("norm.weight", "norm"))},
+    "attn.indexer.wq_b.weight": "indexer.attn_q_b.weight",
+    "attn.indexer.weights_proj.weight": "indexer.proj.weight",
+    **{f"attn.indexer.compressor.{a}": f"indexer_compressor_{b}.weight" for a, b in
+       (("wkv.weight", "kv"), ("wgate.weight", "gate"), ("ape", "ape"), ("norm.weight", "norm"))},
+    "ffn.gate.weight": "ffn_gate_inp.weight",
+    "ffn.gate.bias": "exp_probs_b.bias",
+    "ffn.gate.tid2eid": "ffn_gate_tid2eid.weight",  # int64 -> I32
+    "ffn.shared_experts.w1.weight": "ffn_gate_shexp.weight",
+    "ffn.shared_experts.w3.weight": "ffn_up_shexp.weight",
+    "ffn.shared_experts.w2.weight": "ffn_down_shexp.weight",
+}
+# Routed experts: ffn.experts.{e}.{w} -> one [n_experts, rows, cols] stack per layer.
+GGUF_EXPERTS = {"w1": "ffn_gate_exps.weight", "w3": "ffn_up_exps.weight", "w2": "ffn_down_exps.weight"}
+
+
+def expected_gguf_tensors(safetensors_path: Path) -> tuple[dict, int]:
+    """What the GGUF must hold, from model.safetensors through the tables above
+    (every source tensor used once), and the number of expert matrices stacked."""
+    import re
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    want: dict = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for name, value in load_file(str(safetensors_path)).items():
+        if name in GGUF_ROOT:
+            want[GGUF_ROOT[name]] = value
+            continue
+        m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", name)
+        if m is None:
+            raise AssertionError(f"unexpected tensor {name}")
+        bid, rest = int(m.group(1)), m.group(2)
+        e = re.fullmatch(r"ffn\.experts\.(\d+)\.(w[123])\.weight", rest)
+        if e:
+            experts.setdefault((bid, e.group(2)), {})[int(e.group(1))] = value
+        elif rest == "ffn.gate.tid2eid":
+            as_i32 = value.astype(np.int32)
+            if not np.array_equal(as_i32.astype(value.dtype), value):
+                raise AssertionError(f"{name} does not fit int32")
+            want[f"blk.{bid}.{GGUF_LAYER[rest]}"] = as_i32
+        else:
+            want[f"blk.{bid}.{GGUF_LAYER[rest]}"] = value
+    for (bid, w), mats in experts.items():
+        want[f"blk.{bid}.{GGUF_EXPERTS[w]}"] = np.stack([mats[i] for i in range(len(mats))])
+    return want, sum(len(m) for m in experts.values())
+
+
+def _float_experts(self, bid: int, proj: str, tensor_key) -> list[str]:
+    """Stands in for DeepseekV4Model._write_mxfp4_expert_tensor, the converter's
+    only step that needs DeepSeek's FP4 experts: the published checkpoint stores
+    each routed expert as packed FP4 `weight` + e8m0 `scale`, which the converter
+    repacks into one MXFP4 [n_experts, rows, cols] tensor per layer and
+    projection. kvant does not read MXFP4 yet, and the tiny fixture's experts are
+    float32 (no `.scale`), so this writes the same stack, in the same place and
+    under the same name, as F32. Everything else is the converter's own code."""
+    import numpy as np
+    import torch
+    from conversion.base import LazyTorchTensor
+
+    mats, consumed = [], []
+    for eid in range(self.hparams["n_routed_experts"]):
+        name = f"layers.{bid}.ffn.experts.{eid}.{proj}.weight"
+        data = LazyTorchTensor.to_eager(self.model_tensors[name]())
+        if data.dtype != torch.float32:
+            raise TypeError(f"{name}: {data.dtype}; this stand-in takes float32 experts only")
+        mats.append(data.numpy())
+        consumed.append(name)
+    self.gguf_writer.add_tensor(self.format_tensor_name(tensor_key, bid), np.stack(mats))
+    return consumed
+
+
+def _llama_cpp_child(argv: list[str]) -> None:
+    """argv: --check-against FIXTURE_DIR, then convert_with_llama_cpp.py's arguments
+    (--converter PATH, the published-layout copy, --outtype f32, --outfile, ...).
+    Converts, then reads the GGUF back with the converter's gguf-py and checks it
+    against FIXTURE_DIR/model.safetensors; prints one CHECK_MARK line (JSON)."""
+    import importlib
+
+    import numpy as np
+
+    if argv[0] != "--check-against":
+        raise SystemExit(f"{CHILD_FLAG}: --check-against DIR first")
+    fixture, wrapper_args = Path(argv[1]), argv[2:]
+    converter = Path(wrapper_args[wrapper_args.index("--converter") + 1]).resolve()
+    outfile = Path(wrapper_args[wrapper_args.index("--outfile") + 1])
+    sys.path.insert(0, str(converter.parent))
+    importlib.import_module(converter.stem)  # puts its own gguf-py on sys.path
+    import gguf
+    from conversion.deepseek import DeepseekV4Model
+
+    import convert_with_llama_cpp
+
+    DeepseekV4Model._write_mxfp4_expert_tensor = _float_experts
+    # DeepseekV4Model.prepare_tensors only adds `ftype = MOSTLY_MXFP4_MOE` (and the
+    # flag behind it) to the base class's; without it general.file_type stays
+    # ALL_F32, which is what the file holds.
+    del DeepseekV4Model.prepare_tensors
+    sys.argv = [convert_with_llama_cpp.__file__, *wrapper_args]
+    convert_with_llama_cpp.main()
+
+    reader = gguf.GGUFReader(str(outfile))
+    arch = reader.fields["general.architecture"].contents()
+    file_type = reader.fields["general.file_type"].contents()
+    if arch != "deepseek4" or file_type != gguf.LlamaFileType.ALL_F32:
+        raise AssertionError(f"architecture {arch}, file type {file_type}")
+    got = {t.name: t for t in reader.tensors}
+    want, n_expert_mats = expected_gguf_tensors(fixture / "model.safetensors")
+    if set(got) != set(want):
+        raise AssertionError(f"tensor names differ: {sorted(set(got) ^ set(want))}")
+    types: dict[str, int] = {}
+    for name, w in want.items():
+        t = got[name]
+        qtype = gguf.GGMLQuantizationType(t.tensor_type).name
+        ok_type = qtype == ("I32" if w.dtype == np.int32 else "F32")
+        data = np.asarray(t.data)
+        if not ok_type or data.shape != w.shape or data.dtype != w.dtype or data.tobytes() != w.tobytes():
+            raise AssertionError(f"{name}: {qtype} {data.dtype} {data.shape}, not the checkpoint's {w.shape}")
+        types[qtype] = types.get(qtype, 0) + 1
+    summary = {
+        "tensors": len(want),
+        "types": types,
+        "expert_matrices": n_expert_mats,
+        "expert_stacks": sum(1 for n in want if n.endswith("_exps.weight")),
+        "metadata": [f for f in reader.fields if not f.startswith("GGUF.")],
+        "gguf_py": str(Path(gguf.__file__).parent),
+    }
+    print(CHECK_MARK + json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == [CHILD_FLAG]:
+    _llama_cpp_child(sys.argv[2:])
+    sys.exit(0)
+
+# ------------------------------------------------------------ the fixture script
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -530,7 +718,7 @@ def _layer_table(model: torch.nn.Module, clamps: list[dict]) -> list[dict]:
     return out
 
 
-def make(tok: Tokenizer) -> None:
+def make(tok: Tokenizer) -> dict:
     text, ids = tiny_prompt(tok)
     out = base.MODELS / NAME
     model = build(SPEC, ids)
@@ -609,12 +797,111 @@ def make(tok: Tokenizer) -> None:
     print(f"{NAME}: ppl {ref['ppl']:.3f} greedy {ref['greedy_ids']} margin {ref['greedy_min_margin']}")
     for n in notes:
         print(f"  {n}")
+    return final
+
+
+# ---------------------------------------------------------------- the GGUF
+
+
+def published_copy(src: Path, dst: Path) -> Path:
+    """The fixture in DeepSeek's published checkpoint layout, which is all that
+    llama.cpp's DeepseekV4Model reads: tensor names without transformers' `model.`
+    prefix, `embed.weight`, `norm.weight`, `hc_head_{fn,base,scale}` and
+    `layers.N.attn.kv_norm.weight` (transformers' reverse mapping writes
+    `attn.norm`); and the config keys it takes from the published config.json
+    (`compress_ratios` per layer, `num_hash_layers`, top-level `rope_scaling` for
+    the compressed layers' YaRN; `qk_rope_head_dim` is already there). transformers'
+    own keys stay; the converter does not read them for these. Values unchanged."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir(parents=True)
+    cfg = json.loads((src / "config.json").read_text(encoding="utf-8"))
+    rates = cfg["compress_rates"]
+    cfg["compress_ratios"] = [0 if t == "sliding_attention" else rates[t] for t in cfg["layer_types"]]
+    n_hash = cfg["mlp_layer_types"].count("hash_moe")
+    if cfg["mlp_layer_types"][:n_hash] != ["hash_moe"] * n_hash:
+        raise AssertionError("DeepSeek's layout puts the hash-routed layers first")
+    cfg["num_hash_layers"] = n_hash
+    yarn = cfg["rope_parameters"]["compress"]
+    cfg["rope_scaling"] = {
+        "type": yarn["rope_type"],
+        "factor": yarn["factor"],
+        "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+        "beta_fast": yarn["beta_fast"],
+        "beta_slow": yarn["beta_slow"],
+    }
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (dst / f).write_bytes((src / f).read_bytes())
+    root = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight"}
+    renamed = {}
+    for name, value in load_file(str(src / "model.safetensors")).items():
+        if name in root:
+            name = root[name]
+        elif name.startswith("model.hc_head.hc_"):
+            name = "hc_head_" + name.removeprefix("model.hc_head.hc_")
+        elif name.startswith("model.layers."):
+            name = name.removeprefix("model.")
+            if name.endswith(".attn.norm.weight"):
+                name = name.removesuffix(".attn.norm.weight") + ".attn.kv_norm.weight"
+        elif name != "head.weight":
+            raise AssertionError(f"unexpected tensor {name}")
+        renamed[name] = value
+    save_file(renamed, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def make_gguf(ref: dict, converter: Path) -> None:
+    """gguf/deepseek-v4.F32.gguf through llama.cpp's converter (in a child process,
+    see _llama_cpp_child), checked tensor by tensor; its reference is `ref`."""
+    src = base.MODELS / NAME
+    moe.GGUF_DIR.mkdir(parents=True, exist_ok=True)
+    path = moe.GGUF_DIR / f"{NAME}.F32.gguf"
+    with tempfile.TemporaryDirectory() as tmp:
+        published = published_copy(src, Path(tmp) / NAME)
+        cmd = [sys.executable, str(Path(__file__).resolve()), CHILD_FLAG, "--check-against", str(src)]
+        cmd += ["--converter", str(converter), str(published), "--outtype", "f32", "--outfile", str(path)]
+        cmd += ["--model-name", NAME]
+        run = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"converter failed on {NAME}:\n{run.stdout}\n{run.stderr}")
+    marks = [line for line in run.stdout.splitlines() if line.startswith(CHECK_MARK)]
+    if len(marks) != 1:
+        raise RuntimeError(f"no GGUF check from the converter process:\n{run.stdout}\n{run.stderr}")
+    check = json.loads(marks[0].removeprefix(CHECK_MARK))
+    types = ", ".join(f"{n} {t}" for t, n in sorted(check["types"].items()))
+    note = (
+        f"GGUF: llama.cpp's DeepseekV4Model conversion (--outtype f32) of this checkpoint in DeepSeek's published "
+        f"layout; routed experts stacked as F32 [n_experts, rows, cols] where the published FP4 experts would be "
+        f"repacked to MXFP4 (make_v4_fixtures.py); {check['tensors']} tensors ({types}), each bit-identical to "
+        f"model.safetensors' ({check['expert_matrices']} expert matrices in {check['expert_stacks']} stacks, "
+        "tid2eid int64 as I32)"
+    )
+    gref = dict(ref)
+    gref["model"] = f"{NAME}.F32"
+    gref["source"] = (
+        f"{NAME} converted by llama.cpp's convert_hf_to_gguf.py --outtype f32 (architecture deepseek4): the same "
+        "float32 weights, so transformers' outputs of the safetensors checkpoint (this file's content is "
+        f"{NAME}/reference.json's)"
+    )
+    gref["notes"] = [note, *ref["notes"]]
+    gref["gguf_file"] = path.name
+    fixture_json.write_json(moe.GGUF_DIR / f"{NAME}.F32.reference.json", gref)
+    print(f"{path.name}: {path.stat().st_size} bytes; {note}")
+    print(f"  metadata ({len(check['metadata'])} keys, read with {check['gguf_py']}): {', '.join(check['metadata'])}")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--converter", type=Path, default=os.environ.get("LLAMA_CPP_CONVERTER") or None)
+    args = ap.parse_args()
+    if args.converter is not None and not args.converter.is_file():
+        sys.exit(f"no converter at {args.converter}")
     base.setup_determinism()
     hf_logging.set_verbosity_error()
-    make(moe.tokenizer())
+    ref = make(moe.tokenizer())
+    if args.converter is not None:
+        make_gguf(ref, args.converter.resolve())
 
 
 if __name__ == "__main__":

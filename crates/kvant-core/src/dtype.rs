@@ -23,6 +23,9 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// 32-bit integers: index tables stored beside the weights (DeepSeek-V4's
+    /// token → experts map), never multiplied.
+    I32,
 }
 
 /// Super-block size of the k-quants.
@@ -31,7 +34,7 @@ pub const QK_K: usize = 256;
 pub const QK: usize = 32;
 
 impl DType {
-    pub const ALL: [DType; 13] = [
+    pub const ALL: [DType; 14] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -45,6 +48,7 @@ impl DType {
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::I32,
     ];
 
     /// The `ggml_type` id used in GGUF files.
@@ -62,6 +66,7 @@ impl DType {
             DType::Q4_K => 12,
             DType::Q5_K => 13,
             DType::Q6_K => 14,
+            DType::I32 => 26,
             DType::BF16 => 30,
         }
     }
@@ -73,7 +78,7 @@ impl DType {
     /// Number of elements one block holds (1 for plain floats).
     pub fn block_size(self) -> usize {
         match self {
-            DType::F32 | DType::F16 | DType::BF16 => 1,
+            DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => QK,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
@@ -82,7 +87,7 @@ impl DType {
     /// Bytes one block occupies (see ggml-common.h for each layout).
     pub fn block_bytes(self) -> usize {
         match self {
-            DType::F32 => 4,
+            DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::Q4_0 => 2 + QK / 2,
             DType::Q4_1 => 2 + 2 + QK / 2,
@@ -116,6 +121,7 @@ impl DType {
             DType::Q4_K => "Q4_K",
             DType::Q5_K => "Q5_K",
             DType::Q6_K => "Q6_K",
+            DType::I32 => "I32",
         }
     }
 

@@ -33,11 +33,20 @@ impl Checkpoint {
         })
     }
 
+    /// Tensor `name`, of a type kvant computes with (an integer table
+    /// where a weight belongs is an error; see [`Self::integers`]).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ModelError> {
-        Ok(match self {
+        let t = match self {
             Checkpoint::Gguf(g) => g.tensor(name)?,
             Checkpoint::Hf(h) => h.tensor(name)?,
-        })
+        };
+        if t.dtype() == kvant_core::DType::I32 {
+            return Err(ModelError::BadTensor {
+                name: name.into(),
+                why: "integers where a weight belongs".into(),
+            });
+        }
+        Ok(t)
     }
 
     /// Tensor `name`'s integer values and shape (an index table, such as
@@ -45,9 +54,21 @@ impl Checkpoint {
     pub fn integers(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>), ModelError> {
         match self {
             Checkpoint::Hf(h) => Ok(h.integers(name)?),
-            Checkpoint::Gguf(_) => Err(ModelError::Unsupported(format!(
-                "integer tensor {name} in a GGUF file"
-            ))),
+            Checkpoint::Gguf(g) => {
+                let t = g.tensor(name)?;
+                if t.dtype() != kvant_core::DType::I32 {
+                    return Err(ModelError::BadTensor {
+                        name: name.into(),
+                        why: format!("{} values where integers belong", t.dtype().name()),
+                    });
+                }
+                let values = t
+                    .bytes()
+                    .chunks_exact(4)
+                    .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64)
+                    .collect();
+                Ok((values, t.shape().to_vec()))
+            }
         }
     }
 

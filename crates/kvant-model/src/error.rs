@@ -74,8 +74,6 @@ pub enum ModelError {
         dtype: &'static str,
         block: usize,
     },
-    #[error("not supported yet: {0}")]
-    Unsupported(String),
     #[error("{0} is not supported with more than one rank yet")]
     NotParallel(&'static str),
     #[error("the model has no multi-token-prediction module loaded")]

@@ -11,6 +11,15 @@ pub(crate) fn dequantize_f32(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+/// 32-bit integers as floats (exact up to 2^24; index tables, whose
+/// values are far below).
+pub(crate) fn dequantize_i32(src: &[u8], dst: &mut [f32]) {
+    debug_assert_eq!(src.len(), dst.len() * 4);
+    for (b, y) in src.chunks_exact(4).zip(dst.iter_mut()) {
+        *y = i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f32;
+    }
+}
+
 /// IEEE half: exact widening through the `half` crate.
 pub(crate) fn dequantize_f16_ref(src: &[u8], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len() * 2);

@@ -60,6 +60,7 @@ fn ref_dequantizer(dtype: DType) -> fn(&[u8], &mut [f32]) {
         DType::Q4_K => q4_k::dequantize_ref,
         DType::Q5_K => q5_k::dequantize_ref,
         DType::Q6_K => q6_k::dequantize_ref,
+        DType::I32 => float::dequantize_i32,
     }
 }
 
@@ -79,7 +80,7 @@ fn avx2_dequantizer(dtype: DType) -> Option<DequantFn> {
         DType::Q4_K => q4_k::avx2::dequantize,
         DType::Q5_K => q5_k::avx2::dequantize,
         DType::Q6_K => q6_k::avx2::dequantize,
-        DType::F32 => return None,
+        DType::F32 | DType::I32 => return None,
     })
 }
 

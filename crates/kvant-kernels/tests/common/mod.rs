@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 /// nor time like real weights.
 fn scale_offsets(dtype: DType) -> &'static [usize] {
     match dtype {
-        DType::F32 | DType::F16 | DType::BF16 => &[],
+        DType::F32 | DType::F16 | DType::BF16 | DType::I32 => &[],
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q2_K => &[80, 82],

@@ -38,26 +38,25 @@ pub(crate) struct Compressor {
 }
 
 impl Compressor {
-    /// Loads `{stem}wkv`, `{stem}wgate`, `{stem}ape` and `{stem}norm`
-    /// (DeepSeek's names; `stem` ends in `compressor.`).
+    /// Loads the projections, the window bias and the norm, by name
+    /// (`[kv, gate, ape, norm]`, in the checkpoint's format).
     pub fn load(
         ld: &Loader<'_>,
-        stem: &str,
+        [kv, gate, ape, norm]: [&str; 4],
         (rate, dim, overlap): (usize, usize, bool),
         hidden: usize,
     ) -> Result<Self, ModelError> {
         let width = if overlap { 2 * dim } else { dim };
-        let n = |s: &str| format!("{stem}{s}");
-        let bias = ld.tensor(&n("ape"))?;
-        super::loader::check_shape(&bias, &n("ape"), &[rate, width])?;
+        let bias = ld.tensor(ape)?;
+        super::loader::check_shape(&bias, ape, &[rate, width])?;
         Ok(Compressor {
             rate,
             dim,
             overlap,
-            kv: ld.exact_weight(&n("wkv.weight"), width, hidden)?,
-            gate: ld.exact_weight(&n("wgate.weight"), width, hidden)?,
+            kv: ld.exact_weight(kv, width, hidden)?,
+            gate: ld.exact_weight(gate, width, hidden)?,
             bias: super::loader::to_f32(&bias)?,
-            norm: ld.vector(&n("norm.weight"), dim)?,
+            norm: ld.vector(norm, dim)?,
         })
     }
 

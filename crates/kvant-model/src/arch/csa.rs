@@ -28,6 +28,7 @@ use super::compressor::{rotate_tail, Compressor};
 use super::ctx::{StateCtx, Step};
 use super::loader::{Loader, Part};
 use super::sized;
+use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, V4Attention, V4Config};
 use crate::kv::KvPool;
 use crate::ModelError;
@@ -37,6 +38,70 @@ use kvant_kernels::dot::dot_f32;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
+
+/// Tensor names of one layer's attention: DeepSeek's (Hugging Face
+/// checkpoints, as published and as transformers saves them) or
+/// llama.cpp's (`deepseek4` GGUF).
+struct Names {
+    q_a: String,
+    q_norm: String,
+    q_b: String,
+    kv: String,
+    kv_norm: String,
+    o_a: String,
+    o_b: String,
+    sinks: String,
+    /// `[kv, gate, ape, norm]` of the attention's and the indexer's
+    /// compressors.
+    compressor: [String; 4],
+    index_compressor: [String; 4],
+    index_q_b: String,
+    index_weights: String,
+}
+
+impl Names {
+    fn new(ckpt: &Checkpoint, prefix: &str) -> Self {
+        let n = |s: &str| format!("{prefix}{s}");
+        match ckpt {
+            Checkpoint::Gguf(_) => Names {
+                q_a: n("attn_q_a.weight"),
+                q_norm: n("attn_q_a_norm.weight"),
+                q_b: n("attn_q_b.weight"),
+                kv: n("attn_kv.weight"),
+                kv_norm: n("attn_kv_a_norm.weight"),
+                o_a: n("attn_output_a.weight"),
+                o_b: n("attn_output_b.weight"),
+                sinks: n("attn_sinks.weight"),
+                compressor: ["kv", "gate", "ape", "norm"]
+                    .map(|s| n(&format!("attn_compressor_{s}.weight"))),
+                index_compressor: ["kv", "gate", "ape", "norm"]
+                    .map(|s| n(&format!("indexer_compressor_{s}.weight"))),
+                index_q_b: n("indexer.attn_q_b.weight"),
+                index_weights: n("indexer.proj.weight"),
+            },
+            Checkpoint::Hf(_) => Names {
+                q_a: n("attn.wq_a.weight"),
+                q_norm: n("attn.q_norm.weight"),
+                q_b: n("attn.wq_b.weight"),
+                kv: n("attn.wkv.weight"),
+                // Published as `kv_norm`; transformers saves `norm`.
+                kv_norm: match ckpt.has_tensor(&n("attn.kv_norm.weight")) {
+                    true => n("attn.kv_norm.weight"),
+                    false => n("attn.norm.weight"),
+                },
+                o_a: n("attn.wo_a.weight"),
+                o_b: n("attn.wo_b.weight"),
+                sinks: n("attn.attn_sink"),
+                compressor: ["wkv.weight", "wgate.weight", "ape", "norm.weight"]
+                    .map(|s| n(&format!("attn.compressor.{s}"))),
+                index_compressor: ["wkv.weight", "wgate.weight", "ape", "norm.weight"]
+                    .map(|s| n(&format!("attn.indexer.compressor.{s}"))),
+                index_q_b: n("attn.indexer.wq_b.weight"),
+                index_weights: n("attn.indexer.weights_proj.weight"),
+            },
+        }
+    }
+}
 
 /// The lightning indexer of a CSA layer: its own compressor of keys, a
 /// query projection from the query latent and per-head weights.
@@ -106,7 +171,8 @@ pub(crate) struct CsaScratch {
 }
 
 impl CompressedAttention {
-    /// Loads layer `layer` (tensors under `prefix`, DeepSeek's names).
+    /// Loads layer `layer` (tensors under `prefix`, DeepSeek's names or
+    /// llama.cpp's).
     pub fn load(
         ld: &Loader<'_>,
         cfg: &ModelConfig,
@@ -115,7 +181,7 @@ impl CompressedAttention {
     ) -> Result<Self, ModelError> {
         let (h, heads, dim) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
         let kind = v4.layers[layer];
-        let n = |s: &str| format!("{prefix}attn.{s}");
+        let n = Names::new(ld.ckpt, prefix);
         let (groups, rank) = (v4.o_groups, v4.o_lora_rank);
         if !heads.is_multiple_of(groups) {
             return Err(crate::config::ConfigError::Invalid {
@@ -128,7 +194,7 @@ impl CompressedAttention {
         let o_a = (0..groups)
             .map(|g| {
                 let rows = Part::Rows(g * rank..(g + 1) * rank);
-                ld.weight_part(&n("wo_a.weight"), [groups * rank, per_group], rows)
+                ld.weight_part(&n.o_a, [groups * rank, per_group], rows)
             })
             .collect::<Result<_, _>>()?;
         let rate = v4.rate(layer);
@@ -136,7 +202,7 @@ impl CompressedAttention {
             V4Attention::Sliding => None,
             _ => Some(Compressor::load(
                 ld,
-                &n("compressor."),
+                n.compressor.each_ref().map(String::as_str),
                 (rate, dim, kind == V4Attention::Csa),
                 h,
             )?),
@@ -144,19 +210,11 @@ impl CompressedAttention {
         let indexer = match kind {
             V4Attention::Csa => {
                 let ix = v4.indexer;
+                let names = n.index_compressor.each_ref().map(String::as_str);
                 Some(Box::new(Lightning {
-                    keys: Compressor::load(
-                        ld,
-                        &n("indexer.compressor."),
-                        (rate, ix.head_dim, true),
-                        h,
-                    )?,
-                    q_b: ld.weight(
-                        &n("indexer.wq_b.weight"),
-                        ix.heads * ix.head_dim,
-                        v4.q_lora_rank,
-                    )?,
-                    weights: ld.exact_weight(&n("indexer.weights_proj.weight"), ix.heads, h)?,
+                    keys: Compressor::load(ld, names, (rate, ix.head_dim, true), h)?,
+                    q_b: ld.weight(&n.index_q_b, ix.heads * ix.head_dim, v4.q_lora_rank)?,
+                    weights: ld.exact_weight(&n.index_weights, ix.heads, h)?,
                     heads: ix.heads,
                     dim: ix.head_dim,
                     topk: ix.topk,
@@ -170,14 +228,14 @@ impl CompressedAttention {
             dim,
             window: v4.window,
             eps: cfg.rms_eps,
-            q_a: ld.weight(&n("wq_a.weight"), v4.q_lora_rank, h)?,
-            q_norm: ld.vector(&n("q_norm.weight"), v4.q_lora_rank)?,
-            q_b: ld.weight(&n("wq_b.weight"), heads * dim, v4.q_lora_rank)?,
-            kv: ld.weight(&n("wkv.weight"), dim, h)?,
-            kv_norm: ld.vector(&n("norm.weight"), dim)?,
+            q_a: ld.weight(&n.q_a, v4.q_lora_rank, h)?,
+            q_norm: ld.vector(&n.q_norm, v4.q_lora_rank)?,
+            q_b: ld.weight(&n.q_b, heads * dim, v4.q_lora_rank)?,
+            kv: ld.weight(&n.kv, dim, h)?,
+            kv_norm: ld.vector(&n.kv_norm, dim)?,
             o_a,
-            o_b: ld.weight(&n("wo_b.weight"), h, groups * rank)?,
-            sinks: ld.raw_vector(&n("attn_sink"), heads)?,
+            o_b: ld.weight(&n.o_b, h, groups * rank)?,
+            sinks: ld.raw_vector(&n.sinks, heads)?,
             ones: vec![1.0; dim],
             inv_freq: v4.inv_freq(layer),
             compress_freq: v4.compress_inv_freq(),

@@ -16,7 +16,7 @@ use super::gdn::GatedDeltaNet;
 use super::layer::{Attention, Ffn, Layer, LayerScratch};
 use super::loader::{Loader, Part};
 use super::mha::MhaAttention;
-use super::mhc::{HyperConnection, HyperHead};
+use super::mhc::{hyper_names, HyperConnection, HyperHead};
 use super::mla::MlaAttention;
 pub use super::mla_expand::MlaPrefill;
 use super::moe::ExpertLayout;
@@ -490,16 +490,22 @@ impl DecoderModel {
         };
         let hyper_head = match &cfg.v4 {
             Some(v4) => {
-                let root = ckpt.v4_root();
-                let names = match root {
-                    "model." => [
-                        "model.hc_head.hc_fn",
-                        "model.hc_head.hc_base",
-                        "model.hc_head.hc_scale",
-                    ],
-                    _ => ["hc_head_fn", "hc_head_base", "hc_head_scale"],
+                // transformers saves `model.hc_head.hc_fn`, DeepSeek
+                // publishes `hc_head_fn`, llama.cpp writes `output_hc_fn`.
+                let names = match (ckpt, ckpt.v4_root()) {
+                    (Checkpoint::Gguf(_), _) => hyper_names(&ld, "output_hc"),
+                    (_, "model.") => {
+                        ["fn", "base", "scale"].map(|p| format!("model.hc_head.hc_{p}"))
+                    }
+                    _ => hyper_names(&ld, "hc_head"),
                 };
-                Some(HyperHead::load(&ld, names, v4.hc, h, cfg.rms_eps)?)
+                Some(HyperHead::load(
+                    &ld,
+                    names.each_ref(),
+                    v4.hc,
+                    h,
+                    cfg.rms_eps,
+                )?)
             }
             None => None,
         };

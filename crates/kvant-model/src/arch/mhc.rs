@@ -52,8 +52,8 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 impl HyperConnection {
-    /// Loads `{stem}_fn`, `{stem}_base`, `{stem}_scale` (DeepSeek's names,
-    /// e.g. `layers.3.hc_attn`).
+    /// Loads `{stem}_fn`, `{stem}_base`, `{stem}_scale` (e.g.
+    /// `layers.3.hc_attn`; llama.cpp's names add `.weight`).
     pub fn load(
         ld: &Loader<'_>,
         stem: &str,
@@ -63,9 +63,10 @@ impl HyperConnection {
     ) -> Result<Self, ModelError> {
         let m = hc.mult;
         let rows = (2 + m) * m;
-        let mix = ld.exact_weight(&format!("{stem}_fn"), rows, m * hidden)?;
-        let base = ld.raw_vector(&format!("{stem}_base"), rows)?;
-        let s = ld.raw_vector(&format!("{stem}_scale"), 3)?;
+        let [f, b, s] = hyper_names(ld, stem);
+        let mix = ld.exact_weight(&f, rows, m * hidden)?;
+        let base = ld.raw_vector(&b, rows)?;
+        let s = ld.raw_vector(&s, 3)?;
         Ok(HyperConnection {
             hc,
             mix,
@@ -150,6 +151,16 @@ impl HyperConnection {
     }
 }
 
+/// `{stem}_fn`, `{stem}_base` and `{stem}_scale`, with `.weight` in a
+/// GGUF file.
+pub(crate) fn hyper_names(ld: &Loader<'_>, stem: &str) -> [String; 3] {
+    let tail = match ld.ckpt {
+        crate::checkpoint::Checkpoint::Gguf(_) => ".weight",
+        crate::checkpoint::Checkpoint::Hf(_) => "",
+    };
+    ["fn", "base", "scale"].map(|p| format!("{stem}_{p}{tail}"))
+}
+
 /// `comb = softmax_row(w·scale + b) + ε`, then its columns normalised,
 /// then `iters − 1` rounds of rows and columns, in f32 in transformers'
 /// order (each division by the sum plus ε).
@@ -200,7 +211,7 @@ impl HyperHead {
     /// Loads `fn`, `base` and `scale` by their full names.
     pub fn load(
         ld: &Loader<'_>,
-        [f, b, s]: [&str; 3],
+        [f, b, s]: [&String; 3],
         hc: HyperConfig,
         hidden: usize,
         eps: f32,

@@ -354,6 +354,8 @@ impl ExpertSettings {
             None if arch_name == "kimi-linear" => Scoring::Sigmoid,
             None | Some(1) => Scoring::Softmax,
             Some(2) => Scoring::Sigmoid,
+            // llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS.
+            Some(4) => Scoring::SqrtSoftplus,
             Some(other) => {
                 return Err(invalid(
                     key("expert_gating_func"),

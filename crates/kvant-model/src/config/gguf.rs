@@ -11,7 +11,9 @@ use super::mla::MlaConfig;
 use super::model::ModelConfig;
 use super::rope::RopeSettings;
 use super::settings::{layer_count, ModelSettings};
+use super::v4::V4Config;
 use crate::gguf::GgufFile;
+use kvant_kernels::activation::{Activation, Limit};
 
 impl ModelConfig {
     /// Reads `{arch}.*` keys as llama.cpp's converter writes them.
@@ -69,6 +71,18 @@ impl ModelSettings {
         };
         let rope = RopeSettings::from_gguf(g, &arch_name)?;
         let sliding_window = opt("attention.sliding_window")?;
+        let v4 = match arch {
+            Arch::DeepseekV4 => {
+                let d =
+                    head_dim.ok_or_else(|| ConfigError::Missing(key("attention.key_length")))?;
+                Some(V4Config::from_gguf(g, &arch_name, d, n_layers)?)
+            }
+            _ => None,
+        };
+        let activation = match arch {
+            Arch::DeepseekV4 => Some(v4_activation(g, &arch_name)?),
+            _ => None,
+        };
         let intermediate = match (&experts, opt("feed_forward_length")?) {
             (_, Some(ff)) => ff,
             (Some(e), None) => e.ff,
@@ -96,14 +110,41 @@ impl ModelSettings {
             // GGUF promises no attention biases; they load where present.
             qkv_bias: false,
             tied_embeddings: Some(g.tensor_info("output.weight").is_none()),
-            activation: None,
+            activation,
             query_pre_attn_scalar: None,
             mtp_layers,
             experts,
             mla,
             indexer,
             linear,
-            v4: None,
+            v4,
         })
+    }
+}
+
+/// DeepSeek-V4's SwiGLU clamps: llama.cpp's converter writes one limit
+/// per layer for the routed experts (`swiglu_clamp_exp`) and one for the
+/// shared expert (`swiglu_clamp_shexp`, the routed ones when absent), all
+/// `swiglu_limit`; kvant runs one limit for every expert of every layer,
+/// so differing limits are refused rather than run wrong. A limit of 0
+/// (or none) clamps nothing, as in llama.cpp.
+fn v4_activation(g: &GgufFile, arch: &str) -> Result<Activation> {
+    let key = |k: &str| format!("{arch}.{k}");
+    let exp = g.get_f32_array(&key("swiglu_clamp_exp"))?;
+    let shexp = g.get_f32_array(&key("swiglu_clamp_shexp"))?;
+    let all: Vec<f32> = exp
+        .iter()
+        .chain(&shexp)
+        .flat_map(|a| a.iter().copied())
+        .collect();
+    match all.first() {
+        None => Ok(Activation::Silu),
+        Some(&l) if all.iter().any(|&x| x != l) => Err(invalid(
+            key("swiglu_clamp_shexp"),
+            "per-layer or per-expert-kind clamp limits that differ are not supported",
+        )),
+        Some(&l) if l <= 1e-6 => Ok(Activation::Silu),
+        Some(&l) if l.is_finite() => Ok(Activation::SiluClamped(Limit::new(l))),
+        Some(l) => Err(invalid(key("swiglu_clamp_exp"), format!("{l}"))),
     }
 }

@@ -245,7 +245,7 @@ pub(super) fn parse_hf_scaling(obj: Option<&Value>) -> Result<RopeScaling> {
 /// Reads `{arch}.rope.scaling.*` as llama.cpp's converter writes it.
 /// DeepSeek's converter stores `0.1 · mscale_all_dim` as the YaRN log
 /// multiplier, so the softmax correction is `1 + mul · ln(factor)`.
-fn parse_gguf_scaling(g: &GgufFile, arch: &str) -> Result<RopeScaling> {
+pub(super) fn parse_gguf_scaling(g: &GgufFile, arch: &str) -> Result<RopeScaling> {
     let key = |k: &str| format!("{arch}.rope.scaling.{k}");
     let factor = || -> Result<f32> { Ok(g.get_f32(&key("factor"))?.unwrap_or(1.0)) };
     match g.get_str(&key("type"))? {

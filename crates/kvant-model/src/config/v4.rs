@@ -17,7 +17,8 @@
 
 use super::error::{invalid, ConfigError, Result};
 use super::json::{f32_at, required, usize_at};
-use super::rope::{apply_scaling, parse_hf_scaling, RopeScaling};
+use super::rope::{apply_scaling, parse_gguf_scaling, parse_hf_scaling, RopeScaling};
+use crate::gguf::GgufFile;
 use serde_json::Value;
 
 /// What a layer attends over besides its sliding window.
@@ -158,6 +159,82 @@ impl V4Config {
                 mult: usize_at(cfg, "hc_mult")?.unwrap_or(4),
                 iters: usize_at(cfg, "hc_sinkhorn_iters")?.unwrap_or(20),
                 eps: f32_at(cfg, "hc_eps")?.unwrap_or(1e-6),
+            },
+        };
+        out.validate(head_dim)
+    }
+
+    /// From `deepseek4.*` metadata as llama.cpp's converter writes it
+    /// (per-layer `attention.compress_ratios`, `hash_layer_count`, the
+    /// YaRN of `rope.scaling.*` for the compressed layers only).
+    pub(super) fn from_gguf(
+        g: &GgufFile,
+        arch: &str,
+        head_dim: usize,
+        n_layers: usize,
+    ) -> Result<Self> {
+        let key = |k: &str| format!("{arch}.{k}");
+        let opt = |k: &str| g.get_usize(&key(k));
+        let req =
+            |k: &str| -> Result<usize> { opt(k)?.ok_or_else(|| ConfigError::Missing(key(k))) };
+        let ratios = g
+            .get_i32_array(&key("attention.compress_ratios"))?
+            .ok_or_else(|| ConfigError::Missing(key("attention.compress_ratios")))?;
+        if ratios.len() < n_layers {
+            return Err(invalid(
+                key("attention.compress_ratios"),
+                format!("{} entries for {n_layers} layers", ratios.len()),
+            ));
+        }
+        // The smallest positive rate is CSA's, a larger one HCA's.
+        let positive = || {
+            ratios[..n_layers]
+                .iter()
+                .filter(|&&r| r > 0)
+                .map(|&r| r as usize)
+        };
+        let csa_rate = positive().min().unwrap_or(4);
+        let hca_rate = positive().filter(|&r| r != csa_rate).max().unwrap_or(128);
+        let layers = ratios[..n_layers]
+            .iter()
+            .map(|&r| match r {
+                0 => Ok(V4Attention::Sliding),
+                r if r as usize == csa_rate && r as usize != hca_rate => Ok(V4Attention::Csa),
+                r if r as usize == hca_rate => Ok(V4Attention::Hca),
+                _ => Err(invalid(key("attention.compress_ratios"), format!("{r}"))),
+            })
+            .collect::<Result<_>>()?;
+        let hashed = opt("hash_layer_count")?.unwrap_or(0);
+        let theta = g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
+        let out = V4Config {
+            layers,
+            hash_layers: (0..n_layers).map(|i| i < hashed).collect(),
+            csa_rate,
+            hca_rate,
+            window: req("attention.sliding_window")?,
+            q_lora_rank: req("attention.q_lora_rank")?,
+            o_groups: req("attention.output_group_count")?,
+            o_lora_rank: req("attention.output_lora_rank")?,
+            rope_dim: req("rope.dimension_count")?,
+            main_rope: V4Rope {
+                theta,
+                scaling: RopeScaling::None,
+            },
+            compress_rope: V4Rope {
+                theta: g
+                    .get_f32(&key("attention.compress_rope_freq_base"))?
+                    .unwrap_or(160_000.0),
+                scaling: parse_gguf_scaling(g, arch)?,
+            },
+            indexer: V4Indexer {
+                heads: opt("attention.indexer.head_count")?.unwrap_or(64),
+                head_dim: opt("attention.indexer.key_length")?.unwrap_or(128),
+                topk: opt("attention.indexer.top_k")?.unwrap_or(512),
+            },
+            hc: HyperConfig {
+                mult: req("hyper_connection.count")?,
+                iters: opt("hyper_connection.sinkhorn_iterations")?.unwrap_or(20),
+                eps: g.get_f32(&key("hyper_connection.epsilon"))?.unwrap_or(1e-6),
             },
         };
         out.validate(head_dim)

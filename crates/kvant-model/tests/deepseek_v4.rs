@@ -1,0 +1,186 @@
+//! DeepSeek-V4 beyond the transformers comparison (`reference_models.rs`)
+//! and batch invariance (`batch_invariance.rs`): the published config keys
+//! give the same model as transformers 5's, the SwiGLU clamp is live, and
+//! malformed checkpoints are errors, not panics or wrong outputs.
+
+mod common;
+
+use common::{fixtures, ids};
+use kvant_model::arch::decoder::{DecoderModel, LoadOptions, Logits};
+use kvant_model::checkpoint::Checkpoint;
+use kvant_model::ModelError;
+use safetensors::tensor::TensorView;
+use safetensors::SafeTensors;
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+fn fixture() -> PathBuf {
+    fixtures().join("deepseek-v4")
+}
+
+/// The fixture with its config.json edited by `edit`, in a temporary dir.
+fn variant(edit: impl Fn(&mut Value)) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(fixture()).expect("fixture") {
+        let p = e.expect("entry").path();
+        std::fs::copy(&p, dir.path().join(p.file_name().expect("name"))).expect("copy");
+    }
+    let path = dir.path().join("config.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    edit(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).expect("write");
+    dir
+}
+
+fn load(path: &Path) -> Result<DecoderModel, Box<ModelError>> {
+    let ckpt = Checkpoint::open(path)?;
+    Ok(DecoderModel::load(
+        &ckpt,
+        ckpt.config()?,
+        LoadOptions::F32,
+        None,
+    )?)
+}
+
+fn prompt() -> Vec<u32> {
+    let r: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture().join("reference.json")).expect("reference"),
+    )
+    .expect("json");
+    ids(&r["prompt_ids"])
+}
+
+fn logits(path: &Path) -> Vec<f32> {
+    let m = load(path).expect("load");
+    let p = prompt();
+    let mut cache = m.new_cache(p.len()).expect("cache");
+    m.forward(&p, &mut cache, Logits::All).expect("forward")
+}
+
+/// DeepSeek's published configs say `compress_ratios` per layer (0, 4,
+/// 128, with `compress_rate_hca` overriding HCA's rate as transformers
+/// folds it), `num_hash_layers`, `qk_rope_head_dim`, `rope_theta`,
+/// `compress_rope_theta` and a top-level `rope_scaling` for the compressed
+/// layers: the same model, bit for bit.
+#[test]
+fn the_published_config_keys_give_the_same_model() {
+    let published = variant(|c| {
+        let o = c.as_object_mut().expect("object");
+        for k in [
+            "layer_types",
+            "compress_rates",
+            "mlp_layer_types",
+            "rope_parameters",
+            "partial_rotary_factor",
+        ] {
+            o.remove(k);
+        }
+        o.insert("compress_ratios".into(), json!([0, 4, 128, 4]));
+        o.insert("compress_rate_hca".into(), json!(8));
+        o.insert("num_hash_layers".into(), json!(1));
+        o.insert("qk_rope_head_dim".into(), json!(8));
+        o.insert(
+            "rope_scaling".into(),
+            json!({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                   "beta_fast": 32.0, "beta_slow": 1.0}),
+        );
+    });
+    assert!(logits(published.path()) == logits(&fixture()));
+}
+
+/// Every SwiGLU is clamped (routed and shared experts, as transformers,
+/// DeepSeek's reference and llama.cpp's converter all do): the fixture's
+/// limit of 1.5 clips about 17% of the gate and up values, so lifting it
+/// changes the logits.
+#[test]
+fn the_swiglu_clamp_is_live() {
+    let unclamped = variant(|c| c["swiglu_limit"] = json!(1e6));
+    let (a, b) = (logits(&fixture()), logits(unclamped.path()));
+    let moved = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max);
+    assert!(moved > 0.1, "lifting the clamp moved logits by {moved}");
+}
+
+/// Configs a forward could not run are errors naming the key.
+#[test]
+fn malformed_configs_are_errors() {
+    type Edit = fn(&mut Value);
+    let bad: [(&str, Edit); 7] = [
+        ("compress_rates", |c| {
+            c["compress_rates"]["compressed_sparse_attention"] = json!(3)
+        }),
+        ("hc_mult", |c| c["hc_mult"] = json!(0)),
+        ("o_groups", |c| c["o_groups"] = json!(3)),
+        ("layer_types", |c| {
+            c["layer_types"] = json!(["sliding_attention", "full_attention", "x", "y"])
+        }),
+        ("layer_types", |c| {
+            c["layer_types"] = json!(["sliding_attention"])
+        }),
+        ("mlp_layer_types", |c| {
+            c["mlp_layer_types"] = json!(["hash_moe", "dense", "moe", "moe"])
+        }),
+        ("qk_rope_head_dim", |c| {
+            let o = c.as_object_mut().expect("object");
+            o.remove("partial_rotary_factor");
+            o.insert("qk_rope_head_dim".into(), json!(7));
+        }),
+    ];
+    for (key, edit) in bad {
+        let dir = variant(edit);
+        let err = load(dir.path())
+            .err()
+            .unwrap_or_else(|| panic!("{key}: loaded"));
+        assert!(err.to_string().contains(key), "{key}: {err}");
+    }
+}
+
+/// A layer routed by a table needs the table, a layer routed by scores
+/// has none, and the table's experts exist.
+#[test]
+fn hash_tables_must_match_the_config_and_the_experts() {
+    // The config says layer 1 is hash-routed; its checkpoint has no table.
+    let dir = variant(|c| c["mlp_layer_types"] = json!(["hash_moe", "hash_moe", "moe", "moe"]));
+    let err = load(dir.path()).err().expect("loaded");
+    assert!(err.to_string().contains("tid2eid"), "{err}");
+    // Layer 0's table names expert 99 of 8.
+    let dir = variant(|_| {});
+    let path = dir.path().join("model.safetensors");
+    let bytes = std::fs::read(&path).expect("read");
+    let st = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let name = "model.layers.0.ffn.gate.tid2eid";
+    let mut table = st.tensor(name).expect("table").data().to_vec();
+    table[..8].copy_from_slice(&99i64.to_le_bytes());
+    let mut views: Vec<(String, TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != name)
+        .collect();
+    let t = st.tensor(name).expect("table");
+    views.push((
+        name.into(),
+        TensorView::new(t.dtype(), t.shape().to_vec(), &table).expect("view"),
+    ));
+    safetensors::serialize_to_file(views, None, &path).expect("write");
+    let err = load(dir.path()).err().expect("loaded");
+    assert!(err.to_string().contains("expert id 99"), "{err}");
+}
+
+/// Compressed entries sit in the block of their window's last token, so a
+/// block must hold whole windows (or a window whole blocks).
+#[test]
+fn pools_whose_blocks_split_windows_are_refused() {
+    let m = load(&fixture()).expect("load");
+    assert!(matches!(
+        m.new_pool(6, 8, 2),
+        Err(ModelError::KvBlockSize {
+            block_size: 6,
+            compress: 4
+        })
+    ));
+    assert!(m.new_pool(8, 8, 2).is_ok() && m.new_pool(2, 8, 2).is_ok());
+}
