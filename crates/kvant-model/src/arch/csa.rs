@@ -447,6 +447,8 @@ impl CompressedAttention {
                         rotate_tail(head, &self.compress_freq, pos, false);
                     }
                     self.select(ix, r, visible, s);
+                    #[cfg(test)]
+                    tests::record(self.cache, pos, &s.chosen);
                     for &w in &s.chosen {
                         s.rows.extend_from_slice(&s.entries[w * d..(w + 1) * d]);
                     }
@@ -535,5 +537,86 @@ impl CompressedAttention {
         self.o_b
             .forward(&LinearInput::new(gout, n, q8, &[&self.o_b])?, out)?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::arch::decoder::{DecoderModel, LoadOptions, Logits};
+    use crate::checkpoint::Checkpoint;
+    use std::cell::RefCell;
+
+    /// (compressing layer, position, chosen entries) of each query.
+    type Choice = (usize, usize, Vec<usize>);
+
+    thread_local! {
+        static CHOICES: RefCell<Option<Vec<Choice>>> = const { RefCell::new(None) };
+    }
+
+    /// Keeps a query's choice while a test listens (the forward runs the
+    /// attention on the calling thread).
+    pub(super) fn record(layer: usize, pos: usize, chosen: &[usize]) {
+        CHOICES.with(|c| {
+            if let Some(v) = c.borrow_mut().as_mut() {
+                v.push((layer, pos, chosen.to_vec()));
+            }
+        });
+    }
+
+    /// The indexer picks the entries transformers picked, for every
+    /// prompt position of both CSA layers: the fixture's smallest gap
+    /// between the k-th and (k+1)-th score is 1.8e-3, far above the f32
+    /// rounding of these scores (~1e-6), so no choice is a near-tie.
+    #[test]
+    fn indexer_choices_equal_transformers() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/models/deepseek-v4");
+        let r: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join("reference.json")).expect("reference"),
+        )
+        .expect("json");
+        let ckpt = Checkpoint::open(&dir).expect("checkpoint");
+        let cfg = ckpt.config().expect("config");
+        let v4 = cfg.v4.clone().expect("a V4 config");
+        let m = DecoderModel::load(&ckpt, cfg, LoadOptions::F32, None).expect("load");
+        let prompt: Vec<u32> = r["prompt_ids"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id") as u32)
+            .collect();
+        CHOICES.with(|c| *c.borrow_mut() = Some(Vec::new()));
+        let mut cache = m.new_cache(prompt.len()).expect("cache");
+        m.forward(&prompt, &mut cache, Logits::None)
+            .expect("forward");
+        let got = CHOICES.with(|c| c.borrow_mut().take()).expect("choices");
+        let mut compared = 0;
+        for l in r["indexer"]["layers"].as_array().expect("layers") {
+            let layer = l["layer"].as_u64().expect("layer") as usize;
+            let cache_index = (0..layer).filter(|&j| v4.rate(j) > 0).count();
+            for (pos, want) in l["selected"]
+                .as_array()
+                .expect("selected")
+                .iter()
+                .enumerate()
+            {
+                let mut want: Vec<usize> = want
+                    .as_array()
+                    .expect("entries")
+                    .iter()
+                    .map(|v| v.as_u64().expect("entry") as usize)
+                    .collect();
+                want.sort_unstable();
+                let mut mine = got
+                    .iter()
+                    .find(|(c, p, _)| *c == cache_index && *p == pos)
+                    .map(|(_, _, e)| e.clone())
+                    .expect("a choice per position");
+                mine.sort_unstable();
+                assert_eq!(mine, want, "layer {layer} position {pos}");
+                compared += 1;
+            }
+        }
+        assert_eq!(compared, 2 * prompt.len());
     }
 }
