@@ -496,52 +496,22 @@ impl KvPool {
         sparse_attention_dyn(p, q, &kv, seqs, sel, out)
     }
 
-    /// Where compressed entry `w` of a layer compressing `rate` tokens
-    /// lives among a sequence's rows: in the block that holds its
-    /// window's last position, at its place among that block's closed
-    /// windows. A block's rows thus depend only on its own and earlier
-    /// positions, so a full block can be shared through the prefix cache.
-    pub(crate) fn entry_pos(&self, w: usize, rate: usize) -> usize {
-        let bs = self.block_size;
-        let last = (w + 1) * rate - 1;
-        (last / bs) * self.shape.block_rows(bs) + (last % bs) / rate
-    }
-
-    /// Stores compressed entry `w` (`row`, `[head_dim]`) of compressing
-    /// layer `layer`, and its indexer key (`[index_dim]`) if given, for
-    /// the sequence whose blocks are `table` (checked by the caller).
-    pub(crate) fn store_entry(
+    /// A linear or DeepSeek-V4 layer's states of every slot (`[slots,
+    /// delta]`; DeepSeek-V4 keeps no convolution tail) beside the pool's
+    /// compressed entries, borrowed together.
+    pub(crate) fn states_and_entries(
         &mut self,
-        (layer, rate): (usize, usize),
-        table: &[u32],
-        w: usize,
-        (row, index): (&[f32], Option<&[f32]>),
-    ) {
-        let pos = self.entry_pos(w, rate);
-        let br = self.shape.block_rows(self.block_size);
-        let k = &mut self.keys;
-        k.layers[layer].store_rows(row, (br, 1, k.dim), table, pos);
-        if let (Some(ix), Some(index)) = (&mut self.index, index) {
-            ix.layers[layer].store_rows(index, (br, 1, ix.dim), table, pos);
-        }
-    }
-
-    /// Widens compressed entry `w` of layer `layer` into `out`
-    /// (`[head_dim]`), or its indexer key (`[index_dim]`) with `index`.
-    pub(crate) fn load_entry(
-        &self,
-        (layer, rate): (usize, usize),
-        table: &[u32],
-        (w, index): (usize, bool),
-        out: &mut [f32],
-    ) {
-        let pos = self.entry_pos(w, rate);
-        let br = self.shape.block_rows(self.block_size);
-        let rows = match (index, &self.index) {
-            (true, Some(ix)) => ix,
-            _ => &self.keys,
+        layer: usize,
+    ) -> Result<(&mut [f32], Entries<'_>), ModelError> {
+        let s = self.states.as_mut().ok_or(ModelError::KvShape)?;
+        let states = s.delta.get_mut(layer).ok_or(ModelError::KvShape)?;
+        let entries = Entries {
+            keys: &mut self.keys,
+            index: self.index.as_mut(),
+            block_size: self.block_size,
+            block_rows: self.shape.block_rows(self.block_size),
         };
-        rows.layers[layer].load_rows(out, (br, 1, rows.dim), table, pos);
+        Ok((states, entries))
     }
 
     /// One layer's keys and values, as attention reads them.
@@ -589,6 +559,63 @@ impl KvPool {
     /// expanded form of latent attention recomputes keys and values from.
     pub(crate) fn load_keys(&self, layer: usize, table: &[u32], pos: usize, out: &mut [f32]) {
         self.keys.load(layer, self.block_size, table, pos, out)
+    }
+}
+
+/// DeepSeek-V4's compressed entries (and the indexer's keys beside them)
+/// in a pool's blocks: entry `w` of a layer compressing `rate` tokens
+/// lives in the block that holds its window's last position, at its place
+/// among that block's closed windows. A block's rows thus depend only on
+/// its own and earlier positions, so a full block can be shared through
+/// the prefix cache.
+pub(crate) struct Entries<'a> {
+    keys: &'a mut LayerRows,
+    index: Option<&'a mut LayerRows>,
+    block_size: usize,
+    block_rows: usize,
+}
+
+impl Entries<'_> {
+    /// Entry `w`'s place among a sequence's rows (see the type).
+    fn pos(&self, w: usize, rate: usize) -> usize {
+        let bs = self.block_size;
+        let last = (w + 1) * rate - 1;
+        (last / bs) * self.block_rows + (last % bs) / rate
+    }
+
+    /// Stores compressed entry `w` (`row`, `[head_dim]`) of compressing
+    /// layer `layer`, and its indexer key (`[index_dim]`) if given, for
+    /// the sequence whose blocks are `table` (checked by the caller).
+    pub(crate) fn store(
+        &mut self,
+        (layer, rate): (usize, usize),
+        table: &[u32],
+        w: usize,
+        (row, index): (&[f32], Option<&[f32]>),
+    ) {
+        let (pos, br) = (self.pos(w, rate), self.block_rows);
+        let k = &mut *self.keys;
+        k.layers[layer].store_rows(row, (br, 1, k.dim), table, pos);
+        if let (Some(ix), Some(index)) = (self.index.as_deref_mut(), index) {
+            ix.layers[layer].store_rows(index, (br, 1, ix.dim), table, pos);
+        }
+    }
+
+    /// Widens compressed entry `w` of layer `layer` into `out`
+    /// (`[head_dim]`), or its indexer key (`[index_dim]`) with `index`.
+    pub(crate) fn load(
+        &self,
+        (layer, rate): (usize, usize),
+        table: &[u32],
+        (w, index): (usize, bool),
+        out: &mut [f32],
+    ) {
+        let (pos, br) = (self.pos(w, rate), self.block_rows);
+        let rows = match (index, self.index.as_deref()) {
+            (true, Some(ix)) => ix,
+            _ => &*self.keys,
+        };
+        rows.layers[layer].load_rows(out, (br, 1, rows.dim), table, pos);
     }
 }
 

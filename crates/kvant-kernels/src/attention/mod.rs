@@ -33,7 +33,7 @@ pub use kv::{
 };
 pub use params::{AttnParams, SeqAttn};
 pub use reference::attention_ref;
-pub use sinks::{sink_attention, sink_attention_ref, SinkAttn};
+pub use sinks::{sink_attention, sink_attention_ref, SinkAttn, SinkRows};
 pub use sparse::{
     sparse_attention, sparse_attention_dyn, sparse_attention_dyn_with, sparse_attention_with,
 };

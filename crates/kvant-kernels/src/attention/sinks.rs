@@ -7,9 +7,10 @@
 //! `p_j = exp(s_j − M) / (Σ_i exp(s_i − M) + exp(sink − M))`,
 //! `M = max(max_j s_j, sink)`, `out = Σ_j p_j · row_j`.
 //!
-//! The caller gathers the rows (a sliding window, compressed entries, an
-//! indexer's top-k of them), so the kernel is the same whatever selected
-//! them. [`sink_attention_ref`] is the f64 reference.
+//! The caller hands the rows over by index ([`SinkRows`]: a sliding
+//! window's, compressed entries, an indexer's top-k of them, wherever they
+//! live), so the kernel is the same whatever selected them and nothing is
+//! copied. [`sink_attention_ref`] is the f64 reference.
 
 use crate::cpu::SimdTier;
 use crate::dot::dot_f32_with;
@@ -26,20 +27,29 @@ pub struct SinkAttn<'a> {
     pub sinks: &'a [f32],
 }
 
+/// The K = V rows one query attends over: `n` of them, row `j` given by
+/// `row(j)` (each `dim` values).
+#[derive(Clone, Copy)]
+pub struct SinkRows<'a> {
+    pub n: usize,
+    pub row: &'a (dyn Fn(usize) -> &'a [f32] + Sync),
+}
+
 impl SinkAttn<'_> {
-    /// Checks `q` (`[heads, dim]`), `rows` (`[n, dim]`) and `out`
+    /// Checks `q` (`[heads, dim]`), every row (`[dim]`) and `out`
     /// (`[heads, dim]`); returns the row count.
     ///
     /// # Errors
     /// [`KernelError::LengthMismatch`] naming the first bad length.
-    pub fn check(&self, q: &[f32], rows: &[f32], out: &[f32]) -> Result<usize, KernelError> {
+    pub fn check(&self, q: &[f32], rows: SinkRows<'_>, out: &[f32]) -> Result<usize, KernelError> {
         let qd = self.heads * self.dim;
         check_len("sink attention sinks [heads]", self.heads, self.sinks.len())?;
         check_len("sink attention query [heads, dim]", qd, q.len())?;
         check_len("sink attention output [heads, dim]", qd, out.len())?;
-        let n = rows.len().checked_div(self.dim).unwrap_or(0);
-        check_len("sink attention rows [n, dim]", n * self.dim, rows.len())?;
-        Ok(n)
+        for j in 0..rows.n {
+            check_len("sink attention row [dim]", self.dim, (rows.row)(j).len())?;
+        }
+        Ok(rows.n)
     }
 }
 
@@ -52,7 +62,7 @@ impl SinkAttn<'_> {
 pub fn sink_attention(
     tier: SimdTier,
     a: &SinkAttn<'_>,
-    (q, rows): (&[f32], &[f32]),
+    (q, rows): (&[f32], SinkRows<'_>),
     scores: &mut [f32],
     out: &mut [f32],
 ) -> Result<(), KernelError> {
@@ -68,15 +78,15 @@ pub fn sink_attention(
     let scores = &mut scores[..n];
     for (h, o) in out.chunks_exact_mut(d).enumerate() {
         let qh = &q[h * d..(h + 1) * d];
-        for (s, row) in scores.iter_mut().zip(rows.chunks_exact(d)) {
-            *s = dot_f32_with(tier, qh, row) * a.scale;
+        for (j, s) in scores.iter_mut().enumerate() {
+            *s = dot_f32_with(tier, qh, (rows.row)(j)) * a.scale;
         }
         let sink = a.sinks[h];
         let max = scores.iter().copied().fold(sink, f32::max);
         let sum = exp_shifted(tier, scores, max) + (sink - max).exp();
         o.fill(0.0);
-        for (&p, row) in scores.iter().zip(rows.chunks_exact(d)) {
-            axpy(tier, p, row, o);
+        for (j, &p) in scores.iter().enumerate() {
+            axpy(tier, p, (rows.row)(j), o);
         }
         scale(tier, 1.0 / sum, o);
     }
@@ -90,17 +100,22 @@ pub fn sink_attention(
 /// As [`SinkAttn::check`].
 pub fn sink_attention_ref(
     a: &SinkAttn<'_>,
-    (q, rows): (&[f32], &[f32]),
+    (q, rows): (&[f32], SinkRows<'_>),
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     a.check(q, rows, out)?;
     let d = a.dim;
+    let all: Vec<&[f32]> = (0..rows.n).map(|j| (rows.row)(j)).collect();
     for (h, o) in out.chunks_exact_mut(d).enumerate() {
         let qh = &q[h * d..(h + 1) * d];
-        let s: Vec<f64> = rows
-            .chunks_exact(d)
+        let s: Vec<f64> = all
+            .iter()
             .map(|r| {
-                let dot: f64 = qh.iter().zip(r).map(|(&x, &y)| x as f64 * y as f64).sum();
+                let dot: f64 = qh
+                    .iter()
+                    .zip(r.iter())
+                    .map(|(&x, &y)| x as f64 * y as f64)
+                    .sum();
                 dot * a.scale as f64
             })
             .collect();
@@ -109,11 +124,7 @@ pub fn sink_attention_ref(
         let e: Vec<f64> = s.iter().map(|&v| (v - max).exp()).collect();
         let sum: f64 = e.iter().sum::<f64>() + (sink - max).exp();
         for (i, o) in o.iter_mut().enumerate() {
-            let v: f64 = e
-                .iter()
-                .zip(rows.chunks_exact(d))
-                .map(|(&p, r)| p * r[i] as f64)
-                .sum();
+            let v: f64 = e.iter().zip(&all).map(|(&p, r)| p * r[i] as f64).sum();
             *o = (v / sum) as f32;
         }
     }
@@ -147,12 +158,14 @@ mod tests {
                 scale: 1.0 / (dim as f32).sqrt(),
                 sinks: &sinks,
             };
+            let get = |j: usize| &rows[j * dim..(j + 1) * dim];
+            let rows = SinkRows { n, row: &get };
             let mut want = vec![f32::NAN; heads * dim];
-            sink_attention_ref(&a, (&q, &rows), &mut want).expect("reference");
+            sink_attention_ref(&a, (&q, rows), &mut want).expect("reference");
             for tier in cpu::available_tiers() {
                 let mut got = vec![f32::NAN; heads * dim];
                 let mut scores = vec![0.0; n + 3];
-                sink_attention(tier, &a, (&q, &rows), &mut scores, &mut got).expect("kernel");
+                sink_attention(tier, &a, (&q, rows), &mut scores, &mut got).expect("kernel");
                 for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (g - w).abs() <= TOL * w.abs().max(1.0),
@@ -167,7 +180,9 @@ mod tests {
     fn the_sink_takes_mass_and_bad_lengths_are_errors() {
         // One row equal to the query direction, a sink far above: the
         // output shrinks toward zero; far below: it is the row.
-        let (q, rows) = (vec![1.0, 0.0], vec![2.0, 0.0]);
+        let (q, row) = (vec![1.0, 0.0], vec![2.0, 0.0]);
+        let get = |_: usize| &row[..];
+        let rows = SinkRows { n: 1, row: &get };
         let run = |sink: f32| {
             let sinks = [sink];
             let a = SinkAttn {
@@ -177,7 +192,7 @@ mod tests {
                 sinks: &sinks,
             };
             let mut out = vec![0.0; 2];
-            sink_attention(cpu::tier(), &a, (&q, &rows), &mut [0.0], &mut out).expect("kernel");
+            sink_attention(cpu::tier(), &a, (&q, rows), &mut [0.0], &mut out).expect("kernel");
             out[0]
         };
         assert!(run(50.0) < 1e-6);
@@ -190,7 +205,13 @@ mod tests {
             sinks: &sinks,
         };
         let mut out = vec![0.0; 2];
-        assert!(sink_attention(cpu::tier(), &a, (&q, &[1.0; 3]), &mut [0.0; 2], &mut out).is_err());
-        assert!(sink_attention(cpu::tier(), &a, (&q, &rows), &mut [], &mut out).is_err());
+        let short = [1.0; 3];
+        let get_short = |_: usize| &short[..];
+        let bad = SinkRows {
+            n: 1,
+            row: &get_short,
+        };
+        assert!(sink_attention(cpu::tier(), &a, (&q, bad), &mut [0.0; 2], &mut out).is_err());
+        assert!(sink_attention(cpu::tier(), &a, (&q, rows), &mut [], &mut out).is_err());
     }
 }

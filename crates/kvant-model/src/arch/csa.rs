@@ -30,14 +30,27 @@ use super::loader::{Loader, Part};
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::{ModelConfig, V4Attention, V4Config};
-use crate::kv::KvPool;
+use crate::kv::Entries;
 use crate::ModelError;
-use kvant_kernels::attention::{sink_attention, SeqAttn, SinkAttn};
+use kvant_kernels::attention::{sink_attention, SeqAttn, SinkAttn, SinkRows};
 use kvant_kernels::cpu;
 use kvant_kernels::dot::dot_f32;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
+use std::cell::RefCell;
+
+/// One pool task's scratch: a query's scores over its rows, and its
+/// indexer scores over the entries it sees.
+#[derive(Default)]
+struct TaskScratch {
+    scores: Vec<f32>,
+    ranked: Vec<(f32, u32)>,
+}
+
+thread_local! {
+    static TASK: RefCell<TaskScratch> = RefCell::new(TaskScratch::default());
+}
 
 /// Tensor names of one layer's attention: DeepSeek's (Hugging Face
 /// checkpoints, as published and as transformers saves them) or
@@ -158,14 +171,10 @@ pub(crate) struct CsaScratch {
     /// One sequence's compressed entries and indexer keys, widened.
     entries: Vec<f32>,
     index_keys: Vec<f32>,
-    /// One query's rows (window, then chosen entries), scores, index
-    /// scores and choice.
-    rows: Vec<f32>,
-    scores: Vec<f32>,
-    index_scores: Vec<(f32, usize)>,
-    chosen: Vec<usize>,
-    /// One sequence's state of this layer, while it runs.
-    state: Vec<f32>,
+    /// Each query's chosen entries (`[n, kmax]`), and which entries any
+    /// query reads.
+    chosen: Vec<u32>,
+    needed: Vec<bool>,
     pool_weights: Vec<f32>,
     entry: Vec<f32>,
 }
@@ -283,35 +292,31 @@ impl CompressedAttention {
             slots,
         } = ctx;
         let len = self.state_len();
-        // Keys (= values) rotated at their positions, as cached.
-        let d = self.dim;
+        // Queries and keys (= values) rotated at their positions, keys as
+        // cached; the indexer's queries by the compressed rotation.
+        let (d, hd) = (self.dim, self.heads * self.dim);
+        let idim = self.indexer.as_ref().map_or(1, |ix| ix.dim);
+        let iw = self.indexer.as_ref().map_or(0, |ix| ix.heads * ix.dim);
         for sq in seqs {
             for (i, r) in sq.rows.clone().enumerate() {
-                rotate_tail(
-                    &mut s.kv[r * d..(r + 1) * d],
-                    &self.inv_freq,
-                    sq.pos0 + i,
-                    false,
-                );
+                let pos = sq.pos0 + i;
+                rotate_tail(&mut s.kv[r * d..(r + 1) * d], &self.inv_freq, pos, false);
+                for head in s.q[r * hd..(r + 1) * hd].chunks_exact_mut(d) {
+                    rotate_tail(head, &self.inv_freq, pos, false);
+                }
+                for head in s.iq[r * iw..(r + 1) * iw].chunks_exact_mut(idim) {
+                    rotate_tail(head, &self.compress_freq, pos, false);
+                }
             }
         }
+        let (states, mut entries) = pool.states_and_entries(index)?;
         for (sq, &slot) in seqs.iter().zip(slots) {
-            let (_, states) = pool.states_mut(index)?;
             let state = states
                 .get_mut(slot * len..(slot + 1) * len)
                 .ok_or(ModelError::StateSlot { slot })?;
-            // A copy, while the pool takes the entries: one layer's
-            // state, in the scratch.
-            let mut own = std::mem::take(&mut s.state);
-            own.clear();
-            own.extend_from_slice(state);
-            self.compress(pool, sq, &mut own, s);
-            let attended = self.attend(pool, sq, &own, s);
-            self.keep_window(sq, &mut own, &s.kv);
-            let (_, states) = pool.states_mut(index)?;
-            states[slot * len..(slot + 1) * len].copy_from_slice(&own);
-            s.state = own;
-            attended?;
+            self.compress(&mut entries, sq, state, s);
+            self.attend(&entries, sq, state, s)?;
+            self.keep_window(sq, state, &s.kv);
         }
         self.output(n, q8, s, out)
     }
@@ -361,7 +366,13 @@ impl CompressedAttention {
 
     /// Feeds a sequence's tokens to the compressors (in position order),
     /// storing every entry a window closes in the pool.
-    fn compress(&self, pool: &mut KvPool, sq: &SeqAttn<'_>, state: &mut [f32], s: &mut CsaScratch) {
+    fn compress(
+        &self,
+        entries: &mut Entries<'_>,
+        sq: &SeqAttn<'_>,
+        state: &mut [f32],
+        s: &mut CsaScratch,
+    ) {
         let Some(c) = &self.compressor else {
             return;
         };
@@ -393,107 +404,168 @@ impl CompressedAttention {
                 }
                 _ => None,
             };
-            pool.store_entry((self.cache, c.rate()), sq.table, e, (entry, index));
+            entries.store((self.cache, c.rate()), sq.table, e, (entry, index));
         }
     }
 
     /// Each of a sequence's queries over its window and compressed
-    /// entries, rotated back, into `s.attn` (`[n, heads·dim]`).
+    /// entries, rotated back, into `s.attn` (`[n, heads·dim]`), in three
+    /// phases: the indexer's choices (a pool task per query), the entries
+    /// any query reads widened once, then attention (a task per query and
+    /// head). Each (query, head) is one arithmetic whatever the split.
     fn attend(
         &self,
-        pool: &KvPool,
+        store: &Entries<'_>,
         sq: &SeqAttn<'_>,
         state: &[f32],
         s: &mut CsaScratch,
     ) -> Result<(), ModelError> {
         let (heads, d, win) = (self.heads, self.dim, self.window);
-        let end = sq.pos0 + sq.rows.len();
+        let (r0, n) = (sq.rows.start, sq.rows.len());
         let rate = self.compressor.as_ref().map_or(0, Compressor::rate);
-        // Entries visible to the chunk's last token, widened once.
-        let count = end.checked_div(rate).unwrap_or(0);
+        // Entries visible to the chunk's last token.
+        let count = (sq.pos0 + n).checked_div(rate).unwrap_or(0);
+        let kmax = self.indexer.as_ref().map_or(0, |ix| ix.topk.min(count));
+        s.needed.clear();
+        s.needed.resize(count, self.indexer.is_none());
+        if let Some(ix) = &self.indexer {
+            self.choose(ix, store, sq, (count, kmax), s);
+        }
         let entries = sized(&mut s.entries, count * d);
         for (w, e) in entries.chunks_exact_mut(d).enumerate() {
-            pool.load_entry((self.cache, rate), sq.table, (w, false), e);
-        }
-        if let Some(ix) = &self.indexer {
-            let keys = sized(&mut s.index_keys, count * ix.dim);
-            for (w, e) in keys.chunks_exact_mut(ix.dim).enumerate() {
-                pool.load_entry((self.cache, rate), sq.table, (w, true), e);
+            if s.needed[w] {
+                store.load((self.cache, rate), sq.table, (w, false), e);
             }
         }
-        let a = SinkAttn {
-            heads,
-            dim: d,
-            scale: 1.0 / (d as f32).sqrt(),
-            sinks: &self.sinks,
-        };
-        for (i, r) in sq.rows.clone().enumerate() {
-            let pos = sq.pos0 + i;
-            let first = (pos + 1).saturating_sub(win);
-            let rows = &mut s.rows;
-            rows.clear();
-            for p in first..=pos {
-                let row = match p >= sq.pos0 {
-                    true => &s.kv[(sq.rows.start + p - sq.pos0) * d..][..d],
-                    false => &state[(p % win) * d..][..d],
-                };
-                rows.extend_from_slice(row);
-            }
-            let visible = (pos + 1).checked_div(rate).unwrap_or(0);
-            match &self.indexer {
-                Some(ix) => {
-                    let iq = &mut s.iq[r * ix.heads * ix.dim..(r + 1) * ix.heads * ix.dim];
-                    for head in iq.chunks_exact_mut(ix.dim) {
-                        rotate_tail(head, &self.compress_freq, pos, false);
+        let CsaScratch {
+            q,
+            kv,
+            entries,
+            chosen,
+            attn,
+            ..
+        } = s;
+        let (q, kv, entries, chosen) = (&q[..], &kv[..], &entries[..], &chosen[..]);
+        let failed = std::sync::Mutex::new(None);
+        let scale = 1.0 / (d as f32).sqrt();
+        let tier = cpu::tier();
+        let out = &mut attn[r0 * heads * d..(r0 + n) * heads * d];
+        kvant_kernels::pool::for_rows_mut(out, d, &|items, out| {
+            TASK.with(|t| {
+                let scores = &mut t.borrow_mut().scores;
+                for (item, o) in items.zip(out.chunks_exact_mut(d)) {
+                    let (i, h) = (item / heads, item % heads);
+                    let pos = sq.pos0 + i;
+                    let first = (pos + 1).saturating_sub(win);
+                    let in_window = pos + 1 - first;
+                    let visible = (pos + 1).checked_div(rate).unwrap_or(0);
+                    let picked = match &self.indexer {
+                        Some(ix) => ix.topk.min(visible),
+                        None => visible,
+                    };
+                    let row = |j: usize| -> &[f32] {
+                        if j < in_window {
+                            let p = first + j;
+                            return match p >= sq.pos0 {
+                                true => &kv[(r0 + p - sq.pos0) * d..][..d],
+                                false => &state[(p % win) * d..][..d],
+                            };
+                        }
+                        let w = match self.indexer {
+                            Some(_) => chosen[i * kmax + j - in_window] as usize,
+                            None => j - in_window,
+                        };
+                        &entries[w * d..][..d]
+                    };
+                    let rows = SinkRows {
+                        n: in_window + picked,
+                        row: &row,
+                    };
+                    scores.resize(rows.n, 0.0);
+                    let a = SinkAttn {
+                        heads: 1,
+                        dim: d,
+                        scale,
+                        sinks: &self.sinks[h..h + 1],
+                    };
+                    let qh = &q[(r0 + i) * heads * d + h * d..][..d];
+                    if let Err(e) = sink_attention(tier, &a, (qh, rows), scores, o) {
+                        *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     }
-                    self.select(ix, r, visible, s);
-                    #[cfg(test)]
-                    tests::record(self.cache, pos, &s.chosen);
-                    for &w in &s.chosen {
-                        s.rows.extend_from_slice(&s.entries[w * d..(w + 1) * d]);
-                    }
+                    rotate_tail(o, &self.inv_freq, pos, true);
                 }
-                None => s.rows.extend_from_slice(&s.entries[..visible * d]),
-            }
-            let q = &mut s.q[r * heads * d..(r + 1) * heads * d];
-            for head in q.chunks_exact_mut(d) {
-                rotate_tail(head, &self.inv_freq, pos, false);
-            }
-            let nk = s.rows.len() / d;
-            let scores = sized(&mut s.scores, nk);
-            let o = &mut s.attn[r * heads * d..(r + 1) * heads * d];
-            sink_attention(cpu::tier(), &a, (q, &s.rows), scores, o)?;
-            for head in o.chunks_exact_mut(d) {
-                rotate_tail(head, &self.inv_freq, pos, true);
-            }
+            })
+        });
+        match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
         }
-        Ok(())
     }
 
-    /// The indexer's choice for query row `r` (its query already
-    /// rotated) among the first `visible` entries, into `s.chosen`: the
-    /// top `topk` by `Σ_h w_h · relu(q_h · k) · dim^-½`, best first, ties
-    /// to the earlier entry.
-    fn select(&self, ix: &Lightning, r: usize, visible: usize, s: &mut CsaScratch) {
+    /// The indexer's choices for each of a sequence's queries among the
+    /// entries it sees, into `s.chosen` (`[n, kmax]`, best first, ties to
+    /// the earlier entry), and the entries any of them reads marked in
+    /// `s.needed`: the top `topk` by `Σ_h w_h · relu(q_h · k) · dim^-½`.
+    fn choose(
+        &self,
+        ix: &Lightning,
+        store: &Entries<'_>,
+        sq: &SeqAttn<'_>,
+        (count, kmax): (usize, usize),
+        s: &mut CsaScratch,
+    ) {
         let (hi, di) = (ix.heads, ix.dim);
-        let qs = &s.iq[r * hi * di..(r + 1) * hi * di];
-        let weights = &s.iw[r * hi..(r + 1) * hi];
-        let scale = (di as f32).powf(-0.5);
-        let scored = &mut s.index_scores;
-        scored.clear();
-        for w in 0..visible {
-            let k = &s.index_keys[w * di..(w + 1) * di];
-            let score: f32 = qs
-                .chunks_exact(di)
-                .zip(weights)
-                .map(|(qh, &wh)| dot_f32(qh, k).max(0.0) * scale * wh)
-                .sum();
-            scored.push((score, w));
+        let rate = ix.keys.rate();
+        let keys = sized(&mut s.index_keys, count * di);
+        for (w, e) in keys.chunks_exact_mut(di).enumerate() {
+            store.load((self.cache, rate), sq.table, (w, true), e);
         }
-        scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        scored.truncate(ix.topk.min(visible));
+        let n = sq.rows.len();
         s.chosen.clear();
-        s.chosen.extend(scored.iter().map(|&(_, w)| w));
+        s.chosen.resize(n * kmax, 0);
+        if kmax == 0 {
+            return;
+        }
+        let (iq, iw, keys) = (&s.iq[..], &s.iw[..], &s.index_keys[..]);
+        let scale = (di as f32).powf(-0.5);
+        let r0 = sq.rows.start;
+        kvant_kernels::pool::for_rows_mut(&mut s.chosen, kmax, &|rows, out| {
+            TASK.with(|t| {
+                let scored = &mut t.borrow_mut().ranked;
+                for (i, out) in rows.zip(out.chunks_exact_mut(kmax)) {
+                    let r = r0 + i;
+                    let visible = (sq.pos0 + i + 1) / rate;
+                    let qs = &iq[r * hi * di..(r + 1) * hi * di];
+                    let weights = &iw[r * hi..(r + 1) * hi];
+                    scored.clear();
+                    for (w, k) in keys[..visible * di].chunks_exact(di).enumerate() {
+                        let score: f32 = qs
+                            .chunks_exact(di)
+                            .zip(weights)
+                            .map(|(qh, &wh)| dot_f32(qh, k).max(0.0) * scale * wh)
+                            .sum();
+                        scored.push((score, w as u32));
+                    }
+                    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+                    for (o, &(_, w)) in out.iter_mut().zip(scored.iter()) {
+                        *o = w;
+                    }
+                }
+            })
+        });
+        for i in 0..n {
+            let picked = ix.topk.min((sq.pos0 + i + 1) / rate);
+            let row = &s.chosen[i * kmax..i * kmax + picked];
+            for &w in row {
+                s.needed[w as usize] = true;
+            }
+            #[cfg(test)]
+            tests::record(
+                self.cache,
+                sq.pos0 + i,
+                &row.iter().map(|&w| w as usize).collect::<Vec<_>>(),
+            );
+        }
     }
 
     /// Keeps the chunk's last `window` rows in the sequence's ring.
