@@ -19,6 +19,7 @@
 //! and the delta rule's matrices, [`StateShape`]) in one of the pool's
 //! state slots, which the engine hands out per sequence as it does blocks.
 
+use crate::config::{V4Attention, V4Config};
 use crate::ModelError;
 use kvant_kernels::attention::{
     attention_dyn, select_topk_dyn, sparse_attention_dyn, AttnParams, IndexerParams, KvBuffer,
@@ -171,6 +172,39 @@ impl KvShape {
     /// Bytes of one layer's indexer key per position (0 without one).
     pub fn index_bytes(&self) -> usize {
         self.index_dtype().bytes_rounded_up(self.index_dim)
+    }
+}
+
+impl KvShape {
+    /// DeepSeek-V4's paged rows: one compressed entry (`head_dim` values,
+    /// K = V) per closed window of each compressing layer, the indexer's
+    /// key beside it when any layer is CSA; a block holds the entries of
+    /// its tokens at the smallest rate (see [`Entries`]).
+    pub fn deepseek_v4(v4: &V4Config, head_dim: usize, dtype: KvDType) -> Self {
+        let csa = v4.layers.contains(&V4Attention::Csa);
+        KvShape {
+            n_layers: (0..v4.layers.len()).filter(|&i| v4.rate(i) > 0).count(),
+            n_kv_heads: 1,
+            head_dim,
+            latent: true,
+            index_dim: if csa { v4.indexer.head_dim } else { 0 },
+            dtype,
+            compress: v4.min_rate().max(1),
+        }
+    }
+}
+
+impl StateShape {
+    /// DeepSeek-V4's per-sequence state: every layer's window ring and
+    /// compressor tails (the largest layer's size for all, see
+    /// [`V4Config::state_len`]).
+    pub fn deepseek_v4(v4: &V4Config, head_dim: usize) -> Self {
+        let n = v4.layers.len();
+        StateShape {
+            layers: n,
+            conv: 0,
+            delta: (0..n).map(|i| v4.state_len(i, head_dim)).max().unwrap_or(0),
+        }
     }
 }
 

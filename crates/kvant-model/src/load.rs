@@ -65,6 +65,20 @@ pub struct ModelInfo {
     pub kv_bytes_per_token_expanded: usize,
     /// Multi-token-prediction layers in the checkpoint.
     pub mtp_layers: usize,
+    /// DeepSeek-V4: the attention kind of each layer (`sliding`, `csa`,
+    /// `hca`), the bytes of state one sequence keeps whatever its length
+    /// (window rings and compressor tails), and the cache one sequence
+    /// holds at 4k, 32k and 128k tokens (its entries plus that state).
+    pub compressed: Option<CompressedInfo>,
+}
+
+/// DeepSeek-V4's cache, for `kvant info`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct CompressedInfo {
+    pub layers: Vec<&'static str>,
+    pub state_bytes: usize,
+    /// `(tokens, bytes)` of one sequence's cache.
+    pub at: Vec<(usize, usize)>,
 }
 
 /// [`load_with`] the default options (int8 activations where they apply).
@@ -145,6 +159,25 @@ pub fn load_parallel(
         kv_bytes_per_token: model.kv_bytes_per_token(),
         kv_bytes_per_token_expanded: model.expanded_kv_bytes_per_token(),
         mtp_layers: c.mtp_layers,
+        compressed: c.v4.as_ref().map(|v4| {
+            let state = model.state_shape().bytes_per_slot();
+            CompressedInfo {
+                layers: v4
+                    .layers
+                    .iter()
+                    .map(|l| match l {
+                        crate::config::V4Attention::Sliding => "sliding",
+                        crate::config::V4Attention::Csa => "csa",
+                        crate::config::V4Attention::Hca => "hca",
+                    })
+                    .collect(),
+                state_bytes: state,
+                at: [4096, 32768, 131072]
+                    .into_iter()
+                    .map(|n| (n, n * model.kv_bytes_per_token() + state))
+                    .collect(),
+            }
+        }),
     };
     Ok(LoadedModel {
         model,

@@ -150,6 +150,9 @@ pub(crate) struct CompressedAttention {
     indexer: Option<Box<Lightning>>,
     /// The layer's index among the compressing layers (its paged rows).
     cache: usize,
+    /// Values of a sequence's state for this layer ([`V4Config::state_len`]:
+    /// the ring, then the compressor's tail, then the indexer's).
+    state_len: usize,
 }
 
 /// Activations of one layer, reused across passes.
@@ -251,6 +254,7 @@ impl CompressedAttention {
             compressor,
             indexer,
             cache,
+            state_len: v4.state_len(layer, dim),
         })
     }
 
@@ -271,9 +275,7 @@ impl CompressedAttention {
     /// Values of a sequence's state for this layer: the window's rows and
     /// the compressors' tails.
     pub fn state_len(&self) -> usize {
-        self.window * self.dim
-            + self.compressor.as_ref().map_or(0, Compressor::state_len)
-            + self.indexer.as_ref().map_or(0, |i| i.keys.state_len())
+        self.state_len
     }
 
     /// Runs the layer for the batch's tokens: `step.out` gets the

@@ -599,19 +599,7 @@ impl DecoderModel {
     pub fn kv_shape(&self) -> KvShape {
         let (n_kv_heads, head_dim, latent) = kv_rows(&self.cfg, self.kv_heads);
         if let Some(v4) = &self.cfg.v4 {
-            // One row per compressed entry of each compressing layer
-            // (indexer keys beside them when any layer is CSA).
-            let compressing = (0..self.cfg.n_layers).filter(|&i| v4.rate(i) > 0).count();
-            let csa = v4.layers.contains(&crate::config::V4Attention::Csa);
-            return KvShape {
-                n_layers: compressing,
-                n_kv_heads,
-                head_dim,
-                latent,
-                index_dim: if csa { v4.indexer.head_dim } else { 0 },
-                dtype: self.kv_dtype,
-                compress: v4.min_rate().max(1),
-            };
+            return KvShape::deepseek_v4(v4, head_dim, self.kv_dtype);
         }
         KvShape {
             n_layers: self.cfg.attention_layers() + usize::from(self.mtp.is_some()),
@@ -678,23 +666,8 @@ impl DecoderModel {
     /// What one sequence keeps per linear-attention layer (no layers for
     /// a model without them).
     pub fn state_shape(&self) -> StateShape {
-        if self.cfg.v4.is_some() {
-            // Every layer's window ring and compressor tails (the largest
-            // layer's size for all).
-            let delta = self
-                .layers
-                .iter()
-                .map(|l| match &l.attn {
-                    Attention::Compressed(a) => a.state_len(),
-                    _ => 0,
-                })
-                .max()
-                .unwrap_or(0);
-            return StateShape {
-                layers: self.cfg.n_layers,
-                conv: 0,
-                delta,
-            };
+        if let Some(v4) = &self.cfg.v4 {
+            return StateShape::deepseek_v4(v4, self.cfg.head_dim);
         }
         let Some(lc) = &self.cfg.linear else {
             return StateShape::default();

@@ -98,6 +98,27 @@ impl V4Config {
             .unwrap_or(0)
     }
 
+    /// f32 values a sequence keeps for layer `layer` (heads of
+    /// `head_dim`): the window's rows (a ring), and each compressor's
+    /// projected kv and gate rows of the positions its open windows need
+    /// (`rate` of them, `2·rate` of twice the width for CSA's overlapping
+    /// windows, the indexer's likewise at its width).
+    pub fn state_len(&self, layer: usize, head_dim: usize) -> usize {
+        let tail = |rate: usize, dim: usize, overlap: bool| match overlap {
+            true => 2 * rate * 2 * (2 * dim),
+            false => rate * 2 * dim,
+        };
+        let ring = self.window * head_dim;
+        match self.layers.get(layer) {
+            Some(V4Attention::Csa) => {
+                ring + tail(self.csa_rate, head_dim, true)
+                    + tail(self.csa_rate, self.indexer.head_dim, true)
+            }
+            Some(V4Attention::Hca) => ring + tail(self.hca_rate, head_dim, false),
+            _ => ring,
+        }
+    }
+
     /// Inverse frequencies of a layer's rotation: `main` for sliding-only
     /// layers, `compress` (YaRN where configured) for the others, whose
     /// compressed entries and indexer use the same.

@@ -54,6 +54,25 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
             i.layers
         );
     }
+    if let Some(c) = &i.compressed {
+        let count = |k: &str| c.layers.iter().filter(|&&l| l == k).count();
+        println!(
+            "compressed attn {} CSA, {} HCA, {} sliding-only layers: {} KB of window rings and \
+             compressor tails per sequence, whatever its length",
+            count("csa"),
+            count("hca"),
+            count("sliding"),
+            c.state_bytes / 1024
+        );
+        for (n, bytes) in &c.at {
+            println!(
+                "  at {:>6} tokens {:>8.1} MB per sequence ({} B/token)",
+                n,
+                *bytes as f64 / 1e6,
+                bytes / n
+            );
+        }
+    }
     if i.mtp_layers > 0 {
         println!("MTP layers      {} (load with --mtp)", i.mtp_layers);
     }
