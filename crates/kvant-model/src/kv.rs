@@ -100,10 +100,6 @@ pub struct KvShape {
     /// (DeepSeek-V3.2); 0 without an indexer.
     pub index_dim: usize,
     pub dtype: KvDType,
-    /// Tokens per cached row: 1, or for DeepSeek-V4 the smallest
-    /// compression rate of its layers, whose rows are compressed entries
-    /// (one per closed window, see [`KvPool::entry_pos`]).
-    pub compress: usize,
 }
 
 impl KvShape {
@@ -120,10 +116,7 @@ impl KvShape {
     /// quantized cache types (the indexer only ranks positions, and
     /// DeepSeek itself scores in FP8), the cache's own type otherwise.
     fn index_dtype(&self) -> KvDType {
-        match self.dtype {
-            KvDType::Q8_0 | KvDType::Q4_0 => KvDType::Q8_0,
-            other => other,
-        }
+        index_dtype(self.dtype)
     }
 
     /// Whether the element types can store this shape's rows: the block
@@ -160,13 +153,7 @@ impl KvShape {
     pub fn bytes_per_token(&self) -> usize {
         let row = self.dtype.bytes_rounded_up(self.head_dim);
         let index = self.index_dtype().bytes_rounded_up(self.index_dim);
-        (self.n_layers * (self.arrays() * self.n_kv_heads * row + index))
-            .div_ceil(self.compress.max(1))
-    }
-
-    /// Rows a block of `block_size` tokens holds per layer.
-    fn block_rows(&self, block_size: usize) -> usize {
-        (block_size / self.compress.max(1)).max(1)
+        self.n_layers * (self.arrays() * self.n_kv_heads * row + index)
     }
 
     /// Bytes of one layer's indexer key per position (0 without one).
@@ -175,22 +162,129 @@ impl KvShape {
     }
 }
 
+/// The element type of indexer keys: 8-bit (Q8_0) under the quantized
+/// cache types (an indexer only ranks, and DeepSeek itself scores in FP8),
+/// the cache's own type otherwise.
+fn index_dtype(dtype: KvDType) -> KvDType {
+    match dtype {
+        KvDType::Q8_0 | KvDType::Q4_0 => KvDType::Q8_0,
+        other => other,
+    }
+}
+
 impl KvShape {
-    /// DeepSeek-V4's paged rows: one compressed entry (`head_dim` values,
-    /// K = V) per closed window of each compressing layer, the indexer's
-    /// key beside it when any layer is CSA; a block holds the entries of
-    /// its tokens at the smallest rate (see [`Entries`]).
-    pub fn deepseek_v4(v4: &V4Config, head_dim: usize, dtype: KvDType) -> Self {
-        let csa = v4.layers.contains(&V4Attention::Csa);
+    /// DeepSeek-V4 caches no row per token: its window rows live in state
+    /// slots and its compressed entries per layer ([`EntryShape`]); the
+    /// shape still says the entries' width and element type.
+    pub fn deepseek_v4(head_dim: usize, dtype: KvDType) -> Self {
         KvShape {
-            n_layers: (0..v4.layers.len()).filter(|&i| v4.rate(i) > 0).count(),
+            n_layers: 0,
             n_kv_heads: 1,
             head_dim,
             latent: true,
-            index_dim: if csa { v4.indexer.head_dim } else { 0 },
+            index_dim: 0,
             dtype,
-            compress: v4.min_rate().max(1),
         }
+    }
+}
+
+/// DeepSeek-V4's compressed entries: for each compressing layer its
+/// compression rate and whether the indexer keeps a key beside each entry
+/// (CSA), the entries' width (K = V) and the indexer keys'. Each layer's
+/// blocks hold one row per window its tokens close, so a layer that
+/// compresses 128 tokens holds 1/128 of a row per token.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EntryShape {
+    pub layers: Vec<(usize, bool)>,
+    pub dim: usize,
+    pub index_dim: usize,
+}
+
+impl EntryShape {
+    pub fn deepseek_v4(v4: &V4Config, head_dim: usize) -> Self {
+        EntryShape {
+            layers: (0..v4.layers.len())
+                .filter(|&i| v4.rate(i) > 0)
+                .map(|i| (v4.rate(i), v4.layers[i] == V4Attention::Csa))
+                .collect(),
+            dim: head_dim,
+            index_dim: v4.indexer.head_dim,
+        }
+    }
+
+    /// Rows a block of `block_size` tokens holds for a layer compressing
+    /// `rate` tokens: the windows it closes (at least one slot).
+    fn block_rows(rate: usize, block_size: usize) -> usize {
+        (block_size / rate.max(1)).max(1)
+    }
+
+    /// Bytes of entries (and indexer keys) per token over every layer, in
+    /// `dtype` (each layer's rounded up to a whole byte).
+    pub fn bytes_per_token(&self, dtype: KvDType) -> usize {
+        let row = dtype.bytes_rounded_up(self.dim);
+        let index = index_dtype(dtype).bytes_rounded_up(self.index_dim);
+        self.layers
+            .iter()
+            .map(|&(rate, ix)| (row + if ix { index } else { 0 }).div_ceil(rate.max(1)))
+            .sum()
+    }
+}
+
+/// The entries of every compressing layer, for `n_blocks` blocks.
+struct EntryRows {
+    shape: EntryShape,
+    keys: Vec<KvBuffer>,
+    index: Vec<Option<KvBuffer>>,
+}
+
+impl EntryRows {
+    /// Zeroed entries; in a pool of several blocks each layer's windows
+    /// must tile its blocks (a block holds whole windows, or a window
+    /// whole blocks), so that an entry sits in the block of its window's
+    /// last token.
+    fn new(
+        shape: EntryShape,
+        dtype: KvDType,
+        (block_size, n_blocks): (usize, usize),
+    ) -> Result<Self, ModelError> {
+        for &(rate, _) in &shape.layers {
+            let tiles = block_size.is_multiple_of(rate) || rate.is_multiple_of(block_size);
+            if rate == 0 || (n_blocks > 1 && !tiles) {
+                return Err(ModelError::KvBlockSize {
+                    block_size,
+                    compress: rate,
+                });
+            }
+        }
+        let buffer = |dtype, dim, rate| {
+            let values = dim
+                * EntryShape::block_rows(rate, block_size)
+                    .checked_mul(n_blocks)
+                    .ok_or(ModelError::KvTooLarge {
+                        block_size,
+                        n_blocks,
+                    })?;
+            Ok::<_, ModelError>(KvBuffer::zeroed(dtype, values)?)
+        };
+        let keys = shape
+            .layers
+            .iter()
+            .map(|&(rate, _)| buffer(dtype, shape.dim, rate))
+            .collect::<Result<_, _>>()?;
+        let index = shape
+            .layers
+            .iter()
+            .map(|&(rate, ix)| match ix {
+                true => buffer(index_dtype(dtype), shape.index_dim, rate).map(Some),
+                false => Ok(None),
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(EntryRows { shape, keys, index })
+    }
+
+    fn bytes(&self) -> usize {
+        let index = self.index.iter().flatten();
+        self.keys.iter().chain(index).map(KvBuffer::bytes).sum()
     }
 }
 
@@ -293,6 +387,8 @@ pub struct KvPool {
     index: Option<LayerRows>,
     /// Linear-attention layers' per-sequence states.
     states: Option<States>,
+    /// DeepSeek-V4's compressed entries.
+    entries: Option<EntryRows>,
     shape: KvShape,
     block_size: usize,
     n_blocks: usize,
@@ -338,19 +434,8 @@ impl KvPool {
         {
             return Err(too_large);
         }
-        // Compressed entries sit in the block of their window's last
-        // token: a block holds a whole number of windows, or a window a
-        // whole number of blocks.
-        let c = shape.compress.max(1);
-        if !(block_size.is_multiple_of(c) || c.is_multiple_of(block_size)) {
-            return Err(ModelError::KvBlockSize {
-                block_size,
-                compress: c,
-            });
-        }
         let rows = (shape.n_layers, shape.n_kv_heads, shape.head_dim);
-        let block_rows = shape.block_rows(block_size);
-        let array = || LayerRows::new(shape.dtype, rows, (block_rows, n_blocks));
+        let array = || LayerRows::new(shape.dtype, rows, (block_size, n_blocks));
         Ok(KvPool {
             keys: array()?,
             values: match shape.latent {
@@ -362,13 +447,14 @@ impl KvPool {
                 _ => Some(LayerRows::new(
                     shape.index_dtype(),
                     (shape.n_layers, 1, shape.index_dim),
-                    (block_rows, n_blocks),
+                    (block_size, n_blocks),
                 )?),
             },
             states: match states.layers {
                 0 => None,
                 _ => Some(States::new(states, slots)?),
             },
+            entries: None,
             shape,
             block_size,
             n_blocks,
@@ -377,6 +463,33 @@ impl KvPool {
 
     pub fn shape(&self) -> KvShape {
         self.shape
+    }
+
+    /// Adds DeepSeek-V4's compressed entries to the pool.
+    ///
+    /// # Errors
+    /// [`ModelError::KvBlockSize`] if a layer's windows do not tile the
+    /// blocks, [`ModelError::KvTooLarge`] if the sizes overflow.
+    pub fn with_entries(mut self, shape: EntryShape) -> Result<Self, ModelError> {
+        let sizes = (self.block_size, self.n_blocks);
+        self.entries = Some(EntryRows::new(shape, self.shape.dtype, sizes)?);
+        Ok(self)
+    }
+
+    /// Whether the pool holds compressed entries of exactly `shape` (none
+    /// for an empty one).
+    pub(crate) fn has_entries(&self, shape: &EntryShape) -> bool {
+        match &self.entries {
+            Some(e) => e.shape == *shape,
+            None => shape.layers.is_empty(),
+        }
+    }
+
+    /// The compressed entries' shape (empty without them).
+    pub fn entry_shape(&self) -> EntryShape {
+        self.entries
+            .as_ref()
+            .map_or(EntryShape::default(), |e| e.shape.clone())
     }
 
     /// The linear layers' state per slot (no layers without them).
@@ -447,7 +560,11 @@ impl KvPool {
         let arrays = std::iter::once(&self.keys)
             .chain(&self.values)
             .chain(&self.index);
-        let rows: usize = arrays.flat_map(|a| &a.layers).map(KvBuffer::bytes).sum();
+        let rows: usize = arrays
+            .flat_map(|a| &a.layers)
+            .map(KvBuffer::bytes)
+            .sum::<usize>()
+            + self.entries.as_ref().map_or(0, EntryRows::bytes);
         let states = self
             .states
             .as_ref()
@@ -539,11 +656,10 @@ impl KvPool {
     ) -> Result<(&mut [f32], Entries<'_>), ModelError> {
         let s = self.states.as_mut().ok_or(ModelError::KvShape)?;
         let states = s.delta.get_mut(layer).ok_or(ModelError::KvShape)?;
+        let rows = self.entries.as_mut().ok_or(ModelError::KvShape)?;
         let entries = Entries {
-            keys: &mut self.keys,
-            index: self.index.as_mut(),
+            rows,
             block_size: self.block_size,
-            block_rows: self.shape.block_rows(self.block_size),
         };
         Ok((states, entries))
     }
@@ -603,23 +719,23 @@ impl KvPool {
 /// its own and earlier positions, so a full block can be shared through
 /// the prefix cache.
 pub(crate) struct Entries<'a> {
-    keys: &'a mut LayerRows,
-    index: Option<&'a mut LayerRows>,
+    rows: &'a mut EntryRows,
     block_size: usize,
-    block_rows: usize,
 }
 
 impl Entries<'_> {
-    /// Entry `w`'s place among a sequence's rows (see the type).
-    fn pos(&self, w: usize, rate: usize) -> usize {
+    /// Entry `w`'s place among a sequence's rows of a layer compressing
+    /// `rate` tokens (see the type), and the layer's rows per block.
+    fn pos(&self, w: usize, rate: usize) -> (usize, usize) {
         let bs = self.block_size;
         let last = (w + 1) * rate - 1;
-        (last / bs) * self.block_rows + (last % bs) / rate
+        let rows = EntryShape::block_rows(rate, bs);
+        ((last / bs) * rows + (last % bs) / rate, rows)
     }
 
-    /// Stores compressed entry `w` (`row`, `[head_dim]`) of compressing
-    /// layer `layer`, and its indexer key (`[index_dim]`) if given, for
-    /// the sequence whose blocks are `table` (checked by the caller).
+    /// Stores compressed entry `w` (`row`, `[dim]`) of compressing layer
+    /// `layer`, and its indexer key (`[index_dim]`) if given, for the
+    /// sequence whose blocks are `table` (checked by the caller).
     pub(crate) fn store(
         &mut self,
         (layer, rate): (usize, usize),
@@ -627,16 +743,16 @@ impl Entries<'_> {
         w: usize,
         (row, index): (&[f32], Option<&[f32]>),
     ) {
-        let (pos, br) = (self.pos(w, rate), self.block_rows);
-        let k = &mut *self.keys;
-        k.layers[layer].store_rows(row, (br, 1, k.dim), table, pos);
-        if let (Some(ix), Some(index)) = (self.index.as_deref_mut(), index) {
-            ix.layers[layer].store_rows(index, (br, 1, ix.dim), table, pos);
+        let (pos, br) = self.pos(w, rate);
+        let (dim, index_dim) = (self.rows.shape.dim, self.rows.shape.index_dim);
+        self.rows.keys[layer].store_rows(row, (br, 1, dim), table, pos);
+        if let (Some(Some(ix)), Some(index)) = (self.rows.index.get_mut(layer), index) {
+            ix.store_rows(index, (br, 1, index_dim), table, pos);
         }
     }
 
-    /// Widens compressed entry `w` of layer `layer` into `out`
-    /// (`[head_dim]`), or its indexer key (`[index_dim]`) with `index`.
+    /// Widens compressed entry `w` of layer `layer` into `out` (`[dim]`),
+    /// or its indexer key (`[index_dim]`) with `index`.
     pub(crate) fn load(
         &self,
         (layer, rate): (usize, usize),
@@ -644,12 +760,12 @@ impl Entries<'_> {
         (w, index): (usize, bool),
         out: &mut [f32],
     ) {
-        let (pos, br) = (self.pos(w, rate), self.block_rows);
-        let rows = match (index, self.index.as_deref()) {
-            (true, Some(ix)) => ix,
-            _ => &*self.keys,
-        };
-        rows.layers[layer].load_rows(out, (br, 1, rows.dim), table, pos);
+        let (pos, br) = self.pos(w, rate);
+        let shape = &self.rows.shape;
+        match (index, self.rows.index.get(layer)) {
+            (true, Some(Some(ix))) => ix.load_rows(out, (br, 1, shape.index_dim), table, pos),
+            _ => self.rows.keys[layer].load_rows(out, (br, 1, shape.dim), table, pos),
+        }
     }
 }
 
@@ -679,16 +795,19 @@ impl KvCache {
         capacity: usize,
     ) -> Result<Self, ModelError> {
         Ok(KvCache {
-            pool: KvPool::with_states(
-                shape,
-                states,
-                1,
-                capacity.max(1).next_multiple_of(shape.compress.max(1)),
-                1,
-            )?,
+            pool: KvPool::with_states(shape, states, 1, capacity.max(1), 1)?,
             len: 0,
             saved: None,
         })
+    }
+
+    /// Adds DeepSeek-V4's compressed entries (see [`KvPool::with_entries`]).
+    ///
+    /// # Errors
+    /// As [`KvPool::with_entries`].
+    pub fn with_entries(mut self, shape: EntryShape) -> Result<Self, ModelError> {
+        self.pool = self.pool.with_entries(shape)?;
+        Ok(self)
     }
 
     /// Tokens already stored (the position of the next token).

@@ -190,16 +190,14 @@ fn pools_whose_blocks_split_windows_are_refused() {
 /// 128) against what the same 43 layers would cache as DeepSeek-V3.2
 /// (latent 512 + rope 64 and an indexer key of 128 per token and layer)
 /// and as dense latent attention (V3: the latent only), all in f16, per
-/// sequence at 4k, 32k and 128k tokens, as kvant lays them out (the
-/// pool's arithmetic; the window rings and compressor tails in f32 state
-/// slots). V4's compressed entries take a quarter of a latent row per
-/// token in CSA layers and 1/128 in HCA layers; kvant sizes every
-/// compressing layer's rows for the smallest rate, so HCA layers hold
-/// 32 times the rows they fill (see the printed table).
+/// sequence at 4k, 32k and 128k tokens, as kvant lays them out: V4's
+/// entries per layer at its own rate (a quarter of a 640-value row per
+/// token in CSA layers, 1/128 of a 512-value row in HCA layers), its
+/// window rings and compressor tails in f32 state slots.
 #[test]
 fn v4_flash_caches_a_fraction_of_latent_attention_at_long_context() {
     use kvant_model::config::ModelConfig;
-    use kvant_model::kv::{KvDType, KvShape, StateShape};
+    use kvant_model::kv::{EntryShape, KvDType, KvShape, StateShape};
     let cfg = ModelConfig::from_hf_json(&json!({
         "model_type": "deepseek_v4", "vocab_size": 129280, "hidden_size": 4096,
         "num_hidden_layers": 43, "num_attention_heads": 64, "num_key_value_heads": 1,
@@ -209,7 +207,7 @@ fn v4_flash_caches_a_fraction_of_latent_attention_at_long_context() {
     }))
     .expect("V4-Flash config");
     let v4 = cfg.v4.as_ref().expect("V4");
-    let kv = KvShape::deepseek_v4(v4, cfg.head_dim, KvDType::F16);
+    let per_token = EntryShape::deepseek_v4(v4, cfg.head_dim).bytes_per_token(KvDType::F16);
     let state = StateShape::deepseek_v4(v4, cfg.head_dim).bytes_per_slot();
     let latent = |index_dim| KvShape {
         n_layers: 43,
@@ -218,39 +216,35 @@ fn v4_flash_caches_a_fraction_of_latent_attention_at_long_context() {
         latent: true,
         index_dim,
         dtype: KvDType::F16,
-        compress: 1,
     };
-    let (v32, mla) = (latent(128), latent(0));
-    // The ideal V4 layout: each layer's entries at its own rate.
+    let (v32, mla) = (latent(128).bytes_per_token(), latent(0).bytes_per_token());
     let csa = v4
         .layers
         .iter()
         .filter(|l| **l == kvant_model::config::V4Attention::Csa)
         .count();
-    let hca = 43 - csa;
-    let ideal = (csa * (512 + 128) * 2).div_ceil(4) + (hca * 512 * 2).div_ceil(128);
-    eprintln!("V4-Flash: {csa} CSA, {hca} HCA layers; state {state} B per sequence");
-    eprintln!("tokens    V4 (kvant)      V4 (ideal rows)  V3.2-style       dense MLA");
+    eprintln!(
+        "V4-Flash: {csa} CSA, {} HCA layers; state {state} B per sequence",
+        43 - csa
+    );
+    eprintln!("tokens    V4                 V3.2-style         dense MLA");
     for n in [4096usize, 32768, 131072] {
-        let v4_bytes = n * kv.bytes_per_token() + state;
-        let ideal_bytes = n * ideal + state;
-        let (b32, bmla) = (n * v32.bytes_per_token(), n * mla.bytes_per_token());
+        let v4_bytes = n * per_token + state;
+        let mb = |b: usize| b as f64 / 1e6;
         eprintln!(
-            "{n:>6}  {:>8.1} MB {:>5} B/t  {:>8.1} MB {:>5} B/t  {:>8.1} MB {:>5} B/t  {:>8.1} MB {:>5} B/t",
-            v4_bytes as f64 / 1e6,
+            "{n:>6}  {:>8.1} MB {:>5} B/t  {:>8.1} MB {:>5} B/t  {:>8.1} MB {:>5} B/t",
+            mb(v4_bytes),
             v4_bytes / n,
-            ideal_bytes as f64 / 1e6,
-            ideal_bytes / n,
-            b32 as f64 / 1e6,
-            b32 / n,
-            bmla as f64 / 1e6,
-            bmla / n
+            mb(n * v32),
+            v32,
+            mb(n * mla),
+            mla
         );
-        assert!(v4_bytes < bmla && bmla < b32, "{n} tokens");
+        assert!(v4_bytes < n * mla && mla < v32, "{n} tokens");
     }
-    // At 128k tokens the fixed state no longer matters: the ratio of
-    // the rows, 49536 / 13760.
+    // Rows per token: 20 layers × 1280 / 4 + 23 × 1024 / 128.
+    assert_eq!(per_token, 20 * 320 + 23 * 8);
     let n = 131072;
-    let ratio = (n * mla.bytes_per_token()) as f64 / (n * kv.bytes_per_token() + state) as f64;
-    assert!(ratio > 3.4, "dense MLA / V4 at 128k: {ratio}");
+    let ratio = (n * mla) as f64 / (n * per_token + state) as f64;
+    assert!(ratio > 6.0, "dense MLA / V4 at 128k: {ratio}");
 }

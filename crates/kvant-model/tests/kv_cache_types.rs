@@ -55,7 +55,6 @@ fn block_types_need_rows_of_whole_blocks() {
         latent: false,
         index_dim: 0,
         dtype: KvDType::Q4_0,
-        compress: 1,
     };
     assert!(matches!(
         KvPool::new(shape, 16, 4),
@@ -84,7 +83,6 @@ fn bytes_count_the_stored_blocks() {
                 latent,
                 index_dim: 0,
                 dtype,
-                compress: 1,
             };
             assert_eq!(shape.bytes_per_token(), arrays * 3 * 2 * per_64, "{dtype}");
             let pool = KvPool::new(shape, 16, 5).expect("pool");
@@ -115,7 +113,6 @@ fn bytes_count_the_stored_blocks() {
         latent: true,
         index_dim: 40,
         dtype: KvDType::Q4_0,
-        compress: 1,
     };
     assert!(matches!(
         KvPool::new(odd_keys, 16, 4),

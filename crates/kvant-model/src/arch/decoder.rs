@@ -26,7 +26,7 @@ use super::shard::Shard;
 use super::sized;
 use crate::checkpoint::Checkpoint;
 use crate::config::ModelConfig;
-use crate::kv::{KvCache, KvDType, KvPool, KvShape, StateShape, SINGLE_TABLE};
+use crate::kv::{EntryShape, KvCache, KvDType, KvPool, KvShape, StateShape, SINGLE_TABLE};
 use crate::ModelError;
 use kvant_core::DType;
 use kvant_core::Tensor;
@@ -202,6 +202,8 @@ pub struct DecoderModel {
     /// DeepSeek-V4's collapse of the residual streams before the final
     /// norm.
     hyper_head: Option<HyperHead>,
+    /// DeepSeek-V4's compressed entries per layer (empty for others).
+    entries: EntryShape,
     /// Activation buffers, reused by every forward pass so that steady-state
     /// decoding does not allocate; forward passes of one model are serial.
     scratch: Mutex<Scratch>,
@@ -262,7 +264,6 @@ fn check_before_weights(cfg: &mut ModelConfig, opts: &LoadOptions) -> Result<(),
         latent,
         index_dim: cfg.indexer.map_or(0, |i| i.head_dim),
         dtype: opts.kv_dtype,
-        compress: 1,
     }
     .check()?;
     Ok(())
@@ -534,6 +535,10 @@ impl DecoderModel {
             layers,
             mtp,
             hyper_head,
+            entries: match &cfg.v4 {
+                Some(v4) => EntryShape::deepseek_v4(v4, cfg.head_dim),
+                None => EntryShape::default(),
+            },
             cfg,
             scratch: Mutex::new(Scratch::default()),
             kv_dtype: opts.kv_dtype,
@@ -598,8 +603,8 @@ impl DecoderModel {
     /// The shape of this model's KV caches.
     pub fn kv_shape(&self) -> KvShape {
         let (n_kv_heads, head_dim, latent) = kv_rows(&self.cfg, self.kv_heads);
-        if let Some(v4) = &self.cfg.v4 {
-            return KvShape::deepseek_v4(v4, head_dim, self.kv_dtype);
+        if self.cfg.v4.is_some() {
+            return KvShape::deepseek_v4(head_dim, self.kv_dtype);
         }
         KvShape {
             n_layers: self.cfg.attention_layers() + usize::from(self.mtp.is_some()),
@@ -608,7 +613,6 @@ impl DecoderModel {
             latent,
             index_dim: self.cfg.indexer.map_or(0, |i| i.head_dim),
             dtype: self.kv_dtype,
-            compress: 1,
         }
     }
 
@@ -626,9 +630,15 @@ impl DecoderModel {
         }
     }
 
-    /// KV bytes one token occupies across all layers.
+    /// DeepSeek-V4's compressed entries per layer (none for others).
+    pub fn entry_shape(&self) -> EntryShape {
+        self.entries.clone()
+    }
+
+    /// KV bytes one token occupies across all layers (DeepSeek-V4: its
+    /// share of the compressed entries).
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.kv_shape().bytes_per_token()
+        self.kv_shape().bytes_per_token() + self.entries.bytes_per_token(self.kv_dtype)
     }
 
     /// KV bytes the attention of one token at position `pos` reads over
@@ -710,7 +720,11 @@ impl DecoderModel {
     /// context length).
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache, ModelError> {
         let capacity = capacity.min(self.cfg.max_context);
-        KvCache::with_states(self.kv_shape(), self.state_shape(), capacity)
+        let cache = KvCache::with_states(self.kv_shape(), self.state_shape(), capacity)?;
+        match self.cfg.v4 {
+            Some(_) => cache.with_entries(self.entry_shape()),
+            None => Ok(cache),
+        }
     }
 
     /// A paged pool of `n_blocks` blocks of `block_size` tokens, with
@@ -721,13 +735,17 @@ impl DecoderModel {
         n_blocks: usize,
         slots: usize,
     ) -> Result<KvPool, ModelError> {
-        KvPool::with_states(
+        let pool = KvPool::with_states(
             self.kv_shape(),
             self.state_shape(),
             slots,
             block_size,
             n_blocks,
-        )
+        )?;
+        match self.cfg.v4 {
+            Some(_) => pool.with_entries(self.entry_shape()),
+            None => Ok(pool),
+        }
     }
 
     /// Bytes of weights read per decoded token: every layer's matrices
@@ -975,7 +993,7 @@ impl DecoderModel {
         if (none && self.par.is_none()) || parts.clone().any(|p| p.0.is_empty()) {
             return Err(ModelError::EmptyInput);
         }
-        if pool.shape() != self.kv_shape() {
+        if pool.shape() != self.kv_shape() || !pool.has_entries(&self.entries) {
             return Err(ModelError::KvShape);
         }
         let mut out = recycle(spare);

@@ -210,7 +210,6 @@ mod tests {
                 latent: true,
                 index_dim: ic.head_dim,
                 dtype: KvDType::F32,
-                compress: 1,
             };
             let mut pool = KvPool::new(shape, 4, n.div_ceil(4)).expect("pool");
             let table: Vec<u32> = (0..n.div_ceil(4) as u32).rev().collect();
