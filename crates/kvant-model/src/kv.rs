@@ -218,6 +218,20 @@ impl EntryShape {
         (block_size / rate.max(1)).max(1)
     }
 
+    /// Bytes of entries (and indexer keys) a block of `block_size` tokens
+    /// holds over every layer, in `dtype` (a window longer than the block
+    /// still takes a row in each).
+    pub fn bytes_per_block(&self, block_size: usize, dtype: KvDType) -> usize {
+        let row = dtype.bytes_rounded_up(self.dim);
+        let index = index_dtype(dtype).bytes_rounded_up(self.index_dim);
+        self.layers
+            .iter()
+            .map(|&(rate, ix)| {
+                Self::block_rows(rate, block_size) * (row + if ix { index } else { 0 })
+            })
+            .sum()
+    }
+
     /// Bytes of entries (and indexer keys) per token over every layer, in
     /// `dtype` (each layer's rounded up to a whole byte).
     pub fn bytes_per_token(&self, dtype: KvDType) -> usize {

@@ -42,7 +42,7 @@ pub struct Rebalance {
 impl EngineConfig {
     /// Blocks of `block_size` tokens that fit in `bytes` for `model`.
     pub fn blocks_for_bytes(model: &DecoderModel, block_size: usize, bytes: usize) -> usize {
-        bytes / model.kv_bytes_per_token().max(1) / block_size.max(1)
+        bytes / model.kv_bytes_per_block(block_size.max(1)).max(1)
     }
 
     /// Recurrent-state slots the pool needs for a model with

@@ -635,6 +635,14 @@ impl DecoderModel {
         self.entries.clone()
     }
 
+    /// KV bytes one block of `block_size` tokens occupies across all
+    /// layers (DeepSeek-V4: the entries its windows close, at least a row
+    /// per layer).
+    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
+        self.kv_shape().bytes_per_token() * block_size
+            + self.entries.bytes_per_block(block_size, self.kv_dtype)
+    }
+
     /// KV bytes one token occupies across all layers (DeepSeek-V4: its
     /// share of the compressed entries).
     pub fn kv_bytes_per_token(&self) -> usize {
