@@ -566,10 +566,44 @@ pub fn for_rows_mut<T: Send>(
     });
 }
 
+/// [`for_rows_mut`] whose split is decided by `cost` per row (the
+/// elements a row's computation reads, when that is far more than the row
+/// it writes: one query's attention over thousands of cached rows).
+pub fn for_rows_mut_cost<T: Send>(
+    out: &mut [T],
+    (row_len, cost): (usize, usize),
+    f: &(dyn Fn(std::ops::Range<usize>, &mut [T]) + Sync),
+) {
+    let Some(rows) = out.len().checked_div(row_len) else {
+        return;
+    };
+    let d = DisjointSlice::new(out);
+    for_rows(rows, cost.max(row_len), &|r| {
+        // SAFETY: `for_rows` hands out disjoint row ranges.
+        f(r.clone(), unsafe {
+            d.range(r.start * row_len..r.end * row_len)
+        })
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::sync::atomic::AtomicU32;
+
+    #[test]
+    fn a_costly_row_splits_by_its_cost() {
+        // Four rows of 2 values, each standing for a large computation:
+        // split over the pool, each row written once by its own range.
+        let mut out = vec![0u32; 8];
+        for_rows_mut_cost(&mut out, (2, ROWS_MIN_PARALLEL), &|r, o| {
+            assert_eq!(o.len(), r.len() * 2);
+            for (i, row) in r.zip(o.chunks_exact_mut(2)) {
+                row.iter_mut().for_each(|v| *v += i as u32 + 1);
+            }
+        });
+        assert_eq!(out, [1, 1, 2, 2, 3, 3, 4, 4]);
+    }
 
     #[test]
     fn for_rows_covers_each_row_once_whatever_the_size() {

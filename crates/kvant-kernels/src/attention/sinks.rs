@@ -42,6 +42,13 @@ impl SinkAttn<'_> {
     /// # Errors
     /// [`KernelError::LengthMismatch`] naming the first bad length.
     pub fn check(&self, q: &[f32], rows: SinkRows<'_>, out: &[f32]) -> Result<usize, KernelError> {
+        if self.heads > MAX_HEADS {
+            return Err(KernelError::LengthMismatch {
+                what: "sink attention heads (at most MAX_HEADS)",
+                expected: MAX_HEADS,
+                actual: self.heads,
+            });
+        }
         let qd = self.heads * self.dim;
         check_len("sink attention sinks [heads]", self.heads, self.sinks.len())?;
         check_len("sink attention query [heads, dim]", qd, q.len())?;
@@ -54,11 +61,14 @@ impl SinkAttn<'_> {
 }
 
 /// Each head's output for one query over `rows` (see the module docs),
-/// `scores` a scratch of at least the row count. An empty row set gives
-/// zeros (all mass on the sink).
+/// `scores` a scratch of at least `heads × rows` values. An empty row set
+/// gives zeros (all mass on the sink). Rows are the outer loop and heads
+/// the inner one, so each row is read once for every head (the heads'
+/// queries and outputs stay in cache); each score is one dot product and
+/// each output a sum over the rows in order, whatever the head count.
 ///
 /// # Errors
-/// As [`SinkAttn::check`], and for a `scores` shorter than the rows.
+/// As [`SinkAttn::check`], and for a `scores` shorter than that.
 pub fn sink_attention(
     tier: SimdTier,
     a: &SinkAttn<'_>,
@@ -67,31 +77,45 @@ pub fn sink_attention(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let n = a.check(q, rows, out)?;
-    if scores.len() < n {
+    let (d, heads) = (a.dim, a.heads);
+    if scores.len() < n * heads {
         return Err(KernelError::LengthMismatch {
-            what: "sink attention scores scratch",
-            expected: n,
+            what: "sink attention scores scratch [heads, rows]",
+            expected: n * heads,
             actual: scores.len(),
         });
     }
-    let d = a.dim;
-    let scores = &mut scores[..n];
-    for (h, o) in out.chunks_exact_mut(d).enumerate() {
-        let qh = &q[h * d..(h + 1) * d];
-        for (j, s) in scores.iter_mut().enumerate() {
-            *s = dot_f32_with(tier, qh, (rows.row)(j)) * a.scale;
+    let scores = &mut scores[..n * heads];
+    for j in 0..n {
+        let row = (rows.row)(j);
+        for (h, qh) in q.chunks_exact(d).enumerate() {
+            scores[h * n + j] = dot_f32_with(tier, qh, row) * a.scale;
         }
+    }
+    out.fill(0.0);
+    if n == 0 {
+        return Ok(());
+    }
+    let mut sums = [0f32; MAX_HEADS];
+    for (h, s) in scores.chunks_exact_mut(n).enumerate() {
         let sink = a.sinks[h];
-        let max = scores.iter().copied().fold(sink, f32::max);
-        let sum = exp_shifted(tier, scores, max) + (sink - max).exp();
-        o.fill(0.0);
-        for (j, &p) in scores.iter().enumerate() {
-            axpy(tier, p, (rows.row)(j), o);
+        let max = s.iter().copied().fold(sink, f32::max);
+        sums[h] = exp_shifted(tier, s, max) + (sink - max).exp();
+    }
+    for j in 0..n {
+        let row = (rows.row)(j);
+        for (h, o) in out.chunks_exact_mut(d).enumerate() {
+            axpy(tier, scores[h * n + j], row, o);
         }
-        scale(tier, 1.0 / sum, o);
+    }
+    for (h, o) in out.chunks_exact_mut(d).enumerate() {
+        scale(tier, 1.0 / sums[h], o);
     }
     Ok(())
 }
+
+/// Heads one call takes at most (a query's heads, or a share of them).
+pub const MAX_HEADS: usize = 256;
 
 /// [`sink_attention`] in f64: scores, exponentials and sums, each
 /// output rounded once.
@@ -164,7 +188,7 @@ mod tests {
             sink_attention_ref(&a, (&q, rows), &mut want).expect("reference");
             for tier in cpu::available_tiers() {
                 let mut got = vec![f32::NAN; heads * dim];
-                let mut scores = vec![0.0; n + 3];
+                let mut scores = vec![0.0; heads * n + 3];
                 sink_attention(tier, &a, (&q, rows), &mut scores, &mut got).expect("kernel");
                 for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
                     assert!(
@@ -213,5 +237,24 @@ mod tests {
         };
         assert!(sink_attention(cpu::tier(), &a, (&q, bad), &mut [0.0; 2], &mut out).is_err());
         assert!(sink_attention(cpu::tier(), &a, (&q, rows), &mut [], &mut out).is_err());
+        let many = vec![0.0; MAX_HEADS + 1];
+        let too_many = SinkAttn {
+            heads: MAX_HEADS + 1,
+            dim: 2,
+            scale: 1.0,
+            sinks: &many,
+        };
+        let (q2, mut out2) = (
+            vec![0.0; 2 * (MAX_HEADS + 1)],
+            vec![0.0; 2 * (MAX_HEADS + 1)],
+        );
+        assert!(sink_attention(
+            cpu::tier(),
+            &too_many,
+            (&q2, rows),
+            &mut [0.0; 600],
+            &mut out2
+        )
+        .is_err());
     }
 }

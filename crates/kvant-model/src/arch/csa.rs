@@ -52,6 +52,17 @@ thread_local! {
     static TASK: RefCell<TaskScratch> = RefCell::new(TaskScratch::default());
 }
 
+/// Head groups per query for `n` queries: one group (every head reads a
+/// row at once) when the queries alone fill the pool, else enough groups
+/// (a divisor of `heads`) to give each thread a few items.
+fn head_groups(heads: usize, n: usize) -> usize {
+    let threads = kvant_kernels::pool::global().threads();
+    let want = (2 * threads).div_ceil(n.max(1));
+    (1..=heads)
+        .find(|&g| heads.is_multiple_of(g) && g >= want)
+        .unwrap_or(heads)
+}
+
 /// Tensor names of one layer's attention: DeepSeek's (Hugging Face
 /// checkpoints, as published and as transformers saves them) or
 /// llama.cpp's (`deepseek4` GGUF).
@@ -452,11 +463,18 @@ impl CompressedAttention {
         let scale = 1.0 / (d as f32).sqrt();
         let tier = cpu::tier();
         let out = &mut attn[r0 * heads * d..(r0 + n) * heads * d];
-        kvant_kernels::pool::for_rows_mut(out, d, &|items, out| {
+        // Items of a query and a group of its heads (each row read once
+        // per group): a prompt chunk's queries whole, a decode step's
+        // heads split so that every thread has some.
+        let groups = head_groups(heads, n);
+        let per = heads / groups;
+        let rows_max = win + kmax.max(if self.indexer.is_none() { count } else { 0 });
+        let cost = rows_max * per * d;
+        kvant_kernels::pool::for_rows_mut_cost(out, (per * d, cost), &|items, out| {
             TASK.with(|t| {
                 let scores = &mut t.borrow_mut().scores;
-                for (item, o) in items.zip(out.chunks_exact_mut(d)) {
-                    let (i, h) = (item / heads, item % heads);
+                for (item, o) in items.zip(out.chunks_exact_mut(per * d)) {
+                    let (i, g) = (item / groups, item % groups);
                     let pos = sq.pos0 + i;
                     let first = (pos + 1).saturating_sub(win);
                     let in_window = pos + 1 - first;
@@ -483,18 +501,21 @@ impl CompressedAttention {
                         n: in_window + picked,
                         row: &row,
                     };
-                    scores.resize(rows.n, 0.0);
+                    scores.resize(rows.n * per, 0.0);
+                    let hs = g * per..(g + 1) * per;
                     let a = SinkAttn {
-                        heads: 1,
+                        heads: per,
                         dim: d,
                         scale,
-                        sinks: &self.sinks[h..h + 1],
+                        sinks: &self.sinks[hs.clone()],
                     };
-                    let qh = &q[(r0 + i) * heads * d + h * d..][..d];
-                    if let Err(e) = sink_attention(tier, &a, (qh, rows), scores, o) {
+                    let qg = &q[(r0 + i) * heads * d + hs.start * d..][..per * d];
+                    if let Err(e) = sink_attention(tier, &a, (qg, rows), scores, o) {
                         *failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     }
-                    rotate_tail(o, &self.inv_freq, pos, true);
+                    for head in o.chunks_exact_mut(d) {
+                        rotate_tail(head, &self.inv_freq, pos, true);
+                    }
                 }
             })
         });
