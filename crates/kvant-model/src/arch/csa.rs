@@ -26,6 +26,7 @@
 
 use super::compressor::{rotate_tail, Compressor};
 use super::ctx::{StateCtx, Step};
+use super::lightning::{Lightning, LightningScratch, Queries};
 use super::loader::{Loader, Part};
 use super::sized;
 use crate::checkpoint::Checkpoint;
@@ -34,22 +35,14 @@ use crate::kv::Entries;
 use crate::ModelError;
 use kvant_kernels::attention::{sink_attention, SeqAttn, SinkAttn, SinkRows};
 use kvant_kernels::cpu;
-use kvant_kernels::dot::dot_f32;
 use kvant_kernels::int8::Q8Activations;
 use kvant_kernels::linear::{forward_batch, LinearInput, LinearWeight};
 use kvant_kernels::norm::rms_norm_inplace;
 use std::cell::RefCell;
 
-/// One pool task's scratch: a query's scores over its rows, and its
-/// indexer scores over the entries it sees.
-#[derive(Default)]
-struct TaskScratch {
-    scores: Vec<f32>,
-    ranked: Vec<(f32, u32)>,
-}
-
 thread_local! {
-    static TASK: RefCell<TaskScratch> = RefCell::new(TaskScratch::default());
+    /// One pool task's scores of a query's heads over its rows.
+    static TASK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Head groups per query for `n` queries: one group (every head reads a
@@ -127,17 +120,6 @@ impl Names {
     }
 }
 
-/// The lightning indexer of a CSA layer: its own compressor of keys, a
-/// query projection from the query latent and per-head weights.
-struct Lightning {
-    keys: Compressor,
-    q_b: LinearWeight,
-    weights: LinearWeight,
-    heads: usize,
-    dim: usize,
-    topk: usize,
-}
-
 pub(crate) struct CompressedAttention {
     heads: usize,
     dim: usize,
@@ -184,10 +166,9 @@ pub(crate) struct CsaScratch {
     part: Vec<f32>,
     /// One sequence's compressed entries and indexer keys, widened.
     entries: Vec<f32>,
-    index_keys: Vec<f32>,
-    /// Each query's chosen entries (`[n, kmax]`), and which entries any
-    /// query reads.
-    chosen: Vec<u32>,
+    /// The indexer's keys, scores and choices; which entries any query
+    /// reads.
+    lightning: LightningScratch,
     needed: Vec<bool>,
     pool_weights: Vec<f32>,
     entry: Vec<f32>,
@@ -232,16 +213,10 @@ impl CompressedAttention {
         };
         let indexer = match kind {
             V4Attention::Csa => {
-                let ix = v4.indexer;
                 let names = n.index_compressor.each_ref().map(String::as_str);
-                Some(Box::new(Lightning {
-                    keys: Compressor::load(ld, names, (rate, ix.head_dim, true), h)?,
-                    q_b: ld.weight(&n.index_q_b, ix.heads * ix.head_dim, v4.q_lora_rank)?,
-                    weights: ld.exact_weight(&n.index_weights, ix.heads, h)?,
-                    heads: ix.heads,
-                    dim: ix.head_dim,
-                    topk: ix.topk,
-                }))
+                let sizes = (rate, v4.q_lora_rank, h);
+                let tensors = (names, n.index_q_b.as_str(), n.index_weights.as_str());
+                Some(Box::new(Lightning::load(ld, tensors, sizes, v4.indexer)?))
             }
             _ => None,
         };
@@ -277,9 +252,7 @@ impl CompressedAttention {
             .map(LinearWeight::byte_len)
             .sum();
         let comp = self.compressor.as_ref().map_or(0, Compressor::byte_len);
-        let ix = self.indexer.as_ref().map_or(0, |i| {
-            i.keys.byte_len() + i.q_b.byte_len() + i.weights.byte_len()
-        });
+        let ix = self.indexer.as_ref().map_or(0, |i| i.byte_len());
         own + comp + ix
     }
 
@@ -442,7 +415,32 @@ impl CompressedAttention {
         s.needed.clear();
         s.needed.resize(count, self.indexer.is_none());
         if let Some(ix) = &self.indexer {
-            self.choose(ix, store, sq, (count, kmax), s);
+            let (hi, r0) = (ix.heads * ix.dim, sq.rows.start);
+            let qs = Queries {
+                q: &s.iq[r0 * hi..(r0 + n) * hi],
+                w: &s.iw[r0 * ix.heads..(r0 + n) * ix.heads],
+                pos0: sq.pos0,
+                n,
+            };
+            ix.choose(
+                (store, self.cache, sq.table),
+                &qs,
+                (count, kmax),
+                &mut s.lightning,
+            );
+            for i in 0..n {
+                let picked = ix.topk.min((sq.pos0 + i + 1) / rate);
+                let row = &s.lightning.chosen[i * kmax..i * kmax + picked];
+                for &w in row {
+                    s.needed[w as usize] = true;
+                }
+                #[cfg(test)]
+                tests::record(
+                    self.cache,
+                    sq.pos0 + i,
+                    &row.iter().map(|&w| w as usize).collect::<Vec<_>>(),
+                );
+            }
         }
         let entries = sized(&mut s.entries, count * d);
         for (w, e) in entries.chunks_exact_mut(d).enumerate() {
@@ -454,10 +452,11 @@ impl CompressedAttention {
             q,
             kv,
             entries,
-            chosen,
+            lightning,
             attn,
             ..
         } = s;
+        let chosen = &lightning.chosen;
         let (q, kv, entries, chosen) = (&q[..], &kv[..], &entries[..], &chosen[..]);
         let failed = std::sync::Mutex::new(None);
         let scale = 1.0 / (d as f32).sqrt();
@@ -472,7 +471,7 @@ impl CompressedAttention {
         let cost = rows_max * per * d;
         kvant_kernels::pool::for_rows_mut_cost(out, (per * d, cost), &|items, out| {
             TASK.with(|t| {
-                let scores = &mut t.borrow_mut().scores;
+                let scores = &mut *t.borrow_mut();
                 for (item, o) in items.zip(out.chunks_exact_mut(per * d)) {
                     let (i, g) = (item / groups, item % groups);
                     let pos = sq.pos0 + i;
@@ -522,72 +521,6 @@ impl CompressedAttention {
         match failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e.into()),
             None => Ok(()),
-        }
-    }
-
-    /// The indexer's choices for each of a sequence's queries among the
-    /// entries it sees, into `s.chosen` (`[n, kmax]`, best first, ties to
-    /// the earlier entry), and the entries any of them reads marked in
-    /// `s.needed`: the top `topk` by `Σ_h w_h · relu(q_h · k) · dim^-½`.
-    fn choose(
-        &self,
-        ix: &Lightning,
-        store: &Entries<'_>,
-        sq: &SeqAttn<'_>,
-        (count, kmax): (usize, usize),
-        s: &mut CsaScratch,
-    ) {
-        let (hi, di) = (ix.heads, ix.dim);
-        let rate = ix.keys.rate();
-        let keys = sized(&mut s.index_keys, count * di);
-        for (w, e) in keys.chunks_exact_mut(di).enumerate() {
-            store.load((self.cache, rate), sq.table, (w, true), e);
-        }
-        let n = sq.rows.len();
-        s.chosen.clear();
-        s.chosen.resize(n * kmax, 0);
-        if kmax == 0 {
-            return;
-        }
-        let (iq, iw, keys) = (&s.iq[..], &s.iw[..], &s.index_keys[..]);
-        let scale = (di as f32).powf(-0.5);
-        let r0 = sq.rows.start;
-        kvant_kernels::pool::for_rows_mut(&mut s.chosen, kmax, &|rows, out| {
-            TASK.with(|t| {
-                let scored = &mut t.borrow_mut().ranked;
-                for (i, out) in rows.zip(out.chunks_exact_mut(kmax)) {
-                    let r = r0 + i;
-                    let visible = (sq.pos0 + i + 1) / rate;
-                    let qs = &iq[r * hi * di..(r + 1) * hi * di];
-                    let weights = &iw[r * hi..(r + 1) * hi];
-                    scored.clear();
-                    for (w, k) in keys[..visible * di].chunks_exact(di).enumerate() {
-                        let score: f32 = qs
-                            .chunks_exact(di)
-                            .zip(weights)
-                            .map(|(qh, &wh)| dot_f32(qh, k).max(0.0) * scale * wh)
-                            .sum();
-                        scored.push((score, w as u32));
-                    }
-                    scored.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-                    for (o, &(_, w)) in out.iter_mut().zip(scored.iter()) {
-                        *o = w;
-                    }
-                }
-            })
-        });
-        for i in 0..n {
-            let picked = ix.topk.min((sq.pos0 + i + 1) / rate);
-            let row = &s.chosen[i * kmax..i * kmax + picked];
-            for &w in row {
-                s.needed[w as usize] = true;
-            }
-            #[cfg(test)]
-            tests::record(
-                self.cache,
-                sq.pos0 + i,
-                &row.iter().map(|&w| w as usize).collect::<Vec<_>>(),
-            );
         }
     }
 

@@ -18,6 +18,7 @@ mod gdn;
 mod heads;
 mod indexer;
 mod layer;
+mod lightning;
 mod loader;
 mod mha;
 mod mhc;
