@@ -34,7 +34,9 @@ pub const QK_K: usize = 256;
 pub const QK: usize = 32;
 
 impl DType {
-    pub const ALL: [DType; 14] = [
+    /// Every weight type (the element types kvant computes with); I32,
+    /// which only index tables use, is not one.
+    pub const ALL: [DType; 13] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -48,7 +50,6 @@ impl DType {
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
-        DType::I32,
     ];
 
     /// The `ggml_type` id used in GGUF files.
@@ -72,7 +73,10 @@ impl DType {
     }
 
     pub fn from_ggml_id(id: u32) -> Option<DType> {
-        DType::ALL.into_iter().find(|d| d.ggml_id() == id)
+        DType::ALL
+            .into_iter()
+            .chain([DType::I32])
+            .find(|d| d.ggml_id() == id)
     }
 
     /// Number of elements one block holds (1 for plain floats).
@@ -178,7 +182,7 @@ mod tests {
 
     #[test]
     fn ids_round_trip() {
-        for d in DType::ALL {
+        for d in DType::ALL.into_iter().chain([DType::I32]) {
             assert_eq!(DType::from_ggml_id(d.ggml_id()), Some(d));
         }
         assert_eq!(DType::from_ggml_id(4), None);

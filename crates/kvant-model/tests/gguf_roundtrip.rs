@@ -395,7 +395,7 @@ fn reads_the_reference_writers_fixture() {
     );
     // Every kvant dtype is present, with the deterministic bytes the script wrote.
     let infos = g.tensor_infos();
-    for dtype in DType::ALL {
+    for dtype in DType::ALL.into_iter().chain([DType::I32]) {
         assert!(infos.iter().any(|t| t.dtype == dtype), "{dtype}");
     }
     for (i, info) in infos.iter().enumerate() {

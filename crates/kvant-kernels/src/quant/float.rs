@@ -74,3 +74,19 @@ pub(crate) mod avx2 {
         super::dequantize_bf16_ref(s.remainder(), d.into_remainder());
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn i32_values_widen_exactly() {
+        let values = [0i32, 1, -1, 255, -7, 1 << 24, i32::MIN];
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut out = vec![f32::NAN; values.len()];
+        dequantize_i32(&bytes, &mut out);
+        for (v, o) in values.iter().zip(&out) {
+            assert_eq!(*o, *v as f32);
+        }
+    }
+}
