@@ -89,27 +89,23 @@ impl HfDir {
 
     /// A view of tensor `name` in its stored type, borrowing the mapped file.
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let shard = self
-            .tensor_shard
-            .get(name)
-            .and_then(|&i| self.shards.get(i))
-            .ok_or_else(|| HfError::MissingTensor {
-                name: name.to_string(),
-            })?;
-        shard.tensor(name)
+        self.shard_of(name)?.tensor(name)
     }
 
     /// Tensor `name`'s integer values and shape (see
     /// [`super::safetensors::SafetensorsFile::integers`]).
     pub fn integers(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>)> {
-        let shard = self
-            .tensor_shard
+        self.shard_of(name)?.integers(name)
+    }
+
+    /// The weight file that holds tensor `name`.
+    fn shard_of(&self, name: &str) -> Result<&SafetensorsFile> {
+        self.tensor_shard
             .get(name)
             .and_then(|&i| self.shards.get(i))
             .ok_or_else(|| HfError::MissingTensor {
                 name: name.to_string(),
-            })?;
-        shard.integers(name)
+            })
     }
 
     pub fn tokenizer_json_path(&self) -> Option<&Path> {
