@@ -51,12 +51,15 @@ fn outputs_do_not_depend_on_load() {
         "kimi-linear",
         "deepseek-v4",
     ] {
-        outputs_do_not_depend_on_load_of(name);
+        outputs_do_not_depend_on_load_of(name, 1);
     }
+    // These prompts have DeepSeek-V4 sequences preempted and restored from
+    // snapshots in the middle of their windows.
+    outputs_do_not_depend_on_load_of("deepseek-v4", 3);
 }
 
-fn outputs_do_not_depend_on_load_of(name: &str) {
-    let ps = prompts(16, 1);
+fn outputs_do_not_depend_on_load_of(name: &str, seed: u64) {
+    let ps = prompts(16, seed);
     let (h, t) = start_with(name, EngineConfig::default());
     let alone: Vec<Vec<u32>> = ps
         .iter()

@@ -278,3 +278,59 @@ fn expanded_prefill_is_independent_of_the_batch_and_as_accurate() {
         }
     }
 }
+
+/// A sequence's state copied to another slot (a prefix-cache snapshot, a
+/// preempted sequence restored from one) continues exactly as the
+/// original: the copy takes every layer's whole state. (DeepSeek-V4's
+/// layers keep states of different sizes: a layer that addressed its
+/// slot by its own size instead of the slot's stride continued from
+/// another region than the one copied.)
+#[test]
+fn a_state_copied_to_another_slot_continues_bit_for_bit() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    for name in ["deepseek-v4", "qwen3-next", "kimi-linear"] {
+        // Latent attention (Kimi Linear's) absorbed, as serving runs it:
+        // chunks then take the arithmetic of single tokens.
+        let opts = LoadOptions {
+            mla_prefill: MlaPrefill::Absorbed,
+            ..LoadOptions::default()
+        };
+        let m = open(&fixtures().join(name), opts);
+        let vocab = m.config().vocab as u32;
+        let toks: Vec<u32> = (0..54).map(|_| rng.random_range(0..vocab)).collect();
+        let mut pool: KvPool = m.new_pool(BLOCK, 64, 4).expect("pool");
+        let fwd = |pool: &mut KvPool, table: &[u32], slot: usize, from: usize, to: usize| {
+            let step = SeqStep {
+                tokens: &toks[from..to],
+                pos0: from,
+                table,
+                logits: Logits::Last,
+                state: slot,
+            };
+            m.forward_batch(pool, &[step]).expect("forward")
+        };
+        let blocks = toks.len().div_ceil(BLOCK) as u32;
+        let first: Vec<u32> = (0..blocks).collect();
+        let mut want = Vec::new();
+        for p in 0..toks.len() {
+            want.push(fwd(&mut pool, &first, 0, p, p + 1));
+        }
+        // Slot 1 runs to a block boundary, is copied to slot 3 through
+        // slot 2 (a snapshot), and slot 3 goes on over the same cached
+        // blocks and fresh ones.
+        let cut = 9 * BLOCK;
+        let second: Vec<u32> = (blocks..2 * blocks).collect();
+        fwd(&mut pool, &second, 1, 0, 5);
+        fwd(&mut pool, &second, 1, 5, cut);
+        pool.copy_state(1, 2).expect("copy");
+        pool.copy_state(2, 3).expect("copy");
+        let mut third = second[..9].to_vec();
+        third.extend(2 * blocks..3 * blocks - 9);
+        let mut p = cut;
+        for end in [cut + 11, toks.len() - 1, toks.len()] {
+            let got = fwd(&mut pool, &third, 3, p, end);
+            assert!(got == want[end - 1], "{name} at {end}");
+            p = end;
+        }
+    }
+}

@@ -295,10 +295,13 @@ impl CompressedAttention {
                 }
             }
         }
+        // Slots are as wide as the widest layer's state (what a snapshot
+        // copies); this layer uses the start of its sequence's.
+        let stride = pool.state_shape().delta;
         let (states, mut entries) = pool.states_and_entries(index)?;
         for (sq, &slot) in seqs.iter().zip(slots) {
             let state = states
-                .get_mut(slot * len..(slot + 1) * len)
+                .get_mut(slot * stride..slot * stride + len)
                 .ok_or(ModelError::StateSlot { slot })?;
             self.compress(&mut entries, sq, state, s);
             self.attend(&entries, sq, state, s)?;
