@@ -7,7 +7,7 @@ use crate::continuation::{Continuation, FinishReason, RowRef, Taken};
 use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
 use crate::request::EngineRequest;
-use crate::speculative::{MtpDrafter, Policy};
+use crate::speculative::{MtpDrafter, MtpState, Policy};
 use kvant_model::arch::decoder::{DecoderModel, Hidden, Logits};
 use kvant_model::kv::KvCache;
 use kvant_model::tokenizer::Tokenizer;
@@ -188,6 +188,9 @@ impl<'m> Session<'m> {
         let prefill_secs = t0.elapsed().as_secs_f64();
         // The next turn's prompt starts with this one.
         self.cache.save_state();
+        if let Some(d) = self.drafter.as_mut().filter(|_| self.cache.has_state()) {
+            d.saved = Some((self.cache.len(), d.state.clone()));
+        }
 
         let mut out = GenerateOutput {
             token_ids: Vec::new(),
@@ -221,16 +224,23 @@ impl<'m> Session<'m> {
             .take_while(|(a, b)| a == b)
             .count()
             .min(prompt.len() - 1);
-        let hidden = self.model.config().hidden;
+        let hidden = self.model.hidden_width();
         if let Some(d) = &mut self.drafter {
             common = d.state.truncate(common, hidden);
         }
-        // A cache of linear-attention layers may go back further (to the
-        // state it saved, or its start): recompute from where it is.
+        // A cache with a state per sequence may go back further (to the
+        // state it saved, or its start): recompute from where it is, the
+        // MTP module from where it was then.
         self.cache.truncate(common);
-        let common = self.cache.len();
-        self.tokens.truncate(common);
-        common
+        let got = self.cache.len();
+        if let Some(d) = self.drafter.as_mut().filter(|_| got < common) {
+            d.state = match &d.saved {
+                Some((at, state)) if *at == got => state.clone(),
+                _ => MtpState::default(),
+            };
+        }
+        self.tokens.truncate(got);
+        got
     }
 
     /// Decode steps from the prompt's last row until the continuation ends
@@ -299,9 +309,10 @@ impl<'m> Session<'m> {
         let hit = second == draft;
         out.drafted += 1;
         out.accepted += usize::from(hit);
-        let hidden = self.model.config().hidden;
+        let hidden = self.model.hidden_width();
         if let Some(d) = &mut self.drafter {
-            // A rejected draft's row and keys are dropped.
+            // A rejected draft's row and keys are dropped (a state steps
+            // back over it, see `StateShape::rewind`).
             d.state.push_hidden(if hit { &h } else { &h[..hidden] });
         }
         if !hit {

@@ -117,7 +117,7 @@ impl Speculation {
 /// One sequence's place in the MTP module's cache: inputs `0..slots` are
 /// stored; the main model's hidden states of positions `slots..` wait in
 /// `pending` (`[rows, hidden]`).
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub(crate) struct MtpState {
     slots: usize,
     pending: Vec<f32>,
@@ -153,13 +153,14 @@ impl MtpState {
     }
 
     /// The module's step for drafting the token after `next`, which
-    /// follows `tokens`: every pending position, the last fed `next`. The
-    /// caller runs it, then calls [`Self::consumed`].
+    /// follows `tokens`: every pending position, the last fed `next`, in
+    /// the sequence's block table and state slot. The caller runs it,
+    /// then calls [`Self::consumed`].
     pub fn step<'a>(
         &'a self,
         tokens: &[u32],
         next: u32,
-        table: &'a [u32],
+        (table, state): (&'a [u32], usize),
     ) -> (Vec<u32>, MtpInput<'a>) {
         // Inputs slots..slots+rows take tokens slots+1.. and end with `next`.
         let mut inputs: Vec<u32> = tokens.get(self.slots + 1..).unwrap_or(&[]).to_vec();
@@ -170,6 +171,7 @@ impl MtpState {
                 hidden: &self.pending,
                 slot0: self.slots,
                 table,
+                state,
             },
         )
     }
@@ -182,11 +184,13 @@ impl MtpState {
 }
 
 /// An [`MtpState::step`] without its tokens (kept apart so that a batch of
-/// steps can borrow them): hidden rows, first slot, block table.
+/// steps can borrow them): hidden rows, first slot, block table, state
+/// slot.
 pub(crate) struct MtpInput<'a> {
     pub hidden: &'a [f32],
     pub slot0: usize,
     pub table: &'a [u32],
+    pub state: usize,
 }
 
 impl MtpInput<'_> {
@@ -196,6 +200,7 @@ impl MtpInput<'_> {
             hidden: self.hidden,
             slot0: self.slot0,
             table: self.table,
+            state: self.state,
         }
     }
 }
@@ -205,6 +210,10 @@ impl MtpInput<'_> {
 pub(crate) struct MtpDrafter {
     pub state: MtpState,
     pub spec: Speculation,
+    /// Where the module stood when the cache saved its per-sequence state
+    /// ([`KvCache::save_state`]; models that keep one): a cache that goes
+    /// back to that state puts the module back there too.
+    pub saved: Option<(usize, MtpState)>,
 }
 
 impl MtpDrafter {
@@ -212,6 +221,7 @@ impl MtpDrafter {
         MtpDrafter {
             state: MtpState::default(),
             spec: Speculation::new(policy),
+            saved: None,
         }
     }
 
@@ -224,10 +234,10 @@ impl MtpDrafter {
         tokens: &[u32],
         next: u32,
     ) -> Result<u32, EngineError> {
-        let (inputs, input) = self.state.step(tokens, next, &[]);
+        let (inputs, input) = self.state.step(tokens, next, (&[], 0));
         // A mismatch of rows and tokens is the model's typed `MtpHidden` error.
         let logits = model.mtp_draft(&inputs, input.hidden, input.slot0, cache)?;
-        self.state.consumed(model.config().hidden);
+        self.state.consumed(model.hidden_width());
         // A draft is a guess the verifying pass checks: with no finite
         // logit, token 0 (rejected like any wrong guess).
         Ok(crate::sampling::argmax(&logits).unwrap_or(0))

@@ -420,8 +420,9 @@ fn run_all(
     (outs, m)
 }
 
-/// Self-speculative decoding in the engine: the DeepSeek-V3 fixture's MTP
-/// module drafting at every step, under 16 concurrent requests with
+/// Self-speculative decoding in the engine: the DeepSeek-V3 and V4
+/// fixtures' MTP modules drafting at every step (V4's state steps back
+/// over each rejected draft), under 16 concurrent requests with
 /// chunked prompts and preemptions (recomputed, the module's state with
 /// them), gives every request exactly the tokens the engine gives without
 /// the module, greedy or sampled.
@@ -442,18 +443,20 @@ fn mtp_drafting_changes_no_output() {
             req
         })
         .collect();
-    let (plain, _) = run_all("deepseek-v3", false, crowded(), &reqs);
-    let (spec, m) = run_all("deepseek-v3", true, crowded(), &reqs);
-    for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
-        assert_eq!(a, b, "request {i}");
+    for name in ["deepseek-v3", "deepseek-v4-mtp"] {
+        let (plain, _) = run_all(name, false, crowded(), &reqs);
+        let (spec, m) = run_all(name, true, crowded(), &reqs);
+        for (i, (a, b)) in plain.iter().zip(&spec).enumerate() {
+            assert_eq!(a, b, "{name} request {i}");
+        }
+        eprintln!(
+            "{name}: {} of {} drafts accepted, {} preemptions",
+            m.spec_accepted, m.spec_drafted, m.preemptions
+        );
+        assert!(m.spec_drafted > 16, "{m:?}");
+        assert!(m.preemptions > 0, "{m:?}");
+        assert_eq!(m.generation_tokens, 16 * 24);
     }
-    eprintln!(
-        "{} of {} drafts accepted, {} preemptions",
-        m.spec_accepted, m.spec_drafted, m.preemptions
-    );
-    assert!(m.spec_drafted > 16, "{m:?}");
-    assert!(m.preemptions > 0, "{m:?}");
-    assert_eq!(m.generation_tokens, 16 * 24);
 }
 
 /// `deepseek-v3-mtp-echo`'s module predicts its main model exactly

@@ -1,5 +1,6 @@
 //! Self-speculative decoding with DeepSeek-V3's MTP module (the tiny
-//! GigaChat3-shaped fixture, which carries one): the output is exactly
+//! GigaChat3-shaped fixture, which carries one) and DeepSeek-V4's
+//! (`deepseek-v4-mtp`): the output is exactly
 //! plain decoding's, greedy or sampled, at any context limit, across chat
 //! turns that reuse the cache; and drafts do get accepted.
 
@@ -10,10 +11,6 @@ use kvant_engine::SamplingParams;
 use kvant_model::arch::decoder::LoadOptions;
 use kvant_model::LoadedModel;
 use std::path::Path;
-
-fn load(mtp: bool, opts: LoadOptions) -> LoadedModel {
-    load_fixture("deepseek-v3", mtp, opts)
-}
 
 fn load_fixture(name: &str, mtp: bool, opts: LoadOptions) -> LoadedModel {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -68,11 +65,20 @@ fn run_with(
     (outs, drafted, accepted)
 }
 
+/// DeepSeek-V3's module, and DeepSeek-V4's (`deepseek-v4-mtp`): a
+/// rejected draft there leaves the main model's and the module's rings,
+/// compressor tails and entries to step back over it.
 #[test]
 fn mtp_decoding_equals_plain_decoding() {
-    for opts in [LoadOptions::F32, LoadOptions::default()] {
-        let plain = load(false, opts);
-        let mtp = load(true, opts);
+    let cases = [
+        ("deepseek-v3", LoadOptions::F32),
+        ("deepseek-v3", LoadOptions::default()),
+        ("deepseek-v4-mtp", LoadOptions::F32),
+        ("deepseek-v4-mtp", LoadOptions::default()),
+    ];
+    for (name, opts) in cases {
+        let plain = load_fixture(name, false, opts);
+        let mtp = load_fixture(name, true, opts);
         assert!(mtp.model.has_mtp() && !plain.model.has_mtp());
         let p1: Vec<u32> = (0..17).map(|i| (i * 37 + 11) % 300).collect();
         let sampled = SamplingParams {
@@ -97,13 +103,13 @@ fn mtp_decoding_equals_plain_decoding() {
         let (want, d0, _) = run(&plain, 256, &turns);
         let (got, drafted, accepted) = run(&mtp, 256, &turns);
         assert_eq!(d0, 0);
-        assert_eq!(want, got, "{opts:?}");
+        assert_eq!(want, got, "{name} {opts:?}");
         // The adaptive policy drafts on some steps and not others.
         let (adaptive, ..) = run_with(&mtp, 256, &turns, Policy::Adaptive);
-        assert_eq!(want, adaptive, "{opts:?} adaptive");
+        assert_eq!(want, adaptive, "{name} {opts:?} adaptive");
         // Random weights: the module rarely guesses right (acceptance is
         // measured on a model built to agree, below).
-        eprintln!("{opts:?}: drafted {drafted}, accepted {accepted}");
+        eprintln!("{name} {opts:?}: drafted {drafted}, accepted {accepted}");
         assert!(drafted > 50, "drafted {drafted}");
         // At the context limit: the same tokens, however the last steps fall.
         for cap in [20, 21, 22, 23, 24] {
@@ -111,7 +117,7 @@ fn mtp_decoding_equals_plain_decoding() {
             assert_eq!(
                 run(&plain, cap, &t).0,
                 run(&mtp, cap, &t).0,
-                "capacity {cap}"
+                "{name} capacity {cap}"
             );
         }
     }

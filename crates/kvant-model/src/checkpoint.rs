@@ -124,24 +124,7 @@ impl Checkpoint {
             // DeepSeek-V4 keeps DeepSeek's own names (transformers saves
             // them so), under `model.` or not.
             Checkpoint::Hf(_) if arch == Arch::DeepseekV4 => {
-                let root = self.v4_root();
-                let n = |s: &str| format!("{root}layers.{layer}.{s}");
-                LayerNames {
-                    prefix: n(""),
-                    attn_norm: n("attn_norm.weight"),
-                    q: n("attn.wq_a"),
-                    k: n("attn.wkv"),
-                    v: n("attn.wkv"),
-                    o: n("attn.wo_b"),
-                    q_norm: n("attn.q_norm.weight"),
-                    k_norm: n("attn.norm.weight"),
-                    post_attn_norm: String::new(),
-                    ffn_norm: n("ffn_norm.weight"),
-                    post_ffn_norm: String::new(),
-                    gate: n("ffn.shared_experts.w1.weight"),
-                    up: n("ffn.shared_experts.w3.weight"),
-                    down: n("ffn.shared_experts.w2.weight"),
-                }
+                LayerNames::deepseek_v4(&format!("{}layers.{layer}.", self.v4_root()))
             }
             Checkpoint::Hf(_) => {
                 let n = |s: &str| format!("model.layers.{layer}.{s}");
@@ -233,6 +216,30 @@ pub struct LayerNames {
     pub gate: String,
     pub up: String,
     pub down: String,
+}
+
+impl LayerNames {
+    /// A DeepSeek-V4 block's names under `prefix` (`layers.3.`, or
+    /// `mtp.0.` for the multi-token-prediction module's block).
+    pub fn deepseek_v4(prefix: &str) -> Self {
+        let n = |s: &str| format!("{prefix}{s}");
+        LayerNames {
+            prefix: n(""),
+            attn_norm: n("attn_norm.weight"),
+            q: n("attn.wq_a"),
+            k: n("attn.wkv"),
+            v: n("attn.wkv"),
+            o: n("attn.wo_b"),
+            q_norm: n("attn.q_norm.weight"),
+            k_norm: n("attn.norm.weight"),
+            post_attn_norm: String::new(),
+            ffn_norm: n("ffn_norm.weight"),
+            post_ffn_norm: String::new(),
+            gate: n("ffn.shared_experts.w1.weight"),
+            up: n("ffn.shared_experts.w3.weight"),
+            down: n("ffn.shared_experts.w2.weight"),
+        }
+    }
 }
 
 impl Checkpoint {

@@ -78,6 +78,8 @@ pub enum ModelError {
     NotParallel(&'static str),
     #[error("the model has no multi-token-prediction module loaded")]
     NoMtp,
+    #[error("multi-token prediction (--mtp) is not supported with {0}")]
+    MtpUnsupported(&'static str),
     #[error(
         "MTP input: {tokens} tokens need {tokens} hidden rows of {hidden}, got {values} values"
     )]

@@ -201,11 +201,13 @@ pub struct EntryShape {
 }
 
 impl EntryShape {
-    pub fn deepseek_v4(v4: &V4Config, head_dim: usize) -> Self {
+    /// Over the first `layers` layers (the main ones, and the MTP
+    /// module's when it is loaded).
+    pub fn deepseek_v4(v4: &V4Config, head_dim: usize, layers: usize) -> Self {
         EntryShape {
-            layers: (0..v4.layers.len())
+            layers: (0..layers)
                 .filter(|&i| v4.rate(i) > 0)
-                .map(|i| (v4.rate(i), v4.layers[i] == V4Attention::Csa))
+                .map(|i| (v4.rate(i), v4.kind(i) == V4Attention::Csa))
                 .collect(),
             dim: head_dim,
             index_dim: v4.indexer.head_dim,
@@ -303,15 +305,24 @@ impl EntryRows {
 }
 
 impl StateShape {
-    /// DeepSeek-V4's per-sequence state: every layer's window ring and
-    /// compressor tails (the largest layer's size for all, see
-    /// [`V4Config::state_len`]).
-    pub fn deepseek_v4(v4: &V4Config, head_dim: usize) -> Self {
-        let n = v4.layers.len();
+    /// DeepSeek-V4's per-sequence state over its first `layers` layers
+    /// (the main ones, and the MTP module's when it is loaded): every
+    /// layer's window ring and compressor tails (the largest layer's size
+    /// for all, see [`V4Config::state_len`]).
+    ///
+    /// It steps back one token for free: a ring or tail keeps rows by
+    /// position, and the row a token overwrote (`window`, `rate` or
+    /// `2·rate` positions back) is one that no token from it on reads; an
+    /// entry its window closed is recomputed before it is read again.
+    pub fn deepseek_v4(v4: &V4Config, head_dim: usize, layers: usize) -> Self {
         StateShape {
-            layers: n,
+            layers,
             conv: 0,
-            delta: (0..n).map(|i| v4.state_len(i, head_dim)).max().unwrap_or(0),
+            delta: (0..layers)
+                .map(|i| v4.state_len(i, head_dim))
+                .max()
+                .unwrap_or(0),
+            rewind: 1,
         }
     }
 }
@@ -324,6 +335,10 @@ pub struct StateShape {
     pub layers: usize,
     pub conv: usize,
     pub delta: usize,
+    /// Tokens a sequence can be cut back by while its state stays valid
+    /// (a rejected speculative token): 0 for a delta-rule state, which
+    /// cannot run backwards.
+    pub rewind: usize,
 }
 
 impl StateShape {
@@ -872,12 +887,14 @@ impl KvCache {
     }
 
     /// Forgets everything after the first `len` tokens (e.g. a new window).
-    /// A linear-attention state cannot run backwards: such a cache goes
-    /// back to the state [`Self::save_state`] saved if that is at most
-    /// `len` tokens in, else to the start; [`Self::len`] says where it is.
+    /// A state goes back [`StateShape::rewind`] tokens at most (none for
+    /// a linear-attention one): further back, such a cache goes back to
+    /// the state [`Self::save_state`] saved if that is at most `len`
+    /// tokens in, else to the start; [`Self::len`] says where it is.
     pub fn truncate(&mut self, len: usize) {
         let len = self.len.min(len);
-        if self.pool.states.is_none() || len == self.len {
+        let rewind = self.pool.state_shape().rewind;
+        if self.pool.states.is_none() || self.len - len <= rewind {
             self.len = len;
             return;
         }
@@ -890,6 +907,12 @@ impl KvCache {
             }
             _ => self.len = 0,
         }
+    }
+
+    /// Whether the cache keeps a state per sequence (linear-attention
+    /// layers, DeepSeek-V4's rings and tails) beside its rows.
+    pub fn has_state(&self) -> bool {
+        self.pool.states.is_some()
     }
 
     /// Saves the linear-attention state at the current length, so that a

@@ -207,8 +207,8 @@ fn v4_flash_caches_a_fraction_of_latent_attention_at_long_context() {
     }))
     .expect("V4-Flash config");
     let v4 = cfg.v4.as_ref().expect("V4");
-    let per_token = EntryShape::deepseek_v4(v4, cfg.head_dim).bytes_per_token(KvDType::F16);
-    let state = StateShape::deepseek_v4(v4, cfg.head_dim).bytes_per_slot();
+    let per_token = EntryShape::deepseek_v4(v4, cfg.head_dim, 43).bytes_per_token(KvDType::F16);
+    let state = StateShape::deepseek_v4(v4, cfg.head_dim, 43).bytes_per_slot();
     let latent = |index_dim| KvShape {
         n_layers: 43,
         n_kv_heads: 1,
@@ -247,4 +247,81 @@ fn v4_flash_caches_a_fraction_of_latent_attention_at_long_context() {
     let n = 131072;
     let ratio = (n * mla) as f64 / (n * per_token + state) as f64;
     assert!(ratio > 6.0, "dense MLA / V4 at 128k: {ratio}");
+}
+
+/// DeepSeek-V4's multi-token-prediction module (`deepseek-v4-mtp`:
+/// tools/reference/make_v4_mtp_fixture.py; an HCA block, so the module
+/// keeps a ring, a compressor tail and compressed entries) against
+/// DeepSeek's `MTPBlock` computed from transformers' parts. Fed one
+/// position per pass (the module's caches carried across passes), and the
+/// prompt in one pass: the same last row, bit for bit.
+#[test]
+fn v4_mtp_logits_match_the_reference() {
+    let dir = fixtures().join("deepseek-v4-mtp");
+    let r: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("reference.json")).expect("reference"),
+    )
+    .expect("json");
+    let ckpt = Checkpoint::open(&dir).expect("open");
+    let opts = LoadOptions {
+        mtp: true,
+        ..LoadOptions::F32
+    };
+    let m = DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts, None).expect("load");
+    assert!(m.has_mtp());
+    let (hw, vocab) = (m.hidden_width(), m.config().vocab);
+    assert_eq!(hw, 3 * m.config().hidden);
+    let prompt = ids(&r["prompt_ids"]);
+    let n = prompt.len() - 1;
+    let mut cache = m.new_cache(prompt.len() + 1).expect("cache");
+    let (_, hidden) = m
+        .forward_hidden(&prompt, &mut cache, Logits::All)
+        .expect("forward");
+    assert_eq!(hidden.len(), prompt.len() * hw);
+    let want = r["mtp"]["logits"].as_array().expect("mtp logits");
+    assert_eq!(want.len(), n);
+    let (mut max_err, mut argmax_same) = (0f32, 0);
+    let mut last = Vec::new();
+    for (i, row) in want.iter().enumerate() {
+        last = m
+            .mtp_draft(
+                &prompt[i + 1..i + 2],
+                &hidden[i * hw..(i + 1) * hw],
+                i,
+                &mut cache,
+            )
+            .expect("mtp");
+        assert_eq!(last.len(), vocab);
+        let row: Vec<f32> = row
+            .as_array()
+            .expect("row")
+            .iter()
+            .map(|v| v.as_f64().expect("f") as f32)
+            .collect();
+        for (g, w) in last.iter().zip(&row) {
+            max_err = max_err.max((g - w).abs());
+        }
+        let top = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b]));
+        argmax_same += usize::from(top(&last) == top(&row));
+    }
+    eprintln!("deepseek-v4 MTP: max |Δlogit| {max_err:.2e}, argmax equal at {argmax_same}/{n}");
+    // The main model's f32 logits sit within 1e-5 of transformers'; the
+    // module adds one more block over its streams, summed in another
+    // order: 1e-4 is ten times the main model's error, and a wrong
+    // position, window or stream moves logits by 1e-1 or more.
+    assert!(max_err < 1e-4, "{max_err}");
+    assert_eq!(argmax_same, n);
+    let mut again = m.new_cache(prompt.len() + 1).expect("cache");
+    m.forward(&prompt, &mut again, Logits::None)
+        .expect("forward");
+    let all = m
+        .mtp_draft(&prompt[1..], &hidden[..n * hw], 0, &mut again)
+        .expect("mtp");
+    assert_eq!(all, last);
+    // A hidden row of the wrong width is a typed error, not a panic.
+    let short = m.mtp_draft(&prompt[1..2], &hidden[..hw - 1], 0, &mut again);
+    assert!(
+        matches!(short, Err(ModelError::MtpHidden { .. })),
+        "{short:?}"
+    );
 }

@@ -147,3 +147,23 @@ fn models_without_mtp_skip_it_cleanly() {
         .unwrap_err();
     assert!(matches!(err, ModelError::MtpHidden { .. }), "{err}");
 }
+
+/// Verifying a draft steps the cache back over it when it is rejected: a
+/// model with linear-attention layers (whose state cannot run backwards)
+/// refuses `--mtp` with a typed error before reading a weight.
+#[test]
+fn mtp_on_linear_attention_is_refused() {
+    let ckpt = Checkpoint::open(&fixture("qwen3-next")).expect("open");
+    let mut cfg = ckpt.config().expect("config");
+    cfg.mtp_layers = 1;
+    let opts = LoadOptions {
+        mtp: true,
+        ..LoadOptions::F32
+    };
+    let r = DecoderModel::load(&ckpt, cfg, opts, None);
+    assert!(
+        matches!(r, Err(ModelError::MtpUnsupported(_))),
+        "{:?}",
+        r.err()
+    );
+}

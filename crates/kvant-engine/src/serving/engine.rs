@@ -435,7 +435,7 @@ impl<'t> Engine<'t> {
     /// and, where it has a logits row, samples and reports; those that end
     /// are finished. Returns the tokens produced.
     fn sample(&mut self, plan: &Plan, pass: &mut Pass) -> usize {
-        let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
+        let (vocab, h) = (self.model.config().vocab, self.model.hidden_width());
         let mtp = self.spec.is_some();
         let mut produced = 0;
         let mut hrow = 0;
@@ -521,7 +521,7 @@ impl<'t> Engine<'t> {
             let s = &self.groups[0].running[i];
             let (last, before) = s.tokens.split_last().map_or((0, &[][..]), |(l, b)| (*l, b));
             if let Some(m) = &s.mtp {
-                inputs.push(m.step(before, last, &s.blocks));
+                inputs.push(m.step(before, last, (&s.blocks, s.state.unwrap_or(0))));
             }
         }
         let steps: Vec<MtpStep<'_>> = inputs.iter().map(|(t, i)| i.with(t)).collect();
@@ -531,7 +531,7 @@ impl<'t> Engine<'t> {
         // Drafts only ever cost speed: a failed pass (not reachable with
         // engine-made steps) just drafts nothing.
         let Ok(logits) = result else { return };
-        let (vocab, h) = (self.model.config().vocab, self.model.config().hidden);
+        let (vocab, h) = (self.model.config().vocab, self.model.hidden_width());
         for (&i, row) in who.iter().zip(logits.chunks_exact(vocab)) {
             let s = &mut self.groups[0].running[i];
             if let Some(m) = &mut s.mtp {

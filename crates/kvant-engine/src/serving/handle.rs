@@ -170,7 +170,7 @@ impl EngineHandle {
             context: model.config().max_context,
             vocab: model.config().vocab,
             cache_tokens: cfg.kv_blocks * cfg.block_size,
-            hidden: model.config().hidden,
+            hidden: model.hidden_width(),
         });
         let pool = match &cluster {
             Some(c) => c.pool(cfg.block_size, cfg.kv_blocks)?,
@@ -342,7 +342,8 @@ impl EngineHandle {
     }
 
     /// The length of an [`EngineHandle::embed`] vector: the model's hidden
-    /// size.
+    /// size (DeepSeek-V4: its residual streams side by side, see
+    /// [`kvant_model::arch::decoder::Hidden`]).
     pub fn embedding_size(&self) -> usize {
         self.shared.hidden
     }

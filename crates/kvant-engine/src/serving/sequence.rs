@@ -68,7 +68,10 @@ impl Sequence<'_> {
     /// Sets how many leading tokens have keys in the pool (0 after a
     /// preemption, the prefix-cache hit at admission); the MTP module
     /// takes over from there (module inputs of shared blocks come with
-    /// them).
+    /// them). A model with a state per sequence (DeepSeek-V4) restores its
+    /// module's window from the snapshot, which the module filled as far
+    /// as it had drafted then: drafts after such a hit may guess worse,
+    /// and are verified like any other.
     pub fn restart_at(&mut self, computed: usize) {
         self.computed = computed;
         self.draft = None;

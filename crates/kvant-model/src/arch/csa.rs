@@ -184,7 +184,7 @@ impl CompressedAttention {
         (layer, prefix): (usize, &str),
     ) -> Result<Self, ModelError> {
         let (h, heads, dim) = (cfg.hidden, cfg.n_heads, cfg.head_dim);
-        let kind = v4.layers[layer];
+        let kind = v4.kind(layer);
         let n = Names::new(ld.ckpt, prefix);
         let (groups, rank) = (v4.o_groups, v4.o_lora_rank);
         if !heads.is_multiple_of(groups) {

@@ -10,17 +10,14 @@
 //! Gemma's embedding scale, sandwich norms and GELU, experts (Mixtral,
 //! Qwen-MoE, DeepSeek), latent attention (DeepSeek-V2/V3, GigaChat3).
 
-use super::csa::CompressedAttention;
 use super::ctx::Place;
 use super::gdn::GatedDeltaNet;
-use super::layer::{Attention, Ffn, Layer, LayerScratch};
+use super::layer::{Attention, Layer, LayerScratch};
 use super::loader::{Loader, Part};
-use super::mha::MhaAttention;
-use super::mhc::{hyper_names, HyperConnection, HyperHead};
-use super::mla::MlaAttention;
+use super::mhc::{hyper_names, HyperHead};
 pub use super::mla_expand::MlaPrefill;
 use super::moe::ExpertLayout;
-use super::mtp::MtpModule;
+use super::mtp::{MtpMix, MtpModule};
 use super::parallel::{drive, Net, Order, Parallel, Task};
 use super::shard::Shard;
 use super::sized;
@@ -241,10 +238,17 @@ fn recycle<'b>(mut v: Vec<SeqAttn<'_>>) -> Vec<SeqAttn<'b>> {
     v.into_iter().filter_map(|_| None).collect()
 }
 
-/// What fails before any weight is read: a context length out of bounds
-/// (applied to `cfg` when given), a cache type that cannot hold the rows
-/// (rather than at the first pool).
+/// What fails before any weight is read: multi-token prediction on a
+/// model whose state cannot step back over a rejected draft, a context
+/// length out of bounds (applied to `cfg` when given), a cache type that
+/// cannot hold the rows (rather than at the first pool).
 fn check_before_weights(cfg: &mut ModelConfig, opts: &LoadOptions) -> Result<(), ModelError> {
+    if opts.mtp && cfg.mtp_layers > 0 && cfg.linear.is_some() {
+        // Verifying a draft needs the state to step back over it.
+        return Err(ModelError::MtpUnsupported(
+            "linear-attention layers (their state cannot step back over a rejected draft)",
+        ));
+    }
     if let Some(n) = opts.context_length {
         // The same bounds as a checkpoint's own context.
         if n == 0 || n > 1 << 24 {
@@ -320,89 +324,12 @@ fn expert_placement(
     })
 }
 
-/// Layer `i`: its attention (multi-head, latent or linear), its
-/// feed-forward (dense or experts, laid out by `experts`), its norms and
-/// its rotary frequencies (scaled by the checkpoint's `freq_factors`).
-fn load_layer(
-    ld: &Loader<'_>,
-    cfg: &ModelConfig,
-    i: usize,
-    mla_prefill: MlaPrefill,
-    experts: ExpertLayout<'_>,
-    freq_factors: Option<&[f32]>,
-) -> Result<Layer, ModelError> {
-    let (n, h) = (ld.ckpt.layer_names(i, cfg.arch), cfg.hidden);
-    let gemma_norm = |name: &str| match cfg.gemma {
-        true => ld.vector(name, h).map(Some),
-        false => Ok(None),
-    };
-    let attn = match (&cfg.mla, &cfg.linear) {
-        _ if cfg.v4.is_some() => {
-            let v4 = cfg.v4.as_ref().ok_or(ModelError::KvShape)?;
-            Attention::Compressed(Box::new(CompressedAttention::load(
-                ld,
-                cfg,
-                v4,
-                (i, &n.prefix),
-            )?))
-        }
-        (_, Some(lc)) if lc.is_linear(i) => {
-            Attention::Linear(Box::new(GatedDeltaNet::load(ld, cfg, lc, &n.prefix)?))
-        }
-        (Some(m), _) => Attention::Mla(MlaAttention::load(ld, cfg, m, &n.prefix, mla_prefill)?),
-        (None, _) => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
-    };
-    // Attention layers index the pool's rows, linear layers its states.
-    let cache = (0..i)
-        .filter(|&j| cfg.is_linear(j) == cfg.is_linear(i))
-        .count();
-    let moe = cfg.experts.as_ref().filter(|e| e.is_moe(i));
-    let ffn = Ffn::load(ld, cfg, &n, moe.map(|e| (e, experts)))?;
-    if let Some(v4) = &cfg.v4 {
-        // Hash-routed exactly where the config says so.
-        let hashed = matches!(&ffn, Ffn::Moe(m) if m.routes_by_table());
-        if hashed != v4.hash_layers.get(i).copied().unwrap_or(false) {
-            return Err(ModelError::BadTensor {
-                name: format!("{}ffn.gate.tid2eid", n.prefix),
-                why: format!(
-                    "{} in layer {i}, which mlp_layer_types says is {}",
-                    if hashed { "a table" } else { "no table" },
-                    if hashed {
-                        "routed by score"
-                    } else {
-                        "hash-routed"
-                    }
-                ),
-            });
-        }
-    }
-    Ok(Layer {
-        attn_norm: ld.vector(&n.attn_norm, h)?,
-        attn,
-        post_attn_norm: gemma_norm(&n.post_attn_norm)?,
-        ffn_norm: ld.vector(&n.ffn_norm, h)?,
-        ffn,
-        post_ffn_norm: gemma_norm(&n.post_ffn_norm)?,
-        inv_freq: cfg.inv_freq(i, freq_factors),
-        window: if cfg.is_sliding(i) {
-            cfg.sliding_window
-        } else {
-            None
-        },
-        cache,
-        hyper: match &cfg.v4 {
-            Some(v4) => Some(Box::new([
-                HyperConnection::load(ld, &format!("{}hc_attn", n.prefix), v4.hc, h, cfg.rms_eps)?,
-                HyperConnection::load(ld, &format!("{}hc_ffn", n.prefix), v4.hc, h, cfg.rms_eps)?,
-            ])),
-            None => None,
-        },
-    })
-}
-
 /// The final hidden states (after the final norm: what the output head
 /// reads) of the rows whose logits a pass returned, `[rows, hidden]`:
-/// what the MTP module continues from, as in transformers and vLLM.
+/// what the MTP module continues from, as in transformers and vLLM. For
+/// DeepSeek-V4, the `hc_mult` residual streams before the `hc_head`
+/// collapse, `[rows, hc_mult · hidden]` (what its MTP module reads; see
+/// [`DecoderModel::hidden_width`]).
 pub type Hidden = Vec<f32>;
 
 /// One sequence's part of an MTP pass: its tokens `t_{q}` for `q` from
@@ -414,6 +341,9 @@ pub struct MtpStep<'a> {
     pub hidden: &'a [f32],
     pub slot0: usize,
     pub table: &'a [u32],
+    /// The sequence's state slot (models that keep a state per sequence,
+    /// as [`SeqStep::state`]).
+    pub state: usize,
 }
 
 impl DecoderModel {
@@ -473,10 +403,10 @@ impl DecoderModel {
         let mut layers = Vec::with_capacity(cfg.n_layers);
         for i in 0..cfg.n_layers {
             let freq = freq_factors.as_deref();
-            layers.push(load_layer(
+            layers.push(Layer::load(
                 &ld,
                 &cfg,
-                i,
+                (i, ckpt.layer_names(i, cfg.arch)),
                 opts.mla_prefill,
                 expert_layout,
                 freq,
@@ -510,6 +440,13 @@ impl DecoderModel {
             }
             None => None,
         };
+        let entries = match &cfg.v4 {
+            Some(v4) => {
+                let layers = cfg.n_layers + usize::from(mtp.is_some());
+                EntryShape::deepseek_v4(v4, cfg.head_dim, layers)
+            }
+            None => EntryShape::default(),
+        };
         let first_mha = layers.iter().find_map(|l| match &l.attn {
             Attention::Mha(a) => Some(a.kv_heads()),
             _ => None,
@@ -535,10 +472,7 @@ impl DecoderModel {
             layers,
             mtp,
             hyper_head,
-            entries: match &cfg.v4 {
-                Some(v4) => EntryShape::deepseek_v4(v4, cfg.head_dim),
-                None => EntryShape::default(),
-            },
+            entries,
             cfg,
             scratch: Mutex::new(Scratch::default()),
             kv_dtype: opts.kv_dtype,
@@ -685,7 +619,8 @@ impl DecoderModel {
     /// a model without them).
     pub fn state_shape(&self) -> StateShape {
         if let Some(v4) = &self.cfg.v4 {
-            return StateShape::deepseek_v4(v4, self.cfg.head_dim);
+            let layers = self.cfg.n_layers + usize::from(self.mtp.is_some());
+            return StateShape::deepseek_v4(v4, self.cfg.head_dim, layers);
         }
         let Some(lc) = &self.cfg.linear else {
             return StateShape::default();
@@ -694,6 +629,7 @@ impl DecoderModel {
             layers: lc.layers.iter().filter(|&&l| l).count(),
             conv: (lc.conv_kernel - 1) * lc.conv_dim(),
             delta: GatedDeltaNet::params(lc).state_len(),
+            rewind: 0,
         }
     }
 
@@ -818,8 +754,8 @@ impl DecoderModel {
     }
 
     /// [`Self::forward_batch`], also returning hidden states after the
-    /// final norm, `[rows, hidden]`: each sequence's
-    /// [`Logits::hidden_rows`], in order.
+    /// final norm, `[rows, hidden]` (see [`Hidden`] for DeepSeek-V4):
+    /// each sequence's [`Logits::hidden_rows`], in order.
     pub fn forward_batch_hidden(
         &self,
         pool: &mut KvPool,
@@ -869,10 +805,25 @@ impl DecoderModel {
             .zip(&attn_seqs)
             .map(|(s, a)| a.rows.end - s.logits.hidden_rows(a.rows.len())..a.rows.end);
         let mut rows = std::mem::take(&mut s.rows);
-        gather(x, h, hidden_rows, &mut rows);
+        gather(x, h * self.streams(), hidden_rows, &mut rows);
+        // DeepSeek-V4: the streams are the hidden state; the rows that
+        // leave the model collapse into one (`hc_head`) before the norm.
+        let mut streams = None;
+        if let Some(head) = &self.hyper_head {
+            let k = rows.len() / (h * self.streams());
+            streams = Some(rows.clone());
+            let (q8, hs) = s.layer.hyper_parts();
+            head.collapse(&mut rows, k, q8, hs)?;
+            rows.truncate(k * h);
+        }
         let out = if !seqs.iter().any(|s| s.logits.wants_hidden()) {
             self.head(&rows, &self.final_norm, &self.output, s)
-                .map(|logits| (logits, s.rows_n[..rows.len()].to_vec()))
+                .map(|logits| {
+                    (
+                        logits,
+                        streams.unwrap_or_else(|| s.rows_n[..rows.len()].to_vec()),
+                    )
+                })
         } else {
             let hidden = self.norm_rows(&rows, &self.final_norm, s).to_vec();
             // Within the gathered rows, the ones whose logits are wanted.
@@ -884,7 +835,7 @@ impl DecoderModel {
             });
             gather(&hidden, h, logit_rows, &mut rows);
             self.project(&rows, &self.output, s)
-                .map(|logits| (logits, hidden))
+                .map(|logits| (logits, streams.unwrap_or(hidden)))
         };
         s.rows = rows;
         s.seqs = recycle(attn_seqs);
@@ -906,8 +857,15 @@ impl DecoderModel {
             hidden,
             slot0,
             table: &SINGLE_TABLE,
+            state: 0,
         };
         self.mtp_forward(cache.pool_mut(), &[step])
+    }
+
+    /// Values per row of [`Hidden`]: `hidden`, times `hc_mult` for
+    /// DeepSeek-V4.
+    pub fn hidden_width(&self) -> usize {
+        self.cfg.hidden * self.streams()
     }
 
     /// Whether the multi-token-prediction module is loaded.
@@ -927,35 +885,56 @@ impl DecoderModel {
             return Err(ModelError::NoMtp);
         };
         let c = &self.cfg;
-        let h = c.hidden;
+        let (h, m) = (c.hidden, self.streams());
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let s = &mut *guard;
         let parts = steps.iter().map(|s| (s.tokens, s.slot0, s.table));
         let attn_seqs = self.check_batch(pool, parts, std::mem::take(&mut s.seqs))?;
+        s.slots.clear();
+        s.slots.extend(steps.iter().map(|s| s.state));
+        self.check_slots(pool, &s.slots)?;
         let n = attn_seqs.last().map_or(0, |a| a.rows.end);
-        if let Some(s) = steps.iter().find(|s| s.hidden.len() != s.tokens.len() * h) {
+        if let Some(s) = steps
+            .iter()
+            .find(|s| s.hidden.len() != s.tokens.len() * h * m)
+        {
             return Err(ModelError::MtpHidden {
                 tokens: s.tokens.len(),
-                hidden: h,
+                hidden: h * m,
                 values: s.hidden.len(),
             });
         }
-        let x = sized(&mut s.x, n * h);
+        let x = sized(&mut s.x, n * h * m);
         self.embed_rows(steps.iter().flat_map(|s| s.tokens.iter()), x)?;
-        let eh = sized(&mut s.eh, n * 2 * h);
         let hidden = steps.iter().flat_map(|s| s.hidden.chunks_exact(h));
-        for ((dst, e), hs) in eh
-            .chunks_exact_mut(2 * h)
-            .zip(x.chunks_exact(h))
-            .zip(hidden)
-        {
-            let (de, dh) = dst.split_at_mut(h);
-            rms_norm(e, &mtp.enorm, c.rms_eps, de);
-            rms_norm(hs, &mtp.hnorm, c.rms_eps, dh);
-        }
         let q8 = &mut s.layer.q8;
-        mtp.eh_proj
-            .forward(&LinearInput::new(eh, n, q8, &[&mtp.eh_proj])?, x)?;
+        match &mtp.mix {
+            // Row `t·m + k`: `[enorm(e_t); hnorm(h_{t,k})]`.
+            MtpMix::Fused(eh_proj) => {
+                let eh = sized(&mut s.eh, n * m * 2 * h);
+                for (i, (dst, hs)) in eh.chunks_exact_mut(2 * h).zip(hidden).enumerate() {
+                    let (de, dh) = dst.split_at_mut(h);
+                    rms_norm(&x[i / m * h..(i / m + 1) * h], &mtp.enorm, c.rms_eps, de);
+                    rms_norm(hs, &mtp.hnorm, c.rms_eps, dh);
+                }
+                eh_proj.forward(&LinearInput::new(eh, n * m, q8, &[eh_proj])?, x)?;
+            }
+            MtpMix::Split { e, h: h_proj } => {
+                let (en, hn) = sized(&mut s.eh, n * h * (1 + m)).split_at_mut(n * h);
+                rms_norm(&x[..n * h], &mtp.enorm, c.rms_eps, en);
+                for (dst, hs) in hn.chunks_exact_mut(h).zip(hidden) {
+                    rms_norm(hs, &mtp.hnorm, c.rms_eps, dst);
+                }
+                let ep = sized(&mut s.rows_n, n * h);
+                e.forward(&LinearInput::new(en, n, q8, &[e])?, ep)?;
+                h_proj.forward(&LinearInput::new(hn, n * m, q8, &[h_proj])?, x)?;
+                for (row, ep) in x.chunks_exact_mut(h * m).zip(ep.chunks_exact(h)) {
+                    for stream in row.chunks_exact_mut(h) {
+                        stream.iter_mut().zip(ep).for_each(|(v, &a)| *v += a);
+                    }
+                }
+            }
+        }
         let pool = RefCell::new(pool);
         s.tokens.clear();
         s.tokens
@@ -966,8 +945,10 @@ impl DecoderModel {
             index: c.n_layers,
             cache: c.attention_layers(),
             seqs: &attn_seqs,
-            slots: &[],
-            rope_offset: 1,
+            slots: &s.slots,
+            // V3's input `i` at its token's position, V4's at its hidden
+            // state's (see the module docs of `mtp`).
+            rope_offset: usize::from(c.v4.is_none()),
         };
         {
             let layer = std::pin::pin!(mtp.layer.forward(c, at, x, n, &mut s.layer, &Net::LOCAL));
@@ -975,7 +956,12 @@ impl DecoderModel {
         }
         let last = attn_seqs.iter().map(|a| a.rows.end - 1..a.rows.end);
         let mut rows = std::mem::take(&mut s.rows);
-        gather(x, h, last, &mut rows);
+        gather(x, h * m, last, &mut rows);
+        if let Some(head) = &mtp.hyper_head {
+            let (q8, hs) = s.layer.hyper_parts();
+            head.collapse(&mut rows, steps.len(), q8, hs)?;
+            rows.truncate(steps.len() * h);
+        }
         let head = mtp.head.as_ref().unwrap_or(&self.output);
         let logits = self.head(&rows, &mtp.head_norm, head, s);
         s.rows = rows;
@@ -1139,10 +1125,6 @@ impl DecoderModel {
                 rope_offset: 0,
             };
             l.forward(&self.cfg, at, x, tokens.len(), s, net).await?;
-        }
-        if let Some(head) = &self.hyper_head {
-            let (q8, hs) = s.hyper_parts();
-            head.collapse(x, n, q8, hs)?;
         }
         Ok(())
     }

@@ -9,6 +9,7 @@ use super::loader::Loader;
 use super::mha::{MhaAttention, MhaScratch};
 use super::mhc::{HyperConnection, HyperScratch};
 use super::mla::{MlaAttention, MlaScratch};
+use super::mla_expand::MlaPrefill;
 use super::moe::{ExpertLayout, ExpertParallel, MoeFfn, MoeLayerScratch};
 use super::parallel::Net;
 use super::sized;
@@ -107,6 +108,102 @@ impl LayerScratch {
 }
 
 impl Layer {
+    /// Layer `i`, its tensors named by `n`: its attention (multi-head, latent
+    /// or linear), its feed-forward (dense or experts, laid out by `experts`),
+    /// its norms and its rotary frequencies (scaled by the checkpoint's
+    /// `freq_factors`). DeepSeek-V4's MTP module loads its block so, as
+    /// layer `n_layers`.
+    pub(super) fn load(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        (i, n): (usize, LayerNames),
+        mla_prefill: MlaPrefill,
+        experts: ExpertLayout<'_>,
+        freq_factors: Option<&[f32]>,
+    ) -> Result<Self, ModelError> {
+        let h = cfg.hidden;
+        let gemma_norm = |name: &str| match cfg.gemma {
+            true => ld.vector(name, h).map(Some),
+            false => Ok(None),
+        };
+        let attn = match (&cfg.mla, &cfg.linear) {
+            _ if cfg.v4.is_some() => {
+                let v4 = cfg.v4.as_ref().ok_or(ModelError::KvShape)?;
+                Attention::Compressed(Box::new(CompressedAttention::load(
+                    ld,
+                    cfg,
+                    v4,
+                    (i, &n.prefix),
+                )?))
+            }
+            (_, Some(lc)) if lc.is_linear(i) => {
+                Attention::Linear(Box::new(GatedDeltaNet::load(ld, cfg, lc, &n.prefix)?))
+            }
+            (Some(m), _) => Attention::Mla(MlaAttention::load(ld, cfg, m, &n.prefix, mla_prefill)?),
+            (None, _) => Attention::Mha(MhaAttention::load(ld, cfg, &n)?),
+        };
+        // Attention layers index the pool's rows, linear layers its states.
+        let cache = (0..i)
+            .filter(|&j| cfg.is_linear(j) == cfg.is_linear(i))
+            .count();
+        // Every DeepSeek-V4 block routes to experts, the MTP module's too.
+        let v4_mtp = cfg.v4.is_some() && i >= cfg.n_layers;
+        let moe = cfg.experts.as_ref().filter(|e| e.is_moe(i) || v4_mtp);
+        let ffn = Ffn::load(ld, cfg, &n, moe.map(|e| (e, experts)))?;
+        if let Some(v4) = &cfg.v4 {
+            // Hash-routed exactly where the config says so.
+            let hashed = matches!(&ffn, Ffn::Moe(m) if m.routes_by_table());
+            if hashed != v4.hash_layers.get(i).copied().unwrap_or(false) {
+                return Err(ModelError::BadTensor {
+                    name: format!("{}ffn.gate.tid2eid", n.prefix),
+                    why: format!(
+                        "{} in layer {i}, which mlp_layer_types says is {}",
+                        if hashed { "a table" } else { "no table" },
+                        if hashed {
+                            "routed by score"
+                        } else {
+                            "hash-routed"
+                        }
+                    ),
+                });
+            }
+        }
+        Ok(Layer {
+            attn_norm: ld.vector(&n.attn_norm, h)?,
+            attn,
+            post_attn_norm: gemma_norm(&n.post_attn_norm)?,
+            ffn_norm: ld.vector(&n.ffn_norm, h)?,
+            ffn,
+            post_ffn_norm: gemma_norm(&n.post_ffn_norm)?,
+            inv_freq: cfg.inv_freq(i, freq_factors),
+            window: if cfg.is_sliding(i) {
+                cfg.sliding_window
+            } else {
+                None
+            },
+            cache,
+            hyper: match &cfg.v4 {
+                Some(v4) => Some(Box::new([
+                    HyperConnection::load(
+                        ld,
+                        &format!("{}hc_attn", n.prefix),
+                        v4.hc,
+                        h,
+                        cfg.rms_eps,
+                    )?,
+                    HyperConnection::load(
+                        ld,
+                        &format!("{}hc_ffn", n.prefix),
+                        v4.hc,
+                        h,
+                        cfg.rms_eps,
+                    )?,
+                ])),
+                None => None,
+            },
+        })
+    }
+
     /// Bytes of every weight, and of what one decoded token reads (a MoE
     /// layer reads only its router, `top_k` experts and shared experts).
     pub fn bytes(&self) -> (usize, usize) {

@@ -10,26 +10,48 @@
 //! checkpoint omits it). Its input number `i` (token `i + 1` with hidden
 //! state `i`) sits in slot `i` of the module's cache layer and is rotated
 //! at position `i + 1`, the position of its token.
+//!
+//! DeepSeek-V4's module (DeepSeek's `MTPBlock`, vLLM's
+//! `deepseek_v4_mtp.py`) is the same idea on the `hc_mult` residual
+//! streams: `h` is the main model's streams before its `hc_head`
+//! collapse, each stream becomes `h_proj(hnorm(h_k)) + e_proj(enorm(e))`
+//! (two projections where V3 has one `eh_proj`), a V4 block (its own
+//! attention kind, caches and mHC) runs over them, and the module's own
+//! `hc_head` collapses them before `norm` and the main model's head.
+//! Input `i` sits at position `i`, the position of its hidden state (as
+//! vLLM places it): a compressing block's windows then line up with the
+//! main model's.
 
 use super::layer::{Attention, Ffn, Layer};
 use super::loader::Loader;
 use super::mha::MhaAttention;
+use super::mhc::HyperHead;
 use super::mla::MlaAttention;
 use super::mla_expand::MlaPrefill;
 use super::moe::ExpertLayout;
-use crate::checkpoint::Checkpoint;
-use crate::config::ModelConfig;
+use crate::checkpoint::{Checkpoint, LayerNames};
+use crate::config::{ModelConfig, V4Attention};
 use crate::ModelError;
 use kvant_kernels::linear::LinearWeight;
+
+/// How the module mixes a token's embedding with the main model's state.
+pub(crate) enum MtpMix {
+    /// `eh_proj([enorm(e); hnorm(h)])`, `[hidden, 2 · hidden]`.
+    Fused(LinearWeight),
+    /// `e_proj(enorm(e)) + h_proj(hnorm(h_k))` for each stream `k`
+    /// (DeepSeek-V4; the embedding's projection runs once per token).
+    Split { e: LinearWeight, h: LinearWeight },
+}
 
 pub(crate) struct MtpModule {
     pub enorm: Vec<f32>,
     pub hnorm: Vec<f32>,
-    /// `[hidden, 2 · hidden]`, applied to `[enorm(e); hnorm(h)]`.
-    pub eh_proj: LinearWeight,
+    pub mix: MtpMix,
     pub layer: Layer,
     pub head_norm: Vec<f32>,
     pub head: Option<LinearWeight>,
+    /// DeepSeek-V4: the module's own collapse of its streams.
+    pub hyper_head: Option<HyperHead>,
 }
 
 impl MtpModule {
@@ -42,6 +64,9 @@ impl MtpModule {
         index: usize,
         prefill: MlaPrefill,
     ) -> Result<Option<Self>, ModelError> {
+        if cfg.v4.is_some() {
+            return Self::load_v4(ld, cfg, index);
+        }
         let n = ld.ckpt.layer_names(index, cfg.arch);
         let p = n.prefix.clone();
         let own = |hf: &str, gguf: &str| match ld.ckpt {
@@ -72,7 +97,7 @@ impl MtpModule {
         Ok(Some(MtpModule {
             enorm: ld.vector(&own("enorm", "enorm"), h)?,
             hnorm: ld.vector(&own("hnorm", "hnorm"), h)?,
-            eh_proj: ld.weight(&eh_proj, h, 2 * h)?,
+            mix: MtpMix::Fused(ld.weight(&eh_proj, h, 2 * h)?),
             layer: Layer {
                 attn_norm: ld.vector(&n.attn_norm, h)?,
                 attn,
@@ -91,6 +116,59 @@ impl MtpModule {
                 true => Some(ld.weight(&head, cfg.vocab, h)?),
                 false => None,
             },
+            hyper_head: None,
+        }))
+    }
+
+    /// DeepSeek-V4's module, published as `mtp.0.*` in safetensors
+    /// (llama.cpp's converter writes it to a GGUF file of its own, which
+    /// is not read here: `None`). Its block's attention is the config's
+    /// entry past the main layers ([`crate::config::V4Config::mtp`]).
+    fn load_v4(
+        ld: &Loader<'_>,
+        cfg: &ModelConfig,
+        index: usize,
+    ) -> Result<Option<Self>, ModelError> {
+        let (Checkpoint::Hf(_), Some(v4)) = (ld.ckpt, &cfg.v4) else {
+            return Ok(None);
+        };
+        let p = "mtp.0.";
+        let own = |s: &str| format!("{p}{s}");
+        if !ld.has(&own("e_proj.weight")) {
+            return Ok(None);
+        }
+        // A block with a compressor where the config says sliding would
+        // run without it: say so instead.
+        let compressor = own("attn.compressor.wkv.weight");
+        if v4.mtp == V4Attention::Sliding && ld.has(&compressor) {
+            return Err(ModelError::BadTensor {
+                name: compressor,
+                why: "present, but the config gives the MTP layer a sliding window only \
+                      (no `compress_ratios` entry past the main layers, or 0)"
+                    .into(),
+            });
+        }
+        let h = cfg.hidden;
+        let names = LayerNames::deepseek_v4(p);
+        let layout = ExpertLayout::Shared(ld.shard);
+        let layer = Layer::load(ld, cfg, (index, names), MlaPrefill::default(), layout, None)?;
+        let hc = ["fn", "base", "scale"].map(|s| own(&format!("hc_head_{s}")));
+        let head = own("head.weight");
+        Ok(Some(MtpModule {
+            enorm: ld.vector(&own("enorm.weight"), h)?,
+            hnorm: ld.vector(&own("hnorm.weight"), h)?,
+            mix: MtpMix::Split {
+                e: ld.weight(&own("e_proj.weight"), h, h)?,
+                h: ld.weight(&own("h_proj.weight"), h, h)?,
+            },
+            layer,
+            head_norm: ld.vector(&own("norm.weight"), h)?,
+            // DeepSeek's module shares the main model's head.
+            head: match ld.has(&head) {
+                true => Some(ld.weight(&head, cfg.vocab, h)?),
+                false => None,
+            },
+            hyper_head: Some(HyperHead::load(ld, hc.each_ref(), v4.hc, h, cfg.rms_eps)?),
         }))
     }
 }

@@ -144,7 +144,7 @@ impl ModelSettings {
             .map(ExpertSettings::build)
             .transpose()?;
         let mtp_layers = match arch {
-            Arch::DeepseekV3 | Arch::DeepseekV32 => {
+            Arch::DeepseekV3 | Arch::DeepseekV32 | Arch::DeepseekV4 => {
                 usize_at(cfg, "num_nextn_predict_layers")?.unwrap_or(0)
             }
             _ => 0,

@@ -61,6 +61,10 @@ pub struct V4Rope {
 #[derive(Clone, Debug, PartialEq)]
 pub struct V4Config {
     pub layers: Vec<V4Attention>,
+    /// The attention of the multi-token-prediction layer after the main
+    /// ones: the published per-layer lists' entry past the main layers
+    /// (a sliding window where the list stops at them).
+    pub mtp: V4Attention,
     /// Per layer: experts chosen by `tid2eid[token]` (else by the router).
     pub hash_layers: Vec<bool>,
     pub csa_rate: usize,
@@ -79,12 +83,18 @@ pub struct V4Config {
 }
 
 impl V4Config {
+    /// Layer `layer`'s attention; a layer past the main ones is the MTP
+    /// module's.
+    pub fn kind(&self, layer: usize) -> V4Attention {
+        self.layers.get(layer).copied().unwrap_or(self.mtp)
+    }
+
     /// The compression rate of a layer (0 for a sliding-only one).
     pub fn rate(&self, layer: usize) -> usize {
-        match self.layers.get(layer) {
-            Some(V4Attention::Csa) => self.csa_rate,
-            Some(V4Attention::Hca) => self.hca_rate,
-            _ => 0,
+        match self.kind(layer) {
+            V4Attention::Csa => self.csa_rate,
+            V4Attention::Hca => self.hca_rate,
+            V4Attention::Sliding => 0,
         }
     }
 
@@ -109,13 +119,13 @@ impl V4Config {
             false => rate * 2 * dim,
         };
         let ring = self.window * head_dim;
-        match self.layers.get(layer) {
-            Some(V4Attention::Csa) => {
+        match self.kind(layer) {
+            V4Attention::Csa => {
                 ring + tail(self.csa_rate, head_dim, true)
                     + tail(self.csa_rate, self.indexer.head_dim, true)
             }
-            Some(V4Attention::Hca) => ring + tail(self.hca_rate, head_dim, false),
-            _ => ring,
+            V4Attention::Hca => ring + tail(self.hca_rate, head_dim, false),
+            V4Attention::Sliding => ring,
         }
     }
 
@@ -138,7 +148,12 @@ impl V4Config {
     /// From a transformers `deepseek_v4` config (see the module docs for
     /// the two forms), with `head_dim` and `n_layers` already read.
     pub(super) fn from_hf(cfg: &Value, head_dim: usize, n_layers: usize) -> Result<Self> {
-        let layers = attention_layers(cfg, n_layers)?;
+        let mut layers = attention_layers(cfg, n_layers)?;
+        let mtp = layers
+            .get(n_layers)
+            .copied()
+            .unwrap_or(V4Attention::Sliding);
+        layers.truncate(n_layers);
         let hash_layers = hash_layers(cfg, n_layers)?;
         let rates = cfg.get("compress_rates");
         let rate = |kind: &str, legacy: &str, default: usize| -> Result<usize> {
@@ -161,6 +176,7 @@ impl V4Config {
         let (main_rope, compress_rope) = ropes(cfg)?;
         let out = V4Config {
             layers,
+            mtp,
             hash_layers,
             csa_rate: rate("compressed_sparse_attention", "compress_rate_csa", 4)?,
             hca_rate: rate("heavily_compressed_attention", "compress_rate_hca", 128)?,
@@ -216,7 +232,7 @@ impl V4Config {
         };
         let csa_rate = positive().min().unwrap_or(4);
         let hca_rate = positive().filter(|&r| r != csa_rate).max().unwrap_or(128);
-        let layers = ratios[..n_layers]
+        let mut layers = ratios[..ratios.len().min(n_layers + 1)]
             .iter()
             .map(|&r| match r {
                 0 => Ok(V4Attention::Sliding),
@@ -224,11 +240,17 @@ impl V4Config {
                 r if r as usize == hca_rate => Ok(V4Attention::Hca),
                 _ => Err(invalid(key("attention.compress_ratios"), format!("{r}"))),
             })
-            .collect::<Result<_>>()?;
+            .collect::<Result<Vec<_>>>()?;
+        let mtp = layers
+            .get(n_layers)
+            .copied()
+            .unwrap_or(V4Attention::Sliding);
+        layers.truncate(n_layers);
         let hashed = opt("hash_layer_count")?.unwrap_or(0);
         let theta = g.get_f32(&key("rope.freq_base"))?.unwrap_or(10_000.0);
         let out = V4Config {
             layers,
+            mtp,
             hash_layers: (0..n_layers).map(|i| i < hashed).collect(),
             csa_rate,
             hca_rate,
@@ -364,14 +386,15 @@ fn attention_layers(cfg: &Value, n_layers: usize) -> Result<Vec<V4Attention>> {
             .collect(),
     };
     // transformers keeps the first `num_hidden_layers` entries (the
-    // published lists also describe the MTP layers after them).
+    // published lists also describe the MTP layers after them: the
+    // caller keeps the first of those).
     if layers.len() < n_layers {
         return Err(invalid(
             "layer_types",
             format!("{} entries for {n_layers} layers", layers.len()),
         ));
     }
-    Ok(layers[..n_layers].to_vec())
+    Ok(layers)
 }
 
 /// `mlp_layer_types` (`hash_moe` / `moe`), or the first `num_hash_layers`
