@@ -2,7 +2,7 @@
 //! holds, so a follow-up prompt that extends the previous one (a chat turn)
 //! only computes the new tokens.
 
-use crate::cluster::{forward_seq, Cluster, Row, Want};
+use crate::cluster::{forward_seq, save_state, truncate, Cluster, Row, Want};
 use crate::continuation::{Continuation, FinishReason, RowRef, Taken};
 use crate::error::EngineError;
 use crate::logprobs::TokenLogprob;
@@ -173,7 +173,7 @@ impl<'m> Session<'m> {
             });
         }
         let mut cont = Continuation::new(self.tokenizer, req.clone())?;
-        let common = self.reuse_prefix(prompt);
+        let common = self.reuse_prefix(prompt)?;
         let t0 = Instant::now();
         let argmax = cont.argmax_suffices();
         let mut row = Row::Logits(Vec::new());
@@ -187,7 +187,7 @@ impl<'m> Session<'m> {
         }
         let prefill_secs = t0.elapsed().as_secs_f64();
         // The next turn's prompt starts with this one.
-        self.cache.save_state();
+        save_state(self.cluster, &mut self.cache)?;
         if let Some(d) = self.drafter.as_mut().filter(|_| self.cache.has_state()) {
             d.saved = Some((self.cache.len(), d.state.clone()));
         }
@@ -216,7 +216,7 @@ impl<'m> Session<'m> {
     /// Cuts the cache back to the longest prefix it shares with `prompt`
     /// (never the whole prompt: the last token's logits are needed);
     /// returns the tokens it keeps.
-    fn reuse_prefix(&mut self, prompt: &[u32]) -> usize {
+    fn reuse_prefix(&mut self, prompt: &[u32]) -> Result<usize, EngineError> {
         let mut common = self
             .tokens
             .iter()
@@ -231,7 +231,7 @@ impl<'m> Session<'m> {
         // A cache with a state per sequence may go back further (to the
         // state it saved, or its start): recompute from where it is, the
         // MTP module from where it was then.
-        self.cache.truncate(common);
+        truncate(self.cluster, &mut self.cache, common)?;
         let got = self.cache.len();
         if let Some(d) = self.drafter.as_mut().filter(|_| got < common) {
             d.state = match &d.saved {
@@ -240,7 +240,7 @@ impl<'m> Session<'m> {
             };
         }
         self.tokens.truncate(got);
-        got
+        Ok(got)
     }
 
     /// Decode steps from the prompt's last row until the continuation ends
@@ -316,7 +316,7 @@ impl<'m> Session<'m> {
             d.state.push_hidden(if hit { &h } else { &h[..hidden] });
         }
         if !hit {
-            self.cache.truncate(self.tokens.len());
+            truncate(self.cluster, &mut self.cache, self.tokens.len())?;
             if let Some(d) = &mut self.drafter {
                 d.spec.record(step.elapsed().as_secs_f64(), 1);
             }

@@ -45,6 +45,10 @@ const MOE: [&str; 7] = [
     // Sparse attention: every rank runs the whole indexer.
     "deepseek-v32",
 ];
+/// Models that keep a state per sequence (window rings and compressor
+/// tails, delta-rule states): it runs whole on every rank of a group, kept
+/// in step by rank 0's copies.
+const STATEFUL: [&str; 3] = ["deepseek-v4", "qwen3-next", "kimi-linear"];
 const GGUF_DENSE: [&str; 3] = [
     "gguf/llama-gqa.Q4_0.gguf",
     "gguf/llama-gqa.Q8_0.gguf",
@@ -295,7 +299,7 @@ fn tensor_parallel_with_uneven_heads_and_two_batch_overlap() {
 
 #[test]
 fn expert_parallel_is_bit_identical() {
-    for name in MOE.into_iter().chain(GGUF_MOE) {
+    for name in MOE.into_iter().chain(GGUF_MOE).chain(STATEFUL) {
         let opts = match name.ends_with(".gguf") {
             true => int8_opts(),
             false => f32_opts(),
@@ -355,7 +359,7 @@ fn data_parallel_groups_run_their_own_sequences() {
             })
             .collect();
         let together = with_cluster(name, opts, p, |c| {
-            let mut pool = c.pool(16, 4).expect("pool");
+            let mut pool = c.pool(16, 4, 0).expect("pool");
             let table = [0u32, 1];
             let groups: Vec<Vec<(SeqStep<'_>, Want)>> = prompts
                 .iter()
@@ -416,6 +420,8 @@ fn layouts_that_do_not_fit_the_model_are_errors() {
         ("llama-gqa", par(1, 1, 2, false), "mixture-of-experts"),
         ("llama-gqa", par(8, 1, 1, false), "attention heads"),
         ("mixtral-moe", par(1, 1, 8, false), "experts"),
+        ("deepseek-v4", par(2, 1, 1, false), "tensor-parallel"),
+        ("qwen3-next", par(2, 1, 2, false), "tensor-parallel"),
     ] {
         let world = (p.tp * p.dp).max(p.ep);
         let layout = Layout::new(world, p.tp, p.dp, p.ep).expect("layout");
@@ -533,6 +539,10 @@ fn serving_over_ranks_matches_one_process() {
             par(2, 1, 1, false),
             None,
         ),
+        // State slots per group: snapshots kept and restored on the
+        // group's ranks.
+        ("deepseek-v4", int8_opts(), par(1, 2, 2, false), None),
+        ("qwen3-next", f32_opts(), par(1, 1, 2, true), eplb),
     ] {
         let (h, t, reqs) = one_process(name, opts);
         let alone: Vec<Vec<u32>> = reqs
@@ -621,5 +631,97 @@ fn embeddings_over_ranks_match_one_process() {
             h.shutdown(Shutdown::Drain);
             t.join().expect("engine stops");
         });
+    }
+}
+
+/// A chat over ranks whose second turn diverges from the first's answer:
+/// the cache goes back to the state saved after the first prompt, on every
+/// rank; the tokens equal one process's.
+#[test]
+fn sessions_over_ranks_go_back_to_the_saved_state() {
+    use kvant_engine::session::Session;
+    for (name, p) in [
+        ("deepseek-v4", par(1, 1, 2, false)),
+        ("qwen3-next", par(1, 2, 2, false)),
+    ] {
+        let opts = int8_opts();
+        let turns = |model: &DecoderModel, tok: &Tokenizer, cluster: Option<&Cluster>| {
+            let vocab = model.config().vocab;
+            let mut s = match cluster {
+                Some(c) => Session::on_cluster(c, tok, 128).expect("session"),
+                None => Session::new(model, tok, 128).expect("session"),
+            };
+            let first = prompt(vocab, 13, 3);
+            let mut second = first.clone();
+            second.extend(prompt(vocab, 5, 4));
+            [first, second]
+                .into_iter()
+                .map(|p| {
+                    let req = EngineRequest {
+                        ignore_eos: true,
+                        ..EngineRequest::new(p, 12, SamplingParams::greedy())
+                    };
+                    s.generate(&req, &mut |_| {}).expect("generate").token_ids
+                })
+                .collect::<Vec<_>>()
+        };
+        let m = load_with(&fixture(name), opts).expect("loads");
+        let want = turns(&m.model, &m.tokenizer, None);
+        let got = with_rank0(name, opts, p, |c, tok| turns(c.model(), &tok, Some(c)));
+        assert_eq!(want, got, "{name} {p:?}");
+    }
+}
+
+/// A prompt that shares a prefix with an earlier one starts from the state
+/// snapshot kept at the last shared block, on every rank of its group.
+#[test]
+fn prefix_cache_restores_over_ranks_match_one_process() {
+    for (name, p) in [
+        ("deepseek-v4", par(1, 1, 2, false)),
+        ("qwen3-next", par(1, 1, 2, false)),
+    ] {
+        let opts = int8_opts();
+        let m = load_with(&fixture(name), opts).expect("loads");
+        let vocab = m.model.config().vocab;
+        // Four blocks of 8: the first prompt's first chunk ends at the
+        // fourth block's end, where its state is kept.
+        let shared = prompt(vocab, 32, 11);
+        let reqs: Vec<EngineRequest> = [12u64, 13]
+            .into_iter()
+            .map(|seed| {
+                let p = [shared.clone(), prompt(vocab, 4, seed)].concat();
+                EngineRequest {
+                    ignore_eos: true,
+                    ..EngineRequest::new(p, 10, SamplingParams::greedy())
+                }
+            })
+            .collect();
+        let cfg = EngineConfig {
+            block_size: 8,
+            ..EngineConfig::default()
+        };
+        let run = |h: &EngineHandle| -> Vec<(Vec<u32>, usize)> {
+            reqs.iter()
+                .map(|r| {
+                    let (ids, _, usage) = collect(&submit(h, r.clone()));
+                    (ids, usage.cached_tokens)
+                })
+                .collect()
+        };
+        let (h, t) = EngineHandle::start(Arc::new(m.model), Arc::new(m.tokenizer), cfg.clone())
+            .expect("engine");
+        let want = run(&h);
+        h.shutdown(Shutdown::Drain);
+        t.join().expect("engine stops");
+        let got = with_rank0(name, opts, p, |c, tok| {
+            let (h, t) =
+                EngineHandle::start_on_cluster(Arc::clone(c), tok, cfg.clone()).expect("engine");
+            let got = run(&h);
+            h.shutdown(Shutdown::Drain);
+            t.join().expect("engine stops");
+            got
+        });
+        assert_eq!(want[1].1, 32, "{name}: four shared blocks of 8");
+        assert_eq!(want, got, "{name} {p:?}");
     }
 }

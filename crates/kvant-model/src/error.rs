@@ -76,6 +76,8 @@ pub enum ModelError {
     },
     #[error("{0} is not supported with more than one rank yet")]
     NotParallel(&'static str),
+    #[error("{0} is not split over tensor-parallel ranks (--tp); run it with --ep or --dp")]
+    NotTensorParallel(&'static str),
     #[error("the model has no multi-token-prediction module loaded")]
     NoMtp,
     #[error("multi-token prediction (--mtp) is not supported with {0}")]

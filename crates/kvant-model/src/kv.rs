@@ -803,10 +803,22 @@ impl Entries<'_> {
 pub struct KvCache {
     pool: KvPool,
     len: usize,
-    /// A saved linear-attention state and its length, which
+    /// The length at which the state in [`SAVED_SLOT`] was saved, which
     /// [`KvCache::truncate`] can go back to (see [`KvCache::save_state`]).
-    saved: Option<(usize, Vec<f32>)>,
+    saved: Option<usize>,
 }
+
+/// A copy between state slots that a [`KvCache`] made, which the other
+/// ranks of a parallel run make in theirs too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateCopy {
+    pub from: usize,
+    pub to: usize,
+}
+
+/// A [`KvCache`]'s state slots: the sequence's, and the saved one.
+pub const STATE_SLOTS: usize = 2;
+const SAVED_SLOT: usize = 1;
 
 /// The one block of a [`KvCache`].
 pub(crate) const SINGLE_TABLE: [u32; 1] = [0];
@@ -816,15 +828,16 @@ impl KvCache {
         Self::with_states(shape, StateShape::default(), capacity)
     }
 
-    /// [`Self::new`] for a model with linear-attention layers: one state
-    /// slot (slot 0).
+    /// [`Self::new`] for a model that keeps a state per sequence: the
+    /// sequence's in slot 0, a saved one in slot 1 ([`STATE_SLOTS`]).
     pub fn with_states(
         shape: KvShape,
         states: StateShape,
         capacity: usize,
     ) -> Result<Self, ModelError> {
+        let capacity = capacity.max(1);
         Ok(KvCache {
-            pool: KvPool::with_states(shape, states, 1, capacity.max(1), 1)?,
+            pool: KvPool::with_states(shape, states, STATE_SLOTS, capacity, 1)?,
             len: 0,
             saved: None,
         })
@@ -891,21 +904,27 @@ impl KvCache {
     /// a linear-attention one): further back, such a cache goes back to
     /// the state [`Self::save_state`] saved if that is at most `len`
     /// tokens in, else to the start; [`Self::len`] says where it is.
-    pub fn truncate(&mut self, len: usize) {
+    /// Returns the copy it made to go back, if it made one.
+    pub fn truncate(&mut self, len: usize) -> Option<StateCopy> {
         let len = self.len.min(len);
         let rewind = self.pool.state_shape().rewind;
         if self.pool.states.is_none() || self.len - len <= rewind {
             self.len = len;
-            return;
+            return None;
         }
-        match &self.saved {
-            Some((at, values)) if *at <= len => {
-                if let Some(s) = &mut self.pool.states {
-                    s.write(0, values);
-                }
-                self.len = *at;
+        let restore = StateCopy {
+            from: SAVED_SLOT,
+            to: 0,
+        };
+        match self.saved {
+            Some(at) if at <= len && self.pool.copy_state(SAVED_SLOT, 0).is_ok() => {
+                self.len = at;
+                Some(restore)
             }
-            _ => self.len = 0,
+            _ => {
+                self.len = 0;
+                None
+            }
         }
     }
 
@@ -918,10 +937,13 @@ impl KvCache {
     /// Saves the linear-attention state at the current length, so that a
     /// later [`Self::truncate`] to this length or beyond comes back to it
     /// (a benchmark's depth, a chat's previous prompt). Nothing to save
-    /// without such layers.
-    pub fn save_state(&mut self) {
-        if let Some(s) = &self.pool.states {
-            self.saved = Some((self.len, s.read(0)));
-        }
+    /// without such layers. Returns the copy it made, if it made one.
+    pub fn save_state(&mut self) -> Option<StateCopy> {
+        self.pool.copy_state(0, SAVED_SLOT).ok()?;
+        self.saved = Some(self.len);
+        Some(StateCopy {
+            from: 0,
+            to: SAVED_SLOT,
+        })
     }
 }

@@ -282,6 +282,25 @@ impl Run {
         })
     }
 
+    /// Saves the state of `cache` to go back to (see
+    /// [`KvCache::save_state`]), on every rank.
+    pub fn save_state(&self, cache: &mut KvCache) -> Result<()> {
+        Ok(kvant_engine::cluster::save_state(
+            self.cluster.as_deref(),
+            cache,
+        )?)
+    }
+
+    /// Cuts `cache` back to `len` tokens (see [`KvCache::truncate`]), on
+    /// every rank.
+    pub fn truncate(&self, cache: &mut KvCache, len: usize) -> Result<()> {
+        Ok(kvant_engine::cluster::truncate(
+            self.cluster.as_deref(),
+            cache,
+            len,
+        )?)
+    }
+
     /// One forward pass of the sequence in `cache` over `tokens`.
     pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], want: Want) -> Result<Vec<Row>> {
         Ok(forward_seq(

@@ -113,7 +113,8 @@ fn ppl(model: &str, extra: &[&str], np: usize) -> f64 {
 
 /// Expert parallelism, alone, with data parallelism (the second group has
 /// no requests) and with two-batch overlap: every logit is the bits of one
-/// process, so the perplexity over a text is the same number.
+/// process, so the perplexity over a text is the same number (DeepSeek-V4
+/// and Qwen3-Next too, whose states run on every rank).
 #[test]
 fn expert_parallel_perplexity_is_bit_identical() {
     for (name, numerics) in [
@@ -121,6 +122,9 @@ fn expert_parallel_perplexity_is_bit_identical() {
         ("qwen2-moe", EXACT),
         ("gguf/deepseek-v3.Q8_0.gguf", &[][..]),
         ("gguf/mixtral-moe.Q8_0.gguf", &[][..]),
+        // A state per sequence on every rank of its group.
+        ("deepseek-v4", EXACT),
+        ("qwen3-next", EXACT),
     ] {
         let m = tiny(name);
         let absorbed = [numerics, &["--mla-prefill", "absorbed"]].concat();

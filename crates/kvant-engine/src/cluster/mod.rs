@@ -20,7 +20,7 @@ use crate::error::EngineError;
 use kvant_dist::layout::split_even;
 use kvant_dist::{Buffer, Collective, CommExt, Layout};
 use kvant_model::arch::decoder::{DecoderModel, SeqStep};
-use kvant_model::kv::{KvCache, KvPool};
+use kvant_model::kv::{KvCache, KvPool, StateCopy, STATE_SLOTS};
 use kvant_model::Parallel;
 use std::sync::Arc;
 
@@ -83,17 +83,38 @@ impl Cluster {
         Ok(())
     }
 
-    /// A KV pool of `n_blocks` blocks of `block_size` tokens on every rank
-    /// (each sized for its shard); rank 0's is returned.
+    /// A KV pool of `n_blocks` blocks of `block_size` tokens and `slots`
+    /// state slots on every rank (each sized for its shard); rank 0's is
+    /// returned.
     ///
     /// # Errors
     /// A communication or model error.
-    pub fn pool(&self, block_size: usize, n_blocks: usize) -> Result<KvPool, EngineError> {
+    pub fn pool(
+        &self,
+        block_size: usize,
+        n_blocks: usize,
+        slots: usize,
+    ) -> Result<KvPool, EngineError> {
         self.send(&Msg::Pool {
             block_size,
             n_blocks,
+            slots,
         })?;
-        Ok(self.model.new_pool(block_size, n_blocks, 0)?)
+        Ok(self.model.new_pool(block_size, n_blocks, slots)?)
+    }
+
+    /// Makes in data-parallel group `group`'s pools on the other ranks the
+    /// state copy rank 0 made in its own (group 0's), or would make in
+    /// that group's.
+    ///
+    /// # Errors
+    /// A communication error.
+    pub fn copy_state(&self, group: usize, copy: StateCopy) -> Result<(), EngineError> {
+        self.send(&Msg::CopyState {
+            group,
+            from: copy.from,
+            to: copy.to,
+        })
     }
 
     /// A one-sequence cache of `capacity` tokens on every rank.
@@ -102,11 +123,13 @@ impl Cluster {
     /// As [`Cluster::pool`].
     pub fn cache(&self, capacity: usize) -> Result<KvCache, EngineError> {
         let capacity = capacity.min(self.model.config().max_context).max(1);
+        let cache = self.model.new_cache(capacity)?;
         self.send(&Msg::Pool {
             block_size: capacity,
             n_blocks: 1,
+            slots: if cache.has_state() { STATE_SLOTS } else { 0 },
         })?;
-        Ok(self.model.new_cache(capacity)?)
+        Ok(cache)
     }
 
     /// One forward pass: `groups[d]` are data-parallel group `d`'s
@@ -208,11 +231,17 @@ pub fn run_worker(model: &DecoderModel) -> Result<(), EngineError> {
             Msg::Pool {
                 block_size,
                 n_blocks,
+                slots,
             } => {
                 // The old pool goes before the new one is allocated.
                 drop(pool.take());
-                pool = Some(model.new_pool(block_size, n_blocks, 0)?);
+                pool = Some(model.new_pool(block_size, n_blocks, slots)?);
             }
+            Msg::CopyState { group, from, to } if group == dp => pool
+                .as_mut()
+                .ok_or_else(|| EngineError::Config("a state copy before any KV pool".into()))?
+                .copy_state(from, to)?,
+            Msg::CopyState { .. } => {}
             Msg::Rebalance { redundant } => model.rebalance_experts(redundant)?,
             Msg::Step { overlap, groups } => {
                 let pool = pool
@@ -406,4 +435,33 @@ pub fn forward_seq(
     let mut rows = cluster.step(pool, &groups)?;
     cache.commit(tokens.len());
     Ok(rows.swap_remove(0))
+}
+
+/// [`KvCache::save_state`] on this process, and across `cluster` in the
+/// other ranks' caches.
+///
+/// # Errors
+/// A communication error.
+pub fn save_state(cluster: Option<&Cluster>, cache: &mut KvCache) -> Result<(), EngineError> {
+    mirror(cluster, cache.save_state())
+}
+
+/// [`KvCache::truncate`] on this process, and across `cluster` in the
+/// other ranks' caches (a state it goes back to is copied there too).
+///
+/// # Errors
+/// A communication error.
+pub fn truncate(
+    cluster: Option<&Cluster>,
+    cache: &mut KvCache,
+    len: usize,
+) -> Result<(), EngineError> {
+    mirror(cluster, cache.truncate(len))
+}
+
+fn mirror(cluster: Option<&Cluster>, copy: Option<StateCopy>) -> Result<(), EngineError> {
+    match (cluster, copy) {
+        (Some(c), Some(copy)) => c.copy_state(0, copy),
+        _ => Ok(()),
+    }
 }

@@ -67,6 +67,8 @@ pub struct SeqPlan {
     pub pos0: usize,
     pub table: Vec<u32>,
     pub want: Want,
+    /// Its state slot (models that keep a state per sequence).
+    pub state: usize,
 }
 
 impl SeqPlan {
@@ -76,7 +78,7 @@ impl SeqPlan {
             pos0: self.pos0,
             table: &self.table,
             logits: self.want.logits(),
-            state: 0,
+            state: self.state,
         }
     }
 }
@@ -88,9 +90,21 @@ pub enum Msg {
     Heartbeat,
     /// Stop serving steps.
     Shutdown,
-    /// Make a new KV pool of `n_blocks` blocks of `block_size` tokens
-    /// (replacing any earlier one).
-    Pool { block_size: usize, n_blocks: usize },
+    /// Make a new KV pool of `n_blocks` blocks of `block_size` tokens and
+    /// `slots` state slots (replacing any earlier one).
+    Pool {
+        block_size: usize,
+        n_blocks: usize,
+        slots: usize,
+    },
+    /// Copy state slot `from` to `to` in data-parallel group `group`'s
+    /// pools (a prefix-cache snapshot kept or restored, a session's saved
+    /// state), as rank 0 did in its own.
+    CopyState {
+        group: usize,
+        from: usize,
+        to: usize,
+    },
     /// One forward pass: per data-parallel group, its sequences; with
     /// two-batch overlap or not.
     Step {
@@ -112,6 +126,7 @@ const SHUTDOWN: u32 = 1;
 const POOL: u32 = 2;
 const STEP: u32 = 3;
 const REBALANCE: u32 = 4;
+const COPY_STATE: u32 = 5;
 
 /// Encodes a step without copying it into [`SeqPlan`]s first.
 pub fn encode_step(
@@ -123,7 +138,8 @@ pub fn encode_step(
     for g in groups {
         w.push(word(g.len())?);
         for (s, want) in g {
-            w.extend([want.code(), word(s.pos0)?, word(s.tokens.len())?]);
+            w.extend([want.code(), word(s.state)?, word(s.pos0)?]);
+            w.push(word(s.tokens.len())?);
             w.extend_from_slice(s.tokens);
             w.push(word(s.table.len())?);
             w.extend_from_slice(s.table);
@@ -141,7 +157,11 @@ impl Msg {
             Msg::Pool {
                 block_size,
                 n_blocks,
-            } => vec![POOL, word(*block_size)?, word(*n_blocks)?],
+                slots,
+            } => vec![POOL, word(*block_size)?, word(*n_blocks)?, word(*slots)?],
+            Msg::CopyState { group, from, to } => {
+                vec![COPY_STATE, word(*group)?, word(*from)?, word(*to)?]
+            }
             Msg::Rebalance { redundant } => vec![REBALANCE, word(*redundant)?],
             Msg::Step { overlap, groups } => {
                 let steps: Vec<Vec<(SeqStep<'_>, Want)>> = groups
@@ -161,6 +181,12 @@ impl Msg {
             POOL => Msg::Pool {
                 block_size: r.next()? as usize,
                 n_blocks: r.next()? as usize,
+                slots: r.next()? as usize,
+            },
+            COPY_STATE => Msg::CopyState {
+                group: r.next()? as usize,
+                from: r.next()? as usize,
+                to: r.next()? as usize,
             },
             REBALANCE => Msg::Rebalance {
                 redundant: r.next()? as usize,
@@ -179,6 +205,7 @@ impl Msg {
                     for _ in 0..n {
                         let want = Want::from_code(r.next()?)
                             .ok_or(WireError("an unknown logits kind"))?;
+                        let state = r.next()? as usize;
                         let pos0 = r.next()? as usize;
                         let len = r.next()? as usize;
                         let tokens = r.take(len)?.to_vec();
@@ -189,6 +216,7 @@ impl Msg {
                             pos0,
                             table,
                             want,
+                            state,
                         });
                     }
                     groups.push(seqs);
@@ -239,12 +267,14 @@ mod tests {
                         pos0: 0,
                         table: vec![3, 4],
                         want: Want::Last,
+                        state: 0,
                     },
                     SeqPlan {
                         tokens: vec![9],
                         pos0: 40,
                         table: vec![0, 1, 2],
                         want: Want::LastArgmax,
+                        state: 3,
                     },
                 ],
                 vec![SeqPlan {
@@ -252,6 +282,7 @@ mod tests {
                     pos0: 4,
                     table: vec![7],
                     want: Want::Hidden,
+                    state: 1,
                 }],
                 vec![],
             ],
@@ -262,6 +293,12 @@ mod tests {
             Msg::Pool {
                 block_size: 16,
                 n_blocks: 100,
+                slots: 4,
+            },
+            Msg::CopyState {
+                group: 1,
+                from: 2,
+                to: 0,
             },
             Msg::Rebalance { redundant: 2 },
             step,
@@ -274,10 +311,11 @@ mod tests {
     fn malformed_messages_are_errors() {
         assert!(Msg::decode(&[]).is_err());
         assert!(Msg::decode(&[99]).is_err());
-        assert!(Msg::decode(&[POOL, 16]).is_err());
+        assert!(Msg::decode(&[POOL, 16, 4]).is_err());
+        assert!(Msg::decode(&[COPY_STATE, 0, 1]).is_err());
         assert!(Msg::decode(&[HEARTBEAT, 0]).is_err());
-        assert!(Msg::decode(&[STEP, 0, 1, 1, 1, 0, u32::MAX]).is_err());
-        assert!(Msg::decode(&[STEP, 0, 1, 1, 9, 0, 0, 0]).is_err());
+        assert!(Msg::decode(&[STEP, 0, 1, 1, 1, 0, 0, u32::MAX]).is_err());
+        assert!(Msg::decode(&[STEP, 0, 1, 1, 9, 0, 0, 0, 0]).is_err());
         assert!(Msg::decode(&[STEP, 0, u32::MAX]).is_err());
         assert!(Msg::decode(&[STEP, 2, 0]).is_err());
     }

@@ -30,6 +30,7 @@ use crate::request::EngineRequest;
 use crate::speculative::{MtpState, Speculation};
 use kvant_model::arch::decoder::{DecoderModel, Logits, MtpStep, SeqStep};
 use kvant_model::kv::KvPool;
+use kvant_model::kv::StateCopy;
 use kvant_model::tokenizer::Tokenizer;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -40,6 +41,9 @@ use std::time::Instant;
 struct Group<'t> {
     blocks: BlockManager,
     running: Vec<Sequence<'t>>,
+    /// State slots of the group's pools, for a model that keeps a state
+    /// per sequence (linear-attention layers, DeepSeek-V4's windows).
+    states: Option<StateSlots>,
 }
 
 pub(super) struct Engine<'t> {
@@ -58,9 +62,6 @@ pub(super) struct Engine<'t> {
     rebalance: Option<Rebalance>,
     /// Steps that ran a forward pass.
     steps: usize,
-    /// Recurrent-state slots, for a model with linear-attention layers
-    /// (one process: such models do not run over ranks yet).
-    states: Option<StateSlots>,
 }
 
 /// A step's logits: one process's `[rows, vocab]`, or what each group's
@@ -122,13 +123,14 @@ impl<'t> Engine<'t> {
             .map(|_| Group {
                 blocks: BlockManager::new(pool.n_blocks(), pool.block_size(), cfg.prefix_caching),
                 running: Vec::new(),
+                // Every group's pools have the slots rank 0's has.
+                states: (pool.state_slots() > 0).then(|| {
+                    let running = cfg.max_running.min(pool.state_slots());
+                    StateSlots::new(running, pool.state_slots() - running)
+                }),
             })
             .collect();
         let model_has_mtp = model.has_mtp();
-        let states = (pool.state_slots() > 0).then(|| {
-            let running = cfg.max_running.min(pool.state_slots());
-            StateSlots::new(running, pool.state_slots() - running)
-        });
         Engine {
             model,
             cluster,
@@ -144,7 +146,6 @@ impl<'t> Engine<'t> {
             spec: model_has_mtp.then(|| Speculation::new(cfg.speculation)),
             rebalance: cfg.rebalance,
             steps: 0,
-            states,
         }
     }
 
@@ -210,6 +211,7 @@ impl<'t> Engine<'t> {
             mtp: (self.spec.is_some() && embed.is_none()).then(MtpState::default),
             draft: None,
             state: None,
+            state_group: 0,
             restore: None,
             in_flight: Some(InFlight(Arc::clone(&self.shared))),
             embed: embed.map(Pooled::new),
@@ -261,7 +263,7 @@ impl<'t> Engine<'t> {
                 &mut self.waiting,
                 &mut group.blocks,
                 &self.limits,
-                self.states.as_ref(),
+                group.states.as_ref(),
             );
             plans[g] = plan;
             total.preempted += o.preempted;
@@ -422,7 +424,7 @@ impl<'t> Engine<'t> {
                 let group = &mut self.groups[g];
                 let mut s = group.running.remove(i);
                 s.release_blocks(&mut group.blocks);
-                if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
+                if let (Some(st), Some(slot)) = (&mut group.states, s.state.take()) {
                     st.give_back(slot);
                 }
                 s.fail(msg);
@@ -471,8 +473,9 @@ impl<'t> Engine<'t> {
                     vocab,
                     h,
                     blocks: &mut group.blocks,
-                    states: &mut self.states,
+                    states: &mut group.states,
                     pool: &mut self.pool,
+                    cluster: self.cluster.as_deref(),
                     shared: &self.shared,
                 };
                 let s = &mut group.running[p.seq];
@@ -551,7 +554,11 @@ impl<'t> Engine<'t> {
         };
         s.release_blocks(&mut self.groups[g].blocks);
         s.in_flight = None;
-        if let (Some(st), Some(slot)) = (&mut self.states, s.state.take()) {
+        let states = &mut self
+            .groups
+            .get_mut(s.state_group)
+            .and_then(|g| g.states.as_mut());
+        if let (Some(st), Some(slot)) = (states, s.state.take()) {
             st.give_back(slot);
         }
         // A stop string the flushed tail completes ends the request as a
@@ -589,31 +596,40 @@ impl<'t> Engine<'t> {
     /// (back in the queue) give theirs back, newly admitted ones take one,
     /// starting from the snapshot their cached prefix reaches, if any.
     fn place_states(&mut self) {
-        let Some(st) = &mut self.states else { return };
         for s in self.waiting.iter_mut() {
-            if let Some(slot) = s.state.take() {
+            let group = self.groups.get_mut(s.state_group);
+            if let (Some(st), Some(slot)) = (group.and_then(|g| g.states.as_mut()), s.state.take())
+            {
                 st.give_back(slot);
             }
         }
-        for s in self.groups.iter_mut().flat_map(|g| g.running.iter_mut()) {
-            if s.state.is_some() {
-                continue;
-            }
-            s.state = st.take();
-            let (Some(slot), Some(cid)) = (s.state, s.restore.take()) else {
+        let cluster = self.cluster.as_deref();
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            let Some(st) = &mut group.states else {
                 continue;
             };
-            // The scheduler saw the snapshot; nothing evicts one before
-            // the forward pass, but recompute from the start rather than
-            // from a wrong state if it were gone.
-            let restored = st
-                .snapshot(cid)
-                .is_some_and(|snap| self.pool.copy_state(snap, slot).is_ok());
-            if !restored {
-                // Recomputing from the start rewrites the shared blocks
-                // with the bits they hold (a sequence's keys do not depend
-                // on its batch): never someone else's data.
-                s.restart_at(0);
+            for s in group.running.iter_mut().filter(|s| s.state.is_none()) {
+                s.state = st.take();
+                s.state_group = g;
+                let (Some(slot), Some(cid)) = (s.state, s.restore.take()) else {
+                    continue;
+                };
+                // The scheduler saw the snapshot; nothing evicts one before
+                // the forward pass, but recompute from the start rather than
+                // from a wrong state if it were gone.
+                let restored = st.snapshot(cid).is_some_and(|snap| {
+                    let copy = StateCopy {
+                        from: snap,
+                        to: slot,
+                    };
+                    copy_state(&mut self.pool, cluster, g, copy).is_ok()
+                });
+                if !restored {
+                    // Recomputing from the start rewrites the shared blocks
+                    // with the bits they hold (a sequence's keys do not depend
+                    // on its batch): never someone else's data.
+                    s.restart_at(0);
+                }
             }
         }
     }
@@ -726,6 +742,7 @@ struct Share<'a> {
     h: usize,
     blocks: &'a mut BlockManager,
     states: &'a mut Option<StateSlots>,
+    cluster: Option<&'a Cluster>,
     pool: &'a mut KvPool,
     shared: &'a Shared,
 }
@@ -742,7 +759,8 @@ impl Share<'_> {
     /// boundary, keeps a snapshot of its state.
     fn settle(&mut self, s: &mut Sequence<'_>) {
         s.register_full_blocks(self.blocks);
-        keep_snapshot(s, self.states, self.pool, self.blocks.block_size());
+        let bs = self.blocks.block_size();
+        keep_snapshot(s, (self.states, self.g), (self.pool, self.cluster), bs);
     }
 }
 
@@ -850,7 +868,12 @@ fn advance(s: &mut Sequence<'_>, row: RowRef<'_>, shared: &Shared) -> Option<Fin
 /// After a step: if `s` now ends at a block boundary whose block is in the
 /// prefix cache, keeps a snapshot of its state there (models with
 /// linear-attention layers).
-fn keep_snapshot(s: &Sequence<'_>, states: &mut Option<StateSlots>, pool: &mut KvPool, bs: usize) {
+fn keep_snapshot(
+    s: &Sequence<'_>,
+    (states, g): (&mut Option<StateSlots>, usize),
+    (pool, cluster): (&mut KvPool, Option<&Cluster>),
+    bs: usize,
+) {
     let (Some(st), Some(slot)) = (states.as_mut(), s.state) else {
         return;
     };
@@ -862,7 +885,28 @@ fn keep_snapshot(s: &Sequence<'_>, states: &mut Option<StateSlots>, pool: &mut K
     };
     if let Some(snap) = st.keep(cid) {
         // Slots the engine made itself: a failure is a bug, and only costs
-        // a later prompt its reuse.
-        let _ = pool.copy_state(slot, snap);
+        // a later prompt its reuse (a lost rank fails the next step).
+        let copy = StateCopy {
+            from: slot,
+            to: snap,
+        };
+        let _ = copy_state(pool, cluster, g, copy);
     }
+}
+
+/// Copies a state slot to another in data-parallel group `g`'s pools:
+/// rank 0's own (group 0's) and, over ranks, the group's others.
+fn copy_state(
+    pool: &mut KvPool,
+    cluster: Option<&Cluster>,
+    g: usize,
+    copy: StateCopy,
+) -> Result<(), EngineError> {
+    if g == 0 {
+        pool.copy_state(copy.from, copy.to)?;
+    }
+    if let Some(c) = cluster {
+        c.copy_state(g, copy)?;
+    }
+    Ok(())
 }

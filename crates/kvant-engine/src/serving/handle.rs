@@ -173,7 +173,7 @@ impl EngineHandle {
             hidden: model.hidden_width(),
         });
         let pool = match &cluster {
-            Some(c) => c.pool(cfg.block_size, cfg.kv_blocks)?,
+            Some(c) => c.pool(cfg.block_size, cfg.kv_blocks, cfg.state_slots(&model))?,
             None => model.new_pool(cfg.block_size, cfg.kv_blocks, cfg.state_slots(&model))?,
         };
         shared

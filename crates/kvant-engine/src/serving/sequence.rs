@@ -34,10 +34,12 @@ pub(super) struct Sequence<'t> {
     /// The module's guess at the token after the last sampled one, to be
     /// verified in the next pass together with it.
     pub draft: Option<u32>,
-    /// Models with linear-attention layers: the sequence's state slot
+    /// Models that keep a state per sequence: the sequence's state slot
     /// while it runs, and at admission the content id of the cached block
     /// whose state snapshot it starts from.
     pub state: Option<usize>,
+    /// The data-parallel group whose slot `state` is.
+    pub state_group: usize,
     pub restore: Option<u64>,
     /// Its place among the accepted requests, given back before the last
     /// event is sent (a client that saw it may submit at once), or when

@@ -292,13 +292,20 @@ fn rank_shard(
             if opts.mtp && cfg.mtp_layers > 0 {
                 return Err(ModelError::NotParallel("multi-token prediction (--mtp)"));
             }
-            // Each rank would need the states of its sequences kept in
-            // step with rank 0's (rewinds included): not done yet.
-            if cfg.linear.is_some() {
-                return Err(ModelError::NotParallel("linear attention (Gated DeltaNet)"));
-            }
-            if cfg.v4.is_some() {
-                return Err(ModelError::NotParallel("DeepSeek-V4 attention"));
+            // A sequence's state runs whole on every rank of its group,
+            // kept in step by rank 0's copies (expert and data
+            // parallelism); its heads are not split.
+            if p.layout.tp > 1 {
+                if cfg.linear.is_some() {
+                    return Err(ModelError::NotTensorParallel(
+                        "linear attention (Gated DeltaNet)",
+                    ));
+                }
+                if cfg.v4.is_some() {
+                    return Err(ModelError::NotTensorParallel(
+                        "DeepSeek-V4 attention (one K = V head, its compressors and indexer)",
+                    ));
+                }
             }
             Shard {
                 tp: p.layout.tp,

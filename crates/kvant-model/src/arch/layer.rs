@@ -370,6 +370,9 @@ impl Layer {
         let Attention::Compressed(a) = &self.attn else {
             return Err(ModelError::KvShape);
         };
+        // With two-batch overlap, a sequence cut in two: its second part
+        // reads the window rows and compressor tails the first part wrote.
+        net.before_attention(at.index).await;
         if n > 0 {
             before_attn.pre(x, n, q8, hyper, collapsed)?;
             rms_norm(collapsed, &self.attn_norm, c.rms_eps, xn);
@@ -389,6 +392,9 @@ impl Layer {
             };
             a.forward(ctx, step)?;
             before_attn.post(x, proj, n, hyper);
+        }
+        net.after_attention(at.index);
+        if n > 0 {
             before_ffn.pre(x, n, q8, hyper, collapsed)?;
             rms_norm(collapsed, &self.ffn_norm, c.rms_eps, xn);
         }

@@ -149,7 +149,7 @@ fn bench_depth(
     }
     // Linear-attention layers' state at the depth, which every
     // repetition's rewind comes back to.
-    cache.save_state();
+    run.save_state(&mut cache)?;
     let fill_secs = t0.elapsed().as_secs_f64();
     let warm_up = run_once(run, &mut cache, depth, prompt, a.gen_tokens)?;
     let mut prefill_runs = Vec::new();
@@ -251,7 +251,7 @@ fn run_once(
     prompt: &[u32],
     gen: usize,
 ) -> Result<Timing> {
-    cache.truncate(depth);
+    run.truncate(cache, depth)?;
     let argmax = |rows: Vec<Row>| match rows.into_iter().next() {
         Some(Row::Argmax(Some(t))) => Ok(t),
         _ => bail!("the model returned no finite logits"),

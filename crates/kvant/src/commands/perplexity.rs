@@ -37,7 +37,7 @@ fn perplexity(a: &PerplexityArgs, m: &Run, text: &str) -> Result<()> {
     let (mut nll, mut scored, mut windows) = (0f64, 0usize, 0usize);
     let t0 = Instant::now();
     for window in ids.chunks(a.ctx).filter(|w| w.len() >= 2) {
-        cache.truncate(0);
+        m.truncate(&mut cache, 0)?;
         windows += 1;
         let mut pos = 0;
         for chunk in window.chunks(CHUNK) {
