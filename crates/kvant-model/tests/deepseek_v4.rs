@@ -20,17 +20,7 @@ fn fixture() -> PathBuf {
 
 /// The fixture with its config.json edited by `edit`, in a temporary dir.
 fn variant(edit: impl Fn(&mut Value)) -> tempfile::TempDir {
-    let dir = tempfile::tempdir().expect("tempdir");
-    for e in std::fs::read_dir(fixture()).expect("fixture") {
-        let p = e.expect("entry").path();
-        std::fs::copy(&p, dir.path().join(p.file_name().expect("name"))).expect("copy");
-    }
-    let path = dir.path().join("config.json");
-    let mut cfg: Value =
-        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
-    edit(&mut cfg);
-    std::fs::write(&path, cfg.to_string()).expect("write");
-    dir
+    common::config_variant(&fixture(), edit)
 }
 
 fn load(path: &Path) -> Result<DecoderModel, Box<ModelError>> {

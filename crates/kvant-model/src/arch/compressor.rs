@@ -89,7 +89,7 @@ impl Compressor {
     /// Values of a sequence's tail: per kept position, its kv then gate
     /// projections.
     pub fn state_len(&self) -> usize {
-        self.tail_rows() * 2 * self.width()
+        crate::config::compressor_tail_len(self.rate, self.dim, self.overlap)
     }
 
     /// The projections of `n` rows of `xn`: `kv` and `gate`, `[n, width]`.

@@ -29,4 +29,5 @@ pub use linear::{LinearConfig, LinearLayout};
 pub use mla::MlaConfig;
 pub use model::ModelConfig;
 pub use rope::{RopeConfig, RopeScaling};
+pub(crate) use v4::compressor_tail_len;
 pub use v4::{HyperConfig, V4Attention, V4Config, V4Indexer, V4Rope};

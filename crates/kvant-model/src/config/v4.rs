@@ -114,10 +114,7 @@ impl V4Config {
     /// (`rate` of them, `2·rate` of twice the width for CSA's overlapping
     /// windows, the indexer's likewise at its width).
     pub fn state_len(&self, layer: usize, head_dim: usize) -> usize {
-        let tail = |rate: usize, dim: usize, overlap: bool| match overlap {
-            true => 2 * rate * 2 * (2 * dim),
-            false => rate * 2 * dim,
-        };
+        let tail = compressor_tail_len;
         let ring = self.window * head_dim;
         match self.kind(layer) {
             V4Attention::Csa => {
@@ -339,6 +336,16 @@ impl V4Config {
             return bad("hc_eps", format!("{}", self.hc.eps));
         }
         Ok(self)
+    }
+}
+
+/// f32 values of a compressor's tail: kv and gate projections (`dim`
+/// wide, twice that with CSA's two series) of the `rate` positions of the
+/// open window, `2·rate` with overlapping windows.
+pub(crate) fn compressor_tail_len(rate: usize, dim: usize, overlap: bool) -> usize {
+    match overlap {
+        true => 2 * rate * 2 * (2 * dim),
+        false => rate * 2 * dim,
     }
 }
 

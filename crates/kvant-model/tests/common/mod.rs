@@ -9,6 +9,22 @@ use safetensors::tensor::TensorView;
 use safetensors::SafeTensors;
 use std::path::{Path, PathBuf};
 
+/// A copy of the fixture directory `dir` with its config.json edited by
+/// `edit`, in a temporary directory.
+pub fn config_variant(dir: &Path, edit: impl Fn(&mut serde_json::Value)) -> tempfile::TempDir {
+    let out = tempfile::tempdir().expect("tempdir");
+    for e in std::fs::read_dir(dir).expect("fixture") {
+        let p = e.expect("entry").path();
+        std::fs::copy(&p, out.path().join(p.file_name().expect("name"))).expect("copy");
+    }
+    let path = out.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    edit(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).expect("write");
+    out
+}
+
 pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/models")
 }
