@@ -234,6 +234,33 @@ impl EntryShape {
             .sum()
     }
 
+    /// Bytes one decoded token at position `pos` reads over the main
+    /// layers of `v4` (heads of `head_dim`): each layer's window rows (f32,
+    /// in the sequence's state), and the entries it sees, in `dtype`: every
+    /// closed one in an HCA layer; in a CSA layer every indexer key and the
+    /// indexer's top-k of the entries.
+    pub fn bytes_read(
+        &self,
+        v4: &V4Config,
+        (pos, head_dim): (usize, usize),
+        dtype: KvDType,
+    ) -> usize {
+        let row = dtype.bytes_rounded_up(self.dim);
+        let index = index_dtype(dtype).bytes_rounded_up(self.index_dim);
+        let window = 4 * head_dim * v4.window.min(pos + 1);
+        (0..v4.layers.len())
+            .map(|l| {
+                let visible = (pos + 1).checked_div(v4.rate(l)).unwrap_or(0);
+                window
+                    + match v4.layers[l] {
+                        V4Attention::Sliding => 0,
+                        V4Attention::Hca => visible * row,
+                        V4Attention::Csa => visible * index + v4.indexer.topk.min(visible) * row,
+                    }
+            })
+            .sum()
+    }
+
     /// Bytes of entries (and indexer keys) per token over every layer, in
     /// `dtype` (each layer's rounded up to a whole byte).
     pub fn bytes_per_token(&self, dtype: KvDType) -> usize {

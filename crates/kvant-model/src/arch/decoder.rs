@@ -594,9 +594,17 @@ impl DecoderModel {
     /// all main layers: each layer's keys and values at the positions it
     /// sees (`0..=pos`, or the last `window` of them in a sliding-window
     /// layer). Under sparse attention (DeepSeek-V3.2) the indexer reads
-    /// every position's key and attention only the top-k latent rows. The
-    /// MTP module, which a plain decode step does not run, is left out.
+    /// every position's key and attention only the top-k latent rows; under
+    /// DeepSeek-V4's, each layer its window's rows (f32, in the state) and
+    /// the compressed entries it sees (CSA: every indexer key, the top-k
+    /// entries). The MTP module, which a plain decode step does not run,
+    /// is left out.
     pub fn kv_bytes_read(&self, pos: usize) -> usize {
+        if let Some(v4) = &self.cfg.v4 {
+            return self
+                .entries
+                .bytes_read(v4, (pos, self.cfg.head_dim), self.kv_dtype);
+        }
         let shape = self.kv_shape();
         let index_row = shape.index_bytes();
         let kv_row = shape.bytes_per_token() / shape.n_layers.max(1) - index_row;
