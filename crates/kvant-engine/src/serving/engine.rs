@@ -592,9 +592,11 @@ impl<'t> Engine<'t> {
         }
     }
 
-    /// Linear-attention state slots after scheduling: preempted sequences
-    /// (back in the queue) give theirs back, newly admitted ones take one,
-    /// starting from the snapshot their cached prefix reaches, if any.
+    /// State slots after scheduling (models that keep a state per
+    /// sequence): preempted sequences (back in the queue) give theirs back
+    /// to their group, newly admitted ones take one of their group's,
+    /// starting from the snapshot their cached prefix reaches, if any (a
+    /// copy every rank of the group makes).
     fn place_states(&mut self) {
         for s in self.waiting.iter_mut() {
             let group = self.groups.get_mut(s.state_group);
