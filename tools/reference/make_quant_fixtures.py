@@ -50,9 +50,12 @@ SCALE_OFFSETS: dict[T, list[int]] = {
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
+    # Their scales are bytes (e8m0, ue4m3) where every value is finite.
+    T.MXFP4: [],
+    T.NVFP4: [],
 }
 FLOAT_TYPES = [T.F16, T.BF16]
-QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16}
+QUANTIZABLE = {T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.BF16, T.MXFP4}
 
 
 def random_halves(rng: np.random.Generator, n: int) -> np.ndarray:

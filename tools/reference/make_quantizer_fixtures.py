@@ -32,7 +32,7 @@ from gguf.constants import GGML_QUANT_SIZES
 SEED = 0x4B56_5154  # "KVQT"
 OUT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "quant" / "quantize.json"
 # The types kvant quantizes to, and ggml's reference quantizer of each.
-TYPES = {T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q5_0: "q5_0", T.Q4_K: "q4_K"}
+TYPES = {T.Q8_0: "q8_0", T.Q4_0: "q4_0", T.Q5_0: "q5_0", T.Q4_K: "q4_K", T.MXFP4: "mxfp4"}
 
 
 def rows(rng: np.random.Generator, n: int) -> list[tuple[str, np.ndarray]]:

@@ -23,6 +23,18 @@ pub enum DType {
     Q4_K,
     Q5_K,
     Q6_K,
+    /// OCP microscaling FP4: 32 e2m1 values and one power-of-two (e8m0)
+    /// scale per block (gpt-oss's experts; GGUF type 39).
+    MXFP4,
+    /// NVIDIA's FP4: 64 e2m1 values in sub-blocks of 16, each with an
+    /// unsigned e4m3 scale (GGUF type 40).
+    NVFP4,
+    /// FP8 e4m3 weights with one f32 scale per 128 values of a row: the
+    /// 128×128-block-scaled layout DeepSeek and Qwen publish
+    /// (`weight` + `weight_scale_inv`), each row carrying its column
+    /// blocks' scales (a scale per 128 bytes, 3% more). kvant's own: no
+    /// GGUF type, so never written to a GGUF file.
+    F8_B128,
     /// 32-bit integers: index tables stored beside the weights (DeepSeek-V4's
     /// token → experts map), never multiplied.
     I32,
@@ -32,11 +44,15 @@ pub enum DType {
 pub const QK_K: usize = 256;
 /// Block size of the legacy quants.
 pub const QK: usize = 32;
+/// Block size of [`DType::NVFP4`].
+pub const QK_NVFP4: usize = 64;
+/// Block size of [`DType::F8_B128`] (the width of DeepSeek's scale blocks).
+pub const QK_F8: usize = 128;
 
 impl DType {
     /// Every weight type (the element types kvant computes with); I32,
     /// which only index tables use, is not one.
-    pub const ALL: [DType; 13] = [
+    pub const ALL: [DType; 16] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -50,11 +66,15 @@ impl DType {
         DType::Q4_K,
         DType::Q5_K,
         DType::Q6_K,
+        DType::MXFP4,
+        DType::NVFP4,
+        DType::F8_B128,
     ];
 
-    /// The `ggml_type` id used in GGUF files.
-    pub fn ggml_id(self) -> u32 {
-        match self {
+    /// The `ggml_type` id used in GGUF files; `None` for kvant's own
+    /// [`DType::F8_B128`], which GGUF has no type for.
+    pub fn ggml_id(self) -> Option<u32> {
+        Some(match self {
             DType::F32 => 0,
             DType::F16 => 1,
             DType::Q4_0 => 2,
@@ -69,21 +89,28 @@ impl DType {
             DType::Q6_K => 14,
             DType::I32 => 26,
             DType::BF16 => 30,
-        }
+            DType::MXFP4 => 39,
+            DType::NVFP4 => 40,
+            DType::F8_B128 => return None,
+        })
     }
 
     pub fn from_ggml_id(id: u32) -> Option<DType> {
         DType::ALL
             .into_iter()
             .chain([DType::I32])
-            .find(|d| d.ggml_id() == id)
+            .find(|d| d.ggml_id() == Some(id))
     }
 
     /// Number of elements one block holds (1 for plain floats).
     pub fn block_size(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 | DType::I32 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => QK,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::MXFP4 => {
+                QK
+            }
+            DType::NVFP4 => QK_NVFP4,
+            DType::F8_B128 => QK_F8,
             DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K => QK_K,
         }
     }
@@ -103,6 +130,9 @@ impl DType {
             DType::Q4_K => 2 + 2 + 12 + QK_K / 2,
             DType::Q5_K => 2 + 2 + 12 + QK_K / 8 + QK_K / 2,
             DType::Q6_K => QK_K / 2 + QK_K / 4 + QK_K / 16 + 2,
+            DType::MXFP4 => 1 + QK / 2,
+            DType::NVFP4 => QK_NVFP4 / 16 + QK_NVFP4 / 2,
+            DType::F8_B128 => 4 + QK_F8,
         }
     }
 
@@ -125,6 +155,9 @@ impl DType {
             DType::Q4_K => "Q4_K",
             DType::Q5_K => "Q5_K",
             DType::Q6_K => "Q6_K",
+            DType::MXFP4 => "MXFP4",
+            DType::NVFP4 => "NVFP4",
+            DType::F8_B128 => "F8_E4M3_B128",
             DType::I32 => "I32",
         }
     }
@@ -174,6 +207,8 @@ mod tests {
             (DType::Q4_K, 144),
             (DType::Q5_K, 176),
             (DType::Q6_K, 210),
+            (DType::MXFP4, 17),
+            (DType::NVFP4, 36),
         ];
         for (d, n) in expect {
             assert_eq!(d.block_bytes(), n, "{d}");
@@ -183,7 +218,10 @@ mod tests {
     #[test]
     fn ids_round_trip() {
         for d in DType::ALL.into_iter().chain([DType::I32]) {
-            assert_eq!(DType::from_ggml_id(d.ggml_id()), Some(d));
+            match d.ggml_id() {
+                Some(id) => assert_eq!(DType::from_ggml_id(id), Some(d)),
+                None => assert_eq!(d, DType::F8_B128),
+            }
         }
         assert_eq!(DType::from_ggml_id(4), None);
         assert_eq!(DType::from_ggml_id(u32::MAX), None);

@@ -3,8 +3,8 @@
 //! Q5_0/Q8_0/Q4_K/Q5_K/Q6_K, the f32-activation kernels for the rest; the
 //! `f32act` group runs the int8 types on the f32-activation path): GEMV
 //! (one token, decoding) and GEMM (64 tokens, prefill) on a SmolLM2-sized
-//! 1536×576 weight (1536×512 for the 256-weight k-quants, whose rows must
-//! be whole super-blocks), plus the small projections that decide the
+//! 1536×576 weight (1536×512 for the 256-weight k-quants and 128-wide FP8
+//! blocks, whose rows must be whole blocks), plus the small projections that decide the
 //! fork-join threshold and four weights too large for the caches.
 //!
 //! Criterion reports `Gelem/s` as GFLOP/s (2 FLOPs per multiply-add) and
@@ -60,7 +60,7 @@ fn bench_one(c: &mut Criterion, group: &str, dtype: DType, out: usize, inp: usiz
 }
 
 /// The types SmolLM2 and Gemma 3 use first, then the rest.
-const TYPES: [DType; 13] = [
+const TYPES: [DType; 16] = [
     DType::Q4_1,
     DType::Q8_0,
     DType::Q5_0,
@@ -74,10 +74,13 @@ const TYPES: [DType; 13] = [
     DType::Q5_K,
     DType::BF16,
     DType::F32,
+    DType::MXFP4,
+    DType::NVFP4,
+    DType::F8_B128,
 ];
 
 fn shape(dtype: DType) -> (usize, usize) {
-    if dtype.block_size() == 256 {
+    if dtype.block_size() > 64 {
         (1536, 512)
     } else {
         (1536, 576)
@@ -146,6 +149,12 @@ fn dram(c: &mut Criterion) {
     bench_one(c, "dram", DType::Q6_K, 49152, 1024, 1);
     bench_one(c, "dram", DType::Q4_K, 49152, 1024, 1);
     bench_one(c, "f32act", DType::Q6_K, 49152, 1024, 1);
+    // Block-scaled FP8 (1.03 bytes a weight) against Q8_0 (1.06) of the
+    // same shape, and MXFP4 (0.53) against Q4_0 (0.56).
+    bench_one(c, "dram", DType::F8_B128, 49152, 1024, 1);
+    bench_one(c, "dram", DType::Q8_0, 49152, 1024, 1);
+    bench_one(c, "dram", DType::MXFP4, 49152, 1024, 1);
+    bench_one(c, "dram", DType::Q4_0, 49152, 1024, 1);
 }
 
 criterion_group! {

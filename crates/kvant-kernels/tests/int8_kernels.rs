@@ -17,7 +17,8 @@ use rand_chacha::ChaCha8Rng;
 /// missing or duplicated block moves the result by ~1e-2 of it.
 const REL_TOL: f64 = 1e-5;
 
-const TYPES: [DType; 7] = [
+const TYPES: [DType; 8] = [
+    DType::MXFP4,
     DType::Q4_0,
     DType::Q4_1,
     DType::Q5_0,
@@ -33,11 +34,16 @@ fn random_weight(rng: &mut ChaCha8Rng, dtype: DType, rows: usize, cols: usize) -
     let scale_fields: &[usize] = match dtype {
         DType::Q4_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q6_K => &[208],
+        DType::MXFP4 => &[],
         _ => &[0],
     };
     let mut bytes = Vec::new();
     for _ in 0..rows * cols / dtype.block_size() {
         let mut block: Vec<u8> = (0..dtype.block_bytes()).map(|_| rng.random()).collect();
+        if dtype == DType::MXFP4 {
+            // e8m0 scales 2^-17..2^-1.
+            block[0] = rng.random_range(110..=126);
+        }
         for &off in scale_fields {
             let s = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
             block[off..off + 2].copy_from_slice(&s.to_le_bytes());
@@ -188,14 +194,20 @@ fn largest_sums_neither_saturate_nor_wrap() {
         (DType::Q8_0, 0x80, -1.5),
         (DType::Q8_0, 0x7F, 1.5),
         (DType::Q8_0, 0x7F, -1.5),
+        // Codes 7 and 15: ±6, doubled ±12, in both nibbles.
+        (DType::MXFP4, 0x77, 1.5),
+        (DType::MXFP4, 0xFF, 1.5),
+        (DType::MXFP4, 0x77, -1.5),
     ] {
-        let block_values = if dtype == DType::Q8_0 { 32 } else { 256 };
+        let block_values = dtype.block_size();
         let mut bytes = Vec::new();
         for b in 0..rows * cols / block_values {
             let mut block = vec![fill; dtype.block_bytes()];
             let d = half::f16::from_f32(0.01).to_le_bytes();
             if dtype == DType::Q8_0 {
                 block[0..2].copy_from_slice(&d);
+            } else if dtype == DType::MXFP4 {
+                block[0] = 120;
             } else if dtype == DType::Q6_K {
                 for (j, sc) in block[192..208].iter_mut().enumerate() {
                     *sc = if (b + j) % 3 == 0 { 127 } else { 0x80 };
@@ -219,7 +231,7 @@ fn largest_sums_neither_saturate_nor_wrap() {
         for tier in cpu::available_tiers() {
             let mut y = vec![f32::NAN; n * rows];
             gemm_with(tier, &packed, &xq, &mut y).unwrap();
-            if dtype == DType::Q8_0 {
+            if matches!(dtype, DType::Q8_0 | DType::MXFP4) {
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&y), bits(&scalar), "{dtype} {tier} {fill:#x} {x}");
             }

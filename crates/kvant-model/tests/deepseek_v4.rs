@@ -315,3 +315,78 @@ fn v4_mtp_logits_match_the_reference() {
         "{short:?}"
     );
 }
+
+/// The FP8/FP4 fixture (`tools/reference/make_v4_fp8_fixture.py`) is read
+/// as stored: its linears as e4m3 rows with their block scales, its experts
+/// as MXFP4 blocks, never widened (its logits against transformers are in
+/// `reference_models.rs`).
+#[test]
+fn fp8_and_fp4_weights_stay_as_stored() {
+    use kvant_core::DType;
+    use kvant_model::hf::HfDir;
+    let dir = fixtures().join("deepseek-v4-fp8");
+    let hf = HfDir::open(&dir).expect("open");
+    for (name, dtype) in [
+        ("model.layers.1.attn.wq_a.weight", DType::F8_B128),
+        ("model.layers.2.attn.wkv.weight", DType::F8_B128),
+        ("model.layers.1.attn.indexer.wq_b.weight", DType::F8_B128),
+        // An f32 `weight_scale_inv` instead of an e8m0 `.scale`.
+        (
+            "model.layers.0.ffn.shared_experts.w2.weight",
+            DType::F8_B128,
+        ),
+        ("model.layers.3.ffn.experts.5.w2.weight", DType::MXFP4),
+        ("model.layers.1.attn.compressor.wkv.weight", DType::F32),
+    ] {
+        assert_eq!(hf.tensor(name).expect(name).dtype(), dtype, "{name}");
+    }
+    // Every stored weight's values as f32 would take this many bytes.
+    let f32_bytes: usize = hf
+        .tensor_names()
+        .filter(|n| !n.ends_with(".scale") && !n.ends_with("_scale_inv") && !n.ends_with("tid2eid"))
+        .map(|n| 4 * hf.tensor(n).expect(n).shape().iter().product::<usize>())
+        .sum();
+    for opts in [LoadOptions::F32, LoadOptions::default()] {
+        let ckpt = Checkpoint::open(&dir).expect("open");
+        let m =
+            DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts, None).expect("load");
+        // FP4 experts (0.53 bytes a weight), FP8 linears (1.03) and f32
+        // rest: about a quarter of f32; experts widened would be 0.9.
+        let ratio = m.total_weight_bytes() as f64 / f32_bytes as f64;
+        assert!(ratio < 0.35, "{ratio}");
+    }
+}
+
+/// FP8 weights without their scales, or with a scale grid of another
+/// shape, are typed errors naming the tensor.
+#[test]
+fn malformed_block_scaled_weights_are_errors() {
+    let src = fixtures().join("deepseek-v4-fp8");
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("read");
+    let st = SafeTensors::deserialize(&bytes).expect("safetensors");
+    let target = "model.layers.1.attn.wo_b";
+    let scale = format!("{target}.scale");
+    let one = [127u8];
+    // wo_b is 128×128: its grid is [1, 1]; [1, 1, 1] is another shape.
+    for (grid, want) in [(None, "block scales"), (Some(vec![1, 1, 1]), "grid")] {
+        let dir = tempfile::tempdir().expect("tmp");
+        for f in std::fs::read_dir(&src).expect("dir") {
+            let f = f.expect("entry").path();
+            std::fs::copy(&f, dir.path().join(f.file_name().expect("name"))).expect("copy");
+        }
+        let mut views: Vec<(String, TensorView<'_>)> = st
+            .tensors()
+            .into_iter()
+            .filter(|(n, _)| *n != scale)
+            .collect();
+        if let Some(shape) = grid {
+            let view = TensorView::new(safetensors::Dtype::F8_E8M0, shape, &one).expect("view");
+            views.push((scale.clone(), view));
+        }
+        let path = dir.path().join("model.safetensors");
+        safetensors::serialize_to_file(views, None, &path).expect("write");
+        let err = load(dir.path()).err().expect("loaded");
+        let msg = err.to_string();
+        assert!(msg.contains(target) && msg.contains(want), "{msg}");
+    }
+}

@@ -158,7 +158,9 @@ fn every_dtype_round_trips_at_several_alignments() {
         w.add("general.alignment", alignment).unwrap();
         w.add("general.architecture", "llama").unwrap();
         let mut expect = Vec::new();
-        for (i, dtype) in DType::ALL.into_iter().enumerate() {
+        // Every type with a GGUF id (F8_B128 is kvant's own: see below).
+        let types = DType::ALL.into_iter().filter(|d| d.ggml_id().is_some());
+        for (i, dtype) in types.enumerate() {
             let rows = rng.random_range(1..6);
             let row = dtype.block_size() * rng.random_range(1..4)
                 + if dtype.is_quantized() { 0 } else { 1 };
@@ -191,6 +193,15 @@ fn every_dtype_round_trips_at_several_alignments() {
             assert_eq!(g.tensor_info(name), Some(info));
         }
     }
+    // A type GGUF has no id for is the writer's typed error, not a file
+    // another reader would misread.
+    let mut w = GgufWriter::new();
+    w.add("general.architecture", "llama").unwrap();
+    let data = vec![0u8; DType::F8_B128.block_bytes()];
+    w.add_tensor("w".to_string(), DType::F8_B128, &[1, 128], data)
+        .unwrap();
+    let err = w.to_bytes().expect_err("written");
+    assert!(err.to_string().contains("no type"), "{err}");
 }
 
 #[test]
@@ -395,7 +406,8 @@ fn reads_the_reference_writers_fixture() {
     );
     // Every kvant dtype is present, with the deterministic bytes the script wrote.
     let infos = g.tensor_infos();
-    for dtype in DType::ALL.into_iter().chain([DType::I32]) {
+    let in_gguf = DType::ALL.into_iter().filter(|d| d.ggml_id().is_some());
+    for dtype in in_gguf.chain([DType::I32]) {
         assert!(infos.iter().any(|t| t.dtype == dtype), "{dtype}");
     }
     for (i, info) in infos.iter().enumerate() {

@@ -338,7 +338,79 @@ unsafe fn tile_body<I: Dot, const T: usize>(
         PackedFormat::Q4K => q4k_tile::<I, T>(w, blocks, x),
         PackedFormat::Q5K => q5k_tile::<I, T>(w, blocks, x),
         PackedFormat::Q6K => q6k_tile::<I, T>(w, blocks, x),
+        PackedFormat::Mxfp4 => mxfp4_tile::<I, T>(w, blocks, x),
     }
+}
+
+/// `Mxfp4`: each chunk's codes become `k + 12` (0…24, unsigned for
+/// `vpmaddubsw`) through one `vpshufb` per nibble half, so the products
+/// need no sign trick; `12·Σx` comes off the block's exact i32 sum. A
+/// chunk's low and high products (each pair at most `2·24·127`) add in i16
+/// and widen per chunk: eight chunks of them could reach 48768 and wrap.
+#[inline(always)]
+unsafe fn mxfp4_tile<I: Dot, const T: usize>(
+    w: *const u8,
+    blocks: usize,
+    x: &[TokenPtrs; T],
+) -> [__m256; T] {
+    let fmt = PackedFormat::Mxfp4;
+    let (bb, hdr) = (fmt.block_bytes(), fmt.header());
+    let mask = _mm256_set1_epi8(0x0F);
+    let mut table = [0u8; 16];
+    for (t, &k) in table.iter_mut().zip(crate::quant::E2M1_DOUBLED.iter()) {
+        *t = (k + 12) as u8;
+    }
+    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(table.as_ptr() as *const __m128i));
+    let mut acc = [_mm256_setzero_ps(); T];
+    for b in 0..blocks {
+        // SAFETY (whole loop): as in `q4_tile`.
+        let blk = w.add(b * bb);
+        if T <= PREFETCH_TOKENS {
+            prefetch(blk.wrapping_add(PREFETCH_BYTES), bb);
+        }
+        let d = e8m0_half_lanes(blk);
+        let q = blk.add(hdr);
+        let mut s = [[_mm256_setzero_si256(); T]; 2];
+        for c in 0..4 {
+            let raw = _mm256_loadu_si256(q.add(32 * c) as *const __m256i);
+            let lo = _mm256_shuffle_epi8(table, _mm256_and_si256(raw, mask));
+            let hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask));
+            let k = if T <= SPLIT_TOKENS { c % 2 } else { 0 };
+            for (t, s) in s[k].iter_mut().enumerate() {
+                let xq = x[t].q.add(b * QK);
+                let p = I::acc(_mm256_setzero_si256(), lo, bcast4(xq.add(4 * c)));
+                let p = I::acc(p, hi, bcast4(xq.add(16 + 4 * c)));
+                *s = _mm256_add_epi32(*s, I::widen(p));
+            }
+        }
+        for t in 0..T {
+            let mut st = if T <= SPLIT_TOKENS {
+                _mm256_add_epi32(s[0][t], s[1][t])
+            } else {
+                s[0][t]
+            };
+            // Σ (k + 12) x − 12 Σ x = Σ k x, exactly.
+            st = _mm256_sub_epi32(st, _mm256_set1_epi32(*x[t].n.add(b) * 12));
+            let dd = _mm256_mul_ps(d, _mm256_set1_ps(*x[t].d.add(b)));
+            acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(st), dd, acc[t]);
+        }
+    }
+    acc
+}
+
+/// The 8 rows' e8m0 bytes at `p` as `2^(e − 128)` per lane, bit for bit
+/// as [`crate::quant::e8m0_half`] builds them (`(e − 1) << 23`, and the
+/// denormal `0x200000 << e` below 2).
+///
+/// # Safety
+/// `p` is valid for an 8-byte read; the CPU supports AVX2.
+#[inline(always)]
+unsafe fn e8m0_half_lanes(p: *const u8) -> __m256 {
+    let e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
+    let normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    let denormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x0020_0000), e);
+    let small = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+    _mm256_castsi256_ps(_mm256_blendv_epi8(normal, denormal, small))
 }
 
 #[inline(always)]

@@ -46,6 +46,10 @@
 //!   its half (sub-block `4u + 2s + h`). The 6 bits stay 6 bits: 1680 bytes
 //!   per 8 rows, as stored, since decoding reads every weight once from
 //!   memory and a widened byte per weight would read 30% more.
+//! - `Mxfp4` (from MXFP4: `w = kvalues[q] · 2^(e − 128)`, `kvalues` the
+//!   doubled e2m1 values −12…12): `e: [u8; 8]` (the rows' scale bytes as
+//!   stored), then 4 chunks of 32 bytes as for `Q4Sym` (the nibbles are
+//!   codes, looked up per chunk). 136 bytes per 8 rows, as stored.
 //!
 //! Rows past the end of the matrix (the last group) are zero.
 
@@ -90,6 +94,8 @@ pub enum PackedFormat {
     /// 6-bit `q` with `w = d·sc_j (q - 32)` in super-blocks of 256, a signed
     /// 8-bit scale per sub-block of 16 (Q6_K).
     Q6K,
+    /// 4-bit e2m1 codes with a power-of-two (e8m0) scale per block of 32 (MXFP4).
+    Mxfp4,
 }
 
 impl PackedFormat {
@@ -102,6 +108,7 @@ impl PackedFormat {
             DType::Q4_K => Some(PackedFormat::Q4K),
             DType::Q5_K => Some(PackedFormat::Q5K),
             DType::Q6_K => Some(PackedFormat::Q6K),
+            DType::MXFP4 => Some(PackedFormat::Mxfp4),
             _ => None,
         }
     }
@@ -110,7 +117,9 @@ impl PackedFormat {
     const fn block_elems(self) -> usize {
         match self {
             PackedFormat::Q4K | PackedFormat::Q5K | PackedFormat::Q6K => QK_K,
-            PackedFormat::Q4Sym | PackedFormat::Q4Asym | PackedFormat::Q8 => QK,
+            PackedFormat::Q4Sym | PackedFormat::Q4Asym | PackedFormat::Q8 | PackedFormat::Mxfp4 => {
+                QK
+            }
         }
     }
 
@@ -121,6 +130,7 @@ impl PackedFormat {
             PackedFormat::Q4Sym | PackedFormat::Q8 => 2 * GROUP,
             PackedFormat::Q4K | PackedFormat::Q5K => 4 * GROUP + 2 * SUBS * GROUP,
             PackedFormat::Q6K => 2 * GROUP + Q6K_SUBS * GROUP,
+            PackedFormat::Mxfp4 => GROUP,
         }
     }
 
@@ -128,7 +138,7 @@ impl PackedFormat {
     const fn quant_bytes(self) -> usize {
         match self {
             PackedFormat::Q8 => QK,
-            PackedFormat::Q4Sym | PackedFormat::Q4Asym => QK / 2,
+            PackedFormat::Q4Sym | PackedFormat::Q4Asym | PackedFormat::Mxfp4 => QK / 2,
             PackedFormat::Q4K => QK_K / 2,
             PackedFormat::Q5K => QK_K / 2 + QK_K / 8,
             PackedFormat::Q6K => QK_K / 2 + QK_K / 4,
@@ -168,6 +178,11 @@ fn source_block(dtype: DType, src: &[u8], quants: &mut [u8; SOURCE_QUANTS]) -> (
         DType::Q8_0 => {
             quants[..QK].copy_from_slice(&src[2..2 + QK]);
             (d, [0, 0])
+        }
+        DType::MXFP4 => {
+            // The e8m0 byte in place of an f16 scale.
+            quants[..QK / 2].copy_from_slice(&src[1..1 + QK / 2]);
+            ([src[0], 0], [0, 0])
         }
         DType::Q4_K => {
             quants[..QK_K / 2].copy_from_slice(&src[16..16 + QK_K / 2]);
@@ -264,7 +279,11 @@ impl PackedMatrix {
                     continue;
                 }
                 let (d, m) = source_block(w.dtype(), src, &mut quants);
-                dst[2 * lane..2 * lane + 2].copy_from_slice(&d);
+                if format == PackedFormat::Mxfp4 {
+                    dst[lane] = d[0];
+                } else {
+                    dst[2 * lane..2 * lane + 2].copy_from_slice(&d);
+                }
                 let k_quant = matches!(format, PackedFormat::Q4K | PackedFormat::Q5K);
                 if k_quant || format == PackedFormat::Q4Asym {
                     dst[2 * GROUP + 2 * lane..][..2].copy_from_slice(&m);

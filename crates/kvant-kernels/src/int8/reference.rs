@@ -24,6 +24,7 @@ pub(crate) fn group_dot(
         PackedFormat::Q4K => return q4k_group_dot::<false>(w, xq, xd, xs),
         PackedFormat::Q5K => return q4k_group_dot::<true>(w, xq, xd, xs),
         PackedFormat::Q6K => return q6k_group_dot(w, xq, xd),
+        PackedFormat::Mxfp4 => return mxfp4_group_dot(w, xq, xd),
         _ => {}
     }
     let bb = format.block_bytes();
@@ -42,7 +43,8 @@ pub(crate) fn group_dot(
                     | PackedFormat::Q4Asym
                     | PackedFormat::Q4K
                     | PackedFormat::Q5K
-                    | PackedFormat::Q6K => {
+                    | PackedFormat::Q6K
+                    | PackedFormat::Mxfp4 => {
                         let byte = blk[hdr + 32 * (i % 16 / 4) + 4 * r + i % 4];
                         (if i < 16 { byte & 0x0F } else { byte >> 4 }) as i32
                     }
@@ -51,9 +53,11 @@ pub(crate) fn group_dot(
             }
             *acc = (isum as f32).mul_add(d * xd[b], *acc);
             let m = match format {
-                PackedFormat::Q8 | PackedFormat::Q4K | PackedFormat::Q5K | PackedFormat::Q6K => {
-                    continue
-                }
+                PackedFormat::Q8
+                | PackedFormat::Q4K
+                | PackedFormat::Q5K
+                | PackedFormat::Q6K
+                | PackedFormat::Mxfp4 => continue,
                 PackedFormat::Q4Sym => -8.0 * d,
                 PackedFormat::Q4Asym => f16(&blk[2 * GROUP..], r),
             };
@@ -98,6 +102,32 @@ fn q4k_group_dot<const FIVE: bool>(w: &[u8], xq: &[i8], xd: &[f32], xs: &[f32]) 
                 *acc = (isum as f32).mul_add(d * sc * xd[xb], *acc);
                 *acc = (-(dmin * m)).mul_add(xs[xb], *acc);
             }
+        }
+    }
+    acc
+}
+
+/// [`group_dot`] for `Mxfp4`: per block `acc = fma(Σk·x, d·d_x, acc)`
+/// with `k` the doubled e2m1 value of each code (exact in i32: at most
+/// `32·12·127`) and `d = 2^(e − 128)`. The AVX2 kernel sums `(k + 12)·x`
+/// and takes `12·Σx` off, the same integer, then rounds the same two
+/// operations.
+fn mxfp4_group_dot(w: &[u8], xq: &[i8], xd: &[f32]) -> [f32; GROUP] {
+    let format = PackedFormat::Mxfp4;
+    let (bb, hdr) = (format.block_bytes(), format.header());
+    let mut acc = [0f32; GROUP];
+    for (b, blk) in w.chunks_exact(bb).enumerate() {
+        let x = &xq[b * QK..(b + 1) * QK];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            let d = crate::quant::e8m0_half(blk[r]);
+            let isum: i32 = (0..QK)
+                .map(|i| {
+                    let byte = blk[hdr + 32 * (i % 16 / 4) + 4 * r + i % 4];
+                    let code = if i < 16 { byte & 0x0F } else { byte >> 4 };
+                    crate::quant::E2M1_DOUBLED[code as usize] as i32 * x[i] as i32
+                })
+                .sum();
+            *acc = (isum as f32).mul_add(d * xd[b], *acc);
         }
     }
     acc

@@ -45,3 +45,21 @@ pub(super) fn five_bit_values(qh: &[u8], qs: &[u8]) -> [u32; 32] {
     }
     out
 }
+
+/// The e2m1 (FP4) values doubled, so that they are the integers −12…12:
+/// ggml's `kvalues_fp4`, shared by MXFP4 and NVFP4. Index is the 4-bit
+/// code: bit 3 the sign, then 2 exponent bits and 1 mantissa bit.
+pub(crate) const E2M1_DOUBLED: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the value of an e8m0 scale byte, `2^(e − 128)`, as ggml's
+/// `ggml_e8m0_to_fp32_half` builds it (denormal bit patterns for `e < 2`):
+/// the scale that multiplies [`E2M1_DOUBLED`].
+#[inline(always)]
+pub(crate) fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
+    };
+    f32::from_bits(bits)
+}

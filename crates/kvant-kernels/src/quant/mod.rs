@@ -13,6 +13,9 @@
 
 mod fields;
 mod float;
+pub mod fp8;
+pub(crate) mod mxfp4;
+mod nvfp4;
 mod q2_k;
 mod q3_k;
 pub(crate) mod q4_0;
@@ -27,6 +30,7 @@ mod requantize;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 
+pub(crate) use fields::{e8m0_half, E2M1_DOUBLED};
 pub use requantize::{quantize_tensor, quantized_type};
 
 use crate::cpu::{self, SimdTier};
@@ -60,6 +64,9 @@ fn ref_dequantizer(dtype: DType) -> fn(&[u8], &mut [f32]) {
         DType::Q4_K => q4_k::dequantize_ref,
         DType::Q5_K => q5_k::dequantize_ref,
         DType::Q6_K => q6_k::dequantize_ref,
+        DType::MXFP4 => mxfp4::dequantize_ref,
+        DType::NVFP4 => nvfp4::dequantize_ref,
+        DType::F8_B128 => fp8::dequantize_ref,
         DType::I32 => float::dequantize_i32,
     }
 }
@@ -80,6 +87,9 @@ fn avx2_dequantizer(dtype: DType) -> Option<DequantFn> {
         DType::Q4_K => q4_k::avx2::dequantize,
         DType::Q5_K => q5_k::avx2::dequantize,
         DType::Q6_K => q6_k::avx2::dequantize,
+        DType::MXFP4 => mxfp4::avx2::dequantize,
+        DType::NVFP4 => nvfp4::avx2::dequantize,
+        DType::F8_B128 => fp8::avx2::dequantize,
         DType::F32 | DType::I32 => return None,
     })
 }
@@ -205,7 +215,7 @@ pub fn quantize_row_q4_0(src: &[f32], dst: &mut [u8]) -> Result<(), KernelError>
 
 /// Quantizes `src` (whole blocks of `dtype`) to `dtype` in `dst` as ggml's
 /// reference quantizer does (without an importance matrix): Q8_0, Q4_0,
-/// Q5_0 and Q4_K, the bytes `llama-quantize` writes.
+/// Q5_0, Q4_K and MXFP4, the bytes `llama-quantize` writes.
 ///
 /// # Errors
 /// [`KernelError::UnsupportedDType`] for another type; [`KernelError`]
@@ -227,6 +237,7 @@ pub fn quantize_row_with(
         DType::Q4_0 => q4_0::quantize_ref,
         DType::Q5_0 => q5_0::quantize_ref,
         DType::Q4_K => q4_k::quantize_ref,
+        DType::MXFP4 => mxfp4::quantize_ref,
         dtype => {
             return Err(KernelError::UnsupportedDType {
                 op: "quantize_row",

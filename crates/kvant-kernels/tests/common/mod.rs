@@ -14,6 +14,9 @@ use rand_chacha::ChaCha8Rng;
 fn scale_offsets(dtype: DType) -> &'static [usize] {
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 | DType::I32 => &[],
+        // Every e8m0 / ue4m3 scale byte is a finite scale; F8_B128's f32
+        // scale is set by `random_block`.
+        DType::MXFP4 | DType::NVFP4 | DType::F8_B128 => &[],
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => &[0],
         DType::Q4_1 | DType::Q5_1 | DType::Q4_K | DType::Q5_K => &[0, 2],
         DType::Q2_K => &[80, 82],
@@ -29,6 +32,21 @@ pub fn random_block(rng: &mut ChaCha8Rng, dtype: DType, scale: f32) -> Vec<u8> {
     for &off in scale_offsets(dtype) {
         let d = half::f16::from_f32(rng.random_range(-scale..scale));
         block[off..off + 2].copy_from_slice(&d.to_le_bytes());
+    }
+    if dtype == DType::MXFP4 {
+        // Scales 2^-17..2^-1 as weights have them: a random e8m0 byte
+        // reaches 2^127, whose products overflow.
+        block[0] = rng.random_range(110..=126);
+    }
+    if dtype == DType::F8_B128 {
+        // A finite f32 scale, and no NaN codes (the loader refuses them).
+        let d = rng.random_range(-scale..scale) / 64.0;
+        block[..4].copy_from_slice(&d.to_le_bytes());
+        for q in &mut block[4..] {
+            if *q & 0x7F == 0x7F {
+                *q ^= 1;
+            }
+        }
     }
     block
 }

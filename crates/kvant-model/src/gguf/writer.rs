@@ -190,7 +190,14 @@ impl<'a> GgufWriter<'a> {
             for &d in t.shape.iter().rev() {
                 h.extend((d as u64).to_le_bytes());
             }
-            h.extend(t.dtype.ggml_id().to_le_bytes());
+            let id = t
+                .dtype
+                .ggml_id()
+                .ok_or_else(|| GgufError::BadWriterTensor {
+                    tensor: t.name.clone(),
+                    reason: format!("GGUF has no type for {}", t.dtype),
+                })?;
+            h.extend(id.to_le_bytes());
             h.extend((offset as u64).to_le_bytes());
             offset = offset
                 .checked_add(t.data.len() + self.padding(t.data.len())?)

@@ -87,9 +87,35 @@ impl HfDir {
         self.shards.iter().for_each(|s| s.release_resident_pages());
     }
 
-    /// A view of tensor `name` in its stored type, borrowing the mapped file.
+    /// Tensor `name`: a view in its stored type, borrowing the mapped
+    /// file; a block-scaled FP8 or FP4 weight assembled with its scale
+    /// into kvant's block type (see [`super::scaled`]).
     pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        self.shard_of(name)?.tensor(name)
+        let shard = self.shard_of(name)?;
+        let raw = shard.raw(name)?;
+        let scale = || -> Option<Result<super::scaled::Raw<'_>>> {
+            let scale_name = super::scaled::scale_names(name)
+                .into_iter()
+                .find(|s| self.has_tensor(s))?;
+            Some(self.shard_of(&scale_name).and_then(|f| f.raw(&scale_name)))
+        };
+        match raw.dtype {
+            "F8_E4M3" => {
+                let scale = scale().ok_or_else(|| HfError::ScaledWeight {
+                    tensor: name.to_string(),
+                    reason: format!(
+                        "an F8_E4M3 weight needs its block scales ({})",
+                        super::scaled::scale_names(name).join(" or ")
+                    ),
+                })??;
+                super::scaled::fp8(name, raw, scale)
+            }
+            "I8" | "U8" | "F4" => match scale() {
+                Some(scale) => super::scaled::fp4(name, raw, scale?),
+                None => shard.tensor(name),
+            },
+            _ => shard.tensor(name),
+        }
     }
 
     /// Tensor `name`'s integer values and shape (see

@@ -60,7 +60,7 @@ pub enum HfError {
         tensor: String,
         dtype: String,
     },
-    #[error("unsupported safetensors dtype {dtype} for tensor {tensor:?} (kvant reads F32, F16 and BF16)")]
+    #[error("unsupported safetensors dtype {dtype} for tensor {tensor:?} (kvant reads F32, F16 and BF16, F8_E4M3 with block scales, and FP4 codes in I8/U8/F4 with e8m0 scales)")]
     UnsupportedDtype { tensor: String, dtype: &'static str },
     #[error("{}: tensor {tensor:?} data_offsets [{begin}, {end}] are not an ordered range inside the {data_len}-byte data section", path.display())]
     OffsetsOutOfRange {
@@ -95,6 +95,8 @@ pub enum HfError {
         first: PathBuf,
         second: PathBuf,
     },
+    #[error("tensor {tensor:?}: {reason}")]
+    ScaledWeight { tensor: String, reason: String },
     #[error("no tensor named {name:?} in the model directory")]
     MissingTensor { name: String },
     #[error("tensor {tensor:?}: {source}")]

@@ -9,6 +9,7 @@ mod error;
 mod files;
 mod index;
 mod safetensors;
+mod scaled;
 mod st_dtype;
 
 pub use dir::{

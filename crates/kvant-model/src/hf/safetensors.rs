@@ -75,14 +75,17 @@ impl SafetensorsFile {
         self.storage.release_all_resident_pages();
     }
 
-    /// A view of tensor `name` borrowing the mapped bytes.
-    pub fn tensor(&self, name: &str) -> Result<Tensor> {
-        let entry = self
-            .entries
+    fn entry(&self, name: &str) -> Result<&Entry> {
+        self.entries
             .get(name)
             .ok_or_else(|| HfError::MissingTensor {
                 name: name.to_string(),
-            })?;
+            })
+    }
+
+    /// A view of tensor `name` borrowing the mapped bytes.
+    pub fn tensor(&self, name: &str) -> Result<Tensor> {
+        let entry = self.entry(name)?;
         let dtype = entry
             .dtype
             .to_dtype()
@@ -104,15 +107,36 @@ impl SafetensorsFile {
 }
 
 impl SafetensorsFile {
+    /// Tensor `name` as stored: its dtype, shape and bytes (validated
+    /// against each other when the file opened), for the loaders of
+    /// formats kvant assembles from several tensors (`super::scaled`).
+    pub(crate) fn raw(&self, name: &str) -> Result<super::scaled::Raw<'_>> {
+        let entry = self.entry(name)?;
+        let elements: usize = entry.shape.iter().product();
+        // The byte count was validated when the file opened.
+        let len = entry
+            .dtype
+            .bytes_for(elements as u128)
+            .and_then(|n| usize::try_from(n).ok())
+            .unwrap_or(0);
+        let bytes = self
+            .storage
+            .slice(entry.start, len)
+            .map_err(|source| HfError::Tensor {
+                tensor: name.to_string(),
+                source,
+            })?;
+        Ok(super::scaled::Raw {
+            dtype: entry.dtype.name(),
+            shape: &entry.shape,
+            bytes,
+        })
+    }
+
     /// Tensor `name`'s values as integers (`I64`, `I32`, `U8`...: an
     /// index table such as DeepSeek-V4's `tid2eid`), with its shape.
     pub fn integers(&self, name: &str) -> Result<(Vec<i64>, Vec<usize>)> {
-        let entry = self
-            .entries
-            .get(name)
-            .ok_or_else(|| HfError::MissingTensor {
-                name: name.to_string(),
-            })?;
+        let entry = self.entry(name)?;
         let width = match entry.dtype.name() {
             "I64" | "U64" => 8,
             "I32" | "U32" => 4,
