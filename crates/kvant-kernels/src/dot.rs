@@ -71,11 +71,44 @@ pub fn dot_tile_f32_with<const T: usize>(
     match cpu::clamp(tier) {
         SimdTier::Scalar => rows.map(|r| xs.map(|x| dot_f32_scalar(r, x))),
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `dot_f32_with`; every row and vector has `n` elements.
-        SimdTier::Avx2 | SimdTier::Avx512 => unsafe { avx2::dot_tile(rows, xs) },
+        SimdTier::Avx2 | SimdTier::Avx512 => avx2_tile(rows, xs),
         #[cfg(not(target_arch = "x86_64"))]
         SimdTier::Avx2 | SimdTier::Avx512 => rows.map(|r| xs.map(|x| dot_f32_scalar(r, x))),
     }
+}
+
+/// [`dot_tile_f32_with`] on AVX2's 16 registers: at most three vectors a
+/// pass (12 accumulators), four as two and two. Four in one pass kept 16
+/// accumulators and spilled them (a store and a reload per FMA chain
+/// step: DeepSeek-V4's lightning indexer, prefill at depth 4096, spent
+/// 42% of that tile's samples on the spill). Each pair's sum is the same
+/// chain whatever the pass holds, so the split changes no bit.
+#[cfg(target_arch = "x86_64")]
+fn avx2_tile<const T: usize>(rows: [&[f32]; 4], xs: [&[f32]; T]) -> [[f32; T]; 4] {
+    let mut out = [[0f32; T]; 4];
+    let mut t = 0;
+    while t < T {
+        let g = crate::vecops::rows_per_pass(T - t, 3);
+        let mut put = |part: [[f32; 3]; 4], g: usize| {
+            for (o, p) in out.iter_mut().zip(part) {
+                o[t..t + g].copy_from_slice(&p[..g]);
+            }
+        };
+        // SAFETY: the caller checked every row and vector to have the
+        // rows' length; the CPU has AVX2 and FMA (the tier's clamp).
+        unsafe {
+            match g {
+                1 => put(avx2::dot_tile(rows, [xs[t]]).map(|r| [r[0], 0.0, 0.0]), 1),
+                2 => put(
+                    avx2::dot_tile(rows, [xs[t], xs[t + 1]]).map(|r| [r[0], r[1], 0.0]),
+                    2,
+                ),
+                _ => put(avx2::dot_tile(rows, [xs[t], xs[t + 1], xs[t + 2]]), 3),
+            }
+        }
+        t += g;
+    }
+    out
 }
 
 /// `out[t * stride + j] = xs[t] · keys[j]` for the key rows `keys` (the
@@ -510,13 +543,26 @@ mod tests {
         for tier in cpu::available_tiers() {
             for n in [1usize, 5, 8, 13, 16, 23, 40, 131] {
                 let rows: Vec<Vec<f32>> = (0..4).map(|_| random(&mut rng, n)).collect();
-                let xs: Vec<Vec<f32>> = (0..3).map(|_| random(&mut rng, n)).collect();
+                let xs: Vec<Vec<f32>> = (0..6).map(|_| random(&mut rng, n)).collect();
                 let rows = [&rows[0][..], &rows[1], &rows[2], &rows[3]];
                 let got3 = dot_tile_f32_with(tier, rows, [&xs[0][..], &xs[1], &xs[2]]);
                 let got2 = dot_tile_f32_with(tier, rows, [&xs[0][..], &xs[1]]);
+                let x = |t: usize| &xs[t][..];
+                let got4 = dot_tile_f32_with(tier, rows, [x(0), x(1), x(2), x(3)]);
+                let got6 = dot_tile_f32_with(tier, rows, [x(0), x(1), x(2), x(3), x(4), x(5)]);
                 for (r, row) in rows.iter().enumerate() {
                     for (t, x) in xs.iter().enumerate() {
-                        assert_close(got3[r][t], row, x, tier.name());
+                        assert_close(got6[r][t], row, x, tier.name());
+                        // Each pair's bits whatever else the tile holds
+                        // (AVX2 runs four as two passes, six as two).
+                        let alone = dot_tile_f32_with(tier, rows, [&x[..]])[r][0];
+                        assert_eq!(got6[r][t].to_bits(), alone.to_bits(), "{tier} n {n}");
+                        if t < 4 {
+                            assert_eq!(got4[r][t].to_bits(), alone.to_bits(), "{tier} n {n}");
+                        }
+                        if t < 3 {
+                            assert_close(got3[r][t], row, x, tier.name());
+                        }
                         if t < 2 {
                             assert_close(got2[r][t], row, x, tier.name());
                         }

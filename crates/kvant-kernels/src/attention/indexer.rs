@@ -364,7 +364,7 @@ fn score_range<T: KvElem>(
         let tk = KEY_TILE.min(range.end - j0);
         keys.widen_tile(tier, &at, (j0, tk), (kt, &mut []));
         let rows = RowSet::strided(&kt[..], hd, tk, hd);
-        scores(tier, (nh, qrow), (rows, &[]), st);
+        scores(tier, (nh, qrow), (rows, &[]), (st, KEY_TILE));
         combine_heads(p.scale, &st[..], &w[..nh], &mut idx[..tk]);
         for (jj, &score) in idx[..tk].iter().enumerate() {
             stream.push(Cand {

@@ -477,7 +477,12 @@ fn run_tile<E: Lanes>(
     (part, s, lens): &mut (&mut Partial, &mut [f32], &mut Vec<usize>),
 ) {
     let vd = p.v_dim;
-    scores(tier, (rows.n(), |r| rows.q[r]), (keys, ahead.0), s);
+    scores(
+        tier,
+        (rows.n(), |r| rows.q[r]),
+        (keys, ahead.0),
+        (s, KEY_TILE),
+    );
     lens.clear();
     for (r, &(start, end)) in rows.keys.iter().enumerate() {
         let rk = start..end;
@@ -597,7 +602,7 @@ pub(super) fn fold(
     }
 }
 
-/// `s[r * KEY_TILE + jj] = q_r · k_jj` for the tile's key rows `keys`
+/// `s[r * stride + jj] = q_r · k_jj` for the key rows `keys`
 /// (f32, or f16 / bf16 as stored). Every pair goes through the same 4-key
 /// dot tile (one accumulator per pair), whatever the row and key counts: a
 /// short last group repeats its last key, odd rows use a narrower tile.
@@ -612,23 +617,23 @@ pub(super) fn scores<'q, E: Lanes>(
     tier: SimdTier,
     (n_rows, qrow): (usize, impl Fn(usize) -> &'q [f32]),
     (keys, ahead): (RowSet<'_, '_, E>, &[&[E]]),
-    s: &mut [f32],
+    (s, stride): (&mut [f32], usize),
 ) {
     let most = vecops::rows_per_tile(tier);
     let mut r = 0;
     while r < n_rows {
-        let out = &mut s[r * KEY_TILE..];
+        let out = &mut s[r * stride..];
         let g = vecops::rows_per_pass(n_rows - r, most);
         // The first pass prefetches the rows ahead; later ones find them requested.
         let k = (keys, if r == 0 { ahead } else { &[] });
         let q = |i: usize| qrow(r + i);
         match g {
-            1 => dot_keys_with(tier, k, [q(0)], out, KEY_TILE),
-            2 => dot_keys_with(tier, k, [q(0), q(1)], out, KEY_TILE),
-            3 => dot_keys_with(tier, k, [q(0), q(1), q(2)], out, KEY_TILE),
-            4 => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3)], out, KEY_TILE),
-            5 => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3), q(4)], out, KEY_TILE),
-            _ => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3), q(4), q(5)], out, KEY_TILE),
+            1 => dot_keys_with(tier, k, [q(0)], out, stride),
+            2 => dot_keys_with(tier, k, [q(0), q(1)], out, stride),
+            3 => dot_keys_with(tier, k, [q(0), q(1), q(2)], out, stride),
+            4 => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3)], out, stride),
+            5 => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3), q(4)], out, stride),
+            _ => dot_keys_with(tier, k, [q(0), q(1), q(2), q(3), q(4), q(5)], out, stride),
         }
         r += g;
     }
