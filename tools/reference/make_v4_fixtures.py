@@ -181,9 +181,10 @@ def _float_experts(self, bid: int, proj: str, tensor_key) -> list[str]:
     only step that needs DeepSeek's FP4 experts: the published checkpoint stores
     each routed expert as packed FP4 `weight` + e8m0 `scale`, which the converter
     repacks into one MXFP4 [n_experts, rows, cols] tensor per layer and
-    projection. kvant does not read MXFP4 yet, and the tiny fixture's experts are
-    float32 (no `.scale`), so this writes the same stack, in the same place and
-    under the same name, as F32. Everything else is the converter's own code."""
+    projection. The tiny fixture's experts are float32 (no `.scale`; the FP4
+    encoding is deepseek-v4-fp8's, make_v4_fp8_fixture.py), so this writes the
+    same stack, in the same place and under the same name, as F32. Everything
+    else is the converter's own code."""
     import numpy as np
     import torch
     from conversion.base import LazyTorchTensor
@@ -201,17 +202,22 @@ def _float_experts(self, bid: int, proj: str, tensor_key) -> list[str]:
 
 
 def _llama_cpp_child(argv: list[str]) -> None:
-    """argv: --check-against FIXTURE_DIR, then convert_with_llama_cpp.py's arguments
-    (--converter PATH, the published-layout copy, --outtype f32, --outfile, ...).
-    Converts, then reads the GGUF back with the converter's gguf-py and checks it
-    against FIXTURE_DIR/model.safetensors; prints one CHECK_MARK line (JSON)."""
+    """argv: --check-against FIXTURE_DIR (or --convert-only), then
+    convert_with_llama_cpp.py's arguments (--converter PATH, the published-layout
+    copy, --outtype f32, --outfile, ...). Converts, then reads the GGUF back with
+    the converter's gguf-py and checks it against FIXTURE_DIR/model.safetensors;
+    prints one CHECK_MARK line (JSON). --convert-only leaves the check to the caller
+    (make_v4_mtp_fixture.py's MTP file)."""
     import importlib
 
     import numpy as np
 
-    if argv[0] != "--check-against":
-        raise SystemExit(f"{CHILD_FLAG}: --check-against DIR first")
-    fixture, wrapper_args = Path(argv[1]), argv[2:]
+    if argv[0] == "--convert-only":
+        fixture, wrapper_args = None, argv[1:]
+    elif argv[0] == "--check-against":
+        fixture, wrapper_args = Path(argv[1]), argv[2:]
+    else:
+        raise SystemExit(f"{CHILD_FLAG}: --check-against DIR or --convert-only first")
     converter = Path(wrapper_args[wrapper_args.index("--converter") + 1]).resolve()
     outfile = Path(wrapper_args[wrapper_args.index("--outfile") + 1])
     sys.path.insert(0, str(converter.parent))
@@ -228,6 +234,9 @@ def _llama_cpp_child(argv: list[str]) -> None:
     del DeepseekV4Model.prepare_tensors
     sys.argv = [convert_with_llama_cpp.__file__, *wrapper_args]
     convert_with_llama_cpp.main()
+    if fixture is None:
+        print(CHECK_MARK + json.dumps({"gguf_py": str(Path(gguf.__file__).parent)}), flush=True)
+        return
 
     reader = gguf.GGUFReader(str(outfile))
     arch = reader.fields["general.architecture"].contents()
@@ -894,17 +903,24 @@ def make_gguf(ref: dict, converter: Path) -> None:
     print(f"  metadata ({len(check['metadata'])} keys, read with {check['gguf_py']}): {', '.join(check['metadata'])}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def converter_arg(doc: str | None) -> Path | None:
+    """The command line's --converter PATH (or $LLAMA_CPP_CONVERTER), resolved;
+    None without one. Also sets up determinism and quiet logging for a fixture run."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--converter", type=Path, default=os.environ.get("LLAMA_CPP_CONVERTER") or None)
     args = ap.parse_args()
     if args.converter is not None and not args.converter.is_file():
         sys.exit(f"no converter at {args.converter}")
     base.setup_determinism()
     hf_logging.set_verbosity_error()
+    return None if args.converter is None else args.converter.resolve()
+
+
+def main() -> None:
+    converter = converter_arg(__doc__)
     ref = make(moe.tokenizer())
-    if args.converter is not None:
-        make_gguf(ref, args.converter.resolve())
+    if converter is not None:
+        make_gguf(ref, converter)
 
 
 if __name__ == "__main__":

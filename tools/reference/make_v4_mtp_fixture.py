@@ -33,8 +33,20 @@ model-00001-of-00002.safetensors, a symbolic link to ../deepseek-v4/model.safete
 reference.json is the main fixture's (same weights; reference_models.rs checks
 them through the index and the link) plus `mtp`.
 
+With --converter PATH (or $LLAMA_CPP_CONVERTER; after make_v4_fixtures.py
+--converter), the module also goes through llama.cpp's convert_hf_to_gguf.py --mtp,
+which writes DeepSeek-V4's MTP to a GGUF of its own beside the main one:
+tests/fixtures/models/gguf/mtp-deepseek-v4.F32.gguf (the main model's metadata with
+block_count N+1 and nextn_predict_layers 1, its embedding, final norm and head, the
+block as blk.N.*, `nextn.{enorm,hnorm,shared_head_norm}`, the module's hc_head as
+output_hc_*, and e_proj/h_proj as one `nextn.eh_proj` = [e_proj | h_proj], which
+the converter always stores as Q8_0). Its reference, mtp-deepseek-v4.F32.reference.json,
+is the same computation with e_proj and h_proj dequantized from that Q8_0 tensor;
+every other tensor is checked bit-identical to this fixture's. The converter runs in
+make_v4_fixtures.py's child process with the same float-expert stand-in.
+
 Run from the repository root after make_v4_fixtures.py:
-  .venv/bin/python tools/reference/make_v4_mtp_fixture.py
+  .venv/bin/python tools/reference/make_v4_mtp_fixture.py [--converter PATH]
 """
 
 from __future__ import annotations
@@ -43,7 +55,9 @@ import copy
 import json
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,7 +68,6 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers.masking_utils import create_sliding_window_causal_mask  # noqa: E402
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperHead  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -201,14 +214,8 @@ def write(tensors: dict, longer, ref: dict) -> None:
     fixture_json.write_json(out / "reference.json", ref)
 
 
-def main() -> None:
-    base.setup_determinism()
-    hf_logging.set_verbosity_error()
-    main_ref = json.loads((MAIN / "reference.json").read_text(encoding="utf-8"))
-    ids = main_ref["prompt_ids"]
-    model = tiny_models.load(MAIN)
-    block, tensors, longer = build_block(model, ids)
-    logits, margins = mtp_logits(model, block, tensors, longer, ids)
+def mtp_reference(logits: torch.Tensor, margins: list[float], ids: list[int], notes: list[str]) -> dict:
+    """The `mtp` entry of a reference file: logits rows, argmax, mean NLL."""
     if min(margins) < moe_routing_checks.MIN_ROUTING_MARGIN:
         raise AssertionError(f"MTP routing margin {min(margins):.3g} too small; pick another SEED")
     arr = logits.numpy().astype(np.float32)
@@ -221,30 +228,197 @@ def main() -> None:
     nll = float((logz - x[np.arange(len(targets)), targets]).mean())
     argmax = [int(i) for i in arr.argmax(axis=1)]
     hits = sum(int(a == b) for a, b in zip(argmax, targets))
+    return {
+        "convention": "s_i = main streams before hc_head; x_i,k = e_proj(enorm(embed(ids[i+1]))) + "
+        "h_proj(hnorm(s_i,k)) for i in 0..L-2, at position i; out = the MTP block over x; "
+        "logits_i = head(norm(hc_head_mtp(out_i))) predicts ids[i+2]",
+        "attention": MTP_ATTENTION,
+        "argmax": argmax,
+        "mean_nll": nll,
+        "routing_margins": [round(v, 6) for v in margins],
+        "notes": [
+            f"argmax equals the next prompt token at {hits} of {len(targets)} rows (random weights)",
+            f"smallest expert-choice margin of the block's router {min(margins):.3g}",
+            *notes,
+        ],
+        "logits_shape": [int(arr.shape[0]), int(arr.shape[1])],
+        "logits": rows,
+    }
+
+
+# ---------------------------------------------------------------- the GGUF
+
+GGUF_FILE = f"mtp-{v4.NAME}.F32.gguf"
+
+
+def published_mtp_copy(tensors: dict, longer, dst: Path) -> Path:
+    """deepseek-v4 in DeepSeek's published layout (make_v4_fixtures.published_copy)
+    with the module added as the published checkpoints carry it: `mtp.0.*` in the
+    shard (the block's kv norm as `attn.kv_norm`), num_nextn_predict_layers 1 and a
+    `compress_ratios` entry for the MTP layer after the main ones."""
+    from safetensors.torch import load_file
+
+    pub = v4.published_copy(MAIN, dst)
+    cfg = json.loads((pub / "config.json").read_text(encoding="utf-8"))
+    cfg["num_nextn_predict_layers"] = 1
+    cfg["layer_types"] = list(longer.layer_types)
+    cfg["mlp_layer_types"] = list(longer.mlp_layer_types)
+    rates = cfg["compress_rates"]
+    cfg["compress_ratios"] = [0 if t == "sliding_attention" else rates[t] for t in cfg["layer_types"]]
+    (pub / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    weights = load_file(str(pub / "model.safetensors"))
+    for name, value in tensors.items():
+        if name == "mtp.0.attn.norm.weight":
+            name = "mtp.0.attn.kv_norm.weight"
+        weights[name] = value.contiguous()
+    save_file(weights, str(pub / "model.safetensors"), metadata={"format": "pt"})
+    return pub
+
+
+def expected_mtp_tensors(main_st: Path, tensors: dict, n: int) -> dict:
+    """What the --mtp GGUF must hold but `nextn.eh_proj`: the main embedding, final
+    norm and head, and the module under llama.cpp's names (make_v4_fixtures' tables)."""
+    import re
+
+    from safetensors.numpy import load_file
+
+    main = load_file(str(main_st))
+    want = {
+        "token_embd.weight": main["model.embed_tokens.weight"],
+        "output_norm.weight": main["model.norm.weight"],
+        "output.weight": main["head.weight"],
+    }
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    own = {"enorm.weight": "enorm", "hnorm.weight": "hnorm", "norm.weight": "shared_head_norm"}
+    for name, value in tensors.items():
+        rest = name.removeprefix("mtp.0.")
+        value = value.numpy()
+        if rest.startswith("hc_head_"):
+            want["output_hc_" + rest.removeprefix("hc_head_") + ".weight"] = value
+        elif rest in own:
+            want[f"blk.{n}.nextn.{own[rest]}.weight"] = value
+        elif rest in ("e_proj.weight", "h_proj.weight"):
+            continue
+        elif e := re.fullmatch(r"ffn\.experts\.(\d+)\.(w[123])\.weight", rest):
+            experts.setdefault(e.group(2), {})[int(e.group(1))] = value
+        else:
+            want[f"blk.{n}.{v4.GGUF_LAYER[rest]}"] = value
+    for w, mats in experts.items():
+        want[f"blk.{n}.{v4.GGUF_EXPERTS[w]}"] = np.stack([mats[i] for i in range(len(mats))])
+    return want
+
+
+def check_mtp_gguf(path: Path, tensors: dict, n: int, h: int) -> tuple[np.ndarray, dict]:
+    """Reads the converter's file back (the venv's gguf-py: plain F32 and Q8_0) and
+    checks its metadata and tensors; returns eh_proj dequantized, [h, 2h]."""
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(path))
+    field = lambda k: reader.fields[k].contents()  # noqa: E731
+    meta = {
+        "general.architecture": field("general.architecture"),
+        "deepseek4.block_count": field("deepseek4.block_count"),
+        "deepseek4.nextn_predict_layers": field("deepseek4.nextn_predict_layers"),
+        "deepseek4.attention.compress_ratios": field("deepseek4.attention.compress_ratios"),
+    }
+    if meta["general.architecture"] != "deepseek4" or meta["deepseek4.block_count"] != n + 1:
+        raise AssertionError(f"metadata {meta}")
+    if meta["deepseek4.nextn_predict_layers"] != 1:
+        raise AssertionError(f"metadata {meta}")
+    got = {t.name: t for t in reader.tensors}
+    want = expected_mtp_tensors(MAIN / "model.safetensors", tensors, n)
+    eh_name = f"blk.{n}.nextn.eh_proj.weight"
+    if set(got) != set(want) | {eh_name}:
+        raise AssertionError(f"tensor names differ: {sorted(set(got) ^ (set(want) | {eh_name}))}")
+    for name, w in want.items():
+        t = got[name]
+        data = np.asarray(t.data)
+        if t.tensor_type != GGMLQuantizationType.F32 or data.shape != w.shape or data.tobytes() != w.tobytes():
+            raise AssertionError(f"{name}: {t.tensor_type.name} {data.shape}, not the checkpoint's {w.shape}")
+    eh = got[eh_name]
+    if eh.tensor_type != GGMLQuantizationType.Q8_0:
+        raise AssertionError(f"{eh_name}: {eh.tensor_type.name}, the converter forces Q8_0")
+    eh_deq = dequantize(np.asarray(eh.data), GGMLQuantizationType.Q8_0).reshape(h, 2 * h)
+    exact = torch.cat((tensors["mtp.0.e_proj.weight"], tensors["mtp.0.h_proj.weight"]), dim=1).numpy()
+    # Q8_0 (ggml's quantize_row_q8_0_ref): q = round(x · 127/amax) against the f32
+    # step d = amax/127, the step then stored as f16: each value within d/2 plus
+    # |q| ≤ 127 times f16's rounding of d (2^-11 relative), 0.562·d, of its block's.
+    step = np.abs(exact.reshape(h, -1, 32)).max(axis=2, keepdims=True) / 127
+    err = np.abs(eh_deq - exact).reshape(h, -1, 32)
+    if not (err <= step * (0.5 + 127 * 2.0**-11) * (1 + 1e-4) + 1e-12).all():
+        raise AssertionError(f"{eh_name}: not [e_proj | h_proj] within Q8_0's rounding")
+    meta["tensors"] = len(got)
+    meta["eh_proj_max_abs_error"] = float(err.max())
+    return eh_deq.astype(np.float32), meta
+
+
+def make_gguf(converter: Path, model, block, tensors: dict, longer, ids: list[int], float_logits) -> None:
+    """gguf/mtp-deepseek-v4.F32.gguf through llama.cpp's converter --mtp, checked,
+    and its reference (e_proj, h_proj as the file's Q8_0 eh_proj gives them)."""
+    out_dir = base.MODELS / "gguf"
+    path = out_dir / GGUF_FILE
+    n, h = model.config.num_hidden_layers, model.config.hidden_size
+    with tempfile.TemporaryDirectory() as tmp:
+        published = published_mtp_copy(tensors, longer, Path(tmp) / v4.NAME)
+        cmd = [sys.executable, str(Path(v4.__file__).resolve()), v4.CHILD_FLAG, "--convert-only"]
+        cmd += ["--converter", str(converter), str(published), "--outtype", "f32", "--outfile", str(path)]
+        cmd += ["--model-name", v4.NAME, "--mtp"]
+        run = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    if run.returncode != 0 or not any(line.startswith(v4.CHECK_MARK) for line in run.stdout.splitlines()):
+        raise RuntimeError(f"converter failed on {NAME}:\n{run.stdout}\n{run.stderr}")
+    eh, meta = check_mtp_gguf(path, tensors, n, h)
+    quantized = dict(tensors)
+    quantized["mtp.0.e_proj.weight"] = torch.from_numpy(eh[:, :h].copy())
+    quantized["mtp.0.h_proj.weight"] = torch.from_numpy(eh[:, h:].copy())
+    logits, margins = mtp_logits(model, block, quantized, longer, ids)
+    moved = float((logits - float_logits).abs().max())
+    note = (
+        f"GGUF: llama.cpp's DeepseekV4Model conversion --mtp --outtype f32 of {NAME} in DeepSeek's published "
+        f"layout; {meta['tensors']} tensors, each bit-identical to the fixture's but nextn.eh_proj, which the "
+        f"converter stores as Q8_0 (within Q8_0's rounding of [e_proj | h_proj]: max |err| "
+        f"{meta['eh_proj_max_abs_error']:.3g}); routed experts stacked as F32 (make_v4_fixtures._float_experts); "
+        f"this reference takes e_proj and h_proj from that Q8_0 tensor, which moves the logits by at most "
+        f"{moved:.3g} from {NAME}'s"
+    )
+    ref = {
+        "model": GGUF_FILE.removesuffix(".gguf"),
+        "source": f"{NAME}'s MTP module converted by llama.cpp's convert_hf_to_gguf.py --mtp (architecture "
+        f"deepseek4); the main model is gguf/{v4.NAME}.F32.gguf (its reference: {v4.NAME}.F32.reference.json)",
+        "gguf_file": GGUF_FILE,
+        "main_gguf_file": f"{v4.NAME}.F32.gguf",
+        "metadata": {k: v for k, v in meta.items() if "." in k},
+        "prompt_ids": ids,
+        "notes": [note],
+        # check_with_llama_cpp.py runs every gguf/*.reference.json's file as a model.
+        "llama_cpp_skip": "an MTP module only (llama.cpp loads it as a draft beside its main model), and "
+        "llama.cpp's deepseek4 runs only HCA ratio 128 and hc_mult 4 (this fixture: 8 and 3)",
+        "mtp": mtp_reference(logits, margins, ids, []),
+    }
+    fixture_json.write_json(out_dir / GGUF_FILE.replace(".gguf", ".reference.json"), ref)
+    print(f"{GGUF_FILE}: {path.stat().st_size} bytes; {note}")
+
+
+def main() -> None:
+    converter = v4.converter_arg(__doc__)
+    main_ref = json.loads((MAIN / "reference.json").read_text(encoding="utf-8"))
+    ids = main_ref["prompt_ids"]
+    model = tiny_models.load(MAIN)
+    block, tensors, longer = build_block(model, ids)
+    logits, margins = mtp_logits(model, block, tensors, longer, ids)
+    mtp = mtp_reference(logits, margins, ids, [])
     # The main model's reference is deepseek-v4's (the same weights, read here
     # through the index and the linked shard); `mtp` is this file's own.
     ref = {
         **main_ref,
         "model": NAME,
         "source": f"{v4.NAME}'s weights and reference plus a random MTP module (make_v4_mtp_fixture.py)",
-        "mtp": {
-            "convention": "s_i = main streams before hc_head; x_i,k = e_proj(enorm(embed(ids[i+1]))) + "
-            "h_proj(hnorm(s_i,k)) for i in 0..L-2, at position i; out = the MTP block over x; "
-            "logits_i = head(norm(hc_head_mtp(out_i))) predicts ids[i+2]",
-            "attention": MTP_ATTENTION,
-            "argmax": argmax,
-            "mean_nll": nll,
-            "routing_margins": [round(v, 6) for v in margins],
-            "notes": [
-                f"argmax equals the next prompt token at {hits} of {len(targets)} rows (random weights)",
-                f"smallest expert-choice margin of the block's router {min(margins):.3g}",
-            ],
-            "logits_shape": [int(arr.shape[0]), int(arr.shape[1])],
-            "logits": rows,
-        },
+        "mtp": mtp,
     }
     write(tensors, longer, ref)
-    print(f"{NAME}: {len(tensors)} MTP tensors, mean nll {nll:.3f}, min routing margin {min(margins):.3g}")
+    print(f"{NAME}: {len(tensors)} MTP tensors, mean nll {mtp['mean_nll']:.3f}, min routing margin {min(margins):.3g}")
+    if converter is not None:
+        make_gguf(converter, model, block, tensors, longer, ids, logits)
 
 
 if __name__ == "__main__":

@@ -12,11 +12,15 @@ use kvant_model::arch::decoder::LoadOptions;
 use kvant_model::LoadedModel;
 use std::path::Path;
 
-fn load_fixture(name: &str, mtp: bool, opts: LoadOptions) -> LoadedModel {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+fn fixture(name: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/models")
-        .join(name);
-    kvant_model::load::load_with(&path, LoadOptions { mtp, ..opts }).expect("fixture loads")
+        .join(name)
+}
+
+fn load_fixture(name: &str, mtp: bool, opts: LoadOptions) -> LoadedModel {
+    kvant_model::load::load_with(&fixture(name), LoadOptions { mtp, ..opts })
+        .expect("fixture loads")
 }
 
 fn request(prompt: Vec<u32>, max_tokens: usize, sampling: SamplingParams) -> EngineRequest {
@@ -65,20 +69,31 @@ fn run_with(
     (outs, drafted, accepted)
 }
 
-/// DeepSeek-V3's module, and DeepSeek-V4's (`deepseek-v4-mtp`): a
-/// rejected draft there leaves the main model's and the module's rings,
-/// compressor tails and entries to step back over it.
+/// DeepSeek-V3's module, and DeepSeek-V4's (`deepseek-v4-mtp`, and the
+/// same module from llama.cpp's separate `--mtp` GGUF): a rejected draft
+/// there leaves the main model's and the module's rings, compressor tails
+/// and entries to step back over it.
 #[test]
 fn mtp_decoding_equals_plain_decoding() {
+    let v4_gguf = (
+        "gguf/deepseek-v4.F32.gguf",
+        Some("gguf/mtp-deepseek-v4.F32.gguf"),
+    );
     let cases = [
-        ("deepseek-v3", LoadOptions::F32),
-        ("deepseek-v3", LoadOptions::default()),
-        ("deepseek-v4-mtp", LoadOptions::F32),
-        ("deepseek-v4-mtp", LoadOptions::default()),
+        (("deepseek-v3", None), LoadOptions::F32),
+        (("deepseek-v3", None), LoadOptions::default()),
+        (("deepseek-v4-mtp", None), LoadOptions::F32),
+        (("deepseek-v4-mtp", None), LoadOptions::default()),
+        (v4_gguf, LoadOptions::F32),
+        (v4_gguf, LoadOptions::default()),
     ];
-    for (name, opts) in cases {
+    for ((name, drafter), opts) in cases {
         let plain = load_fixture(name, false, opts);
-        let mtp = load_fixture(name, true, opts);
+        let mtp = match drafter {
+            Some(d) => kvant_model::load_files(&fixture(name), Some(&fixture(d)), opts, None)
+                .expect("fixture loads"),
+            None => load_fixture(name, true, opts),
+        };
         assert!(mtp.model.has_mtp() && !plain.model.has_mtp());
         let p1: Vec<u32> = (0..17).map(|i| (i * 37 + 11) % 300).collect();
         let sampled = SamplingParams {

@@ -80,6 +80,13 @@ pub enum ModelError {
     NotTensorParallel(&'static str),
     #[error("the model has no multi-token-prediction module loaded")]
     NoMtp,
+    #[error(
+        "the file holds only a multi-token-prediction module (llama.cpp's --mtp output): \
+         load its main model and this file beside it (--mtp-model)"
+    )]
+    OnlyMtp,
+    #[error("the MTP file does not fit the model: {0}")]
+    MtpFile(String),
     #[error("multi-token prediction (--mtp) is not supported with {0}")]
     MtpUnsupported(&'static str),
     #[error(

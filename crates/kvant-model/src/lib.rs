@@ -15,4 +15,4 @@ pub mod tokenizer;
 pub use arch::decoder::{LoadOptions, MlaPrefill};
 pub use arch::parallel::Parallel;
 pub use error::ModelError;
-pub use load::{load, load_parallel, load_with, LoadedModel, ModelInfo};
+pub use load::{load, load_files, load_parallel, load_with, LoadedModel, ModelInfo};

@@ -97,7 +97,20 @@ pub fn load_parallel(
     opts: LoadOptions,
     par: Option<Arc<Parallel>>,
 ) -> Result<LoadedModel, ModelError> {
+    load_files(path, None, opts, par)
+}
+
+/// [`load_parallel`], with the multi-token-prediction module read from
+/// the file `drafter` when given (llama.cpp's `convert_hf_to_gguf.py
+/// --mtp` output; see [`DecoderModel::load_with_drafter`]).
+pub fn load_files(
+    path: &Path,
+    drafter: Option<&Path>,
+    opts: LoadOptions,
+    par: Option<Arc<Parallel>>,
+) -> Result<LoadedModel, ModelError> {
     let ckpt = Checkpoint::open(path)?;
+    let drafter = drafter.map(Checkpoint::open).transpose()?;
     let (cfg, tokenizer, template, dtypes) = match &ckpt {
         Checkpoint::Gguf(g) => {
             let cfg = ModelConfig::from_gguf(g)?;
@@ -121,7 +134,7 @@ pub fn load_parallel(
         }
     };
     let trained_context_length = cfg.max_context;
-    let model = DecoderModel::load(&ckpt, cfg, opts, par)?;
+    let model = DecoderModel::load_with_drafter(&ckpt, drafter.as_ref(), cfg, opts, par)?;
     let c = model.config();
     let info = ModelInfo {
         format: match ckpt {

@@ -248,16 +248,74 @@ fn v4_flash_caches_a_fraction_of_latent_attention_at_long_context() {
 #[test]
 fn v4_mtp_logits_match_the_reference() {
     let dir = fixtures().join("deepseek-v4-mtp");
-    let r: Value = serde_json::from_str(
-        &std::fs::read_to_string(dir.join("reference.json")).expect("reference"),
-    )
-    .expect("json");
     let ckpt = Checkpoint::open(&dir).expect("open");
     let opts = LoadOptions {
         mtp: true,
         ..LoadOptions::F32
     };
     let m = DecoderModel::load(&ckpt, ckpt.config().expect("config"), opts, None).expect("load");
+    // The main model's f32 logits sit within 1e-5 of transformers'; the
+    // module adds one more block over its streams, summed in another
+    // order: 1e-4 is ten times the main model's error, and a wrong
+    // position, window or stream moves logits by 1e-1 or more.
+    check_mtp(
+        &m,
+        &reference(&dir.join("reference.json")),
+        1e-4,
+        "safetensors",
+    );
+}
+
+/// The same module as llama.cpp's converter writes it with `--mtp`: a
+/// GGUF of its own beside the main model's (`make_v4_mtp_fixture.py
+/// --converter`), `e_proj`/`h_proj` fused into a Q8_0 `eh_proj`; its
+/// reference takes them dequantized from that tensor.
+#[test]
+fn v4_mtp_from_llama_cpp_s_separate_gguf() {
+    let dir = fixtures().join("gguf");
+    let main = Checkpoint::open(&dir.join("deepseek-v4.F32.gguf")).expect("open");
+    let drafter = Checkpoint::open(&dir.join("mtp-deepseek-v4.F32.gguf")).expect("open");
+    let cfg = main.config().expect("config");
+    assert_eq!(cfg.mtp_layers, 0, "the main file holds no module");
+    let m = DecoderModel::load_with_drafter(&main, Some(&drafter), cfg, LoadOptions::F32, None)
+        .expect("load");
+    assert_eq!(m.config().mtp_layers, 1);
+    // As the safetensors module (same tolerance and reasons): the Q8_0
+    // projection moves these logits by up to 3e-2 from the float one's,
+    // so a module that ignored the stored encoding would fail here.
+    let r = reference(&dir.join("mtp-deepseek-v4.F32.reference.json"));
+    check_mtp(&m, &r, 1e-4, "GGUF --mtp");
+    // The module's file alone is no model, and says so.
+    let alone = DecoderModel::load(
+        &drafter,
+        drafter.config().expect("config"),
+        LoadOptions::F32,
+        None,
+    );
+    assert!(
+        matches!(alone, Err(ModelError::OnlyMtp)),
+        "{:?}",
+        alone.err()
+    );
+    // The main file itself, or another model's, is no MTP file.
+    let other = Checkpoint::open(&dir.join("deepseek-v32.Q8_0.gguf")).expect("open");
+    for d in [&main, &other] {
+        let cfg = main.config().expect("config");
+        let err =
+            DecoderModel::load_with_drafter(&main, Some(d), cfg, LoadOptions::F32, None).err();
+        assert!(matches!(err, Some(ModelError::MtpFile(_))), "{err:?}");
+    }
+}
+
+fn reference(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("reference")).expect("json")
+}
+
+/// The module's logits against `r["mtp"]`: fed one position per pass
+/// (its caches carried across passes), then the prompt in one pass (the
+/// same last row, bit for bit); a hidden row of the wrong width is a typed
+/// error.
+fn check_mtp(m: &DecoderModel, r: &Value, tol: f32, label: &str) {
     assert!(m.has_mtp());
     let (hw, vocab) = (m.hidden_width(), m.config().vocab);
     assert_eq!(hw, 3 * m.config().hidden);
@@ -294,21 +352,18 @@ fn v4_mtp_logits_match_the_reference() {
         let top = |v: &[f32]| (0..v.len()).max_by(|&a, &b| v[a].total_cmp(&v[b]));
         argmax_same += usize::from(top(&last) == top(&row));
     }
-    eprintln!("deepseek-v4 MTP: max |Δlogit| {max_err:.2e}, argmax equal at {argmax_same}/{n}");
-    // The main model's f32 logits sit within 1e-5 of transformers'; the
-    // module adds one more block over its streams, summed in another
-    // order: 1e-4 is ten times the main model's error, and a wrong
-    // position, window or stream moves logits by 1e-1 or more.
-    assert!(max_err < 1e-4, "{max_err}");
-    assert_eq!(argmax_same, n);
+    eprintln!(
+        "deepseek-v4 MTP ({label}): max |Δlogit| {max_err:.2e}, argmax equal at {argmax_same}/{n}"
+    );
+    assert!(max_err < tol, "{label}: {max_err}");
+    assert_eq!(argmax_same, n, "{label}");
     let mut again = m.new_cache(prompt.len() + 1).expect("cache");
     m.forward(&prompt, &mut again, Logits::None)
         .expect("forward");
     let all = m
         .mtp_draft(&prompt[1..], &hidden[..n * hw], 0, &mut again)
         .expect("mtp");
-    assert_eq!(all, last);
-    // A hidden row of the wrong width is a typed error, not a panic.
+    assert_eq!(all, last, "{label}");
     let short = m.mtp_draft(&prompt[1..2], &hidden[..hw - 1], 0, &mut again);
     assert!(
         matches!(short, Err(ModelError::MtpHidden { .. })),

@@ -107,6 +107,7 @@ pub enum Command {
 }
 
 #[derive(Args)]
+#[command(group(clap::ArgGroup::new("drafting").args(["mtp", "mtp_model"]).multiple(true)))]
 pub struct ModelArg {
     /// A .gguf file or a Hugging Face model directory [default: $KVANT_MODEL, else SmolLM2-135M-Instruct Q4_1, fetched on first use]
     #[arg(long, short)]
@@ -128,9 +129,14 @@ pub struct ModelArg {
     /// up to two per forward pass.
     #[arg(long)]
     pub mtp: bool,
+    /// Read the multi-token-prediction module from this file instead of
+    /// the checkpoint (DeepSeek-V4 as llama.cpp's `convert_hf_to_gguf.py
+    /// --mtp` writes it: a GGUF of its own); implies --mtp.
+    #[arg(long, value_name = "GGUF")]
+    pub mtp_model: Option<PathBuf>,
     /// With --mtp: draft at every step, instead of only while drafting is
     /// measured to be faster than plain decoding.
-    #[arg(long, requires = "mtp")]
+    #[arg(long, requires = "drafting")]
     pub mtp_always: bool,
     /// How latent-attention models (DeepSeek-V2/V3, GigaChat3) run prompt
     /// chunks: `auto` in whichever of the expanded and absorbed forms is
@@ -229,7 +235,7 @@ impl ModelArg {
                 KvCacheType::Q8_0 => kvant_model::kv::KvDType::Q8_0,
                 KvCacheType::Q4_0 => kvant_model::kv::KvDType::Q4_0,
             },
-            mtp: self.mtp,
+            mtp: self.mtp || self.mtp_model.is_some(),
             mla_prefill: match self.mla_prefill {
                 None => mla_prefill,
                 Some(MlaPrefillArg::Auto) => kvant_model::MlaPrefill::Auto,

@@ -56,8 +56,15 @@ pub fn start(model: &ModelArg, p: &ParallelArgs, opts: LoadOptions) -> Result<Op
         _ if p.is_parallel() => start_threads(model, p, opts, timeout).map(Some),
         _ => {
             let path = fetch::resolve_model(model.model.as_deref())?;
-            let m = kvant_model::load_with(&path, opts)
+            let m = kvant_model::load_files(&path, model.mtp_model.as_deref(), opts, None)
                 .with_context(|| format!("loading {}", path.display()))?;
+            if opts.mtp && !m.model.has_mtp() {
+                bail!(
+                    "--mtp: {} has no multi-token-prediction module (llama.cpp's converter \
+                     writes DeepSeek-V4's to a GGUF of its own: pass it with --mtp-model)",
+                    path.display()
+                );
+            }
             Run::lead(m, path, None, Vec::new()).map(Some)
         }
     }
@@ -111,7 +118,7 @@ fn start_mpi(
         &*world,
         Parallel::new(Arc::clone(&world), layout, p.two_batch_overlap).map_err(anyhow::Error::from),
     )?);
-    let m = load(&path, opts, Arc::clone(&par))?;
+    let m = load(&path, model.mtp_model.as_deref(), opts, Arc::clone(&par))?;
     if rank != 0 {
         // A signal ends a run through rank 0, which shuts it down (a server
         // lets requests finish) and then tells the others to stop: mpirun
@@ -148,6 +155,7 @@ fn start_threads(
     let mut threads = Vec::new();
     for (i, comm) in comms.enumerate() {
         let (path, overlap) = (path.clone(), p.two_batch_overlap);
+        let drafter = model.mtp_model.clone();
         let comm = Metered::with_stats(comm, p.net_model(), Arc::new(Stats::new()));
         let spawned = std::thread::Builder::new()
             .name(format!("kvant-rank-{}", i + 1))
@@ -155,7 +163,7 @@ fn start_threads(
                 let par = Parallel::new(Arc::clone(&comm), layout, overlap);
                 let served = par
                     .map_err(anyhow::Error::from)
-                    .and_then(|par| load(&path, opts, Arc::new(par)))
+                    .and_then(|par| load(&path, drafter.as_deref(), opts, Arc::new(par)))
                     .and_then(|m| run_worker(&m.model).map_err(anyhow::Error::from));
                 if served.is_err() {
                     // Rank 0 must not wait for this one until the timeout.
@@ -173,7 +181,7 @@ fn start_threads(
     }
     let loaded = Parallel::new(Arc::clone(&first), layout, p.two_batch_overlap)
         .map_err(anyhow::Error::from)
-        .and_then(|par| load(&path, opts, Arc::new(par)));
+        .and_then(|par| load(&path, model.mtp_model.as_deref(), opts, Arc::new(par)));
     match loaded {
         Ok(m) => Run::lead(m, path, Some(stats), threads),
         Err(e) => {
@@ -196,8 +204,13 @@ fn start_threads(
     }
 }
 
-fn load(path: &Path, opts: LoadOptions, par: Arc<Parallel>) -> Result<kvant_model::LoadedModel> {
-    kvant_model::load_parallel(path, opts, Some(par))
+fn load(
+    path: &Path,
+    drafter: Option<&Path>,
+    opts: LoadOptions,
+    par: Arc<Parallel>,
+) -> Result<kvant_model::LoadedModel> {
+    kvant_model::load_files(path, drafter, opts, Some(par))
         .with_context(|| format!("loading {}", path.display()))
 }
 

@@ -398,3 +398,34 @@ fn a_build_without_mpi_refuses_to_be_one_of_several_ranks() {
         "{err}"
     );
 }
+
+/// DeepSeek-V4's module from llama.cpp's separate `--mtp` GGUF: the same
+/// tokens as without it, drafts made; a file that is not that model's
+/// module is an error naming it.
+#[test]
+fn mtp_model_from_its_own_gguf() {
+    let main = tiny("gguf/deepseek-v4.F32.gguf");
+    let drafter = tiny("gguf/mtp-deepseek-v4.F32.gguf");
+    let text = "the quick brown fox";
+    let plain = json(&kvant_ok(&strs(&greedy_args(&main, text, 24, &[]))));
+    let extra = ["--mtp-model", drafter.as_str(), "--mtp-always"];
+    let drafted = json(&kvant_ok(&strs(&greedy_args(&main, text, 24, &extra))));
+    assert_eq!(plain["token_ids"], drafted["token_ids"]);
+    assert!(drafted["mtp_drafted"].as_u64().unwrap() > 0, "{drafted}");
+    for wrong in [main.as_str(), &tiny("gguf/deepseek-v32.Q8_0.gguf")] {
+        let err = kvant_err(&strs(&greedy_args(&main, text, 4, &["--mtp-model", wrong])));
+        assert!(err.contains("the MTP file does not fit the model"), "{err}");
+    }
+    // --mtp-always without a module to draft with is a usage error.
+    let out = kvant(&strs(&greedy_args(&main, text, 4, &["--mtp-always"])));
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// `--mtp` on a checkpoint without a module says so (and where DeepSeek-V4
+/// GGUFs keep theirs) instead of decoding without drafts.
+#[test]
+fn mtp_without_a_module_is_an_error() {
+    let main = tiny("gguf/deepseek-v4.F32.gguf");
+    let err = kvant_err(&strs(&greedy_args(&main, "hi", 4, &["--mtp"])));
+    assert!(err.contains("--mtp-model"), "{err}");
+}

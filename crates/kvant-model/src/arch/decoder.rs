@@ -273,6 +273,60 @@ fn check_before_weights(cfg: &mut ModelConfig, opts: &LoadOptions) -> Result<(),
     Ok(())
 }
 
+/// Takes the MTP module's place in the model from `file`'s config (a
+/// file with the module's block: llama.cpp's `--mtp` GGUF), once it is
+/// the same model's: the architecture, sizes and main layers agree, and
+/// for DeepSeek-V4 every attention setting but the module's own kind.
+fn fit_drafter(cfg: &mut ModelConfig, file: &ModelConfig) -> Result<(), ModelError> {
+    if file.mtp_layers == 0 {
+        return Err(ModelError::MtpFile(
+            "it declares no multi-token-prediction layers (nextn_predict_layers)".into(),
+        ));
+    }
+    let experts = |c: &ModelConfig| {
+        c.experts
+            .as_ref()
+            .map(|e| (e.router.n_experts, e.router.top_k, e.ff))
+    };
+    let differ = [
+        ("architecture", cfg.arch != file.arch),
+        ("hidden size", cfg.hidden != file.hidden),
+        ("main layer count", cfg.n_layers != file.n_layers),
+        ("head count", cfg.n_heads != file.n_heads),
+        ("head size", cfg.head_dim != file.head_dim),
+        ("vocabulary", cfg.vocab != file.vocab),
+        ("norm epsilon", cfg.rms_eps != file.rms_eps),
+        ("experts", experts(cfg) != experts(file)),
+        ("latent attention", cfg.mla != file.mla),
+        (
+            "DeepSeek-V4 settings",
+            match (&cfg.v4, &file.v4) {
+                (Some(a), Some(b)) => {
+                    *a != crate::config::V4Config {
+                        mtp: a.mtp,
+                        ..b.clone()
+                    }
+                }
+                (a, b) => a.is_some() != b.is_some(),
+            },
+        ),
+    ];
+    if let Some((what, _)) = differ.iter().find(|(_, d)| *d) {
+        return Err(ModelError::MtpFile(format!(
+            "its {what} differs from the model's ({} with {} layers, file {} with {})",
+            cfg.arch.name(),
+            cfg.n_layers,
+            file.arch.name(),
+            file.n_layers
+        )));
+    }
+    cfg.mtp_layers = file.mtp_layers;
+    if let (Some(v4), Some(f)) = (&mut cfg.v4, &file.v4) {
+        v4.mtp = f.mtp;
+    }
+    Ok(())
+}
+
 /// This rank's share of the model under `par` (the whole of it in one
 /// process), once the layout is checked to fit the model.
 fn rank_shard(
@@ -365,14 +419,43 @@ impl DecoderModel {
     /// without experts).
     pub fn load(
         ckpt: &Checkpoint,
-        mut cfg: ModelConfig,
+        cfg: ModelConfig,
         opts: LoadOptions,
         par: Option<Arc<Parallel>>,
     ) -> Result<Self, ModelError> {
+        Self::load_with_drafter(ckpt, None, cfg, opts, par)
+    }
+
+    /// [`Self::load`], with the multi-token-prediction module read from
+    /// `drafter` when given (llama.cpp's converter writes DeepSeek's
+    /// module to a GGUF of its own with `--mtp`: the main model's
+    /// metadata, its embedding and head, and the module's block); the
+    /// module is then loaded whatever [`LoadOptions::mtp`] says.
+    ///
+    /// # Errors
+    /// Those of [`Self::load`], and [`ModelError::MtpFile`] when `drafter`
+    /// holds no module or one for another model (architecture, sizes,
+    /// layer count or DeepSeek-V4 attention settings that differ).
+    pub fn load_with_drafter(
+        ckpt: &Checkpoint,
+        drafter: Option<&Checkpoint>,
+        mut cfg: ModelConfig,
+        mut opts: LoadOptions,
+        par: Option<Arc<Parallel>>,
+    ) -> Result<Self, ModelError> {
+        // llama.cpp's `--mtp` output: the module and no main layers (how
+        // llama.cpp tells it too).
+        if cfg.mtp_layers > 0 && !ckpt.has_tensor(&ckpt.layer_names(0, cfg.arch).attn_norm) {
+            return Err(ModelError::OnlyMtp);
+        }
+        if let Some(d) = drafter {
+            fit_drafter(&mut cfg, &d.config()?)?;
+            opts.mtp = true;
+        }
         check_before_weights(&mut cfg, &opts)?;
         let shard = rank_shard(&cfg, &opts, par.as_deref())?;
         let g = ckpt.global_names(cfg.arch);
-        let ld = Loader {
+        let loader = |ckpt| Loader {
             ckpt,
             int8: opts.int8_activations,
             quantize: opts.quantize,
@@ -385,6 +468,7 @@ impl DecoderModel {
             },
             shard,
         };
+        let ld = loader(ckpt);
         let h = cfg.hidden;
         let vocab = shard.vocab(cfg.vocab);
         let embed = ld.quantized(ld.matrix(g.embed, cfg.vocab, h)?.row_range(vocab.clone())?)?;
@@ -422,9 +506,18 @@ impl DecoderModel {
                 progress(i + 1, cfg.n_layers);
             }
         }
-        let mtp = match opts.mtp && cfg.mtp_layers > 0 {
-            true => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,
-            false => None,
+        let mtp = match (drafter, opts.mtp && cfg.mtp_layers > 0) {
+            (Some(d), _) => {
+                let module = MtpModule::load(&loader(d), &cfg, cfg.n_layers, opts.mla_prefill)?;
+                Some(module.ok_or_else(|| {
+                    ModelError::MtpFile(format!(
+                        "no multi-token-prediction module in it (blk.{}.nextn.eh_proj.weight)",
+                        cfg.n_layers
+                    ))
+                })?)
+            }
+            (None, true) => MtpModule::load(&ld, &cfg, cfg.n_layers, opts.mla_prefill)?,
+            (None, false) => None,
         };
         let hyper_head = match &cfg.v4 {
             Some(v4) => {
@@ -468,7 +561,9 @@ impl DecoderModel {
         // stored, float weights) faults back in as it is read; the rest
         // (the header, everything copied out) stops counting as resident.
         #[cfg(unix)]
-        ckpt.release_resident_pages();
+        for c in std::iter::once(ckpt).chain(drafter) {
+            c.release_resident_pages();
+        }
         Ok(DecoderModel {
             final_norm,
             embed,

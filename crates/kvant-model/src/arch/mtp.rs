@@ -20,12 +20,15 @@
 //! `hc_head` collapses them before `norm` and the main model's head.
 //! Input `i` sits at position `i`, the position of its hidden state (as
 //! vLLM places it): a compressing block's windows then line up with the
-//! main model's.
+//! main model's. llama.cpp's converter writes the module to a GGUF of its
+//! own with the two projections as one `eh_proj = [e_proj | h_proj]`
+//! (the same products, the embedding's then taken once per stream), read
+//! with [`crate::arch::decoder::DecoderModel::load_with_drafter`].
 
 use super::layer::{Attention, Ffn, Layer};
 use super::loader::Loader;
 use super::mha::MhaAttention;
-use super::mhc::HyperHead;
+use super::mhc::{hyper_names, HyperHead};
 use super::mla::MlaAttention;
 use super::mla_expand::MlaPrefill;
 use super::moe::ExpertLayout;
@@ -120,55 +123,138 @@ impl MtpModule {
         }))
     }
 
-    /// DeepSeek-V4's module, published as `mtp.0.*` in safetensors
-    /// (llama.cpp's converter writes it to a GGUF file of its own, which
-    /// is not read here: `None`). Its block's attention is the config's
-    /// entry past the main layers ([`crate::config::V4Config::mtp`]).
+    /// DeepSeek-V4's module, published as `mtp.0.*` in safetensors, or
+    /// as llama.cpp's converter writes it with `--mtp` (a GGUF of its own:
+    /// block `index` in the main layers' names plus `nextn.{eh_proj,
+    /// enorm, hnorm, shared_head_norm}`, the module's `hc_head` as the
+    /// file's `output_hc_*`, and `eh_proj` = `[e_proj | h_proj]`, which
+    /// the converter stores as Q8_0); `None` when it is absent. Its block's
+    /// attention is the config's entry past the main layers
+    /// ([`crate::config::V4Config::mtp`]).
     fn load_v4(
         ld: &Loader<'_>,
         cfg: &ModelConfig,
         index: usize,
     ) -> Result<Option<Self>, ModelError> {
-        let (Checkpoint::Hf(_), Some(v4)) = (ld.ckpt, &cfg.v4) else {
+        let Some(v4) = &cfg.v4 else {
             return Ok(None);
         };
-        let p = "mtp.0.";
-        let own = |s: &str| format!("{p}{s}");
-        if !ld.has(&own("e_proj.weight")) {
+        let h = cfg.hidden;
+        let names = match ld.ckpt {
+            Checkpoint::Hf(_) => V4Names::published(),
+            Checkpoint::Gguf(_) => V4Names::gguf(ld.ckpt.layer_names(index, cfg.arch), index),
+        };
+        if !ld.has(&names.probe) {
             return Ok(None);
         }
+        let p = &names.layer.prefix;
         // A block with a compressor where the config says sliding would
         // run without it: say so instead.
-        let compressor = own("attn.compressor.wkv.weight");
-        if v4.mtp == V4Attention::Sliding && ld.has(&compressor) {
-            return Err(ModelError::BadTensor {
-                name: compressor,
-                why: "present, but the config gives the MTP layer a sliding window only \
-                      (no `compress_ratios` entry past the main layers, or 0)"
-                    .into(),
-            });
+        let compressor = [
+            format!("{p}attn.compressor.wkv.weight"),
+            format!("{p}attn_compressor_kv.weight"),
+        ];
+        if let Some(c) = compressor.iter().find(|c| ld.has(c)) {
+            if v4.mtp == V4Attention::Sliding {
+                return Err(ModelError::BadTensor {
+                    name: c.clone(),
+                    why: "present, but the config gives the MTP layer a sliding window only \
+                          (no compress-ratio entry past the main layers, or 0)"
+                        .into(),
+                });
+            }
         }
-        let h = cfg.hidden;
-        let names = LayerNames::deepseek_v4(p);
         let layout = ExpertLayout::Shared(ld.shard);
-        let layer = Layer::load(ld, cfg, (index, names), MlaPrefill::default(), layout, None)?;
-        let hc = ["fn", "base", "scale"].map(|s| own(&format!("hc_head_{s}")));
-        let head = own("head.weight");
-        Ok(Some(MtpModule {
-            enorm: ld.vector(&own("enorm.weight"), h)?,
-            hnorm: ld.vector(&own("hnorm.weight"), h)?,
-            mix: MtpMix::Split {
-                e: ld.weight(&own("e_proj.weight"), h, h)?,
-                h: ld.weight(&own("h_proj.weight"), h, h)?,
+        let prefill = MlaPrefill::default();
+        let layer = Layer::load(ld, cfg, (index, names.layer), prefill, layout, None)?;
+        let mix = match &names.mix {
+            V4Mix::Split { e, h: hp } => MtpMix::Split {
+                e: ld.weight(e, h, h)?,
+                h: ld.weight(hp, h, h)?,
             },
+            V4Mix::Fused(eh) => MtpMix::Fused(ld.weight(eh, h, 2 * h)?),
+        };
+        // The norm before the head: llama.cpp falls back to the main
+        // model's final norm when the file has none of its own.
+        let head_norm = match ld.has(&names.head_norm) {
+            true => names.head_norm,
+            false => names.head_norm_fallback,
+        };
+        Ok(Some(MtpModule {
+            enorm: ld.vector(&names.enorm, h)?,
+            hnorm: ld.vector(&names.hnorm, h)?,
+            mix,
             layer,
-            head_norm: ld.vector(&own("norm.weight"), h)?,
+            head_norm: ld.vector(&head_norm, h)?,
             // DeepSeek's module shares the main model's head.
-            head: match ld.has(&head) {
-                true => Some(ld.weight(&head, cfg.vocab, h)?),
+            head: match ld.has(&names.head) {
+                true => Some(ld.weight(&names.head, cfg.vocab, h)?),
                 false => None,
             },
-            hyper_head: Some(HyperHead::load(ld, hc.each_ref(), v4.hc, h, cfg.rms_eps)?),
+            hyper_head: Some(HyperHead::load(
+                ld,
+                hyper_names(ld, &names.hc_stem).each_ref(),
+                v4.hc,
+                h,
+                cfg.rms_eps,
+            )?),
         }))
+    }
+}
+
+enum V4Mix {
+    Split { e: String, h: String },
+    Fused(String),
+}
+
+/// Where DeepSeek-V4's module keeps its tensors in each format.
+struct V4Names {
+    /// Present exactly when the module is.
+    probe: String,
+    layer: LayerNames,
+    mix: V4Mix,
+    enorm: String,
+    hnorm: String,
+    head_norm: String,
+    head_norm_fallback: String,
+    head: String,
+    /// The module's `hc_head` collapse ([`hyper_names`]).
+    hc_stem: String,
+}
+
+impl V4Names {
+    /// DeepSeek's published `mtp.0.*`.
+    fn published() -> Self {
+        let own = |s: &str| format!("mtp.0.{s}");
+        V4Names {
+            probe: own("e_proj.weight"),
+            layer: LayerNames::deepseek_v4("mtp.0."),
+            mix: V4Mix::Split {
+                e: own("e_proj.weight"),
+                h: own("h_proj.weight"),
+            },
+            enorm: own("enorm.weight"),
+            hnorm: own("hnorm.weight"),
+            head_norm: own("norm.weight"),
+            head_norm_fallback: own("norm.weight"),
+            head: own("head.weight"),
+            hc_stem: own("hc_head"),
+        }
+    }
+
+    /// llama.cpp's `deepseek4` names for block `index`.
+    fn gguf(layer: LayerNames, index: usize) -> Self {
+        let own = |s: &str| format!("blk.{index}.nextn.{s}.weight");
+        V4Names {
+            probe: own("eh_proj"),
+            layer,
+            mix: V4Mix::Fused(own("eh_proj")),
+            enorm: own("enorm"),
+            hnorm: own("hnorm"),
+            head_norm: own("shared_head_norm"),
+            head_norm_fallback: "output_norm.weight".into(),
+            head: own("shared_head_head"),
+            hc_stem: "output_hc".into(),
+        }
     }
 }

@@ -74,7 +74,11 @@ pub fn run(model: &ModelArg, json: bool) -> Result<()> {
         }
     }
     if i.mtp_layers > 0 {
-        println!("MTP layers      {} (load with --mtp)", i.mtp_layers);
+        let how = match m.model.has_mtp() {
+            true => "loaded",
+            false => "load with --mtp",
+        };
+        println!("MTP layers      {} ({how})", i.mtp_layers);
     }
     match i.context_length == i.trained_context_length {
         true => println!("context length  {}", i.context_length),

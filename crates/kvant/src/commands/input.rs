@@ -9,7 +9,7 @@ use kvant_model::LoadedModel;
 /// Resolves `--model` (or its defaults) and loads it.
 pub fn load_model(arg: &ModelArg) -> Result<LoadedModel> {
     let path = fetch::resolve_model(arg.model.as_deref())?;
-    kvant_model::load_with(&path, arg.load_options())
+    kvant_model::load_files(&path, arg.mtp_model.as_deref(), arg.load_options(), None)
         .with_context(|| format!("loading {}", path.display()))
 }
 
